@@ -1,0 +1,187 @@
+"""Typed schemas for every config group, registered in Hydra's ConfigStore.
+
+conf/train.yaml starts its defaults list with `train_schema`, so every group file and every
+command-line override is merged onto a typed node: a misspelt key or a value of the wrong type
+fails at composition, before anything runs, with Hydra's message naming the key. The entrypoint
+turns the composed config into these dataclasses (`OmegaConf.to_object`) and passes them down as
+plain arguments; code below the entrypoint never reads the global config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class CorpusSource(str, enum.Enum):
+    builtin = "builtin"  # the interpreter's own documentation: offline, on every machine
+    files = "files"  # local txt / jsonl / parquet / csv files (globs allowed)
+    hub = "hub"  # a Hugging Face Hub dataset, loaded with `datasets.load_dataset`
+
+
+class TextSplitting(str, enum.Enum):
+    """How a plain-text file is cut into documents (other formats have one document per row)."""
+
+    document = "document"  # the whole file
+    paragraph = "paragraph"  # blocks separated by blank lines
+    line = "line"  # every non-empty line
+
+
+@dataclasses.dataclass
+class LanguageConfig:
+    """WHAT text to train on, and how it splits into train and validation."""
+
+    name: str = MISSING
+    source: CorpusSource = CorpusSource.builtin
+    files: list[str] = dataclasses.field(default_factory=list)
+    text_column: str = "text"
+    text_splitting: TextSplitting = TextSplitting.paragraph
+    hub_path: Optional[str] = None
+    hub_config: Optional[str] = None
+    hub_split: str = "train"
+    hub_revision: Optional[str] = None
+    # As in the seed notebook: validation is the FIRST `validation_fraction` of the documents,
+    # train the rest; the optional caps then keep the first N documents of each.
+    validation_fraction: float = 0.05
+    max_train_docs: Optional[int] = None
+    max_eval_docs: Optional[int] = None
+    licence: str = ""
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """WHICH network: a GPT-2 family decoder, named as in `transformers.GPT2Config`."""
+
+    name: str = MISSING
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_inner: Optional[int] = None  # None → 4 × n_embd, as in GPT2Config
+    activation_function: str = "gelu_new"
+    resid_pdrop: float = 0.1
+    embd_pdrop: float = 0.1
+    attn_pdrop: float = 0.1
+    layer_norm_epsilon: float = 1e-5
+    initializer_range: float = 0.02
+
+
+class Schedule(str, enum.Enum):
+    linear = "linear"  # warmup, then linear decay to end_lr (the seed's schedule)
+    cosine = "cosine"  # warmup, then cosine decay to end_lr
+    constant = "constant"  # warmup, then flat
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    """HOW to step: AdamW with a warmup + decay learning-rate schedule."""
+
+    name: str = MISSING
+    lr: float = 3e-4
+    b1: float = 0.9
+    b2: float = 0.98
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    schedule: Schedule = Schedule.linear
+    warmup_steps: int = 0
+    end_lr: float = 0.0
+    max_grad_norm: Optional[float] = None  # None → no clipping, as in the seed
+
+
+@dataclasses.dataclass
+class HardwareConfig:
+    """WHERE: platform, devices, per-device batch and dtypes."""
+
+    name: str = MISSING
+    platform: str = "cpu"  # cpu | gpu | tpu (what JAX must run on)
+    # CPU only: how many XLA host devices to create; null → one per CPU core. Takes effect only
+    # if JAX has not started yet in this process (the first run of a multirun fixes it).
+    cpu_devices: Optional[int] = None
+    num_devices: Optional[int] = None  # devices in the data mesh; null → all JAX devices
+    per_device_batch_size: int = 16
+    per_device_eval_batch_size: Optional[int] = None  # null → per_device_batch_size
+    compute_dtype: str = "float32"  # activations and matmuls
+    param_dtype: str = "float32"  # parameters and optimizer state
+    peak_tflops_per_device: float = 0.1  # denominator of MFU
+
+
+@dataclasses.dataclass
+class TaskConfig:
+    """WHAT objective. `clm`: causal language modelling on packed blocks."""
+
+    name: str = MISSING
+    # Blocks of this many tokens; null → the model's context length (model.n_positions).
+    max_seq_length: Optional[int] = None
+
+
+@dataclasses.dataclass
+class TokenizerConfig:
+    """Train a byte-level BPE on the training text (cached), or load an existing one."""
+
+    path: Optional[str] = None  # a tokenizer directory or tokenizer.json; null → train one
+    vocab_size: Optional[int] = None  # null → the model's vocab_size
+    min_frequency: int = 2
+    special_tokens: list[str] = dataclasses.field(
+        default_factory=lambda: ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    )
+    bos_token: str = "<s>"
+    pad_token: str = "<pad>"
+    eos_token: str = "</s>"  # also separates documents when packing
+    unk_token: str = "<unk>"
+    mask_token: str = "<mask>"
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    """How long to train and how often to evaluate and log."""
+
+    num_epochs: int = 10
+    max_steps: Optional[int] = None  # if set, overrides num_epochs
+    # null → hardware.per_device_batch_size × devices (the seed); if set, must divide evenly
+    # over the devices. Fixing it keeps a run's recipe the same on different hardware.
+    global_batch_size: Optional[int] = None
+    eval_every: Optional[int] = None  # steps; null → only at the end of each epoch
+    log_every: int = 10  # steps between train-metric log lines
+    eval_before_training: bool = True
+
+
+@dataclasses.dataclass
+class LoggerConfig:
+    """Experiment tracking. Every run also writes metrics.jsonl; `wandb` adds a W&B run."""
+
+    name: str = MISSING
+    wandb: bool = False
+    project: str = "flaxlm"
+    entity: Optional[str] = None
+    # auto → online when logged in to W&B, otherwise offline (sync later with `wandb sync`)
+    mode: str = "auto"
+    tags: list[str] = dataclasses.field(default_factory=list)
+    notes: Optional[str] = None
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """The whole composed config of `flaxlm-train`."""
+
+    language: LanguageConfig = MISSING
+    model: ModelConfig = MISSING
+    optimizer: OptimizerConfig = MISSING
+    hardware: HardwareConfig = MISSING
+    task: TaskConfig = MISSING
+    logger: LoggerConfig = MISSING
+    tokenizer: TokenizerConfig = dataclasses.field(default_factory=TokenizerConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    seed: int = 0
+    run_dir: str = MISSING  # where this run writes; a new run never reuses an existing one
+    cache_dir: str = "~/.cache/flaxlm"  # tokenizers and packed token blocks, shared by runs
+
+
+def register_configs() -> None:
+    """Make the schema known to Hydra as `train_schema`, the first entry of conf/train.yaml's
+    defaults list: every group file and override is then merged onto a typed node."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)

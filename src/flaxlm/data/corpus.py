@@ -1,0 +1,370 @@
+"""Load the text corpus named by a `LanguageConfig` and split it into train and validation.
+
+Three sources, all ending as a `datasets.Dataset` with one column, "text":
+
+* `builtin`: the interpreter's own documentation (pydoc topics and the docstrings of the pure-Python
+  standard library), so that every machine with Python can train something offline;
+* `files`: local .txt / .jsonl / .json / .parquet / .csv files, given as paths or glob patterns;
+* `hub`: `datasets.load_dataset` on a Hugging Face Hub dataset (or a local directory of data files).
+
+Blank documents are dropped, then, as in the seed notebook, validation is the FIRST
+`validation_fraction` of the documents and train the rest; the optional caps keep the first N of
+each. Every problem the user can fix is raised as a `FlaxlmError` naming the setting or file.
+"""
+
+from __future__ import annotations
+
+import ast
+import codecs
+import dataclasses
+import functools
+import glob
+import hashlib
+import math
+import os
+import re
+import sysconfig
+import warnings
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow.compute as pc
+
+from flaxlm.config import CorpusSource, LanguageConfig, TextSplitting
+from flaxlm.errors import FlaxlmError
+
+# Standard-library directories whose docstrings are not prose about Python (tests, GUI, vendored
+# tools) or are already in the corpus (pydoc_data holds the topics).
+_SKIPPED_STDLIB_DIRS = frozenset(
+    {
+        "site-packages",
+        "dist-packages",
+        "test",
+        "tests",
+        "idlelib",
+        "lib2to3",
+        "tkinter",
+        "turtledemo",
+        "ensurepip",
+        "__pycache__",
+        "pydoc_data",
+    }
+)
+_MIN_BUILTIN_DOC_CHARS = 200  # shorter ones are one-liners ("Codec for cp1252"), not prose
+
+_PARAGRAPH_BREAK = re.compile(r"\n(?:[^\S\n]*\n)+")  # blank lines may hold spaces or tabs
+
+# File extension -> `datasets` packaged builder; None: plain text, read and split here.
+_BUILDERS = {".txt": None, ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+_FORMAT_HINTS = {
+    "json": "JSON Lines (one object per line) or a JSON array of objects",
+    "parquet": "Parquet",
+    "csv": "CSV with a header row",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusSplits:
+    """Train and validation documents: each a Dataset with one non-blank str column, "text"."""
+
+    train: datasets.Dataset
+    validation: datasets.Dataset
+
+
+def load_corpus(language: LanguageConfig) -> CorpusSplits:
+    """Load the corpus `language` names, drop blank documents, and split it."""
+    _check_split_settings(language)
+    if language.source == CorpusSource.builtin:
+        corpus = datasets.Dataset.from_dict({"text": builtin_documents()})
+        origin = "the builtin corpus (language.source=builtin)"
+    elif language.source == CorpusSource.files:
+        corpus = _load_files(language)
+        origin = f"language.files={list(language.files)}"
+    elif language.source == CorpusSource.hub:
+        corpus = _load_hub(language)
+        origin = f"language.hub_path={language.hub_path!r}"
+    else:
+        raise FlaxlmError(
+            f"Unknown language.source={language.source!r}; use builtin, files or hub."
+        )
+    return _split(_drop_blank(corpus), language, origin)
+
+
+def builtin_documents() -> list[str]:
+    """The builtin English corpus: Python's own documentation, in a fixed pseudo-random order."""
+    return list(_builtin_documents())
+
+
+# --- builtin -------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _builtin_documents() -> tuple[str, ...]:
+    titled = [
+        (t, doc)
+        for t, doc in _pydoc_topics() + _stdlib_docstrings()
+        if len(doc) >= _MIN_BUILTIN_DOC_CHARS
+    ]
+    # Shuffle by a hash of the title, so that "the first 5% = validation" samples both pydoc
+    # topics and module docstrings, identically in every process.
+    titled.sort(key=lambda item: hashlib.sha256(item[0].encode()).hexdigest())
+    return tuple(doc for _, doc in titled)
+
+
+def _pydoc_topics() -> list[tuple[str, str]]:
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as err:
+        raise FlaxlmError(
+            "The builtin corpus (language.source=builtin) needs the standard library's "
+            "`pydoc_data` package, which this Python installation lacks (some Linux distributions "
+            "strip it). Install the full Python documentation package, or train on your own text "
+            "with language.source=files and language.files=[path/to/*.txt]."
+        ) from err
+    return [(f"topic:{name}", text) for name, text in sorted(topics.items())]
+
+
+def _stdlib_docstrings() -> list[tuple[str, str]]:
+    """One (title, docstrings) pair per pure-Python stdlib module, read without importing it."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    modules = []
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = sorted(d for d in subdirs if d not in _SKIPPED_STDLIB_DIRS)
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = Path(directory, name)
+                modules.append((f"module:{path.relative_to(root).as_posix()}", _docstrings(path)))
+    return modules
+
+
+def _docstrings(path: Path) -> str:
+    """The module, class and function docstrings of a source file, in source order."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # old modules have invalid escape sequences
+            tree = ast.parse(path.read_bytes(), filename=str(path))
+    except (OSError, SyntaxError, ValueError):
+        return ""
+    definitions = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
+    definitions.sort(key=lambda n: (n.lineno, n.col_offset))
+    docs = (ast.get_docstring(node, clean=True) for node in [tree, *definitions])
+    return "\n\n".join(doc for doc in docs if doc)
+
+
+# --- files ---------------------------------------------------------------------------------------
+
+
+def _load_files(language: LanguageConfig) -> datasets.Dataset:
+    paths = _expand(language.files)
+    for path in paths:
+        _check_file(path)
+    parts = [_load_file(path, language) for path in paths]
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def _expand(patterns: list[str]) -> list[Path]:
+    """Paths matched by each pattern, sorted per pattern, in pattern order, without repeats."""
+    if not patterns:
+        raise FlaxlmError(
+            "language.source=files but language.files is empty: give one or more paths or glob "
+            "patterns, e.g. language.files=[data/*.txt]."
+        )
+    paths: dict[Path, None] = {}  # an ordered set
+    for pattern in patterns:
+        matches = sorted(
+            p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p)
+        )
+        if not matches:
+            raise FlaxlmError(
+                f"language.files: the pattern {pattern!r} matches no file (relative paths are "
+                f"resolved from the working directory {os.getcwd()!r}). Fix the path or glob, "
+                "or use an absolute path."
+            )
+        paths.update((Path(m).resolve(), None) for m in matches)
+    return list(paths)
+
+
+def _check_file(path: Path) -> None:
+    """Fail on what `datasets` would report badly or not at all: wrong type, empty, bad UTF-8."""
+    if path.suffix.lower() not in _BUILDERS:
+        raise FlaxlmError(
+            f"language.files: {str(path)!r} has the unsupported extension {path.suffix!r}. "
+            f"Supported: {', '.join(_BUILDERS)}; convert the file, or rename it if it already is "
+            "one of these."
+        )
+    if path.stat().st_size == 0:
+        raise FlaxlmError(f"language.files: {str(path)!r} is empty. Remove it from language.files.")
+    if path.suffix.lower() != ".parquet":
+        _check_utf8(path)
+
+
+def _check_utf8(path: Path) -> None:
+    # pyarrow's JSON reader accepts invalid UTF-8 and fails only when the text is read, so check
+    # every text file ourselves, in chunks so that a large file need not fit in memory.
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0  # bytes of the file before `chunk`
+    with open(path, "rb") as file:
+        while True:
+            chunk = file.read(1 << 24)
+            pending = len(decoder.getstate()[0])  # bytes of a character split across chunks
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as err:
+                raise FlaxlmError(
+                    f"language.files: {str(path)!r} is not valid UTF-8 (byte offset "
+                    f"{offset - pending + err.start}: {err.reason}). Re-encode it as UTF-8, e.g. "
+                    f"`iconv -f latin1 -t utf-8`."
+                ) from None
+            if not chunk:
+                return
+            offset += len(chunk)
+
+
+def _load_file(path: Path, language: LanguageConfig) -> datasets.Dataset:
+    builder = _BUILDERS[path.suffix.lower()]
+    if builder is None:
+        documents = _split_text(path.read_text(encoding="utf-8"), language.text_splitting)
+        table = datasets.Dataset.from_dict({"text": documents})
+    else:
+        try:
+            table = datasets.load_dataset(builder, data_files=[str(path)], split="train")
+        except Exception as err:  # datasets raises anything from StopIteration to ArrowInvalid
+            raise FlaxlmError(
+                f"language.files: could not parse {str(path)!r} as {path.suffix[1:]} "
+                f"({_root_cause(err)}). Check that the file is well-formed "
+                f"{_FORMAT_HINTS[builder]}, or remove it from language.files."
+            ) from err
+        table = _text_column(table, language.text_column, where=repr(str(path)))
+    table = _drop_blank(table)
+    if len(table) == 0:
+        raise FlaxlmError(
+            f"language.files: {str(path)!r} holds no non-blank text"
+            f"{'' if builder is None else f' in column {language.text_column!r}'}. "
+            "Remove it from language.files or fill it."
+        )
+    return table
+
+
+def _split_text(text: str, splitting: TextSplitting) -> list[str]:
+    """Cut a plain-text file into documents (blank ones are dropped later)."""
+    if splitting == TextSplitting.document:
+        return [text]
+    if splitting == TextSplitting.paragraph:
+        # read_text has already turned \r\n into \n
+        return [block.strip("\n") for block in _PARAGRAPH_BREAK.split(text)]
+    if splitting == TextSplitting.line:
+        return text.splitlines()
+    raise FlaxlmError(
+        f"Unknown language.text_splitting={splitting!r}; use document, paragraph or line."
+    )
+
+
+# --- hub -----------------------------------------------------------------------------------------
+
+
+def _load_hub(language: LanguageConfig) -> datasets.Dataset:
+    if not language.hub_path:
+        raise FlaxlmError(
+            "language.source=hub but language.hub_path is not set: name a Hub dataset, e.g. "
+            "language.hub_path=roneneldan/TinyStories, or a local directory of data files."
+        )
+    try:
+        table = datasets.load_dataset(
+            language.hub_path,
+            language.hub_config,
+            split=language.hub_split,
+            revision=language.hub_revision,
+        )
+    except Exception as err:  # not found, offline, gated, unknown config or split, bad files
+        raise FlaxlmError(
+            f"Could not load language.hub_path={language.hub_path!r} "
+            f"(language.hub_config={language.hub_config!r}, language.hub_split="
+            f"{language.hub_split!r}, language.hub_revision={language.hub_revision!r}): "
+            f"{_root_cause(err)}. Check the names on the Hub, that this machine has network "
+            "access (or, with HF_HUB_OFFLINE=1, that the dataset is in the local cache), and, for "
+            "a gated corpus, that you accepted its terms and set HF_TOKEN."
+        ) from err
+    return _text_column(
+        table, language.text_column, where=f"language.hub_path={language.hub_path!r}"
+    )
+
+
+# --- common --------------------------------------------------------------------------------------
+
+
+def _root_cause(err: BaseException) -> str:
+    """The innermost explicitly chained error: `datasets` wraps the useful message."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return f"{type(err).__name__}: {err}".rstrip(": .")  # the caller adds its own punctuation
+
+
+def _text_column(table: datasets.Dataset, column: str, where: str) -> datasets.Dataset:
+    """Keep only `column`, renamed "text", as plain strings."""
+    if column not in table.column_names:
+        raise FlaxlmError(
+            f"language.text_column={column!r} is not a column of {where}; its columns are "
+            f"{table.column_names}. Set language.text_column to the one that holds the text."
+        )
+    feature = table.features[column]
+    if not isinstance(feature, datasets.Value) or feature.dtype not in ("string", "large_string"):
+        raise FlaxlmError(
+            f"language.text_column={column!r} of {where} holds {feature}, not text. Set "
+            "language.text_column to a column of strings."
+        )
+    table = table.select_columns([column])
+    if column != "text":
+        table = table.rename_column(column, "text")
+    # pandas writes large_string; one type lets files of different origins be concatenated
+    return (
+        table.cast_column("text", datasets.Value("string")) if feature.dtype != "string" else table
+    )
+
+
+def _drop_blank(table: datasets.Dataset) -> datasets.Dataset:
+    text = table.with_format("arrow")["text"]
+    keep = pc.fill_null(pc.not_equal(pc.utf8_trim_whitespace(text), ""), False)
+    if pc.all(keep).as_py():
+        return table  # the usual case; select() would add an index mapping for nothing
+    return table.select(np.flatnonzero(keep.to_numpy(zero_copy_only=False)))
+
+
+def _check_split_settings(language: LanguageConfig) -> None:
+    if not 0 < language.validation_fraction < 1:
+        raise FlaxlmError(
+            f"language.validation_fraction={language.validation_fraction} must lie strictly "
+            "between 0 and 1 (0.05 keeps the first 5% of the documents for validation)."
+        )
+    for name in ("max_train_docs", "max_eval_docs"):
+        cap = getattr(language, name)
+        if cap is not None and cap < 1:
+            raise FlaxlmError(f"language.{name}={cap} must be at least 1, or null for no cap.")
+
+
+def _split(corpus: datasets.Dataset, language: LanguageConfig, origin: str) -> CorpusSplits:
+    n = len(corpus)
+    if n < 2:
+        raise FlaxlmError(
+            f"{origin} yields {n} non-blank document(s); at least 2 are needed to split it into "
+            "train and validation. Add text, or choose a finer language.text_splitting "
+            "(paragraph or line) for plain-text files."
+        )
+    # The epsilon keeps float noise (0.07 * 100 = 7.000000000000001) from adding a document.
+    n_validation = max(1, math.ceil(language.validation_fraction * n - 1e-9))
+    if n_validation >= n:
+        raise FlaxlmError(
+            f"language.validation_fraction={language.validation_fraction} of the {n} documents "
+            f"from {origin} leaves no training documents. Lower language.validation_fraction or "
+            "add text."
+        )
+    train, validation = corpus.select(range(n_validation, n)), corpus.select(range(n_validation))
+    if language.max_train_docs is not None:
+        train = train.select(range(min(language.max_train_docs, len(train))))
+    if language.max_eval_docs is not None:
+        validation = validation.select(range(min(language.max_eval_docs, len(validation))))
+    return CorpusSplits(train=train, validation=validation)

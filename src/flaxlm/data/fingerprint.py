@@ -1,0 +1,27 @@
+"""Content hashes that key the on-disk caches (tokenizers, packed blocks)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import datasets
+
+
+def text_fingerprint(texts: datasets.Dataset, batch_size: int = 10_000) -> str:
+    """sha256 over every document of a {"text"} dataset, lengths included so that splitting a
+    document in two changes the hash."""
+    digest = hashlib.sha256()
+    for start in range(0, len(texts), batch_size):
+        for text in texts[start : start + batch_size]["text"]:
+            data = text.encode("utf-8")
+            digest.update(len(data).to_bytes(8, "little"))
+            digest.update(data)
+    return digest.hexdigest()
+
+
+def settings_fingerprint(*parts: Any) -> str:
+    """sha256 of JSON-serialisable settings (dicts, lists, strings, numbers)."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+

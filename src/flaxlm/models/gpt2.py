@@ -1,0 +1,181 @@
+"""GPT-2 in Flax NNX, with the parameter layout of transformers' `GPT2LMHeadModel`.
+
+The module tree mirrors HF's names (`wte`, `wpe`, `h.<i>.ln_1`, `h.<i>.attn.c_attn`, ...), so a
+checkpoint maps one to one (see `flaxlm.models.hf`): HF's `Conv1D.weight` is stored (in, out),
+exactly like our `Linear.kernel`; LayerNorm `weight` is our `scale`; embedding `weight` is our
+`embedding`. The LM head is tied to `wte`, as in HF, so it has no parameters of its own.
+
+Shapes are in the names: B batch, L sequence length, D model width, N heads, H head width,
+F MLP width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from flaxlm.config import ModelConfig
+
+ACTIVATIONS = {
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),  # GPT-2's tanh approximation
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "relu": jax.nn.relu,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Spec:
+    """Everything the network needs to know: the model config plus the dtypes it runs in."""
+
+    model: ModelConfig
+    compute_dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @property
+    def mlp_width(self) -> int:
+        return self.model.n_inner or 4 * self.model.n_embd
+
+
+def _dense(in_features: int, out_features: int, spec: GPT2Spec, rngs: nnx.Rngs, std: float):
+    return nnx.Linear(
+        in_features,
+        out_features,
+        dtype=spec.compute_dtype,
+        param_dtype=spec.param_dtype,
+        kernel_init=nnx.initializers.normal(std),
+        rngs=rngs,
+    )
+
+
+def _layer_norm(spec: GPT2Spec, rngs: nnx.Rngs):
+    return nnx.LayerNorm(
+        spec.model.n_embd,
+        epsilon=spec.model.layer_norm_epsilon,
+        dtype=spec.compute_dtype,
+        param_dtype=spec.param_dtype,
+        rngs=rngs,
+    )
+
+
+class Attention(nnx.Module):
+    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
+        cfg = spec.model
+        if cfg.n_embd % cfg.n_head:
+            raise ValueError(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
+        self.num_heads = cfg.n_head
+        self.attn_pdrop = cfg.attn_pdrop
+        # GPT-2 scales the init of every projection into the residual stream by 1/sqrt(2 layers).
+        residual_std = cfg.initializer_range / (2 * cfg.n_layer) ** 0.5
+        self.c_attn = _dense(cfg.n_embd, 3 * cfg.n_embd, spec, rngs, cfg.initializer_range)
+        self.c_proj = _dense(cfg.n_embd, cfg.n_embd, spec, rngs, residual_std)
+        self.resid_dropout = nnx.Dropout(cfg.resid_pdrop)
+
+    def __call__(self, x_BxLxD: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:
+        B, L, D = x_BxLxD.shape
+        qkv_BxLx3D = self.c_attn(x_BxLxD)
+        q_BxLxNxH, k_BxLxNxH, v_BxLxNxH = (
+            part.reshape(B, L, self.num_heads, D // self.num_heads)
+            for part in jnp.split(qkv_BxLx3D, 3, axis=-1)
+        )
+        if rngs is not None and self.attn_pdrop > 0:
+            out_BxLxNxH = _attention_with_dropout(
+                q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, self.attn_pdrop, rngs.dropout()
+            )
+        else:
+            out_BxLxNxH = jax.nn.dot_product_attention(
+                q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, is_causal=True
+            )
+        out_BxLxD = self.c_proj(out_BxLxNxH.reshape(B, L, D))
+        return self.resid_dropout(out_BxLxD, deterministic=rngs is None, rngs=rngs)
+
+
+def _attention_with_dropout(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, rate: float, key: jax.Array):
+    """Causal attention with dropout on the attention probabilities, as HF's GPT-2 trains.
+
+    The fused `jax.nn.dot_product_attention` has no dropout, so training with attn_pdrop > 0
+    spells the same computation out; evaluation always takes the fused path.
+    """
+    L, H = q_BxLxNxH.shape[1], q_BxLxNxH.shape[-1]
+    scores_BxNxLxL = jnp.einsum("bqnh,bknh->bnqk", q_BxLxNxH, k_BxLxNxH) / jnp.sqrt(H)
+    causal_LxL = jnp.tril(jnp.ones((L, L), dtype=bool))
+    scores_BxNxLxL = jnp.where(causal_LxL, scores_BxNxLxL.astype(jnp.float32), -jnp.inf)
+    probs_BxNxLxL = jax.nn.softmax(scores_BxNxLxL, axis=-1)
+    keep_BxNxLxL = jax.random.bernoulli(key, 1.0 - rate, probs_BxNxLxL.shape)
+    probs_BxNxLxL = jnp.where(keep_BxNxLxL, probs_BxNxLxL / (1.0 - rate), 0.0)
+    return jnp.einsum("bnqk,bknh->bqnh", probs_BxNxLxL.astype(v_BxLxNxH.dtype), v_BxLxNxH)
+
+
+class MLP(nnx.Module):
+    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
+        cfg = spec.model
+        residual_std = cfg.initializer_range / (2 * cfg.n_layer) ** 0.5
+        self.c_fc = _dense(cfg.n_embd, spec.mlp_width, spec, rngs, cfg.initializer_range)
+        self.c_proj = _dense(spec.mlp_width, cfg.n_embd, spec, rngs, residual_std)
+        self.activation = ACTIVATIONS[cfg.activation_function]
+        self.dropout = nnx.Dropout(cfg.resid_pdrop)
+
+    def __call__(self, x_BxLxD: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:
+        h_BxLxF = self.activation(self.c_fc(x_BxLxD))
+        return self.dropout(self.c_proj(h_BxLxF), deterministic=rngs is None, rngs=rngs)
+
+
+class Block(nnx.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x))."""
+
+    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
+        self.ln_1 = _layer_norm(spec, rngs)
+        self.attn = Attention(spec, rngs)
+        self.ln_2 = _layer_norm(spec, rngs)
+        self.mlp = MLP(spec, rngs)
+
+    def __call__(self, x_BxLxD: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:
+        x_BxLxD = x_BxLxD + self.attn(self.ln_1(x_BxLxD), rngs)
+        return x_BxLxD + self.mlp(self.ln_2(x_BxLxD), rngs)
+
+
+class GPT2LMHeadModel(nnx.Module):
+    """Token ids in, next-token logits out. Pass `rngs` to train (dropout on), None to evaluate."""
+
+    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
+        cfg = spec.model
+        if cfg.activation_function not in ACTIVATIONS:
+            raise ValueError(
+                f"model.activation_function={cfg.activation_function!r} is not one of "
+                f"{sorted(ACTIVATIONS)}"
+            )
+        embed_init = nnx.initializers.normal(cfg.initializer_range)
+        self.wte = nnx.Embed(
+            cfg.vocab_size,
+            cfg.n_embd,
+            dtype=spec.compute_dtype,
+            param_dtype=spec.param_dtype,
+            embedding_init=embed_init,
+            rngs=rngs,
+        )
+        self.wpe = nnx.Embed(
+            cfg.n_positions,
+            cfg.n_embd,
+            dtype=spec.compute_dtype,
+            param_dtype=spec.param_dtype,
+            embedding_init=embed_init,
+            rngs=rngs,
+        )
+        self.drop = nnx.Dropout(cfg.embd_pdrop)
+        self.h = nnx.List([Block(spec, rngs) for _ in range(cfg.n_layer)])
+        self.ln_f = _layer_norm(spec, rngs)
+
+    def __call__(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
+        positions_L = jnp.arange(input_ids_BxL.shape[1])
+        x_BxLxD = self.wte(input_ids_BxL) + self.wpe(positions_L)[None]
+        x_BxLxD = self.drop(x_BxLxD, deterministic=rngs is None, rngs=rngs)
+        for block in self.h:
+            x_BxLxD = block(x_BxLxD, rngs)
+        # Tied head: logits against the token embeddings, in the compute dtype.
+        return self.wte.attend(self.ln_f(x_BxLxD))
+
+
+def count_params(model: nnx.Module) -> int:
+    return sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
