@@ -20,3 +20,31 @@ import pytest  # noqa: E402
 def isolated_caches(tmp_path_factory, monkeypatch):
     """flaxlm's cache (tokenizers, packed blocks) in a per-session temp dir."""
     monkeypatch.setenv("FLAXLM_CACHE", str(tmp_path_factory.getbasetemp() / "flaxlm-cache"))
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONF_DIR = os.path.join(REPO, "conf")
+
+# A model and corpus small enough for a training run of a few seconds on 2 cores.
+TINY = [
+    "model.n_layer=2",
+    "model.n_embd=64",
+    "model.n_head=4",
+    "model.n_positions=64",
+    "model.vocab_size=512",
+    "hardware.per_device_batch_size=2",
+    "logger=none",
+]
+
+
+def compose(overrides=(), run_dir=None):
+    """conf/train.yaml composed as `flaxlm-train` would, outside a Hydra app."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from flaxlm.config import register_configs
+
+    register_configs()
+    extra = [f"run_dir={run_dir}"] if run_dir is not None else ["run_dir=unset"]
+    with initialize_config_dir(CONF_DIR, version_base="1.3"):
+        return hydra_compose("train", overrides=[*overrides, *extra])

@@ -1,8 +1,7 @@
 """Batches of token blocks as global, sharded `jax.Array`s.
 
-Training: a seeded shuffle per epoch (grain's `MapDataset.shuffle` draws a fresh permutation
-for every pass over the data, so epoch e is simply indices [e*N, (e+1)*N) of the shuffled
-dataset), the incomplete final batch dropped, and each process reading only its own rows.
+Training: a seeded shuffle per epoch (indexing grain's shuffled `MapDataset` past its length
+draws a fresh permutation for every pass, so epoch e is indices [e*N, (e+1)*N)), the incomplete final batch dropped, and each process reading only its own rows.
 A position in the stream is just (epoch, step), which makes resuming exact.
 
 Evaluation: every block exactly once, in order; the last batch is padded with zero rows and a
@@ -38,10 +37,9 @@ class TrainLoader:
         num_blocks, rows = len(self.blocks), self.global_batch_size
         first_row, local_rows = process_rows(rows, self.mesh)
         shuffled = grain.MapDataset.source(self.blocks).shuffle(seed=self.seed)
-        this_epoch = shuffled[epoch * num_blocks : epoch * num_blocks + self.steps_per_epoch * rows]
         for step in range(start_step, self.steps_per_epoch):
-            start = step * rows + first_row
-            local = np.stack([this_epoch[i] for i in range(start, start + local_rows)])
+            start = epoch * num_blocks + step * rows + first_row
+            local = np.stack([shuffled[i] for i in range(start, start + local_rows)])
             yield global_batch(local, self.mesh)
 
 

@@ -58,7 +58,7 @@ def train_step(state: TrainState, inputs_BxL: jax.Array, dropout_key: jax.Array,
     )
     metrics = {
         "loss": loss,
-        "grad_norm": optax.global_norm(grads),
+        "grad_norm": optax.tree.norm(grads),
         "learning_rate": schedule(state.step),
     }
     return new_state, metrics

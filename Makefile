@@ -1,0 +1,32 @@
+# The two commands of the README. Each creates/updates the local virtual environment first.
+#   make train [ARGS="model=distilgpt2 trainer.max_steps=100"]   the offline quickstart
+#   make test  [PYTEST_ARGS="-k packing"]                          the test suite
+PYTHON ?= python3
+VENV ?= .venv
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: train test bench clean-venv
+
+# Reinstall only when the package's requirements change.
+$(VENV)/.installed: pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/bin/python -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+train: $(VENV)/.installed
+	$(VENV)/bin/flaxlm-train $(ARGS)
+
+test: $(VENV)/.installed-test
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+bench: $(VENV)/.installed-test
+	$(VENV)/bin/python benchmarks/train_step.py --quickstart $(ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,221 @@
+"""Every input a user can get wrong ends in one clear error naming the setting or file, before
+training starts, and never in a write into another run's directory."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from conftest import REPO, TINY, compose
+from flaxlm.config import CorpusSource, LanguageConfig, TokenizerConfig
+from flaxlm.data.corpus import load_corpus
+from flaxlm.data.tokenizer import prepare_tokenizer
+from flaxlm.errors import FlaxlmError
+from flaxlm.train import claim_run_dir, train
+
+ENGLISH = """\
+The village stood at the edge of a wide marsh, and in winter the wind came across it without
+anything to stop it. The houses were low and built of grey stone, with small windows facing
+away from the weather.
+
+Every morning the baker opened his shop before the sun was up. He sold bread, a few cakes on
+Sundays, and, when the boats came in, the small hard biscuits that fishermen took to sea.
+
+The school had one room and one teacher. She taught reading, writing and arithmetic to
+children of every age, and in the afternoons she read to them from a book of old stories.
+
+In spring the marsh turned green and the birds returned. People walked out along the dykes in
+the evenings to watch them settle on the water, and the older ones named every kind they saw.
+
+The road to the town was long and often flooded. A cart took most of a day to make the
+journey, and the carter knew every farm along the way and every dog that barked at him.
+
+When the railway finally arrived, the village changed more in five years than it had in the
+fifty before. New people came, the old inn was rebuilt, and the children went to school in town.
+
+Some of the older people never trusted the trains. They said the noise frightened the cows
+and the smoke spoiled the washing, and they went on taking the cart as long as there was one.
+
+By the end of the century the marsh had been drained, the fields were ploughed, and only the
+names of the lanes remembered the water that had once covered everything as far as the sea.
+"""
+TINY_CORPUS = "A few words.\n\nAnd a few more.\n"
+
+# Training should never start in these tests; if a check is missing, keep the run short.
+SHORT = [*TINY, "hardware=cpu-8", "trainer.max_steps=1", "trainer.eval_before_training=false"]
+
+
+def write(path: Path, content: str | bytes) -> Path:
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content, encoding="utf-8")
+    return path
+
+
+def train_on(tmp_path: Path, files: str | Path, *overrides: str) -> FlaxlmError:
+    """Train on `files`; return the FlaxlmError it must raise."""
+    cfg = compose([*SHORT, "language=files", f"language.files=[{files}]", *overrides],
+                  run_dir=tmp_path / "run")
+    with pytest.raises(FlaxlmError) as info:
+        train(cfg)
+    assert not (tmp_path / "run" / "model" / "model.safetensors").exists()
+    return info.value
+
+
+def assert_names(error: Exception, *fragments: str) -> None:
+    message = str(error)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in: {message}"
+    assert "\n\n" not in message  # one paragraph
+
+
+@pytest.fixture
+def english(tmp_path) -> Path:
+    return write(tmp_path / "english.txt", ENGLISH)
+
+
+# --- the corpus -----------------------------------------------------------------------------------
+
+
+def test_missing_corpus_file_names_the_pattern(tmp_path):
+    error = train_on(tmp_path, "/nonexistent/*.txt")
+    assert_names(error, "language.files", "'/nonexistent/*.txt'", "matches no file")
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "fragments"),
+    [
+        pytest.param("empty.txt", b"", ["is empty"], id="empty"),
+        pytest.param("latin1.txt", "Caf\xe9 au lait, s'il vous pla\xeet.".encode("latin-1"),
+                     ["not valid UTF-8", "byte offset 3"], id="invalid-utf8"),
+        pytest.param("blank.txt", b"\n \n\t\n", ["no non-blank text"], id="blank"),
+    ],
+)
+def test_unusable_corpus_file_is_named(tmp_path, name, content, fragments):
+    error = train_on(tmp_path, write(tmp_path / name, content))
+    assert_names(error, "language.files", str(tmp_path / name), *fragments)
+
+
+def test_files_language_without_files_says_so(tmp_path):
+    cfg = compose([*SHORT, "language=files"], run_dir=tmp_path / "run")
+    with pytest.raises(FlaxlmError) as info:
+        train(cfg)
+    assert_names(info.value, "language.files is empty")
+
+
+def test_corpus_too_small_for_one_block(tmp_path):
+    error = train_on(tmp_path, write(tmp_path / "tiny.txt", TINY_CORPUS))
+    assert_names(error, "shorter than one block", "task.max_seq_length=64", "language=files")
+
+
+def test_corpus_too_small_for_one_batch(tmp_path, english):
+    error = train_on(tmp_path, english, "hardware.per_device_batch_size=64")
+    assert_names(error, "fewer than one global batch of 512", "hardware.per_device_batch_size",
+                 "language=files")
+
+
+# --- settings -------------------------------------------------------------------------------------
+
+
+BAD_SETTINGS = {
+    "task.max_seq_length=65": ["task.max_seq_length=65", "model.n_positions=64"],
+    "task.max_seq_length=1": ["task.max_seq_length=1"],
+    "trainer.global_batch_size=12": ["trainer.global_batch_size=12", "8 devices", "multiple of 8"],
+    "hardware.num_devices=16": ["hardware.num_devices=16", "8 device(s)"],
+    "hardware.num_devices=0": ["hardware.num_devices=0"],
+    "hardware.per_device_batch_size=0": ["hardware.per_device_batch_size=0"],
+    "trainer.max_steps=0": ["trainer.max_steps=0"],
+}
+
+
+@pytest.mark.parametrize("override", BAD_SETTINGS)
+def test_bad_setting_is_named(tmp_path, english, override):
+    assert_names(train_on(tmp_path, english, override), *BAD_SETTINGS[override])
+
+
+def test_trained_tokenizer_larger_than_the_model_vocab(tmp_path, english):
+    error = train_on(tmp_path, english, "model.vocab_size=300", "tokenizer.vocab_size=512")
+    assert_names(error, "model.vocab_size=300", "tokenizer.vocab_size")
+
+
+def test_tokenizer_path_larger_than_the_model_vocab(tmp_path, english):
+    corpus = load_corpus(LanguageConfig(name="en", source=CorpusSource.files, files=[str(english)]))
+    big = prepare_tokenizer(TokenizerConfig(vocab_size=512), corpus.train, 512, str(tmp_path))
+    big.save_pretrained(tmp_path / "big-tokenizer")
+    assert len(big) > 300
+
+    error = train_on(tmp_path, english, "model.vocab_size=300",
+                     f"tokenizer.path={tmp_path / 'big-tokenizer'}")
+    assert_names(error, "model.vocab_size=300", f"{len(big)} tokens")
+
+
+def test_misspelt_setting_fails_at_composition(tmp_path):
+    with pytest.raises(ConfigCompositionException, match="trainer.max_step"):
+        compose([*SHORT, "trainer.max_step=3"], run_dir=tmp_path / "run")
+
+
+# --- run directories ------------------------------------------------------------------------------
+
+
+def test_a_run_directory_is_claimed_only_once(tmp_path):
+    run_dir = tmp_path / "run"
+    assert claim_run_dir(str(run_dir)) == str(run_dir)
+    write(run_dir / "metrics.jsonl", '{"step": 1, "loss": 2.0}\n')
+    write(run_dir / "config.yaml", "seed: 0\n")
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.iterdir()}
+
+    with pytest.raises(FlaxlmError) as info:
+        claim_run_dir(str(run_dir))
+    assert_names(info.value, f"run_dir={run_dir}", "already holds a run")
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.iterdir()} == before
+
+
+def test_a_directory_hydra_prepared_can_be_claimed(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    assert claim_run_dir(str(run_dir)) == str(run_dir)
+    assert (run_dir / "metrics.jsonl").read_text() == ""
+
+
+def test_claimed_metrics_file_is_a_plain_non_executable_file(tmp_path):
+    run_dir = claim_run_dir(str(tmp_path / "run"))
+    mode = os.stat(os.path.join(run_dir, "metrics.jsonl")).st_mode
+    assert stat.S_ISREG(mode)
+    assert not mode & (stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH), oct(mode)
+
+
+def test_train_never_writes_into_an_earlier_runs_directory(tmp_path, english):
+    train_on(tmp_path, english, "task.max_seq_length=65")  # a first run that wrote its config
+    config = (tmp_path / "run" / "config.yaml").read_bytes()
+    assert b"max_seq_length: 65" in config
+
+    error = train_on(tmp_path, english, "seed=1")
+    assert_names(error, f"run_dir={tmp_path / 'run'}")
+    assert (tmp_path / "run" / "config.yaml").read_bytes() == config
+
+
+# --- the command line -----------------------------------------------------------------------------
+
+
+def test_cli_prints_one_paragraph_without_traceback_and_exits_2(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env["FLAXLM_CACHE"] = str(tmp_path / "cache")
+    result = subprocess.run(
+        [os.path.join(REPO, ".venv", "bin", "python"), "-m", "flaxlm.cli.train", "logger=none",
+         "task.max_seq_length=100000", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    error = result.stderr.strip()
+    assert error.startswith("flaxlm: error: ")
+    assert error.count("flaxlm: error:") == 1
+    assert_names(error, "task.max_seq_length=100000", "model.n_positions=256")
+    assert not (tmp_path / "outputs").exists()  # hydra.run.dir was honoured

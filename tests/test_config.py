@@ -1,0 +1,204 @@
+"""Tests of the config: every shipped group option composes into the typed schema, mistakes fail
+at composition naming the key, and the defaults are the seed notebook's."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from pathlib import Path
+
+import pytest
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import MISSING, OmegaConf
+
+from conftest import CONF_DIR, compose
+from flaxlm.config import (
+    OptimizerConfig,
+    Schedule,
+    TokenizerConfig,
+    TrainConfig,
+    TrainerConfig,
+    register_configs,
+)
+
+CONF = Path(CONF_DIR)
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
+OPTIONS = [(group, f.stem) for group in GROUPS for f in sorted((CONF / group).glob("*.yaml"))]
+# Options that cannot run without a value the user must give.
+REQUIRED = {("language", "files"): ["language.files=[corpus.txt]"]}
+
+
+def compose_with_hydra(overrides=()):
+    """Like conftest.compose, but keeping the `hydra` node (run dirs, sweeper, job settings)."""
+    register_configs()
+    with initialize_config_dir(CONF_DIR, version_base="1.3"):
+        return hydra_compose(
+            "train", overrides=[*overrides, "run_dir=unset"], return_hydra_config=True
+        )
+
+
+def leaves(node, path=()):
+    """(key path, value) for every non-dict value of a plain nested dict (keys may hold dots:
+    a sweeper's `optimizer.lr`)."""
+    for key, value in node.items():
+        if isinstance(value, dict):
+            yield from leaves(value, (*path, key))
+        else:
+            yield (*path, key), value
+
+
+def lookup(cfg, path):
+    """The composed value at a key path, interpolations left as written."""
+    for key in path[:-1]:
+        cfg = cfg[key]
+    value = OmegaConf.to_container(cfg, resolve=False)[path[-1]]
+    return value.name if isinstance(value, enum.Enum) else value  # hydra.mode: RunMode.MULTIRUN
+
+
+def option_yaml(group: str, option: str) -> tuple[dict, tuple[str, ...]]:
+    """An option file's own values (without its defaults list) and the package they land in."""
+    path = CONF / group / f"{option}.yaml"
+    values = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    values.pop("defaults", None)
+    is_global = "# @package _global_" in path.read_text(encoding="utf-8")
+    return values, () if is_global else (group,)
+
+
+def test_every_group_ships_options():
+    expected = {"experiment", "hardware", "hparams_search", "hydra", "language", "logger",
+                "model", "optimizer", "task"}
+    assert expected <= set(GROUPS)
+    assert all(any(g == group for g, _ in OPTIONS) for group in GROUPS)
+
+
+@pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_option_composes_into_the_typed_schema(group, option):
+    overrides = [f"{group}={option}", *REQUIRED.get((group, option), [])]
+    cfg = compose_with_hydra(overrides)
+
+    values, package = option_yaml(group, option)
+    for path, value in leaves(values):
+        if value == MISSING:
+            continue
+        composed = lookup(cfg, (*package, *path))
+        assert composed == value, f"{group}/{option}.yaml sets {path}={value!r}, not {composed!r}"
+    # Group overrides in an experiment's defaults list (`override /model: distilgpt2`).
+    for entry in OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml")).get(
+        "defaults", []
+    ):
+        for key, picked in entry.items():
+            assert cfg[key.removeprefix("override /")].name == picked
+
+    config = OmegaConf.to_object(compose(overrides))
+    assert isinstance(config, TrainConfig)
+    if group in {f.name for f in dataclasses.fields(TrainConfig)}:
+        assert getattr(config, group).name == option
+
+
+@pytest.mark.parametrize(
+    ("override", "fragments"),
+    [
+        ("model.n_layr=3", ["model.n_layr"]),
+        ("model.n_layer=abc", ["model.n_layer", "abc"]),
+        ("optimizer.schedule=cosin", ["optimizer.schedule", "cosin"]),
+        ("trainer.num_epochs=ten", ["trainer.num_epochs"]),
+        ("tokenizer.min_frequncy=3", ["tokenizer.min_frequncy"]),
+    ],
+)
+def test_misspelt_key_or_wrong_type_fails_at_composition_naming_the_key(override, fragments):
+    with pytest.raises(ConfigCompositionException) as info:
+        compose([override])
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_wrong_type_error_explains_the_expected_values():
+    with pytest.raises(ConfigCompositionException) as info:
+        compose(["optimizer.schedule=cosin"])
+    cause = str(info.value.__cause__)
+    assert all(s.value in cause for s in Schedule)
+    assert "full_key: optimizer.schedule" in cause
+
+
+@pytest.mark.parametrize("group", ["model", "hardware", "language"])
+def test_unknown_group_option_lists_the_available_ones(group):
+    with pytest.raises(ConfigCompositionException) as info:
+        compose([f"{group}=gpt3"])
+    message = str(info.value)
+    assert f"Could not find '{group}/gpt3'" in message
+    assert f"Available options in '{group}'" in message
+    for _, option in (o for o in OPTIONS if o[0] == group):
+        assert f"\t{option}\n" in message
+
+
+def test_optimizer_defaults_are_the_seed_notebooks():
+    optimizer = OmegaConf.to_object(compose()).optimizer
+    for source in (optimizer, OptimizerConfig(name="adamw")):
+        assert (source.b1, source.b2, source.eps) == (0.9, 0.98, 1e-8)
+        assert (source.weight_decay, source.lr) == (0.01, 3e-4)
+        assert source.schedule == Schedule.linear
+        assert source.warmup_steps == 0
+        assert source.end_lr == 0.0
+        assert source.max_grad_norm is None
+
+
+def test_tokenizer_defaults_are_the_seed_notebooks():
+    tokenizer = OmegaConf.to_object(compose()).tokenizer
+    for source in (tokenizer, TokenizerConfig()):
+        assert source.min_frequency == 2
+        assert source.special_tokens == ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+        assert source.path is None and source.vocab_size is None
+        assert (source.bos_token, source.pad_token, source.eos_token) == ("<s>", "<pad>", "</s>")
+        assert (source.unk_token, source.mask_token) == ("<unk>", "<mask>")
+
+
+def test_distilgpt2_has_distilgpt2s_architecture():
+    model = OmegaConf.to_object(compose(["model=distilgpt2"])).model
+    assert (model.n_layer, model.n_embd, model.n_head) == (6, 768, 12)
+    assert (model.vocab_size, model.n_positions) == (50257, 1024)
+    assert model.n_inner is None and model.activation_function == "gelu_new"
+    assert (model.resid_pdrop, model.embd_pdrop, model.attn_pdrop) == (0.1, 0.1, 0.1)
+
+
+def test_batch_epochs_and_seed_defaults():
+    config = OmegaConf.to_object(compose())
+    assert config.hardware.per_device_batch_size == 16
+    assert config.trainer.num_epochs == 10
+    assert config.seed == 0
+    assert TrainerConfig().num_epochs == 10
+    assert TrainConfig.__dataclass_fields__["seed"].default == 0
+
+
+@pytest.mark.parametrize("hardware", ["cpu", "cpu-8", "gpu", "tpu"])
+def test_every_hardware_keeps_the_seed_per_device_batch(hardware):
+    assert OmegaConf.to_object(compose([f"hardware={hardware}"])).hardware.per_device_batch_size == 16
+
+
+def test_seed_experiment_reproduces_the_notebook_recipe():
+    config = OmegaConf.to_object(compose(["experiment=distilgpt2-en-builtin"]))
+    assert config.model.name == "distilgpt2"
+    assert config.task.max_seq_length == 512
+    assert config.hardware.per_device_batch_size == 16
+    assert config.trainer.num_epochs == 10
+    assert (config.optimizer.lr, config.optimizer.schedule) == (3e-4, Schedule.linear)
+
+
+def test_hydra_keeps_the_working_directory_and_timestamps_run_dirs_to_the_microsecond():
+    hydra = compose_with_hydra().hydra
+    assert hydra.job.chdir is False
+    run_dir = OmegaConf.to_container(hydra.run, resolve=False)["dir"]
+    sweep_dir = OmegaConf.to_container(hydra.sweep, resolve=False)["dir"]
+    for directory in (run_dir, sweep_dir):
+        assert "${now:" in directory and "%f" in directory
+    assert OmegaConf.load(CONF / "hydra" / "default.yaml").job.chdir is False
+
+
+def test_run_dir_defaults_to_hydras_output_dir_and_cache_to_flaxlm_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLAXLM_CACHE", str(tmp_path))
+    register_configs()
+    with initialize_config_dir(CONF_DIR, version_base="1.3"):
+        cfg = hydra_compose("train")
+    assert OmegaConf.to_container(cfg, resolve=False)["run_dir"] == "${hydra:runtime.output_dir}"
+    assert cfg.cache_dir == str(tmp_path)

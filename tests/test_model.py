@@ -1,0 +1,76 @@
+"""The Flax GPT-2 against transformers' PyTorch GPT2LMHeadModel, through the name mapping."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from flaxlm.config import ModelConfig
+from flaxlm.models import hf
+from flaxlm.models.gpt2 import GPT2LMHeadModel, GPT2Spec, count_params
+
+CONFIG = ModelConfig(name="t", vocab_size=97, n_positions=32, n_embd=64, n_layer=2, n_head=4)
+
+
+def make_model(config=CONFIG, **spec_kwargs):
+    return GPT2LMHeadModel(GPT2Spec(config, **spec_kwargs), nnx.Rngs(0))
+
+
+def token_ids(shape=(2, 32), vocab=97, seed=0):
+    return np.random.default_rng(seed).integers(0, vocab, shape)
+
+
+def test_parameter_names_and_shapes_follow_hf():
+    params = nnx.to_pure_dict(nnx.state(make_model(), nnx.Param))
+    flat = hf.to_hf_state_dict(params)
+    assert flat["transformer.h.1.attn.c_attn.weight"].shape == (64, 192)  # Conv1D: (in, out)
+    assert flat["transformer.h.0.mlp.c_fc.weight"].shape == (64, 256)
+    assert flat["transformer.wte.weight"].shape == (97, 64)
+    assert flat["transformer.ln_f.weight"].shape == (64,)
+    assert sum(v.size for v in flat.values()) == count_params(make_model())
+
+
+def test_eval_mode_is_deterministic_and_train_mode_uses_dropout():
+    model, ids = make_model(), jnp.asarray(token_ids())
+    np.testing.assert_array_equal(model(ids), model(ids))
+    train_a = model(ids, rngs=nnx.Rngs(dropout=1))
+    train_b = model(ids, rngs=nnx.Rngs(dropout=2))
+    assert not np.allclose(train_a, train_b)
+    assert not np.allclose(train_a, model(ids))
+
+
+def test_causal_logits_do_not_see_the_future():
+    model, ids = make_model(), token_ids()
+    changed = ids.copy()
+    changed[:, 20:] = (changed[:, 20:] + 1) % 97
+    a, b = model(jnp.asarray(ids)), model(jnp.asarray(changed))
+    np.testing.assert_allclose(a[:, :20], b[:, :20], atol=1e-6)
+    assert not np.allclose(a[:, 20:], b[:, 20:])
+
+
+def test_bfloat16_compute_keeps_float32_params():
+    model = make_model(compute_dtype=jnp.bfloat16)
+    logits = model(jnp.asarray(token_ids()))
+    assert logits.dtype == jnp.bfloat16
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert {leaf.dtype for leaf in leaves} == {jnp.dtype(jnp.float32)}
+
+
+@pytest.mark.torch
+def test_logits_match_pytorch_gpt2(tmp_path):
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    model = make_model()
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    config = hf.to_gpt2_config(CONFIG, bos_token_id=0, eos_token_id=2, pad_token_id=1)
+    hf.save_pretrained(str(tmp_path), params, config)
+    torch_model = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path)).eval()
+    ids = token_ids()
+    with torch.no_grad():
+        expected = torch_model(torch.from_numpy(ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids))), expected, atol=2e-5)
+    assert json.loads((tmp_path / "config.json").read_text())["n_layer"] == 2

@@ -1,0 +1,94 @@
+"""Data parallelism changes nothing but speed: 8 simulated devices equal 1 device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from flaxlm.config import ModelConfig, OptimizerConfig
+from flaxlm.data.loader import TrainLoader, eval_batches
+from flaxlm.models.gpt2 import GPT2LMHeadModel, GPT2Spec
+from flaxlm.parallel import global_batch, make_mesh, replicated
+from flaxlm.training.loop import Evaluator
+from flaxlm.training.optimizer import make_optimizer, make_schedule
+from flaxlm.training.step import compile_steps, create_state, next_token_losses
+
+MODEL = ModelConfig(name="t", vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+OPTIMIZER = OptimizerConfig(name="adamw", lr=1e-3)
+
+
+def build(num_devices):
+    mesh = make_mesh(num_devices)
+    schedule = make_schedule(OPTIMIZER, total_steps=10)
+    tx = make_optimizer(OPTIMIZER, schedule)
+    graphdef, state = create_state(GPT2LMHeadModel(GPT2Spec(MODEL), nnx.Rngs(0)), tx)
+    state = jax.device_put(state, replicated(mesh))
+    return mesh, graphdef, state, compile_steps(mesh, graphdef, tx, schedule)
+
+
+def blocks(num, seed=0):
+    return np.random.default_rng(seed).integers(0, 128, (num, 16)).astype(np.int32)
+
+
+def test_tests_run_on_eight_devices():
+    assert jax.device_count() == 8
+
+
+def test_one_step_on_8_devices_equals_one_step_on_1_device():
+    batch = blocks(16)
+    results = []
+    for devices in (1, 8):
+        mesh, _, state, steps = build(devices)
+        inputs = global_batch(batch, mesh)
+        assert len(inputs.sharding.device_set) == devices
+        state, metrics = steps.train(state, inputs, jax.random.key(0))
+        results.append((jax.device_get(metrics), jax.device_get(nnx.to_pure_dict(state.params))))
+    (metrics_1, params_1), (metrics_8, params_8) = results
+    np.testing.assert_allclose(metrics_8["loss"], metrics_1["loss"], rtol=1e-6)
+    np.testing.assert_allclose(metrics_8["grad_norm"], metrics_1["grad_norm"], rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), params_8, params_1)
+    moved = jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(a - b).max(), params_8,
+                                         jax.device_get(nnx.to_pure_dict(build(1)[2].params))))
+    assert max(moved) > 1e-4  # the step did update the parameters
+
+
+@pytest.mark.parametrize("num_blocks", [1, 13, 37])
+def test_eval_on_8_devices_counts_every_token_once(num_blocks):
+    """37 blocks over a global eval batch of 16 (8 devices × 2): the last batch is padded."""
+    data = blocks(num_blocks, seed=num_blocks)
+    token_bytes = np.arange(128, dtype=np.int32) % 5
+    mesh, graphdef, state, steps = build(8)
+    evaluate = Evaluator(steps, data, 16, mesh, jax.device_put(token_bytes, replicated(mesh)))
+    result = evaluate(state.params)
+
+    model = nnx.merge(graphdef, jax.device_get(state.params))
+    losses = np.asarray(next_token_losses(model(jnp.asarray(data)), jnp.asarray(data)))
+    assert losses.size == num_blocks * 15
+    np.testing.assert_allclose(result["eval/loss"], losses.mean(), rtol=1e-5)
+    np.testing.assert_allclose(result["eval/perplexity"], np.exp(losses.mean()), rtol=1e-5)
+    expected_bpb = losses.sum() / (np.log(2) * token_bytes[data[:, 1:]].sum())
+    np.testing.assert_allclose(result["eval/bits_per_byte"], expected_bpb, rtol=1e-5)
+
+
+def test_eval_batches_pad_the_last_batch_and_mask_it():
+    mesh = make_mesh(8)
+    got = [(np.asarray(x), np.asarray(m)) for x, m in eval_batches(blocks(21), 8, mesh)]
+    assert [len(x) for x, _ in got] == [8, 8, 8]
+    assert [int(m.sum()) for _, m in got] == [8, 8, 5]
+    np.testing.assert_array_equal(np.concatenate([x for x, _ in got])[:21], blocks(21))
+
+
+def test_train_loader_shuffles_each_epoch_and_drops_the_incomplete_batch():
+    data = np.arange(50, dtype=np.int32)[:, None].repeat(4, axis=1)  # row i is all i
+    loader = TrainLoader(data, global_batch_size=8, mesh=make_mesh(8), seed=0)
+    assert loader.steps_per_epoch == 6
+    epochs = [[np.asarray(b)[:, 0] for b in loader.epoch(e)] for e in range(2)]
+    for rows in epochs:
+        seen = np.concatenate(rows)
+        assert len(seen) == 48 and len(set(seen)) == 48  # no block twice within an epoch
+    assert not np.array_equal(np.concatenate(epochs[0]), np.concatenate(epochs[1]))
+    again = [np.asarray(b)[:, 0] for b in loader.epoch(1)]
+    np.testing.assert_array_equal(np.concatenate(again), np.concatenate(epochs[1]))  # seeded
+    resumed = [np.asarray(b)[:, 0] for b in loader.epoch(1, start_step=4)]
+    np.testing.assert_array_equal(np.concatenate(resumed), np.concatenate(epochs[1][4:]))

@@ -1,0 +1,202 @@
+"""Tests of `flaxlm.data.tokenizer`: training a byte-level BPE, the cache, loading, and checks."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import datasets
+import pytest
+import transformers
+
+from flaxlm.config import TokenizerConfig
+from flaxlm.data import tokenizer as tokenizer_module
+from flaxlm.data.tokenizer import prepare_tokenizer, token_byte_lengths
+from flaxlm.errors import FlaxlmError
+
+MODEL_VOCAB = 512
+SETTINGS = TokenizerConfig(vocab_size=400)
+SPECIAL_IDS = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, "<mask>": 4}
+
+_DOCUMENTS = [
+    "The ferry left the harbour at dawn, and the gulls followed it out past the lighthouse.",
+    "Þórður fór út í búð og keypti smjör, brauð og ost. Hann sagði: «Það er gott veður í dag».",
+    "Søren og Åse bor i et lille hus ved fjorden; om sommeren går de tur i skoven.",
+    "Café crème, naïve résumé, déjà vu: l'été dernier, nous sommes allés à la mer.",
+    "漢字とかなを混ぜた文章です。東京は晴れ、大阪は雨でした。",
+    "Emoji too: 🙂🚀🐟 and a family 👨‍👩‍👧 — plus “smart quotes” and a tab\tin between.",
+    "Spaces  twice , a space before a comma . and trailing spaces   ",
+]
+DOCUMENTS = _DOCUMENTS * 4
+UNSEEN = ["Ægir ók yfir heiðina 🌋 með 3 € í vasanum.", " leading space", "line\nbreaks\n\n"]
+
+
+def dataset(documents) -> datasets.Dataset:
+    return datasets.Dataset.from_dict({"text": list(documents)})
+
+
+def trained_dirs(cache_dir: Path) -> list[Path]:
+    return sorted((cache_dir / "tokenizers").iterdir())
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tokenizer-cache")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(cache_dir):
+    return prepare_tokenizer(SETTINGS, dataset(DOCUMENTS), MODEL_VOCAB, str(cache_dir))
+
+
+@pytest.fixture(scope="module")
+def saved_dir(tokenizer, cache_dir) -> Path:
+    [directory] = trained_dirs(cache_dir)
+    return directory
+
+
+@pytest.fixture
+def count_training(monkeypatch) -> list[int]:
+    """Record the vocab size of every BPE training run."""
+    calls = []
+    train_bpe = tokenizer_module.train_bpe
+
+    def counting(settings, texts, vocab_size):
+        calls.append(vocab_size)
+        return train_bpe(settings, texts, vocab_size)
+
+    monkeypatch.setattr(tokenizer_module, "train_bpe", counting)
+    return calls
+
+
+@pytest.mark.parametrize("text", [*_DOCUMENTS, *UNSEEN])
+def test_encode_decode_round_trip_is_exact(tokenizer, text):
+    ids = tokenizer(text)["input_ids"]
+    assert ids and not set(ids) & set(SPECIAL_IDS.values())
+    assert tokenizer.decode(ids) == text
+
+
+def test_saved_directory_loads_with_auto_tokenizer_and_gives_the_same_ids(tokenizer, saved_dir):
+    assert (saved_dir / "tokenizer.json").is_file()
+    loaded = transformers.AutoTokenizer.from_pretrained(saved_dir)
+    for text in [*_DOCUMENTS, *UNSEEN]:
+        assert loaded(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert loaded.get_vocab() == tokenizer.get_vocab()
+    assert (loaded.eos_token_id, loaded.pad_token_id) == (2, 1)
+
+
+def test_no_temporary_directory_is_left_in_the_cache(saved_dir):
+    assert [p.name for p in saved_dir.parent.iterdir()] == [saved_dir.name]
+
+
+@pytest.mark.parametrize(("token", "token_id"), SPECIAL_IDS.items())
+def test_special_tokens_have_the_seed_ids(tokenizer, token, token_id):
+    assert tokenizer.convert_tokens_to_ids(token) == token_id
+    assert tokenizer(token)["input_ids"] == [token_id]  # one token, never split
+    role = {"<s>": "bos", "<pad>": "pad", "</s>": "eos", "<unk>": "unk", "<mask>": "mask"}[token]
+    assert getattr(tokenizer, f"{role}_token_id") == token_id
+
+
+@pytest.mark.parametrize("vocab_size", [270, 300, 400])
+def test_vocab_is_at_most_the_requested_size(tmp_path, vocab_size):
+    settings = TokenizerConfig(vocab_size=vocab_size)
+    tokenizer = prepare_tokenizer(settings, dataset(DOCUMENTS), MODEL_VOCAB, str(tmp_path))
+    assert 256 + len(SPECIAL_IDS) < len(tokenizer) <= vocab_size
+
+
+def test_vocab_size_defaults_to_the_models(tmp_path):
+    tokenizer = prepare_tokenizer(TokenizerConfig(), dataset(DOCUMENTS), 300, str(tmp_path))
+    assert 256 + len(SPECIAL_IDS) < len(tokenizer) <= 300
+
+
+def test_same_text_and_settings_reuse_the_cached_tokenizer(tokenizer, cache_dir, monkeypatch):
+    def no_training(*args):
+        raise AssertionError("retrained although a cached tokenizer exists")
+
+    monkeypatch.setattr(tokenizer_module, "train_bpe", no_training)
+    again = prepare_tokenizer(SETTINGS, dataset(DOCUMENTS), MODEL_VOCAB, str(cache_dir))
+    assert again.get_vocab() == tokenizer.get_vocab()
+    assert len(trained_dirs(cache_dir)) == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "documents", "settings"),
+    [
+        ("text", [*DOCUMENTS, "One more document."], SETTINGS),
+        ("document split", [" ".join(DOCUMENTS[:2]), *DOCUMENTS[2:]], SETTINGS),
+        ("vocab_size", DOCUMENTS, dataclasses.replace(SETTINGS, vocab_size=350)),
+        ("min_frequency", DOCUMENTS, dataclasses.replace(SETTINGS, min_frequency=3)),
+    ],
+)
+def test_a_change_of_text_or_setting_retrains(tmp_path, count_training, change, documents,
+                                              settings):
+    prepare_tokenizer(SETTINGS, dataset(DOCUMENTS), MODEL_VOCAB, str(tmp_path))
+    prepare_tokenizer(settings, dataset(documents), MODEL_VOCAB, str(tmp_path))
+    assert len(count_training) == 2, f"a changed {change} did not retrain"
+    assert len(trained_dirs(tmp_path)) == 2
+
+
+@pytest.mark.parametrize("target", ["directory", "tokenizer.json"])
+def test_tokenizer_path_loads_a_directory_or_a_bare_tokenizer_json(tokenizer, saved_dir, target,
+                                                                   count_training):
+    path = saved_dir if target == "directory" else saved_dir / "tokenizer.json"
+    loaded = prepare_tokenizer(
+        TokenizerConfig(path=str(path)), dataset(["unused"]), MODEL_VOCAB, "/nonexistent-cache"
+    )
+    assert count_training == []
+    assert loaded.get_vocab() == tokenizer.get_vocab()
+    assert loaded(UNSEEN[0])["input_ids"] == tokenizer(UNSEEN[0])["input_ids"]
+    # Packing separates documents with EOS: a loaded tokenizer must know its special tokens.
+    for token, token_id in SPECIAL_IDS.items():
+        assert loaded.convert_tokens_to_ids(token) == token_id
+    assert (loaded.bos_token_id, loaded.eos_token_id, loaded.pad_token_id) == (0, 2, 1)
+
+
+@pytest.mark.parametrize("target", ["directory", "tokenizer.json"])
+def test_eos_token_setting_applies_to_a_loaded_tokenizer(saved_dir, target):
+    # The "no end-of-sequence token" error tells the user to set tokenizer.eos_token.
+    path = saved_dir if target == "directory" else saved_dir / "tokenizer.json"
+    settings = TokenizerConfig(path=str(path), eos_token="<mask>")
+    loaded = prepare_tokenizer(settings, dataset(["unused"]), MODEL_VOCAB, "/nonexistent-cache")
+    assert loaded.eos_token_id == SPECIAL_IDS["<mask>"]
+
+
+@pytest.mark.parametrize("name", ["missing", "missing/tokenizer.json"])
+def test_missing_tokenizer_path_names_the_setting(tmp_path, name):
+    with pytest.raises(FlaxlmError) as info:
+        prepare_tokenizer(
+            TokenizerConfig(path=str(tmp_path / name)), dataset(["x"]), MODEL_VOCAB, str(tmp_path)
+        )
+    assert "tokenizer.path" in str(info.value)
+    assert str(tmp_path / name) in str(info.value)
+
+
+def test_directory_without_a_tokenizer_names_the_setting(tmp_path):
+    with pytest.raises(FlaxlmError, match="tokenizer.path"):
+        prepare_tokenizer(TokenizerConfig(path=str(tmp_path)), dataset(["x"]), MODEL_VOCAB, "/x")
+
+
+@pytest.mark.parametrize("how", ["trained", "loaded"])
+def test_tokenizer_larger_than_the_model_vocab_names_model_vocab_size(tmp_path, saved_dir,
+                                                                      tokenizer, how):
+    settings = SETTINGS if how == "trained" else TokenizerConfig(path=str(saved_dir))
+    small = len(tokenizer) - 1
+    with pytest.raises(FlaxlmError) as info:
+        prepare_tokenizer(settings, dataset(DOCUMENTS), small, str(tmp_path))
+    assert f"model.vocab_size={small}" in str(info.value)
+    assert str(len(tokenizer)) in str(info.value)
+
+
+@pytest.mark.parametrize("text", [*_DOCUMENTS, *UNSEEN, "".join(_DOCUMENTS)])
+def test_token_byte_lengths_add_up_to_the_utf8_length(tokenizer, text):
+    lengths = token_byte_lengths(tokenizer)
+    ids = tokenizer(text)["input_ids"]
+    assert int(lengths[ids].sum()) == len(text.encode("utf-8"))
+
+
+def test_token_byte_lengths_are_zero_for_special_tokens_and_positive_otherwise(tokenizer):
+    lengths = token_byte_lengths(tokenizer)
+    assert len(lengths) == len(tokenizer)
+    special = sorted(SPECIAL_IDS.values())
+    assert lengths[special].tolist() == [0] * len(special)
+    assert (lengths[len(special):] >= 1).all()

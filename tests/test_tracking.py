@@ -1,0 +1,239 @@
+"""Tests of `flaxlm.tracking`: metrics.jsonl, the W&B mode, and a real offline W&B run read back
+from its transaction log."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from wandb.proto import wandb_internal_pb2
+
+from flaxlm.config import LoggerConfig
+from flaxlm.errors import FlaxlmError
+from flaxlm.tracking import Tracker, resolve_mode, start_tracker
+
+# --- metrics.jsonl --------------------------------------------------------------------------------
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_tracker_without_wandb_appends_one_json_line_per_log(tmp_path):
+    tracker = start_tracker(LoggerConfig(name="none"), str(tmp_path), {}, name=None, group=None)
+    assert tracker.wandb_run is None
+    tracker.log({"train/loss": np.float32(2.5), "lr": jnp.asarray(1e-3)}, step=1)
+    tracker.log({"eval/loss": jnp.float32(1.25), "tokens": np.int64(4096), "note": "x"}, step=7)
+    tracker.summary({"ignored": 1.0})
+    tracker.finish()
+
+    first, second = read_jsonl(tmp_path / "metrics.jsonl")
+    assert {k: first[k] for k in ("step", "train/loss")} == {"step": 1, "train/loss": 2.5}
+    assert first["lr"] == pytest.approx(1e-3)
+    assert second == {"step": 7, "time": second["time"], "eval/loss": 1.25, "tokens": 4096,
+                      "note": "x"}
+    assert type(second["tokens"]) is int and type(second["eval/loss"]) is float
+    assert first["time"] <= second["time"]
+    assert not (tmp_path / "wandb").exists()
+
+
+def test_tracker_appends_to_an_existing_metrics_file(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "time": 0.0}\n', encoding="utf-8")
+    tracker = Tracker(str(tmp_path))
+    for step in (1, 2, 3):
+        tracker.log({"loss": np.float64(step / 2)}, step=step)
+    tracker.finish()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [(row["step"], row.get("loss")) for row in rows] == [(0, None), (1, 0.5), (2, 1.0),
+                                                                 (3, 1.5)]
+
+
+# --- W&B mode -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def wandb_env(monkeypatch, tmp_path):
+    """No W&B login anywhere: no env settings, an empty NETRC and HOME."""
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    return monkeypatch
+
+
+def write_netrc(path: Path, host: str) -> None:
+    path.write_text(f"machine {host}\n  login user\n  password secret-key\n", encoding="utf-8")
+
+
+@pytest.mark.parametrize("mode", ["online", "offline", "disabled"])
+def test_explicit_mode_is_kept(wandb_env, mode):
+    wandb_env.setenv("WANDB_MODE", "offline" if mode != "offline" else "online")
+    wandb_env.setenv("WANDB_API_KEY", "key")
+    assert resolve_mode(mode) == mode
+
+
+@pytest.mark.parametrize("env_mode", ["offline", "online", "disabled"])
+def test_auto_follows_wandb_mode_when_set(wandb_env, env_mode):
+    wandb_env.setenv("WANDB_MODE", env_mode)
+    wandb_env.setenv("WANDB_API_KEY", "key")  # would mean online if WANDB_MODE were not set
+    assert resolve_mode("auto") == env_mode
+
+
+def test_auto_is_offline_when_not_logged_in(wandb_env):
+    assert resolve_mode("auto") == "offline"
+
+
+def test_auto_is_online_with_an_api_key(wandb_env):
+    wandb_env.setenv("WANDB_API_KEY", "key")
+    assert resolve_mode("auto") == "online"
+
+
+@pytest.mark.parametrize(
+    ("base_url", "netrc_host", "expected"),
+    [
+        (None, "api.wandb.ai", "online"),
+        (None, "example.com", "offline"),
+        ("https://wandb.mycompany.net", "wandb.mycompany.net", "online"),
+        ("https://wandb.mycompany.net", "api.wandb.ai", "offline"),
+    ],
+)
+def test_auto_is_online_iff_netrc_has_the_wandb_host(wandb_env, tmp_path, base_url, netrc_host,
+                                                     expected):
+    if base_url:
+        wandb_env.setenv("WANDB_BASE_URL", base_url)
+    write_netrc(tmp_path / "netrc", netrc_host)
+    assert resolve_mode("auto") == expected
+
+
+def test_unparseable_netrc_counts_as_not_logged_in(wandb_env, tmp_path):
+    (tmp_path / "netrc").write_text("this is not a netrc file api.wandb.ai\n", encoding="utf-8")
+    assert resolve_mode("auto") == "offline"
+
+
+def test_unknown_mode_names_the_setting():
+    with pytest.raises(FlaxlmError, match=r"logger\.mode='onlin'"):
+        resolve_mode("onlin")
+
+
+# --- a real offline W&B run -----------------------------------------------------------------------
+
+CONFIG = {"model": {"name": "gpt2-tiny", "n_layer": 2, "n_embd": 64},
+          "optimizer": {"lr": 3e-4, "schedule": "linear"}, "seed": 7}
+LOGGED = [(0, {"train/loss": np.float32(4.5), "train/lr": 0.0}),
+          (10, {"train/loss": jnp.float32(3.25), "train/lr": 1e-4}),
+          (20, {"train/loss": 2.0, "train/lr": 2e-4, "eval/loss": np.float64(2.5)})]
+
+
+def read_wandb_records(path: Path) -> list:
+    """The records of a W&B transaction log (`run-*.wandb`): LevelDB log framing, i.e. a 7-byte
+    file header, then 32 KiB blocks of chunks (crc32 4, length 2, type 1, data), each
+    record one FULL chunk or FIRST, MIDDLE..., LAST, the block's tail zero-padded."""
+    data = path.read_bytes()
+    assert struct.unpack("<4sHB", data[:7]) == (b":W&B", 0xBEE1, 0)
+    records, pending, pos, block = [], b"", 7, 32768
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # no room for a chunk header: padding
+            pos += block - pos % block
+            continue
+        checksum, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0:  # zero-filled rest of the block
+            pos += block - pos % block
+            continue
+        chunk = data[pos + 7 : pos + 7 + length]
+        assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) == checksum
+        pending += chunk
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def of_type(records, kind: str) -> list:
+    return [getattr(r, kind) for r in records if r.WhichOneof("record_type") == kind]
+
+
+def items(entries) -> dict:
+    """W&B's key/value_json pairs as a dict; nested keys joined with '/'."""
+    return {e.key or "/".join(e.nested_key): json.loads(e.value_json) for e in entries}
+
+
+def offline_run(run_dir: Path, monkeypatch, exit_code: int | None) -> list:
+    monkeypatch.setenv("WANDB_DIR", str(run_dir))
+    # wandb-core writes its own logs under the user cache dir (XDG_CACHE_HOME).
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.setenv(name, str(run_dir.parent / name.lower()))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir.mkdir()
+    logger = LoggerConfig(name="wandb", wandb=True, mode="offline", tags=["test"])
+    tracker = start_tracker(logger, str(run_dir), CONFIG, name="tiny-run", group="sweep-1")
+    for step, metrics in LOGGED:
+        tracker.log(metrics, step=step)
+    tracker.summary({"final/loss": np.float32(1.5)})
+    if exit_code is None:
+        tracker.finish()
+    else:
+        tracker.finish(exit_code=exit_code)
+    assert tracker.wandb_run is None
+    [log] = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    return read_wandb_records(log)
+
+
+@pytest.fixture(scope="module")
+def failed_run(tmp_path_factory) -> tuple[Path, list]:
+    run_dir = tmp_path_factory.mktemp("wandb") / "run"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return run_dir, offline_run(run_dir, monkeypatch, exit_code=1)
+
+
+def test_offline_run_history_holds_the_logged_values_at_their_steps(failed_run):
+    _, records = failed_run
+    history = of_type(records, "history")
+    rows = [items(h.item) for h in history]
+    assert [h.step.num for h in history] == [step for step, _ in LOGGED]
+    assert [row["_step"] for row in rows] == [step for step, _ in LOGGED]
+    for row, (_, metrics) in zip(rows, LOGGED):
+        expected = {k: pytest.approx(float(v)) for k, v in metrics.items()}
+        assert {k: row[k] for k in metrics} == expected
+
+
+def test_offline_run_records_config_name_group_and_tags(failed_run):
+    _, records = failed_run
+    [run] = of_type(records, "run")
+    config = items(run.config.update)
+    for update in of_type(records, "config"):  # later config changes, if any
+        config.update(items(update.update))
+    assert {k: config[k] for k in CONFIG} == CONFIG
+    assert config["model"]["n_layer"] == 2  # nested, not flattened
+    assert (run.display_name, run.run_group, run.project) == ("tiny-run", "sweep-1", "flaxlm")
+    assert list(run.tags) == ["test"]
+
+
+def test_offline_run_summary_holds_the_final_values(failed_run):
+    _, records = failed_run
+    summary = {}
+    for update in of_type(records, "summary"):
+        summary.update(items(update.update))
+    assert summary["final/loss"] == 1.5
+
+
+def test_offline_run_also_writes_metrics_jsonl(failed_run):
+    run_dir, _ = failed_run
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [step for step, _ in LOGGED]
+    assert rows[1]["train/loss"] == 3.25
+
+
+@pytest.mark.parametrize("exit_code", [None, 1])
+def test_finish_records_the_exit_code(tmp_path, monkeypatch, failed_run, exit_code):
+    records = failed_run[1] if exit_code == 1 else offline_run(tmp_path / "run", monkeypatch, None)
+    [exit_record] = of_type(records, "exit")
+    assert exit_record.exit_code == (exit_code or 0)

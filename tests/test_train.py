@@ -1,0 +1,75 @@
+"""End to end: `train(cfg)` on the builtin corpus, and the `flaxlm-train` CLI with a multirun."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import transformers
+from conftest import TINY, compose
+
+from flaxlm.train import train
+
+SHORT_RUN = [
+    *TINY,
+    "optimizer.lr=3e-3",
+    "optimizer.warmup_steps=10",
+    "trainer.max_steps=120",
+    "trainer.eval_every=60",
+    "trainer.log_every=20",
+]
+
+
+def read_metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+def test_short_run_on_the_builtin_corpus_learns(tmp_path):
+    run_dir = tmp_path / "run"
+    final_loss = train(compose(SHORT_RUN, run_dir=run_dir))
+
+    records = read_metrics(run_dir)
+    evals = [r for r in records if "eval/loss" in r]
+    assert [r["step"] for r in evals] == [0, 60, 120]  # before training, eval_every, the end
+    assert final_loss == evals[-1]["eval/loss"]
+    # From uniform over 512 tokens (ln 512 = 6.24 nats) to well below: more than 0.8 nats.
+    assert final_loss < evals[0]["eval/loss"] - 0.8
+    assert evals[-1]["eval/perplexity"] < 0.45 * evals[0]["eval/perplexity"]
+    train_logs = [r for r in records if "train/loss" in r]
+    assert len(train_logs) == 6
+    for key in ("train/learning_rate", "train/grad_norm", "train/tokens_per_second",
+                "train/mfu", "epoch"):
+        assert all(key in r for r in train_logs[1:]), key
+
+    assert (run_dir / "config.yaml").exists()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(run_dir / "model")
+    assert tokenizer.decode(tokenizer("Return the value of x.")["input_ids"]) == (
+        "Return the value of x."
+    )
+    gpt2 = json.loads((run_dir / "model" / "config.json").read_text())
+    assert (gpt2["n_layer"], gpt2["eos_token_id"]) == (2, tokenizer.eos_token_id)
+    assert (run_dir / "model" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_multirun_gives_each_job_its_own_run_dir_and_wandb_run(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    overrides = [o for o in TINY if not o.startswith("logger")]
+    result = subprocess.run(
+        [sys.executable, "-m", "flaxlm.cli.train", "-m", "optimizer.lr=1e-3,3e-4",
+         *overrides, "logger=wandb", "trainer.max_steps=2", "language.max_train_docs=40",
+         "language.max_eval_docs=10", f"hydra.sweep.dir={sweep_dir}"],
+        capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "offline"}, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    job_dirs = sorted(glob.glob(str(sweep_dir / "[0-9]*")))
+    assert [os.path.basename(d) for d in job_dirs] == ["0", "1"]
+    for job_dir in job_dirs:
+        assert any("eval/loss" in r for r in read_metrics(job_dir))
+        assert len(glob.glob(os.path.join(job_dir, "wandb", "offline-run-*", "*.wandb"))) == 1
+    lrs = [json.loads(json.dumps(open(os.path.join(d, "config.yaml")).read())) for d in job_dirs]
+    assert "lr: 0.001" in lrs[0] and "lr: 0.0003" in lrs[1]
