@@ -34,6 +34,7 @@ TINY = [
     "model.vocab_size=512",
     "hardware.per_device_batch_size=2",
     "logger=none",
+    "hardware=cpu-8",
 ]
 
 

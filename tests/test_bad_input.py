@@ -192,9 +192,10 @@ def test_claimed_metrics_file_is_a_plain_non_executable_file(tmp_path):
 
 
 def test_train_never_writes_into_an_earlier_runs_directory(tmp_path, english):
-    train_on(tmp_path, english, "task.max_seq_length=65")  # a first run that wrote its config
+    # A first run that claims the directory, writes its config, then stops (corpus too small).
+    train_on(tmp_path, english, "hardware.per_device_batch_size=1000")
     config = (tmp_path / "run" / "config.yaml").read_bytes()
-    assert b"max_seq_length: 65" in config
+    assert b"per_device_batch_size: 1000" in config
 
     error = train_on(tmp_path, english, "seed=1")
     assert_names(error, f"run_dir={tmp_path / 'run'}")

@@ -74,7 +74,7 @@ def start_tracker(
     )
     if mode == "offline":
         print(
-            f"W&B is offline (not logged in); upload this run later with: "
+            f"W&B is offline; upload this run later with: "
             f"wandb sync {os.path.join(run_dir, 'wandb', 'offline-run-*')}"
         )
     return Tracker(run_dir, run)
@@ -94,9 +94,10 @@ def logged_in_to_wandb() -> bool:
         return True
     host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
     try:
-        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
-    except (FileNotFoundError, netrc.NetrcParseError):
+        entry = netrc.netrc(os.environ.get("NETRC")).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
         return False
+    return entry is not None and bool(entry[2])  # (login, account, password=API key)
 
 
 def _plain(value: Any) -> Any:

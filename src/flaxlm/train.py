@@ -41,11 +41,11 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     """
     config: TrainConfig = OmegaConf.to_object(cfg)
     started = time.perf_counter()
-    run_dir = claim_run_dir(config.run_dir)
-    OmegaConf.save(cfg, os.path.join(run_dir, "config.yaml"), resolve=True)
     configure_platform(config.hardware)
     mesh = make_mesh(config.hardware.num_devices)
-    seq_len = check_settings(config, mesh.size)
+    seq_len = check_settings(config, mesh.size)  # before claiming run_dir: a retry can reuse it
+    run_dir = claim_run_dir(config.run_dir)
+    OmegaConf.save(cfg, os.path.join(run_dir, "config.yaml"), resolve=True)
 
     tracker_config = {**OmegaConf.to_container(cfg, resolve=True), "choices": choices or {}}
     tracker = start_tracker(config.logger, run_dir, tracker_config, name=run_name, group=run_group)
@@ -126,7 +126,8 @@ def claim_run_dir(run_dir: str) -> str:
     run_dir = os.path.abspath(os.path.expanduser(run_dir))
     os.makedirs(run_dir, exist_ok=True)
     try:
-        os.close(os.open(os.path.join(run_dir, "metrics.jsonl"), os.O_CREAT | os.O_EXCL))
+        flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY
+        os.close(os.open(os.path.join(run_dir, "metrics.jsonl"), flags, 0o644))
     except FileExistsError:
         raise FlaxlmError(
             f"run_dir={run_dir} already holds a run (it has a metrics.jsonl), and a new run "

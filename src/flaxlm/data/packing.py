@@ -45,7 +45,8 @@ def tokenize_and_pack(
 ) -> np.ndarray:
     """(num_blocks, max_seq_length) int32 token blocks of `texts`, from the cache if present."""
     key = settings_fingerprint(
-        text_fingerprint(texts), tokenizer.backend_tokenizer.to_str(), max_seq_length
+        text_fingerprint(texts), tokenizer.backend_tokenizer.to_str(), tokenizer.eos_token_id,
+        max_seq_length,
     )
     path = os.path.join(os.path.expanduser(cache_dir), "blocks", f"{key[:24]}.npy")
     if os.path.exists(path):

@@ -31,17 +31,17 @@ def prepare_tokenizer(
 ) -> transformers.PreTrainedTokenizerFast:
     """Load `settings.path`, or train (or reuse from the cache) a BPE on `train_texts`."""
     if settings.path is not None:
-        tokenizer = load_tokenizer(settings.path)
+        tokenizer = load_tokenizer(settings.path, settings)
     else:
         vocab_size = settings.vocab_size or model_vocab_size
         key = settings_fingerprint(
-            dataclasses.asdict(settings), vocab_size, tokenizers.__version__,
-            text_fingerprint(train_texts),
+            {**dataclasses.asdict(settings), "path": None, "vocab_size": vocab_size},
+            tokenizers.__version__, transformers.__version__, text_fingerprint(train_texts),
         )
         directory = os.path.join(os.path.expanduser(cache_dir), "tokenizers", key[:20])
         if not os.path.exists(os.path.join(directory, "tokenizer.json")):
             _save_atomically(train_bpe(settings, train_texts, vocab_size), directory)
-        tokenizer = load_tokenizer(directory)
+        tokenizer = load_tokenizer(directory, settings)
     check_fits_model(tokenizer, model_vocab_size, settings)
     return tokenizer
 
@@ -70,24 +70,39 @@ def train_bpe(
     )
 
 
-def load_tokenizer(path: str) -> transformers.PreTrainedTokenizerFast:
-    """A tokenizer directory (anything `AutoTokenizer` loads) or a bare tokenizer.json file."""
+def load_tokenizer(path: str, settings: TokenizerConfig) -> transformers.PreTrainedTokenizerFast:
+    """A tokenizer directory (anything `AutoTokenizer` loads) or a bare tokenizer.json file.
+
+    The special-token roles of `settings` (bos, eos, ...) are assigned wherever the token is in
+    the vocabulary: a bare tokenizer.json carries no roles, and a directory's may differ.
+    """
     path = os.path.expanduser(path)
     try:
         if os.path.isfile(path):
-            return transformers.PreTrainedTokenizerFast(tokenizer_file=path)
-        if os.path.isdir(path):
-            return transformers.AutoTokenizer.from_pretrained(path)
+            tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=path)
+        elif os.path.isdir(path):
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        else:
+            tokenizer = None
     except (OSError, ValueError, TypeError) as err:
         raise FlaxlmError(
             f"tokenizer.path={path!r} could not be loaded as a tokenizer ({err}). Point it at a "
             "directory written by `save_pretrained` or at a tokenizer.json file, or set "
             "tokenizer.path=null to train one on the corpus."
         ) from err
-    raise FlaxlmError(
-        f"tokenizer.path={path!r} does not exist. Point it at a tokenizer directory or "
-        "tokenizer.json file, or set tokenizer.path=null to train one on the corpus."
-    )
+    if tokenizer is None:
+        raise FlaxlmError(
+            f"tokenizer.path={path!r} does not exist. Point it at a tokenizer directory or "
+            "tokenizer.json file, or set tokenizer.path=null to train one on the corpus."
+        )
+    vocab = tokenizer.get_vocab()
+    roles = {
+        f"{role}_token": getattr(settings, f"{role}_token")
+        for role in ("bos", "eos", "unk", "pad", "mask")
+        if getattr(settings, f"{role}_token") in vocab
+    }
+    tokenizer.add_special_tokens(roles)
+    return tokenizer
 
 
 def check_fits_model(tokenizer, model_vocab_size: int, settings: TokenizerConfig) -> None:
@@ -131,6 +146,8 @@ def _save_atomically(tokenizer: transformers.PreTrainedTokenizerFast, directory:
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
     try:
         tokenizer.save_pretrained(tmp)
+        if os.path.isdir(directory):  # left incomplete by an older, killed version: replace it
+            shutil.rmtree(directory)
         os.rename(tmp, directory)
     except OSError:
         if not os.path.exists(os.path.join(directory, "tokenizer.json")):
