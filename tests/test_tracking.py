@@ -4,14 +4,13 @@ from its transaction log."""
 from __future__ import annotations
 
 import json
-import struct
-import zlib
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from wandb.proto import wandb_internal_pb2
+
+from wandb_records import items, of_type, read_wandb_records
 
 from flaxlm.config import LoggerConfig
 from flaxlm.errors import FlaxlmError
@@ -127,42 +126,6 @@ CONFIG = {"model": {"name": "gpt2-tiny", "n_layer": 2, "n_embd": 64},
 LOGGED = [(0, {"train/loss": np.float32(4.5), "train/lr": 0.0}),
           (10, {"train/loss": jnp.float32(3.25), "train/lr": 1e-4}),
           (20, {"train/loss": 2.0, "train/lr": 2e-4, "eval/loss": np.float64(2.5)})]
-
-
-def read_wandb_records(path: Path) -> list:
-    """The records of a W&B transaction log (`run-*.wandb`): LevelDB log framing, i.e. a 7-byte
-    file header, then 32 KiB blocks of chunks (crc32 4, length 2, type 1, data), each
-    record one FULL chunk or FIRST, MIDDLE..., LAST, the block's tail zero-padded."""
-    data = path.read_bytes()
-    assert struct.unpack("<4sHB", data[:7]) == (b":W&B", 0xBEE1, 0)
-    records, pending, pos, block = [], b"", 7, 32768
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # no room for a chunk header: padding
-            pos += block - pos % block
-            continue
-        checksum, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if kind == 0:  # zero-filled rest of the block
-            pos += block - pos % block
-            continue
-        chunk = data[pos + 7 : pos + 7 + length]
-        assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) == checksum
-        pending += chunk
-        pos += 7 + length
-        if kind in (1, 4):  # FULL or LAST
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-            pending = b""
-    return records
-
-
-def of_type(records, kind: str) -> list:
-    return [getattr(r, kind) for r in records if r.WhichOneof("record_type") == kind]
-
-
-def items(entries) -> dict:
-    """W&B's key/value_json pairs as a dict; nested keys joined with '/'."""
-    return {e.key or "/".join(e.nested_key): json.loads(e.value_json) for e in entries}
 
 
 def offline_run(run_dir: Path, monkeypatch, exit_code: int | None) -> list:

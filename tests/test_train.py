@@ -5,10 +5,12 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import transformers
 from conftest import TINY, compose
+from wandb_records import items, of_type, read_wandb_records
 
 from flaxlm.train import train
 
@@ -68,8 +70,18 @@ def test_multirun_gives_each_job_its_own_run_dir_and_wandb_run(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     job_dirs = sorted(glob.glob(str(sweep_dir / "[0-9]*")))
     assert [os.path.basename(d) for d in job_dirs] == ["0", "1"]
+    runs = []
     for job_dir in job_dirs:
         assert any("eval/loss" in r for r in read_metrics(job_dir))
-        assert len(glob.glob(os.path.join(job_dir, "wandb", "offline-run-*", "*.wandb"))) == 1
-    lrs = [json.loads(json.dumps(open(os.path.join(d, "config.yaml")).read())) for d in job_dirs]
-    assert "lr: 0.001" in lrs[0] and "lr: 0.0003" in lrs[1]
+        [log] = glob.glob(os.path.join(job_dir, "wandb", "offline-run-*", "*.wandb"))
+        records = read_wandb_records(Path(log))
+        [run] = of_type(records, "run")
+        runs.append(run)
+        config = items(run.config.update)
+        assert config["choices"]["model"] == "gpt2-tiny"
+        assert any("eval/loss" in items(h.item) for h in of_type(records, "history"))
+        assert [e.exit_code for e in of_type(records, "exit")] == [0]
+    assert [items(r.config.update)["optimizer"]["lr"] for r in runs] == [1e-3, 3e-4]
+    assert runs[0].run_group == runs[1].run_group == sweep_dir.name
+    assert "optimizer.lr=0.001" in runs[0].display_name
+    assert "optimizer.lr=0.0003" in runs[1].display_name

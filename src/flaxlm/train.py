@@ -7,13 +7,11 @@ config becomes typed objects here, and everything below receives plain arguments
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from omegaconf import DictConfig, OmegaConf
 

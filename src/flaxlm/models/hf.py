@@ -14,7 +14,6 @@ transposed: the mapping renames and nothing else.
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
@@ -79,7 +78,3 @@ def save_pretrained(directory: str, params: dict, config: transformers.GPT2Confi
     save_file(to_hf_state_dict(params), tmp, metadata={"format": "pt"})
     os.replace(tmp, os.path.join(directory, "model.safetensors"))
 
-
-def read_config_json(directory: str) -> dict:
-    with open(os.path.join(directory, "config.json")) as f:
-        return json.load(f)
