@@ -159,9 +159,9 @@ def test_distilgpt2_has_distilgpt2s_architecture():
 
 
 def test_quickstart_defaults_are_sized_for_a_cpu():
-    """The default run is the quickstart: one epoch, 8 per device on the CPU; seed 0."""
+    """The default run is the quickstart: one epoch, 4 per device on the CPU; seed 0."""
     config = OmegaConf.to_object(compose())
-    assert (config.hardware.name, config.hardware.per_device_batch_size) == ("cpu", 8)
+    assert (config.hardware.name, config.hardware.per_device_batch_size) == ("cpu", 4)
     assert config.trainer.num_epochs == 1
     assert config.seed == 0
     assert TrainConfig.__dataclass_fields__["seed"].default == 0

@@ -94,7 +94,7 @@ def fit(
         run_eval(0, 0.0)
         tqdm.write(_describe("before training", last_eval))
 
-    pending = None  # (step, metrics on device) of the previous step
+    pending = None  # the previous step's metrics, still on the device
     step = 0
     epochs = tqdm(range(plan.num_epochs), desc="epoch", position=0)
     for epoch in epochs:
@@ -106,11 +106,11 @@ def fit(
             state, metrics = steps.train(state, inputs, dropout_key)
             step += 1
             if pending is not None:  # fetched only now, after the next step was dispatched
-                window.add(*pending)
-            pending = (step, metrics)
+                window.add(pending)
+            pending = metrics
             bar.update()
             if step % plan.log_every == 0 or step == plan.total_steps:
-                window.add(*pending)
+                window.add(pending)
                 pending = None
                 record = window.flush(epoch + bar.n / plan.steps_per_epoch)
                 bar.set_postfix(loss=f"{record['train/loss']:.3f}")
@@ -119,9 +119,9 @@ def fit(
                 run_eval(step, epoch + bar.n / plan.steps_per_epoch)
         bar.close()
         if pending is not None:
-            window.add(*pending)
+            window.add(pending)
             pending = None
-        run_eval(step, epoch + 1.0)
+        run_eval(step, epoch + bar.n / plan.steps_per_epoch)
         tqdm.write(
             f"Epoch {epoch + 1}/{plan.num_epochs} | step {step} | "
             f"train loss {window.last_loss:.4f} | lr {window.last_lr:.3g} | "
@@ -144,7 +144,7 @@ class _Window:
         self.last_lr = float("nan")
         self.last_grad_norm = float("nan")
 
-    def add(self, step: int, metrics) -> None:
+    def add(self, metrics) -> None:
         metrics = jax.device_get(metrics)
         self.losses.append(float(metrics["loss"]))
         self.last_loss = self.losses[-1]
