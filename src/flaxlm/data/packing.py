@@ -6,7 +6,8 @@ concatenated Python lists with `sum(lists, [])`, which is quadratic; here each b
 documents becomes one numpy array and the arrays are concatenated once.
 
 Packed blocks are cached as `.npy` under `<cache_dir>/blocks/`, keyed by the text, the
-tokenizer and the block length, and written to a temporary name then renamed into place.
+tokenizer, its EOS id and the block length, written to a temporary name then renamed into
+place, and read back memory-mapped.
 """
 
 from __future__ import annotations
@@ -43,17 +44,16 @@ def tokenize_and_pack(
     cache_dir: str,
     desc: str = "tokenize",
 ) -> np.ndarray:
-    """(num_blocks, max_seq_length) int32 token blocks of `texts`, from the cache if present."""
+    """(num_blocks, max_seq_length) int32 token blocks of `texts`, memory-mapped from the cache
+    (packed and cached first if absent), so a corpus larger than RAM costs only page cache."""
     key = settings_fingerprint(
         text_fingerprint(texts), tokenizer.backend_tokenizer.to_str(), tokenizer.eos_token_id,
         max_seq_length,
     )
     path = os.path.join(os.path.expanduser(cache_dir), "blocks", f"{key[:24]}.npy")
-    if os.path.exists(path):
-        return np.load(path)
-    blocks = _pack(texts, tokenizer, max_seq_length, desc)
-    _save_atomically(path, blocks)
-    return blocks
+    if not os.path.exists(path):
+        _save_atomically(path, _pack(texts, tokenizer, max_seq_length, desc))
+    return np.load(path, mmap_mode="r")
 
 
 def _pack(texts, tokenizer, max_seq_length: int, desc: str) -> np.ndarray:

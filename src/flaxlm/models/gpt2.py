@@ -50,6 +50,17 @@ def _dense(in_features: int, out_features: int, spec: GPT2Spec, rngs: nnx.Rngs, 
     )
 
 
+def _embedding(num_embeddings: int, spec: GPT2Spec, rngs: nnx.Rngs):
+    return nnx.Embed(
+        num_embeddings,
+        spec.model.n_embd,
+        dtype=spec.compute_dtype,
+        param_dtype=spec.param_dtype,
+        embedding_init=nnx.initializers.normal(spec.model.initializer_range),
+        rngs=rngs,
+    )
+
+
 def _layer_norm(spec: GPT2Spec, rngs: nnx.Rngs):
     return nnx.LayerNorm(
         spec.model.n_embd,
@@ -146,23 +157,8 @@ class GPT2LMHeadModel(nnx.Module):
                 f"model.activation_function={cfg.activation_function!r} is not one of "
                 f"{sorted(ACTIVATIONS)}"
             )
-        embed_init = nnx.initializers.normal(cfg.initializer_range)
-        self.wte = nnx.Embed(
-            cfg.vocab_size,
-            cfg.n_embd,
-            dtype=spec.compute_dtype,
-            param_dtype=spec.param_dtype,
-            embedding_init=embed_init,
-            rngs=rngs,
-        )
-        self.wpe = nnx.Embed(
-            cfg.n_positions,
-            cfg.n_embd,
-            dtype=spec.compute_dtype,
-            param_dtype=spec.param_dtype,
-            embedding_init=embed_init,
-            rngs=rngs,
-        )
+        self.wte = _embedding(cfg.vocab_size, spec, rngs)
+        self.wpe = _embedding(cfg.n_positions, spec, rngs)
         self.drop = nnx.Dropout(cfg.embd_pdrop)
         self.h = nnx.List([Block(spec, rngs) for _ in range(cfg.n_layer)])
         self.ln_f = _layer_norm(spec, rngs)

@@ -76,5 +76,6 @@ def save_pretrained(directory: str, params: dict, config: transformers.GPT2Confi
     config.save_pretrained(directory)
     tmp = os.path.join(directory, "model.safetensors.tmp")
     save_file(to_hf_state_dict(params), tmp, metadata={"format": "pt"})
+    os.chmod(tmp, 0o644)  # an ordinary, shareable file, like config.json beside it
     os.replace(tmp, os.path.join(directory, "model.safetensors"))
 
