@@ -1,0 +1,307 @@
+"""Tests of the experiment presets and the per-language corpora: each preset is the recipe it names
+(the seed notebook, its uncapped variant, the reference Flax CLM script's Norwegian GPT-2, the
+quickstart), every hub language names its corpus, config and licence, and loads and trains on a
+local stand-in laid out like the Hub dataset. The Hub itself is unreachable here: a language whose
+corpus cannot be reached fails with a FlaxlmError naming the dataset and config."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import re
+from pathlib import Path
+
+import datasets
+import huggingface_hub
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import CONF_DIR, compose
+from flaxlm.config import CorpusSource, Schedule
+from flaxlm.data.corpus import load_corpus
+from flaxlm.errors import FlaxlmError
+from flaxlm.train import train
+
+LANGUAGE_DIR = Path(CONF_DIR) / "language"
+
+FINEWEB_2 = {
+    "is": "isl_Latn",
+    "no": "nob_Latn",
+    "da": "dan_Latn",
+    "sv": "swe_Latn",
+    "de": "deu_Latn",
+    "fr": "fra_Latn",
+    "es": "spa_Latn",
+    "fi": "fin_Latn",
+}
+# language option -> (hub_path, hub_config, a fragment of the licence)
+HUB_CORPORA = {
+    **{code: ("HuggingFaceFW/fineweb-2", cfg, "ODC-By 1.0") for code, cfg in FINEWEB_2.items()},
+    "en": ("HuggingFaceFW/fineweb", "sample-10BT", "ODC-By 1.0"),
+    "is-wikipedia": ("wikimedia/wikipedia", "20231101.is", "CC-BY-SA-3.0"),
+}
+HUB_LANGUAGES = sorted(HUB_CORPORA)
+
+
+def config_of(overrides):
+    return OmegaConf.to_object(compose(overrides))
+
+
+@pytest.fixture(autouse=True)
+def isolated_hub_caches(tmp_path, monkeypatch):
+    """`datasets` prepares local files in its cache: keep that out of the user's ~/.cache, and keep
+    the Hub offline (conftest sets HF_HUB_OFFLINE before `datasets` is imported)."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-datasets")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+# --- local stand-ins for the Hub datasets ---------------------------------------------------------
+
+_WORDS = (
+    "og í að er sem á það var til með fyrir en um af hann hún við þetta eru ekki sér eftir "
+    "landið fólk veður fjall sjór hús bók saga dagur nótt vatn eldur jökull fjörður bátur "
+    "skrifa lesa tala ganga sigla búa vinna hugsa segja sjá koma fara gera vita eiga "
+    "stór lítill gamall nýr góður fallegur kaldur heitur langur stuttur"
+).split()
+
+
+def documents(n: int, seed: int = 0) -> list[str]:
+    """`n` documents of pseudo-Icelandic: a few sentences of 6-14 words each."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        sentences = [
+            " ".join(rng.choice(_WORDS) for _ in range(rng.randint(6, 14))).capitalize() + "."
+            for _ in range(rng.randint(2, 5))
+        ]
+        docs.append(" ".join(sentences))
+    return docs
+
+
+def write_hub_stand_in(
+    root: Path, config: str, train_docs: list[str], test_docs: list[str]
+) -> Path:
+    """A directory laid out like a Hub dataset repo: a README whose YAML declares `config` with a
+    train and a test split, parquet shards under data/<config>/<split>/, and the extra columns
+    FineWeb-2 and Wikipedia carry next to `text`."""
+    for split, docs in (("train", train_docs), ("test", test_docs)):
+        folder = root / "data" / config / split
+        folder.mkdir(parents=True)
+        half = (len(docs) + 1) // 2
+        for shard, part in enumerate((docs[:half], docs[half:])):
+            table = pa.table(
+                {
+                    "id": [f"{split}-{shard}-{i}" for i in range(len(part))],
+                    "url": [f"https://example.is/{split}/{shard}/{i}" for i in range(len(part))],
+                    "text": part,
+                    "language_score": [0.99] * len(part),
+                }
+            )
+            pq.write_table(table, folder / f"{shard:03d}_00000.parquet")
+    (root / "README.md").write_text(
+        "---\nlicense: odc-by\nconfigs:\n"
+        f"- config_name: {config}\n  data_files:\n"
+        f"  - split: train\n    path: data/{config}/train/*\n"
+        f"  - split: test\n    path: data/{config}/test/*\n---\n# A local stand-in\n",
+        encoding="utf-8",
+    )
+    return root
+
+
+# --- the languages --------------------------------------------------------------------------------
+
+
+def test_the_shipped_languages_are_the_hub_corpora_plus_the_offline_ones():
+    shipped = {p.stem for p in LANGUAGE_DIR.glob("*.yaml")}
+    assert shipped == {*HUB_CORPORA, "en-builtin", "files"}
+    assert config_of(["language=en-builtin"]).language.source == CorpusSource.builtin
+    assert config_of(["language=files"]).language.source == CorpusSource.files
+
+
+@pytest.mark.parametrize("option", HUB_LANGUAGES)
+def test_every_hub_language_names_its_corpus_config_split_column_and_licence(option):
+    language = config_of([f"language={option}"]).language
+    hub_path, hub_config, licence = HUB_CORPORA[option]
+    assert language.name == option
+    assert language.source == CorpusSource.hub
+    assert re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", language.hub_path)
+    assert (language.hub_path, language.hub_config) == (hub_path, hub_config)
+    assert (language.hub_split, language.text_column) == ("train", "text")
+    assert language.hub_revision is None
+    assert licence in language.licence
+    assert language.validation_fraction == 0.05
+    assert (language.max_train_docs, language.max_eval_docs) == (None, None)
+    # The comment says how big it is and that it needs the network; the large ones warn that,
+    # without streaming, the whole config is downloaded.
+    comment = (LANGUAGE_DIR / f"{option}.yaml").read_text(encoding="utf-8").lower()
+    assert "network" in comment
+    assert re.search(r"\b(mb|gb)\b", comment)
+    if hub_path.startswith("HuggingFaceFW/"):
+        assert "streaming" in comment and "whole" in comment
+
+
+@pytest.mark.parametrize("option", HUB_LANGUAGES)
+def test_every_hub_language_loads_a_local_stand_in_laid_out_like_its_corpus(option, tmp_path):
+    _, hub_config, _ = HUB_CORPORA[option]
+    train_docs, test_docs = documents(40, seed=1), documents(5, seed=2)
+    root = write_hub_stand_in(tmp_path / "hub", hub_config, train_docs, test_docs)
+
+    # Only the location changes: the config name, split and text column are the YAML's own.
+    language = config_of([f"language={option}", f"language.hub_path={root}"]).language
+    splits = load_corpus(language)
+    assert splits.train.column_names == ["text"] == splits.validation.column_names
+    assert list(splits.validation["text"]) == train_docs[:2]  # the FIRST 5% (ceil of 2.0)
+    assert list(splits.train["text"]) == train_docs[2:]
+
+
+def test_a_hub_language_also_loads_a_single_config_repo_with_hub_config_null(tmp_path):
+    docs = documents(20)
+    (tmp_path / "data").mkdir()
+    for shard, part in enumerate((docs[:10], docs[10:])):
+        pq.write_table(
+            pa.table({"text": part}), tmp_path / "data" / f"train-{shard:05d}-of-00002.parquet"
+        )
+    language = config_of(
+        ["language=is", f"language.hub_path={tmp_path}", "language.hub_config=null"]
+    ).language
+    splits = load_corpus(language)
+    assert list(splits.validation["text"]) + list(splits.train["text"]) == docs
+
+
+@pytest.mark.parametrize("option", HUB_LANGUAGES)
+def test_an_unreachable_corpus_fails_naming_the_dataset_and_config(option):
+    hub_path, hub_config, _ = HUB_CORPORA[option]
+    language = config_of([f"language={option}"]).language
+    with pytest.raises(FlaxlmError) as info:
+        load_corpus(language)
+    message = str(info.value)
+    assert f"language.hub_path={hub_path!r}" in message
+    assert f"language.hub_config={hub_config!r}" in message
+    assert "network" in message and "HF_TOKEN" in message
+
+
+# --- the presets ----------------------------------------------------------------------------------
+
+
+def assert_seed_notebook_recipe(config):
+    """Everything of the seed notebook except the document caps."""
+    assert (config.language.name, config.language.hub_path, config.language.hub_config) == (
+        "is", "HuggingFaceFW/fineweb-2", "isl_Latn"
+    )
+    assert config.language.validation_fraction == 0.05
+    model = config.model
+    assert model.name == "distilgpt2"
+    assert (model.n_layer, model.n_embd, model.n_head) == (6, 768, 12)
+    assert (model.vocab_size, model.n_positions) == (50257, 1024)
+    tokenizer = config.tokenizer
+    assert tokenizer.path is None and tokenizer.vocab_size is None  # a fresh BPE of 50257
+    assert tokenizer.min_frequency == 2
+    assert tokenizer.special_tokens == ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    assert config.task.max_seq_length == 512
+    assert config.hardware.per_device_batch_size == 16
+    assert config.trainer.num_epochs == 10 and config.trainer.max_steps is None
+    optimizer = config.optimizer
+    assert optimizer.name == "adamw"
+    assert (optimizer.lr, optimizer.b1, optimizer.b2, optimizer.eps) == (3e-4, 0.9, 0.98, 1e-8)
+    assert optimizer.weight_decay == 0.01
+    assert (optimizer.schedule, optimizer.warmup_steps, optimizer.end_lr) == (
+        Schedule.linear, 0, 0.0
+    )
+    assert config.seed == 0
+
+
+def test_oscar_is_distilgpt2_is_the_seed_notebook():
+    config = config_of(["experiment=oscar-is-distilgpt2"])
+    assert_seed_notebook_recipe(config)
+    assert (config.language.max_train_docs, config.language.max_eval_docs) == (20000, 2000)
+    header = (Path(CONF_DIR) / "experiment" / "oscar-is-distilgpt2.yaml").read_text("utf-8")
+    for figure in ("5.66", "305.6", "3.67", "39.1", "2.42", "v2-8", "v3-8"):
+        assert figure in header
+
+
+def test_oscar_is_distilgpt2_full_is_the_same_without_the_caps():
+    full = compose(["experiment=oscar-is-distilgpt2-full"])
+    assert_seed_notebook_recipe(OmegaConf.to_object(full))
+    assert (full.language.max_train_docs, full.language.max_eval_docs) == (None, None)
+    capped = OmegaConf.to_container(compose(["experiment=oscar-is-distilgpt2"]), resolve=True)
+    capped["language"].update(max_train_docs=None, max_eval_docs=None)
+    assert OmegaConf.to_container(full, resolve=True) == capped
+
+
+def test_gpt2_no_is_the_reference_flax_clm_scripts_norwegian_run():
+    config = config_of(["experiment=gpt2-no"])
+    assert (config.language.name, config.language.hub_path, config.language.hub_config) == (
+        "no", "HuggingFaceFW/fineweb-2", "nob_Latn"
+    )
+    model = config.model
+    assert model.name == "gpt2"
+    assert (model.n_layer, model.n_embd, model.n_head, model.vocab_size) == (12, 768, 12, 50257)
+    assert config.task.max_seq_length == 512
+    assert config.hardware.per_device_batch_size == 64
+    assert config.trainer.num_epochs == 20
+    optimizer = config.optimizer
+    assert (optimizer.lr, optimizer.warmup_steps) == (5e-3, 1000)
+    assert optimizer.schedule == Schedule.linear
+    assert (optimizer.b1, optimizer.b2, optimizer.weight_decay) == (0.9, 0.98, 0.01)
+    header = (Path(CONF_DIR) / "experiment" / "gpt2-no.yaml").read_text("utf-8")
+    assert "3.24" in header and "25.7" in header
+
+
+def test_quickstart_preset_is_exactly_the_default_run():
+    named = OmegaConf.to_container(compose(["experiment=quickstart"]), resolve=True)
+    assert named == OmegaConf.to_container(compose(), resolve=True)
+    config = config_of(["experiment=quickstart"])
+    assert (config.language.name, config.model.name, config.hardware.name) == (
+        "en-builtin", "gpt2-tiny", "cpu"
+    )
+    assert (config.optimizer.name, config.trainer.num_epochs) == ("adamw", 1)
+    assert config.task.max_seq_length is None
+
+
+@pytest.mark.parametrize(
+    ("experiment", "batch"), [("oscar-is-distilgpt2", 16), ("gpt2-no", 64)]
+)
+@pytest.mark.parametrize("hardware", ["cpu", "gpu", "tpu"])
+def test_a_presets_batch_holds_on_any_hardware(experiment, batch, hardware):
+    # experiment comes after the hardware group in train.yaml's defaults list: its values win.
+    for overrides in ([f"hardware={hardware}", f"experiment={experiment}"],
+                      [f"experiment={experiment}", f"hardware={hardware}"]):
+        config = config_of(overrides)
+        assert (config.hardware.name, config.hardware.per_device_batch_size) == (hardware, batch)
+
+
+def test_the_seed_notebook_preset_trains_on_a_local_stand_in(tmp_path):
+    """experiment=oscar-is-distilgpt2 end to end, shrunk to seconds: the shrinking overrides come
+    AFTER the experiment, so they win; the corpus is a local copy laid out like FineWeb-2."""
+    root = write_hub_stand_in(tmp_path / "hub", "isl_Latn", documents(300), documents(10, seed=3))
+    run_dir = tmp_path / "run"
+    cfg = compose(
+        [
+            "experiment=oscar-is-distilgpt2",
+            "model.n_layer=2",
+            "model.n_embd=64",
+            "model.n_head=4",
+            "model.n_positions=64",
+            "model.vocab_size=512",
+            "task.max_seq_length=64",
+            "hardware=cpu-8",
+            "hardware.per_device_batch_size=2",
+            "trainer.max_steps=3",
+            "logger=none",
+            f"language.hub_path={root}",
+        ],
+        run_dir=run_dir,
+    )
+    config = OmegaConf.to_object(cfg)
+    assert (config.language.max_train_docs, config.optimizer.lr, config.seed) == (20000, 3e-4, 0)
+
+    loss = train(cfg)
+    assert math.isfinite(loss) and loss > 0
+    assert os.path.exists(run_dir / "model" / "model.safetensors")
+    saved = OmegaConf.load(run_dir / "config.yaml")
+    assert (saved.language.hub_config, saved.task.max_seq_length) == ("isl_Latn", 64)
