@@ -71,25 +71,44 @@ class ModelConfig:
     initializer_range: float = 0.02
 
 
+class OptimizerKind(str, enum.Enum):
+    """Which optax optimizer; `name` is only the option's label (conf/optimizer/<name>.yaml)."""
+
+    adamw = "adamw"  # optax.adamw: Adam with decoupled weight decay (the seed's)
+    adafactor = "adafactor"  # optax.adafactor: factored second moments, relative step sizes
+    lion = "lion"  # optax.lion: sign of an interpolated momentum (Chen et al. 2023)
+    sgd = "sgd"  # optax.sgd: plain, heavy-ball or Nesterov momentum
+
+
 class Schedule(str, enum.Enum):
     linear = "linear"  # warmup, then linear decay to end_lr (the seed's schedule)
     cosine = "cosine"  # warmup, then cosine decay to end_lr
     constant = "constant"  # warmup, then flat
+    wsd = "wsd"  # warmup, flat, then linear decay to end_lr over the last decay_fraction of steps
 
 
 @dataclasses.dataclass
 class OptimizerConfig:
-    """HOW to step: AdamW with a warmup + decay learning-rate schedule."""
+    """HOW to step: an optax optimizer with a warmup + decay learning-rate schedule.
+
+    Not every field applies to every kind; each conf/optimizer/*.yaml says which it ignores.
+    """
 
     name: str = MISSING
+    kind: OptimizerKind = OptimizerKind.adamw
     lr: float = 3e-4
-    b1: float = 0.9
-    b2: float = 0.98
-    eps: float = 1e-8
+    b1: float = 0.9  # adamw, lion
+    b2: float = 0.98  # adamw, lion
+    eps: float = 1e-8  # adamw
+    # Masked off biases and LayerNorm scales. adamw, lion: decoupled, × the scheduled lr;
+    # sgd: L2 added to the gradient; adafactor: × the parameter each step, not × the lr.
     weight_decay: float = 0.01
+    momentum: Optional[float] = None  # sgd, adafactor; null → no momentum
+    nesterov: bool = False  # sgd
     schedule: Schedule = Schedule.linear
     warmup_steps: int = 0
     end_lr: float = 0.0
+    decay_fraction: float = 0.1  # wsd: the last fraction of all steps, spent decaying
     max_grad_norm: Optional[float] = None  # None → no clipping, as in the seed
 
 
@@ -142,9 +161,14 @@ class TrainerConfig:
 
     num_epochs: int = 10
     max_steps: Optional[int] = None  # if set, overrides num_epochs
-    # null → hardware.per_device_batch_size × devices (the seed); if set, must divide evenly
-    # over the devices. Fixing it keeps a run's recipe the same on different hardware.
+    # Rows per optimizer step. null → hardware.per_device_batch_size × devices ×
+    # grad_accum_steps (the seed: × 1); if set, must divide evenly over devices ×
+    # grad_accum_steps. Fixing it keeps a run's recipe the same on different hardware.
     global_batch_size: Optional[int] = None
+    # Micro-batches per optimizer step: their gradients are averaged inside one jitted step
+    # before a single update, so a small machine reaches a large batch (GPT-2's 512 sequences).
+    # Steps and the schedule count optimizer steps.
+    grad_accum_steps: int = 1
     eval_every: Optional[int] = None  # steps; null → only at the end of each epoch
     log_every: int = 10  # steps between train-metric log lines
     eval_before_training: bool = True

@@ -95,7 +95,7 @@ def _train(config: TrainConfig, run_dir: str, mesh, seq_len: int, tracker) -> di
     model = GPT2LMHeadModel(spec, nnx.Rngs(params=init_key))
     graphdef, state = create_state(model, tx)
     state = jax.device_put(state, replicated(mesh))
-    steps = compile_steps(mesh, graphdef, tx, schedule)
+    steps = compile_steps(mesh, graphdef, tx, schedule, config.trainer.grad_accum_steps)
 
     eval_batch = config.hardware.per_device_eval_batch_size or config.hardware.per_device_batch_size
     token_bytes = jax.device_put(jnp.asarray(token_byte_lengths(tokenizer)), replicated(mesh))
@@ -156,6 +156,7 @@ def check_settings(config: TrainConfig, num_devices: int) -> int:
         ("hardware.per_device_batch_size", config.hardware.per_device_batch_size),
         ("trainer.num_epochs", config.trainer.num_epochs),
         ("trainer.log_every", config.trainer.log_every),
+        ("trainer.grad_accum_steps", config.trainer.grad_accum_steps),
     ]:
         if value < 1:
             raise FlaxlmError(f"{key}={value} must be at least 1.")
@@ -170,17 +171,22 @@ def check_settings(config: TrainConfig, num_devices: int) -> int:
 
 
 def global_batch_size(config: TrainConfig, num_devices: int) -> int:
-    """trainer.global_batch_size if set (it must split evenly over the devices), else
-    hardware.per_device_batch_size × devices, as in the seed."""
+    """Rows per optimizer step, all trainer.grad_accum_steps micro-batches together:
+    trainer.global_batch_size if set (it must split evenly into the micro-batches and each over
+    the devices), else hardware.per_device_batch_size × devices × grad_accum_steps, as in the
+    seed (which did not accumulate: × 1)."""
     wanted = config.trainer.global_batch_size
+    accum = config.trainer.grad_accum_steps
     if wanted is None:
-        return config.hardware.per_device_batch_size * num_devices
-    if wanted < 1 or wanted % num_devices:
+        return config.hardware.per_device_batch_size * num_devices * accum
+    split = num_devices * accum
+    if wanted < 1 or wanted % split:
         raise FlaxlmError(
-            f"trainer.global_batch_size={wanted} does not divide evenly over the {num_devices} "
+            f"trainer.global_batch_size={wanted} does not divide evenly into "
+            f"trainer.grad_accum_steps={accum} micro-batch(es) over the {num_devices} "
             f"devices of the mesh (hardware={config.hardware.name}). Use a multiple of "
-            f"{num_devices}, e.g. {max(1, round(wanted / num_devices)) * num_devices}, or set it "
-            "to null to use hardware.per_device_batch_size × devices."
+            f"{split}, e.g. {max(1, round(wanted / split)) * split}, or set it to null to use "
+            "hardware.per_device_batch_size × devices × trainer.grad_accum_steps."
         )
     return wanted
 
@@ -198,9 +204,10 @@ def check_corpus_size(config: TrainConfig, train_blocks: int, eval_blocks: int, 
     if train_blocks < batch_size:
         raise FlaxlmError(
             f"The training split of {where} makes {train_blocks} block(s) of {seq_len} tokens, "
-            f"fewer than one global batch of {batch_size} (per-device batch × devices). Use "
-            "more text (or a larger language.max_train_docs), or lower "
-            "hardware.per_device_batch_size or task.max_seq_length."
+            f"fewer than one global batch of {batch_size} (per-device batch × devices × "
+            "trainer.grad_accum_steps). Use more text (or a larger language.max_train_docs), "
+            "or lower hardware.per_device_batch_size, trainer.grad_accum_steps or "
+            "task.max_seq_length."
         )
 
 

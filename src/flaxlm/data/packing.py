@@ -63,6 +63,7 @@ def _pack(texts, tokenizer, max_seq_length: int, desc: str) -> np.ndarray:
         batch = texts[start : start + ENCODE_BATCH]["text"]
         encodings = backend.encode_batch(batch, add_special_tokens=False)
         streams.append(join_documents([e.ids for e in encodings], tokenizer.eos_token_id))
+        del encodings  # free them before the next batch is encoded, not after
     return cut_blocks(np.concatenate(streams) if streams else np.zeros(0, np.int32), max_seq_length)
 
 

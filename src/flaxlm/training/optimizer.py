@@ -1,22 +1,28 @@
-"""The optimizer group as an optax transformation: AdamW with a warmup + decay schedule."""
+"""The optimizer group as an optax transformation: adamw, adafactor, lion or sgd, driven by a
+warmup + decay learning-rate schedule, with optional global-norm clipping in front."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import jax
 import optax
 
-from flaxlm.config import OptimizerConfig, Schedule
+from flaxlm.config import OptimizerConfig, OptimizerKind, Schedule
 from flaxlm.errors import FlaxlmError
 
 
 def make_schedule(opt: OptimizerConfig, total_steps: int) -> optax.Schedule:
-    """Linear warmup from 0 to `lr` over `warmup_steps`, then decay to `end_lr` at
-    `total_steps` (the seed: no warmup, linear to 0 over all training steps)."""
+    """Linear warmup from 0 to `lr` over `warmup_steps`, then the chosen shape down to `end_lr`
+    at `total_steps` (the seed: no warmup, linear to 0 over all training steps)."""
     if not 0 <= opt.warmup_steps <= total_steps:
         raise FlaxlmError(
             f"optimizer.warmup_steps={opt.warmup_steps} must be between 0 and the run's "
             f"{total_steps} training steps."
         )
+    warmup = optax.linear_schedule(0.0, opt.lr, opt.warmup_steps)
+    if opt.schedule == Schedule.wsd:
+        return _warmup_stable_decay(opt, total_steps, warmup)
     decay_steps = max(total_steps - opt.warmup_steps, 1)
     if opt.schedule == Schedule.linear:
         decay = optax.linear_schedule(opt.lr, opt.end_lr, decay_steps)
@@ -24,23 +30,91 @@ def make_schedule(opt: OptimizerConfig, total_steps: int) -> optax.Schedule:
         decay = optax.cosine_decay_schedule(opt.lr, decay_steps, alpha=opt.end_lr / opt.lr)
     else:
         decay = optax.constant_schedule(opt.lr)
-    warmup = optax.linear_schedule(0.0, opt.lr, opt.warmup_steps)
     return optax.join_schedules([warmup, decay], [opt.warmup_steps])
+
+
+def _warmup_stable_decay(opt: OptimizerConfig, total_steps: int,
+                         warmup: optax.Schedule) -> optax.Schedule:
+    """Warmup, flat at `lr`, then linear to `end_lr` over the last `decay_fraction` of all
+    steps (WSD, as named by MiniCPM, Hu et al. 2024; Hägele et al. 2024 find it matches cosine
+    given a long enough cooldown)."""
+    if not 0 < opt.decay_fraction <= 1:
+        raise FlaxlmError(
+            f"optimizer.decay_fraction={opt.decay_fraction} must be in (0, 1]: the share of "
+            "the run's steps that the wsd schedule spends decaying."
+        )
+    decay_steps = max(round(opt.decay_fraction * total_steps), 1)
+    decay_start = total_steps - decay_steps
+    if opt.warmup_steps > decay_start:
+        raise FlaxlmError(
+            f"optimizer.warmup_steps={opt.warmup_steps} overlaps the wsd decay: "
+            f"optimizer.decay_fraction={opt.decay_fraction} of the run's {total_steps} steps "
+            f"starts decaying at step {decay_start}. Lower one of them."
+        )
+    stable = optax.constant_schedule(opt.lr)
+    decay = optax.linear_schedule(opt.lr, opt.end_lr, decay_steps)
+    return optax.join_schedules([warmup, stable, decay], [opt.warmup_steps, decay_start])
 
 
 def decay_mask(params):
     """Weight decay on matrices and embeddings only: biases and LayerNorm scales are exempt."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: getattr(path[-1], "key", None) in ("kernel", "embedding"), params
+        lambda path, _: parameter_name(path) in ("kernel", "embedding"), params
     )
+
+
+def parameter_name(path) -> str | None:
+    """The last dict key on a leaf's path: `kernel` in ['h'][0]['mlp']['c_fc']['kernel'].value.
+    Not simply the path's last entry, which for an nnx.State leaf is the `.value` attribute."""
+    names = [key.key for key in path if isinstance(key, jax.tree_util.DictKey)]
+    return names[-1] if names else None
 
 
 def make_optimizer(opt: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
     if opt.lr <= 0:
         raise FlaxlmError(f"optimizer.lr={opt.lr} must be positive.")
-    adamw = optax.adamw(
+    tx = _OPTIMIZERS[opt.kind](opt, schedule)
+    if opt.max_grad_norm is None:
+        return tx
+    return optax.chain(optax.clip_by_global_norm(opt.max_grad_norm), tx)
+
+
+def _adamw(opt: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+    return optax.adamw(
         schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay, mask=decay_mask
     )
-    if opt.max_grad_norm is None:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(opt.max_grad_norm), adamw)
+
+
+def _lion(opt: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+    return optax.lion(
+        schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay, mask=decay_mask
+    )
+
+
+def _sgd(opt: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+    """optax.sgd has no weight decay: L2 is added to the gradient first, as torch.optim.SGD
+    does, so momentum carries it and the learning rate scales it."""
+    return optax.chain(
+        optax.add_decayed_weights(opt.weight_decay, mask=decay_mask),
+        optax.sgd(schedule, momentum=opt.momentum, nesterov=opt.nesterov),
+    )
+
+
+def _adafactor(opt: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+    """optax's defaults for everything else (factored second moments with decay exponent 0.8,
+    update clipping at RMS 1, steps relative to each parameter's scale). Its weight decay is
+    added after the learning rate, so it is not scaled by it; None skips that transformation."""
+    return optax.adafactor(
+        schedule,
+        momentum=opt.momentum,
+        weight_decay_rate=opt.weight_decay or None,
+        weight_decay_mask=decay_mask,
+    )
+
+
+_OPTIMIZERS: dict[OptimizerKind, Callable[..., optax.GradientTransformation]] = {
+    OptimizerKind.adamw: _adamw,
+    OptimizerKind.adafactor: _adafactor,
+    OptimizerKind.lion: _lion,
+    OptimizerKind.sgd: _sgd,
+}

@@ -1,0 +1,304 @@
+"""Optimizers, schedules, clipping and gradient accumulation.
+
+Every optimizer × schedule trains the TINY model on a fixed batch; the schedules have the values
+they promise; weight decay skips biases and LayerNorm scales; clipping sits in front of every
+optimizer; and k accumulated micro-batches make exactly the step of one k-times larger batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from conftest import TINY, compose
+from flaxlm.config import OptimizerConfig, OptimizerKind, Schedule
+from flaxlm.errors import FlaxlmError
+from flaxlm.models.gpt2 import GPT2LMHeadModel, GPT2Spec
+from flaxlm.parallel import global_batch, make_mesh, replicated
+from flaxlm.train import check_settings, global_batch_size
+from flaxlm.training.optimizer import decay_mask, make_optimizer, make_schedule
+from flaxlm.training.step import (
+    accumulate_gradients,
+    compile_steps,
+    create_state,
+    next_token_losses,
+)
+
+NO_DROPOUT = ["model.resid_pdrop=0", "model.embd_pdrop=0", "model.attn_pdrop=0"]
+
+
+@pytest.fixture(scope="module")
+def configs():
+    """The TINY run composed with each shipped optimizer option, dropout off."""
+    return {
+        kind: OmegaConf.to_object(compose([*TINY, *NO_DROPOUT, f"optimizer={kind.value}"]))
+        for kind in OptimizerKind
+    }
+
+
+@pytest.fixture(scope="module")
+def tiny(configs):
+    """The TINY model's parameters, a fixed batch and its jitted loss-and-gradient."""
+    model = GPT2LMHeadModel(GPT2Spec(configs[OptimizerKind.adamw].model), nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    batch = jnp.asarray(np.random.default_rng(0).integers(0, 512, (8, 32)), jnp.int32)
+
+    def loss(params):
+        return next_token_losses(nnx.merge(graphdef, params)(batch), batch).mean()
+
+    return params, jax.jit(jax.value_and_grad(loss))
+
+
+def named_leaves(tree) -> list[tuple[str, np.ndarray]]:
+    """(parameter name, value) per leaf, the name read from the printed path
+    (`['h'][0]['mlp']['c_fc']['kernel'].value`), independently of decay_mask's reading."""
+    return [(jax.tree_util.keystr(path).removesuffix(".value").split("'")[-2], np.asarray(v))
+            for path, v in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+# --- optimizers ----------------------------------------------------------------------------------
+
+
+def test_every_optimizer_option_composes_to_its_kind(configs):
+    for kind, config in configs.items():
+        assert config.optimizer.name == config.optimizer.kind.value == kind.value
+
+
+@pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)
+@pytest.mark.parametrize("kind", list(OptimizerKind), ids=lambda k: k.value)
+def test_every_optimizer_and_schedule_lowers_the_loss_on_a_fixed_batch(configs, tiny, kind,
+                                                                      schedule):
+    """Each option's own YAML values (lr included), with 2 warmup steps of 6."""
+    params, loss_and_grads = tiny
+    opt = dataclasses.replace(configs[kind].optimizer, schedule=schedule, warmup_steps=2)
+    tx = make_optimizer(opt, make_schedule(opt, total_steps=6))
+    opt_state, losses = tx.init(params), []
+    for _ in range(6):
+        loss, grads = loss_and_grads(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        losses.append(float(loss))
+    losses.append(float(loss_and_grads(params)[0]))
+    assert np.all(np.isfinite(losses))
+    assert losses[-1] < losses[0] - 0.03, losses  # lion, the slowest here, drops 0.07
+
+
+@pytest.mark.parametrize("kind", list(OptimizerKind), ids=lambda k: k.value)
+def test_weight_decay_skips_biases_and_layernorm_scales(tiny, kind):
+    """With zero gradients only weight decay moves the parameters: kernels and embeddings
+    shrink towards 0, biases and LayerNorm scales stay exactly as they were."""
+    params = jax.tree.map(lambda p: p + 1.0, tiny[0])  # no zeros: biases start at 0
+    opt = OptimizerConfig(name=kind.value, kind=kind, lr=0.1, weight_decay=0.1, momentum=0.9)
+    tx = make_optimizer(opt, optax.constant_schedule(opt.lr))
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = tx.update(zeros, tx.init(params), params)
+    after = optax.apply_updates(params, updates)
+
+    decayed = exempt = 0
+    for (name, before), (_, now) in zip(named_leaves(params), named_leaves(after)):
+        if name in ("kernel", "embedding"):
+            assert np.all(np.abs(now) < np.abs(before)), name
+            decayed += 1
+        else:
+            assert name in ("bias", "scale"), name
+            np.testing.assert_array_equal(now, before, err_msg=name)
+            exempt += 1
+    assert decayed and exempt
+
+
+def test_decay_mask_names_matrices_and_embeddings_only(tiny):
+    masked_in = {name for (name, _), keep in zip(named_leaves(tiny[0]),
+                                                 jax.tree.leaves(decay_mask(tiny[0]))) if keep}
+    assert masked_in == {"kernel", "embedding"}
+
+
+@pytest.mark.parametrize("kind", list(OptimizerKind), ids=lambda k: k.value)
+def test_gradient_clipping_comes_before_every_optimizer(tiny, kind):
+    """Two steps, a large gradient then a small one: the clipping optimizer does exactly what the
+    plain one does on the clipped gradients, and not what it does on the raw ones."""
+    params, loss_and_grads = tiny
+    grads = loss_and_grads(params)[1]
+    norm = float(optax.tree.norm(grads))
+    large = jax.tree.map(lambda g: g * 100 / norm, grads)  # norm 100: clipped to 1
+    small = jax.tree.map(lambda g: -0.5 * g / norm, grads)  # norm 0.5, the other way: kept
+    opt = OptimizerConfig(name=kind.value, kind=kind, lr=1e-2, momentum=0.9)
+
+    def two_steps(tx, first):
+        state, out = tx.init(params), []
+        for g in (first, small):
+            updates, state = tx.update(g, state, params)
+            out.append(updates)
+        return out
+
+    schedule = optax.constant_schedule(opt.lr)
+    clipped = two_steps(make_optimizer(dataclasses.replace(opt, max_grad_norm=1.0), schedule),
+                        large)
+    plain = make_optimizer(opt, schedule)
+    by_hand = two_steps(plain, jax.tree.map(lambda g: g / 100, large))
+    unclipped = two_steps(plain, large)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8),
+                 clipped, by_hand)
+    differences = jax.tree.map(lambda a, b: np.abs(a - b).max(), clipped, unclipped)
+    assert max(jax.tree.leaves(differences)) > 1e-6
+
+
+# --- schedules -----------------------------------------------------------------------------------
+
+# lr 1 → end_lr 0.1 over 110 steps, the first 10 warming up from 0; wsd decays over the last 20%.
+SCHEDULE_VALUES = {
+    Schedule.linear: {60: 0.55, 85: 0.325, 110: 0.1},
+    Schedule.cosine: {35: 0.1 + 0.9 * (1 + np.cos(np.pi / 4)) / 2, 60: 0.55, 110: 0.1},
+    Schedule.constant: {60: 1.0, 110: 1.0},
+    Schedule.wsd: {60: 1.0, 88: 1.0, 99: 0.55, 110: 0.1},
+}
+
+
+@pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)
+def test_schedule_warms_up_then_takes_its_shape(schedule):
+    opt = OptimizerConfig(name="adamw", lr=1.0, end_lr=0.1, warmup_steps=10, schedule=schedule,
+                          decay_fraction=0.2)
+    lr = make_schedule(opt, total_steps=110)
+    expected = {0: 0.0, 5: 0.5, 10: 1.0, **SCHEDULE_VALUES[schedule]}
+    for step, value in expected.items():
+        np.testing.assert_allclose(float(lr(step)), value, rtol=1e-6, atol=1e-7,
+                                   err_msg=f"step {step}")
+
+
+def test_wsd_is_flat_until_its_last_decay_fraction_then_decays_every_step():
+    opt = OptimizerConfig(name="adamw", lr=1.0, end_lr=0.0, warmup_steps=10,
+                          schedule=Schedule.wsd, decay_fraction=0.2)
+    lr = make_schedule(opt, total_steps=110)
+    values = np.array([float(lr(step)) for step in range(111)])
+    assert np.all(values[10:89] == 1.0)
+    assert np.all(np.diff(values[88:]) < 0)
+    assert values[110] == 0.0
+
+
+def test_without_warmup_the_first_step_runs_at_full_lr_as_in_the_seed():
+    for schedule in Schedule:
+        opt = OptimizerConfig(name="adamw", lr=3e-4, schedule=schedule)
+        np.testing.assert_allclose(float(make_schedule(opt, total_steps=100)(0)), 3e-4)
+
+
+@pytest.mark.parametrize(
+    ("changes", "fragments"),
+    [
+        ({"warmup_steps": 95}, ["optimizer.warmup_steps=95", "optimizer.decay_fraction=0.1",
+                                "step 90"]),
+        ({"decay_fraction": 0.0}, ["optimizer.decay_fraction=0.0"]),
+        ({"decay_fraction": 1.5}, ["optimizer.decay_fraction=1.5"]),
+    ],
+)
+def test_impossible_wsd_settings_are_named(changes, fragments):
+    opt = OptimizerConfig(name="adamw", schedule=Schedule.wsd, **changes)
+    with pytest.raises(FlaxlmError) as info:
+        make_schedule(opt, total_steps=100)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("override", "fragments"),
+    [
+        ("optimizer=adam", ["Could not find 'optimizer/adam'", "adafactor", "lion", "sgd"]),
+        ("optimizer.kind=adam", ["optimizer.kind", "adam"]),
+        ("optimizer.schedule=warmup_cosine", ["optimizer.schedule", "warmup_cosine"]),
+    ],
+)
+def test_unknown_optimizer_or_schedule_fails_at_composition_naming_it(override, fragments):
+    with pytest.raises(ConfigCompositionException) as info:
+        compose([override])
+    message = f"{info.value} {info.value.__cause__}"
+    for fragment in fragments:
+        assert fragment in message
+
+
+# --- gradient accumulation -----------------------------------------------------------------------
+
+
+def test_grad_accum_steps_below_one_is_named():
+    config = OmegaConf.to_object(compose([*TINY, "trainer.grad_accum_steps=0"]))
+    with pytest.raises(FlaxlmError, match="trainer.grad_accum_steps=0"):
+        check_settings(config, num_devices=8)
+
+
+def test_global_batch_counts_every_micro_batch():
+    """TINY: 2 per device on 8 devices; 4 micro-batches make 64 rows per optimizer step."""
+    config = OmegaConf.to_object(compose([*TINY, "trainer.grad_accum_steps=4"]))
+    assert global_batch_size(config, 8) == 64
+    fixed = OmegaConf.to_object(
+        compose([*TINY, "trainer.grad_accum_steps=4", "trainer.global_batch_size=512"])
+    )
+    assert global_batch_size(fixed, 8) == 512  # GPT-2's batch, 16 rows per device at a time
+    uneven = dataclasses.replace(fixed, trainer=dataclasses.replace(fixed.trainer,
+                                                                    global_batch_size=48))
+    with pytest.raises(FlaxlmError) as info:
+        global_batch_size(uneven, 8)
+    for fragment in ("trainer.global_batch_size=48", "trainer.grad_accum_steps=4", "8 devices",
+                     "multiple of 32"):
+        assert fragment in str(info.value)
+
+
+def test_each_micro_batch_draws_its_own_dropout_key():
+    """A loss that is only its key's random draw, at optimizer step 2 of 4 micro-batches each:
+    the mean over the micro-batches is the mean of the draws of the run's micro-batches 8-11."""
+    dropout_key = jax.random.key(3)
+    draws = [float(jax.random.uniform(jax.random.fold_in(dropout_key, m))) for m in range(8, 12)]
+    assert len(set(draws)) == 4
+    loss, grads = accumulate_gradients(
+        lambda params, inputs, key: params["w"] * jax.random.uniform(key),
+        {"w": jnp.float32(1.0)}, jnp.zeros((4, 2, 3), jnp.int32), dropout_key,
+        first_micro_batch=jnp.int32(8),
+    )
+    np.testing.assert_allclose(float(loss), np.mean(draws), rtol=1e-6)
+    np.testing.assert_allclose(float(grads["w"]), np.mean(draws), rtol=1e-6)
+
+
+def test_four_accumulated_micro_batches_equal_one_step_on_the_four_times_batch(configs):
+    """On 8 devices, no dropout: 4 micro-batches of 16 rows (2 per device) make the same loss,
+    gradient norm and parameters as one step on all 64 rows, and the step counts as one.
+
+    SGD, whose update is linear in the gradient: Adam's first update is about sign(g), which
+    flips for a gradient near eps under any change of summation order.
+    """
+    config = configs[OptimizerKind.sgd]
+    schedule = make_schedule(config.optimizer, total_steps=10)  # linear from 0.1 to 0
+    tx = make_optimizer(config.optimizer, schedule)
+    graphdef, start = create_state(GPT2LMHeadModel(GPT2Spec(config.model), nnx.Rngs(0)), tx)
+    mesh = make_mesh(8)
+    start = jax.device_get(start)
+    rows = np.random.default_rng(1).integers(0, 512, (64, 16)).astype(np.int32)
+    inputs, key = global_batch(rows, mesh), jax.random.key(0)
+
+    def first_step(accum):
+        state = jax.device_put(start, replicated(mesh))
+        train = compile_steps(mesh, graphdef, tx, schedule, accum).train
+        compiled = train.lower(state, inputs, key).compile()
+        state, metrics = compiled(state, inputs, key)
+        params = nnx.to_pure_dict(jax.device_get(state.params))
+        return compiled, state, jax.device_get(metrics), params
+
+    _, _, metrics_1, params_1 = first_step(1)
+    compiled, state, metrics_4, params_4 = first_step(4)
+    np.testing.assert_allclose(metrics_4["loss"], metrics_1["loss"], rtol=1e-6)
+    np.testing.assert_allclose(metrics_4["grad_norm"], metrics_1["grad_norm"], rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-7), params_4, params_1)
+    moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), params_4,
+                         nnx.to_pure_dict(start.params))
+    assert max(jax.tree.leaves(moved)) > 1e-4  # the step did update the parameters
+
+    # One call is one optimizer step: the counter and the schedule advance by one, not by 4.
+    state, metrics = compiled(state, inputs, key)
+    assert int(state.step) == 2
+    np.testing.assert_allclose(float(metrics["learning_rate"]), float(schedule(1)))
+    # The micro-batches are cut where each device's rows already are: no rows move.
+    hlo = compiled.as_text()
+    assert "all-to-all" not in hlo and "collective-permute" not in hlo
