@@ -50,6 +50,13 @@ class LanguageConfig:
     max_train_docs: Optional[int] = None
     max_eval_docs: Optional[int] = None
     licence: str = ""
+    # Read the corpus as a stream (`datasets` IterableDataset): nothing is downloaded whole and
+    # memory stays bounded. Validation is then the first `max_eval_docs` documents of the stream
+    # (null → 1000; validation_fraction does not apply, the length being unknown),
+    # training the rest, packed on the fly; trainer.max_steps is required.
+    streaming: bool = False
+    # Streaming only: blocks shuffled together, a window at a time (seeded); 1 → stream order.
+    shuffle_buffer: int = 1000
 
 
 @dataclasses.dataclass
@@ -153,6 +160,9 @@ class TokenizerConfig:
     eos_token: str = "</s>"  # also separates documents when packing
     unk_token: str = "<unk>"
     mask_token: str = "<mask>"
+    # language.streaming only: the BPE trains on the first `train_docs` training documents of
+    # the stream (without streaming it trains on the whole training split).
+    train_docs: int = 10000
 
 
 @dataclasses.dataclass

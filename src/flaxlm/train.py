@@ -10,15 +10,17 @@ from __future__ import annotations
 import os
 import time
 
+import datasets
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from omegaconf import DictConfig, OmegaConf
 
 from flaxlm.config import TrainConfig
-from flaxlm.data.corpus import load_corpus
+from flaxlm.data.corpus import load_corpus, load_corpus_stream
 from flaxlm.data.loader import TrainLoader
 from flaxlm.data.packing import tokenize_and_pack
+from flaxlm.data.streaming import StreamingLoader, process_shard
 from flaxlm.data.tokenizer import prepare_tokenizer, token_byte_lengths
 from flaxlm.errors import FlaxlmError
 from flaxlm.models import hf
@@ -61,16 +63,9 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
 
 
 def _train(config: TrainConfig, run_dir: str, mesh, seq_len: int, tracker) -> dict:
-    corpus = load_corpus(config.language)
-    tokenizer = prepare_tokenizer(
-        config.tokenizer, corpus.train, config.model.vocab_size, config.cache_dir
-    )
-    train_blocks = tokenize_and_pack(corpus.train, tokenizer, seq_len, config.cache_dir, "tokenize train")
-    eval_blocks = tokenize_and_pack(
-        corpus.validation, tokenizer, seq_len, config.cache_dir, "tokenize validation"
-    )
     batch_size = global_batch_size(config, mesh.size)
-    check_corpus_size(config, len(train_blocks), len(eval_blocks), seq_len, batch_size)
+    prepare = _streamed_data if config.language.streaming else _packed_data
+    tokenizer, loader, eval_blocks, train_size = prepare(config, mesh, seq_len, batch_size)
 
     model_dir = os.path.join(run_dir, "model")
     tokenizer.save_pretrained(model_dir)
@@ -82,7 +77,6 @@ def _train(config: TrainConfig, run_dir: str, mesh, seq_len: int, tracker) -> di
     )
     gpt2_config.save_pretrained(model_dir)
 
-    loader = TrainLoader(train_blocks, batch_size, mesh, seed=config.seed)
     plan = make_plan(config, loader.steps_per_epoch)
     schedule = make_schedule(config.optimizer, plan.total_steps)
     tx = make_optimizer(config.optimizer, schedule)
@@ -108,7 +102,7 @@ def _train(config: TrainConfig, run_dir: str, mesh, seq_len: int, tracker) -> di
     )
     print(
         f"flaxlm: {config.model.name} ({num_params / 1e6:.2f}M params) on {mesh.size} "
-        f"{jax.default_backend()} device(s) | {len(train_blocks)} train / {len(eval_blocks)} eval "
+        f"{jax.default_backend()} device(s) | {train_size} train / {len(eval_blocks)} eval "
         f"blocks of {seq_len} tokens | global batch {batch_size} "
         f"({batch_size * seq_len} tokens/step) | {plan.total_steps} steps "
         f"({plan.steps_per_epoch}/epoch) | run dir {run_dir}"
@@ -117,6 +111,49 @@ def _train(config: TrainConfig, run_dir: str, mesh, seq_len: int, tracker) -> di
     hf.save_pretrained(model_dir, nnx.to_pure_dict(state.params), gpt2_config)
     return {**last_eval, "tokens_seen": int(state.step) * batch_size * seq_len,
             "steps": int(state.step)}
+
+
+def _packed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int):
+    """The whole corpus tokenised and packed (cached), shuffled per epoch."""
+    corpus = load_corpus(config.language)
+    tokenizer = prepare_tokenizer(
+        config.tokenizer, corpus.train, config.model.vocab_size, config.cache_dir
+    )
+    train_blocks = tokenize_and_pack(corpus.train, tokenizer, seq_len, config.cache_dir, "tokenize train")
+    eval_blocks = tokenize_and_pack(
+        corpus.validation, tokenizer, seq_len, config.cache_dir, "tokenize validation"
+    )
+    check_corpus_size(config, len(train_blocks), len(eval_blocks), seq_len, batch_size)
+    loader = TrainLoader(train_blocks, batch_size, mesh, seed=config.seed)
+    return tokenizer, loader, eval_blocks, len(train_blocks)
+
+
+def _streamed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int):
+    """language.streaming: a small validation head packed like above; training packed on the
+    fly from this process's shard of the rest of the stream."""
+    validation, train_stream = load_corpus_stream(config.language)
+    sample = datasets.Dataset.from_dict(
+        {"text": [row["text"] for row in train_stream.take(config.tokenizer.train_docs)]},
+        features=datasets.Features({"text": datasets.Value("string")}),
+    )
+    tokenizer = prepare_tokenizer(
+        config.tokenizer, sample, config.model.vocab_size, config.cache_dir
+    )
+    eval_blocks = tokenize_and_pack(
+        validation, tokenizer, seq_len, config.cache_dir, "tokenize validation"
+    )
+    check_eval_size(config, len(eval_blocks), seq_len)
+    loader = StreamingLoader(
+        process_shard(train_stream, jax.process_index(), jax.process_count()),
+        tokenizer,
+        seq_len,
+        batch_size,
+        mesh,
+        seed=config.seed,
+        shuffle_buffer=config.language.shuffle_buffer,
+        max_steps=config.trainer.max_steps,
+    )
+    return tokenizer, loader, eval_blocks, "streamed"
 
 
 def enable_compilation_cache(cache_dir: str) -> None:
@@ -167,7 +204,22 @@ def check_settings(config: TrainConfig, num_devices: int) -> int:
         if value is not None and value < 1:
             raise FlaxlmError(f"{key}={value} must be at least 1 (or null).")
     global_batch_size(config, num_devices)
+    if config.language.streaming:
+        check_streaming_settings(config)
     return seq_len
+
+
+def check_streaming_settings(config: TrainConfig) -> None:
+    if config.trainer.max_steps is None:
+        raise FlaxlmError(
+            "language.streaming=true needs trainer.max_steps: a streamed corpus has no known "
+            "length, so trainer.num_epochs cannot say how long to train. Set "
+            "trainer.max_steps, e.g. trainer.max_steps=10000."
+        )
+    for key, value in [("language.shuffle_buffer", config.language.shuffle_buffer),
+                       ("tokenizer.train_docs", config.tokenizer.train_docs)]:
+        if value < 1:
+            raise FlaxlmError(f"{key}={value} must be at least 1.")
 
 
 def global_batch_size(config: TrainConfig, num_devices: int) -> int:
@@ -193,20 +245,24 @@ def global_batch_size(config: TrainConfig, num_devices: int) -> int:
 
 def check_corpus_size(config: TrainConfig, train_blocks: int, eval_blocks: int, seq_len: int,
                       batch_size: int) -> None:
+    check_eval_size(config, eval_blocks, seq_len)
     where = f"language={config.language.name}"
-    if eval_blocks == 0:
-        raise FlaxlmError(
-            f"The validation split of {where} is shorter than one block of "
-            f"task.max_seq_length={seq_len} tokens, so there is nothing to evaluate on. Use more "
-            "text, a larger language.validation_fraction / max_eval_docs, or a smaller "
-            "task.max_seq_length."
-        )
     if train_blocks < batch_size:
         raise FlaxlmError(
             f"The training split of {where} makes {train_blocks} block(s) of {seq_len} tokens, "
             f"fewer than one global batch of {batch_size} (per-device batch × devices × "
             "trainer.grad_accum_steps). Use more text (or a larger language.max_train_docs), "
             "or lower hardware.per_device_batch_size, trainer.grad_accum_steps or "
+            "task.max_seq_length."
+        )
+
+
+def check_eval_size(config: TrainConfig, eval_blocks: int, seq_len: int) -> None:
+    if eval_blocks == 0:
+        raise FlaxlmError(
+            f"The validation split of language={config.language.name} is shorter than one block "
+            f"of task.max_seq_length={seq_len} tokens, so there is nothing to evaluate on. Use "
+            "more text, a larger language.validation_fraction / max_eval_docs, or a smaller "
             "task.max_seq_length."
         )
 

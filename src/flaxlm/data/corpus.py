@@ -368,3 +368,145 @@ def _split(corpus: datasets.Dataset, language: LanguageConfig, origin: str) -> C
     if language.max_eval_docs is not None:
         validation = validation.select(range(min(language.max_eval_docs, len(validation))))
     return CorpusSplits(train=train, validation=validation)
+
+
+# --- streaming -----------------------------------------------------------------------------------
+
+STREAMING_EVAL_DOCS = 1000  # language.max_eval_docs when streaming and null
+
+
+def load_corpus_stream(
+    language: LanguageConfig,
+) -> tuple[datasets.Dataset, datasets.IterableDataset]:
+    """(validation, train) for language.streaming: validation is the first `max_eval_docs`
+    non-blank documents of the stream, materialised (small); train is the rest of the stream,
+    never materialised. Train skips the validation head, so no document is in both."""
+    _check_split_settings(language)
+    stream = _drop_blank_stream(_open_stream(language))
+    n_validation = language.max_eval_docs or STREAMING_EVAL_DOCS
+    validation = datasets.Dataset.from_dict(
+        {"text": [row["text"] for row in stream.take(n_validation)]},
+        features=datasets.Features({"text": datasets.Value("string")}),
+    )
+    if len(validation) < n_validation:
+        raise FlaxlmError(
+            f"{_stream_origin(language)} streams only {len(validation)} non-blank document(s), "
+            f"all taken for validation (language.max_eval_docs={n_validation}), leaving none "
+            "for training. Lower language.max_eval_docs or add text."
+        )
+    train = stream.skip(n_validation)
+    if language.max_train_docs is not None:
+        train = train.take(language.max_train_docs)
+    return validation, train
+
+
+def _open_stream(language: LanguageConfig) -> datasets.IterableDataset:
+    if language.source == CorpusSource.files:
+        return _stream_files(language)
+    if language.source == CorpusSource.hub:
+        return _stream_hub(language)
+    if language.source == CorpusSource.builtin:  # small and in memory anyway: stream it as well
+        return datasets.Dataset.from_dict({"text": builtin_documents()}).to_iterable_dataset()
+    raise FlaxlmError(f"Unknown language.source={language.source!r}; use builtin, files or hub.")
+
+
+def _stream_origin(language: LanguageConfig) -> str:
+    if language.source == CorpusSource.files:
+        return f"language.files={list(language.files)}"
+    if language.source == CorpusSource.hub:
+        return f"language.hub_path={language.hub_path!r}"
+    return "the builtin corpus (language.source=builtin)"
+
+
+def _stream_hub(language: LanguageConfig) -> datasets.IterableDataset:
+    if not language.hub_path:
+        raise FlaxlmError(
+            "language.source=hub but language.hub_path is not set: name a Hub dataset, e.g. "
+            "language.hub_path=roneneldan/TinyStories, or a local directory of data files."
+        )
+    try:
+        stream = datasets.load_dataset(
+            language.hub_path,
+            language.hub_config,
+            split=language.hub_split,
+            revision=language.hub_revision,
+            streaming=True,
+        )
+    except Exception as err:  # not found, offline, gated, unknown config or split
+        raise FlaxlmError(
+            f"Could not stream language.hub_path={language.hub_path!r} "
+            f"(language.hub_config={language.hub_config!r}, language.hub_split="
+            f"{language.hub_split!r}, language.hub_revision={language.hub_revision!r}): "
+            f"{_root_cause(err)}. Check the names on the Hub, that this machine has network "
+            "access, and, for a gated corpus, that you accepted its terms and set HF_TOKEN."
+        ) from err
+    return _stream_text_column(
+        stream, language.text_column, where=f"language.hub_path={language.hub_path!r}"
+    )
+
+
+def _stream_files(language: LanguageConfig) -> datasets.IterableDataset:
+    """One stream over the files in language.files order; each file is one shard."""
+    paths = _expand(language.files)
+    for path in paths:
+        # The UTF-8 scan of _check_file would read every file once more before training.
+        if path.suffix.lower() not in _BUILDERS or path.stat().st_size == 0:
+            _check_file(path)
+    return datasets.IterableDataset.from_generator(
+        _file_documents,
+        gen_kwargs={
+            "paths": [str(p) for p in paths],  # a list: one shard per file
+            "column": language.text_column,
+            "splitting": language.text_splitting.value,
+        },
+        features=datasets.Features({"text": datasets.Value("string")}),
+    )
+
+
+def _file_documents(paths: list[str], column: str, splitting: str):
+    """Rows {"text"} of each file in turn. Data files are streamed by `datasets`; a plain-text
+    file is read whole and split as without streaming (memory: its largest file)."""
+    for name in paths:
+        path = Path(name)
+        builder = _BUILDERS[path.suffix.lower()]
+        if builder is None:
+            texts = _split_text(path.read_text(encoding="utf-8"), TextSplitting(splitting))
+            yield from ({"text": text} for text in texts)
+            continue
+        rows = datasets.load_dataset(builder, data_files=[name], split="train", streaming=True)
+        for row in _stream_text_column(rows, column, where=repr(name)):
+            yield row
+
+
+def _stream_text_column(
+    stream: datasets.IterableDataset, column: str, where: str
+) -> datasets.IterableDataset:
+    """Keep only `column`, renamed "text". A JSON stream knows its columns only once read, so
+    the first row is peeked at (one row, not the file)."""
+    columns = list(stream.features) if stream.features is not None else None
+    if columns is None:
+        first = next(iter(stream.take(1)), None)
+        columns = list(first) if first is not None else [column]
+    if column not in columns:
+        raise FlaxlmError(
+            f"language.text_column={column!r} is not a column of {where}; its columns are "
+            f"{columns}. Set language.text_column to the one that holds the text."
+        )
+    stream = stream.select_columns([column])
+    return stream.rename_column(column, "text") if column != "text" else stream
+
+
+def _drop_blank_stream(stream: datasets.IterableDataset) -> datasets.IterableDataset:
+    # Before the validation head and the process shards are taken, so that both count
+    # non-blank documents only, as without streaming.
+    return stream.filter(_is_document)
+
+
+def _is_document(row: dict) -> bool:
+    text = row["text"]
+    if text is not None and not isinstance(text, str):
+        raise FlaxlmError(
+            f"The text column of the streamed corpus holds {type(text).__name__} values, not "
+            "text. Set language.text_column to a column of strings."
+        )
+    return bool(text and text.strip())

@@ -35,7 +35,9 @@ def prepare_tokenizer(
     else:
         vocab_size = settings.vocab_size or model_vocab_size
         key = settings_fingerprint(
-            {**dataclasses.asdict(settings), "path": None, "vocab_size": vocab_size},
+            # train_docs only chooses the text, which the text fingerprint already covers;
+            # leaving it out keeps the keys of existing caches valid.
+            {**_shaping_settings(settings), "path": None, "vocab_size": vocab_size},
             tokenizers.__version__, transformers.__version__, text_fingerprint(train_texts),
         )
         directory = os.path.join(os.path.expanduser(cache_dir), "tokenizers", key[:20])
@@ -44,6 +46,12 @@ def prepare_tokenizer(
         tokenizer = load_tokenizer(directory, settings)
     check_fits_model(tokenizer, model_vocab_size, settings)
     return tokenizer
+
+
+def _shaping_settings(settings: TokenizerConfig) -> dict:
+    fields = dataclasses.asdict(settings)
+    fields.pop("train_docs")
+    return fields
 
 
 def train_bpe(
