@@ -57,7 +57,9 @@ def dataset(texts) -> datasets.Dataset:
 
 
 def cache_files(cache_dir: Path, pattern: str = "*") -> list[Path]:
-    return sorted((cache_dir / "blocks").glob(pattern))
+    """Entries of the block cache, hidden ones (a leftover scratch directory) included."""
+    blocks = cache_dir / "blocks"
+    return sorted(p for p in blocks.iterdir() if p.match(pattern)) if blocks.exists() else []
 
 
 @pytest.fixture(scope="module")
@@ -172,18 +174,31 @@ def test_no_temporary_file_is_left_in_the_cache(tokenizer, tmp_path):
 
 
 def test_interrupted_write_leaves_no_file_at_the_final_path(tokenizer, tmp_path, monkeypatch):
-    real_save = np.save
+    real_batches = packing._token_batches
 
-    def save_half_then_fail(file, array, *args, **kwargs):
-        file.write(b"\x93NUMPY partial")
+    def one_batch_then_fail(*args):
+        batches = real_batches(*args)
+        yield next(batches)
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(np, "save", save_half_then_fail)
+    monkeypatch.setattr(packing, "ENCODE_BATCH", 2)
+    monkeypatch.setattr(packing, "_token_batches", one_batch_then_fail)
     with pytest.raises(OSError, match="No space left"):
         tokenize_and_pack(dataset(PARAGRAPHS), tokenizer, 8, str(tmp_path))
-    assert cache_files(tmp_path) == []  # neither the final .npy nor a .tmp
+    assert cache_files(tmp_path) == []  # neither the final .npy nor a scratch file
 
-    monkeypatch.setattr(np, "save", real_save)
+    monkeypatch.setattr(packing, "_token_batches", real_batches)
     blocks = tokenize_and_pack(dataset(PARAGRAPHS), tokenizer, 8, str(tmp_path))
     [path] = cache_files(tmp_path)
     np.testing.assert_array_equal(np.load(path), blocks)
+
+
+def test_packing_copies_the_stream_in_chunks(tokenizer, tmp_path, monkeypatch):
+    """Blocks are laid out a few rows at a time (bounded memory) with the same result."""
+    texts = PARAGRAPHS * 3
+    expected = tokenize_and_pack(dataset(texts), tokenizer, 8, str(tmp_path / "one-go"))
+    monkeypatch.setattr(packing, "COPY_TOKENS", 20)  # two blocks of 8 per copy
+    monkeypatch.setattr(packing, "ENCODE_BATCH", 2)
+    chunked = tokenize_and_pack(dataset(texts), tokenizer, 8, str(tmp_path / "chunked"))
+    np.testing.assert_array_equal(chunked, expected)
+    assert len(expected) > 4

@@ -3,17 +3,19 @@
 Blocks are exactly `max_seq_length` tokens and cross document boundaries, as in the seed's
 `group_texts`; only the remainder at the very end of the stream is dropped. The seed
 concatenated Python lists with `sum(lists, [])`, which is quadratic; here each batch of
-documents becomes one numpy array and the arrays are concatenated once.
+documents becomes one numpy array, appended to a scratch file: linear time, bounded memory.
 
 Packed blocks are cached as `.npy` under `<cache_dir>/blocks/`, keyed by the text, the
-tokenizer, its EOS id and the block length, written to a temporary name then renamed into
-place, and read back memory-mapped.
+tokenizer, its EOS id and the block length, written in a temporary directory then renamed into
+place, and read back memory-mapped. Packing holds one batch of documents in memory at a time,
+so corpora far larger than RAM pack too.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from typing import Iterator
 
 import datasets
 import numpy as np
@@ -22,7 +24,8 @@ from tqdm.auto import tqdm
 
 from flaxlm.data.fingerprint import settings_fingerprint, text_fingerprint
 
-ENCODE_BATCH = 1000
+ENCODE_BATCH = 1000  # documents tokenised together
+COPY_TOKENS = 1 << 24  # tokens moved at a time from the scratch stream into the blocks
 
 
 def join_documents(token_ids: list[list[int]], eos_id: int) -> np.ndarray:
@@ -52,34 +55,53 @@ def tokenize_and_pack(
     )
     path = os.path.join(os.path.expanduser(cache_dir), "blocks", f"{key[:24]}.npy")
     if not os.path.exists(path):
-        _save_atomically(path, _pack(texts, tokenizer, max_seq_length, desc))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _pack(texts, tokenizer, max_seq_length, desc, path)
     return np.load(path, mmap_mode="r")
 
 
-def _pack(texts, tokenizer, max_seq_length: int, desc: str) -> np.ndarray:
+def _pack(texts, tokenizer, max_seq_length: int, desc: str, path: str) -> None:
+    """Write the blocks of `texts` to `path` holding one batch of documents in memory at a time:
+    token ids go to a scratch file batch by batch, then the whole blocks are laid out as .npy.
+    Both are made in a temporary directory beside `path` and only the finished file is renamed
+    into place, so a killed run leaves nothing that a later run would trust."""
+    with tempfile.TemporaryDirectory(prefix=".tmp-", dir=os.path.dirname(path)) as scratch:
+        stream_path = os.path.join(scratch, "stream.int32")
+        with open(stream_path, "wb") as stream_file:
+            for ids in _token_batches(texts, tokenizer, desc):
+                ids.tofile(stream_file)
+        blocks_path = os.path.join(scratch, "blocks.npy")
+        _write_blocks(stream_path, blocks_path, max_seq_length)
+        os.replace(blocks_path, path)
+
+
+def _token_batches(texts, tokenizer, desc: str) -> Iterator[np.ndarray]:
+    """The token stream of `texts`, EOS after every document, one array per encode batch."""
     backend = tokenizer.backend_tokenizer
-    streams = []
     for start in tqdm(range(0, len(texts), ENCODE_BATCH), desc=desc, unit="batch", leave=False):
         batch = texts[start : start + ENCODE_BATCH]["text"]
         encodings = backend.encode_batch(batch, add_special_tokens=False)
-        streams.append(join_documents([e.ids for e in encodings], tokenizer.eos_token_id))
+        yield join_documents([e.ids for e in encodings], tokenizer.eos_token_id)
         del encodings  # free them before the next batch is encoded, not after
-    return cut_blocks(np.concatenate(streams) if streams else np.zeros(0, np.int32), max_seq_length)
+
+
+def _write_blocks(stream_path: str, blocks_path: str, max_seq_length: int) -> None:
+    num_blocks = os.path.getsize(stream_path) // 4 // max_seq_length
+    blocks = np.lib.format.open_memmap(
+        blocks_path, mode="w+", dtype=np.int32, shape=(num_blocks, max_seq_length)
+    )
+    if num_blocks:
+        stream = np.memmap(stream_path, dtype=np.int32, mode="r")
+        rows = max(1, COPY_TOKENS // max_seq_length)
+        for first in range(0, num_blocks, rows):
+            last = min(first + rows, num_blocks)
+            blocks[first:last] = cut_blocks(
+                stream[first * max_seq_length : last * max_seq_length], max_seq_length
+            )
+    blocks.flush()
 
 
 def cut_blocks(stream: np.ndarray, max_seq_length: int) -> np.ndarray:
     """Rows of `max_seq_length` tokens; the incomplete tail of the stream is dropped."""
     num_blocks = len(stream) // max_seq_length
     return stream[: num_blocks * max_seq_length].reshape(num_blocks, max_seq_length)
-
-
-def _save_atomically(path: str, array: np.ndarray) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".npy.tmp", dir=os.path.dirname(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
