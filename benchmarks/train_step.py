@@ -63,7 +63,7 @@ def flax_seconds_per_step(config, tokens_np, warmup, steps) -> tuple[float, int,
     schedule = make_schedule(config.optimizer, 10_000)
     tx = make_optimizer(config.optimizer, schedule)
     spec = GPT2Spec(config.model, jnp.dtype(config.hardware.compute_dtype),
-                    jnp.dtype(config.hardware.param_dtype))
+                    jnp.dtype(config.model.param_dtype or config.hardware.param_dtype))
     model = GPT2LMHeadModel(spec, nnx.Rngs(params=0))
     num_params = count_params(model)
     graphdef, state = create_state(model, tx)

@@ -167,7 +167,7 @@ def test_quickstart_defaults_are_sized_for_a_cpu():
     assert TrainConfig.__dataclass_fields__["seed"].default == 0
 
 
-@pytest.mark.parametrize("hardware", ["cpu-8", "gpu", "tpu"])
+@pytest.mark.parametrize("hardware", ["cpu-8", "gpu", "tpu", "tpu-v2-8", "tpu-v3-8"])
 def test_accelerator_groups_keep_the_seed_per_device_batch(hardware):
     assert OmegaConf.to_object(compose([f"hardware={hardware}"])).hardware.per_device_batch_size == 16
 

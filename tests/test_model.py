@@ -74,3 +74,28 @@ def test_logits_match_pytorch_gpt2(tmp_path):
         expected = torch_model(torch.from_numpy(ids)).logits.numpy()
     np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids))), expected, atol=2e-5)
     assert json.loads((tmp_path / "config.json").read_text())["n_layer"] == 2
+
+
+def test_bfloat16_parameters_reproduce_the_seed_and_still_train():
+    """model.param_dtype=bfloat16: the seed's bfloat16 parameters (and AdamW moments)."""
+    from flaxlm.config import OptimizerConfig
+    from flaxlm.parallel import global_batch, make_mesh, replicated
+    from flaxlm.training.optimizer import make_optimizer, make_schedule
+    from flaxlm.training.step import compile_steps, create_state
+
+    optimizer = OptimizerConfig(name="adamw", lr=1e-3)
+    schedule = make_schedule(optimizer, total_steps=4)
+    tx = make_optimizer(optimizer, schedule)
+    model = make_model(compute_dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    graphdef, state = create_state(model, tx)
+    mesh = make_mesh(8)
+    steps = compile_steps(mesh, graphdef, tx, schedule)
+    state = jax.device_put(state, replicated(mesh))
+    inputs = global_batch(token_ids((8, 32)).astype(np.int32), mesh)
+    losses = []
+    for _ in range(3):
+        state, metrics = steps.train(state, inputs, jax.random.key(0))
+        losses.append(float(metrics["loss"]))
+    leaves = jax.tree.leaves(state.params)
+    assert {leaf.dtype for leaf in leaves} == {jnp.dtype(jnp.bfloat16)}
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]

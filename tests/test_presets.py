@@ -275,33 +275,39 @@ def test_a_presets_batch_holds_on_any_hardware(experiment, batch, hardware):
         assert (config.hardware.name, config.hardware.per_device_batch_size) == (hardware, batch)
 
 
-def test_the_seed_notebook_preset_trains_on_a_local_stand_in(tmp_path):
-    """experiment=oscar-is-distilgpt2 end to end, shrunk to seconds: the shrinking overrides come
-    AFTER the experiment, so they win; the corpus is a local copy laid out like FineWeb-2."""
-    root = write_hub_stand_in(tmp_path / "hub", "isl_Latn", documents(300), documents(10, seed=3))
-    run_dir = tmp_path / "run"
-    cfg = compose(
-        [
-            "experiment=oscar-is-distilgpt2",
-            "model.n_layer=2",
-            "model.n_embd=64",
-            "model.n_head=4",
-            "model.n_positions=64",
-            "model.vocab_size=512",
-            "task.max_seq_length=64",
-            "hardware=cpu-8",
-            "hardware.per_device_batch_size=2",
-            "trainer.max_steps=3",
-            "logger=none",
-            f"language.hub_path={root}",
-        ],
-        run_dir=run_dir,
-    )
-    config = OmegaConf.to_object(cfg)
-    assert (config.language.max_train_docs, config.optimizer.lr, config.seed) == (20000, 3e-4, 0)
+SHRUNK = [  # after the experiment, so they win: the preset's recipe at a size that runs in seconds
+    "model.n_layer=2",
+    "model.n_embd=64",
+    "model.n_head=4",
+    "model.n_positions=64",
+    "model.vocab_size=512",
+    "task.max_seq_length=64",
+    "hardware=cpu-8",
+    "hardware.per_device_batch_size=2",
+    "optimizer.warmup_steps=0",
+    "trainer.max_steps=3",
+    "logger=none",
+]
+EXPERIMENTS = sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml"))
 
-    loss = train(cfg)
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_preset_trains_a_few_steps_on_local_stand_in_data(experiment, tmp_path):
+    """Each preset end to end, shrunk; a hub corpus is replaced by a local copy laid out like it
+    (same config name), so the preset's own language settings are the ones exercised."""
+    language = OmegaConf.to_object(compose([f"experiment={experiment}"])).language
+    overrides = [f"experiment={experiment}", *SHRUNK]
+    if language.source == CorpusSource.hub:
+        root = write_hub_stand_in(
+            tmp_path / "hub", language.hub_config, documents(300), documents(10, seed=3)
+        )
+        overrides.append(f"language.hub_path={root}")
+    else:
+        overrides.append("language.max_train_docs=60")
+    run_dir = tmp_path / "run"
+    loss = train(compose(overrides, run_dir=run_dir))
     assert math.isfinite(loss) and loss > 0
     assert os.path.exists(run_dir / "model" / "model.safetensors")
     saved = OmegaConf.load(run_dir / "config.yaml")
-    assert (saved.language.hub_config, saved.task.max_seq_length) == ("isl_Latn", 64)
+    assert (saved.language.hub_config, saved.task.max_seq_length) == (language.hub_config, 64)

@@ -76,6 +76,9 @@ class ModelConfig:
     attn_pdrop: float = 0.1
     layer_norm_epsilon: float = 1e-5
     initializer_range: float = 0.02
+    # null → hardware.param_dtype (float32 master weights by default). bfloat16 reproduces the
+    # seed notebook, which initialised its parameters (and so AdamW's moments) in bfloat16.
+    param_dtype: Optional[str] = None
 
 
 class OptimizerKind(str, enum.Enum):

@@ -83,7 +83,7 @@ def _train(config: TrainConfig, run_dir: str, mesh, seq_len: int, tracker) -> di
     spec = GPT2Spec(
         config.model,
         compute_dtype=jnp.dtype(config.hardware.compute_dtype),
-        param_dtype=jnp.dtype(config.hardware.param_dtype),
+        param_dtype=jnp.dtype(config.model.param_dtype or config.hardware.param_dtype),
     )
     init_key, dropout_key = jax.random.split(jax.random.key(config.seed))
     model = GPT2LMHeadModel(spec, nnx.Rngs(params=init_key))
