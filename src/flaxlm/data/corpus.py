@@ -268,30 +268,38 @@ def _split_text(text: str, splitting: TextSplitting) -> list[str]:
 
 
 def _load_hub(language: LanguageConfig) -> datasets.Dataset:
+    return _text_column(
+        _open_hub(language, streaming=False), language.text_column,
+        where=f"language.hub_path={language.hub_path!r}",
+    )
+
+
+def _open_hub(language: LanguageConfig, streaming: bool):
+    """`datasets.load_dataset` on the hub dataset (or local directory) `language` names, as a
+    Dataset or, streaming, an IterableDataset; every failure as one FlaxlmError."""
     if not language.hub_path:
         raise FlaxlmError(
             "language.source=hub but language.hub_path is not set: name a Hub dataset, e.g. "
             "language.hub_path=roneneldan/TinyStories, or a local directory of data files."
         )
     try:
-        table = datasets.load_dataset(
+        return datasets.load_dataset(
             language.hub_path,
             language.hub_config,
             split=language.hub_split,
             revision=language.hub_revision,
+            streaming=streaming,
         )
     except Exception as err:  # not found, offline, gated, unknown config or split, bad files
         raise FlaxlmError(
-            f"Could not load language.hub_path={language.hub_path!r} "
+            f"Could not {'stream' if streaming else 'load'} "
+            f"language.hub_path={language.hub_path!r} "
             f"(language.hub_config={language.hub_config!r}, language.hub_split="
             f"{language.hub_split!r}, language.hub_revision={language.hub_revision!r}): "
             f"{_root_cause(err)}. Check the names on the Hub, that this machine has network "
             "access (or, with HF_HUB_OFFLINE=1, that the dataset is in the local cache), and, for "
             "a gated corpus, that you accepted its terms and set HF_TOKEN."
         ) from err
-    return _text_column(
-        table, language.text_column, where=f"language.hub_path={language.hub_path!r}"
-    )
 
 
 # --- common --------------------------------------------------------------------------------------
@@ -419,29 +427,9 @@ def _stream_origin(language: LanguageConfig) -> str:
 
 
 def _stream_hub(language: LanguageConfig) -> datasets.IterableDataset:
-    if not language.hub_path:
-        raise FlaxlmError(
-            "language.source=hub but language.hub_path is not set: name a Hub dataset, e.g. "
-            "language.hub_path=roneneldan/TinyStories, or a local directory of data files."
-        )
-    try:
-        stream = datasets.load_dataset(
-            language.hub_path,
-            language.hub_config,
-            split=language.hub_split,
-            revision=language.hub_revision,
-            streaming=True,
-        )
-    except Exception as err:  # not found, offline, gated, unknown config or split
-        raise FlaxlmError(
-            f"Could not stream language.hub_path={language.hub_path!r} "
-            f"(language.hub_config={language.hub_config!r}, language.hub_split="
-            f"{language.hub_split!r}, language.hub_revision={language.hub_revision!r}): "
-            f"{_root_cause(err)}. Check the names on the Hub, that this machine has network "
-            "access, and, for a gated corpus, that you accepted its terms and set HF_TOKEN."
-        ) from err
     return _stream_text_column(
-        stream, language.text_column, where=f"language.hub_path={language.hub_path!r}"
+        _open_hub(language, streaming=True), language.text_column,
+        where=f"language.hub_path={language.hub_path!r}",
     )
 
 
