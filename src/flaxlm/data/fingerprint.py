@@ -9,9 +9,20 @@ from typing import Any
 import datasets
 
 
-def text_fingerprint(texts: datasets.Dataset, batch_size: int = 10_000) -> str:
+_TEXT_HASHES: dict[str, str] = {}  # datasets' own fingerprint of a dataset → its text hash
+
+
+def text_fingerprint(texts: datasets.Dataset) -> str:
     """sha256 over every document of a {"text"} dataset, lengths included so that splitting a
-    document in two changes the hash."""
+    document in two changes the hash. The tokenizer and the block cache both key on the
+    training text, so each dataset is hashed once per process (datasets gives every version of
+    a dataset its own `_fingerprint`), not once per cache."""
+    if texts._fingerprint not in _TEXT_HASHES:
+        _TEXT_HASHES[texts._fingerprint] = _hash_documents(texts)
+    return _TEXT_HASHES[texts._fingerprint]
+
+
+def _hash_documents(texts: datasets.Dataset, batch_size: int = 10_000) -> str:
     digest = hashlib.sha256()
     for start in range(0, len(texts), batch_size):
         for text in texts[start : start + batch_size]["text"]:

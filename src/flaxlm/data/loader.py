@@ -1,7 +1,8 @@
 """Batches of token blocks as global, sharded `jax.Array`s.
 
 Training: a seeded shuffle per epoch (indexing grain's shuffled `MapDataset` past its length
-draws a fresh permutation for every pass, so epoch e is indices [e*N, (e+1)*N)), the incomplete final batch dropped, and each process reading only its own rows.
+draws a fresh permutation for every pass, so epoch e is indices [e*N, (e+1)*N)), the
+incomplete final batch dropped, and each process reading only its own rows.
 A position in the stream is just (epoch, step), which makes resuming exact.
 
 Evaluation: every block exactly once, in order; the last batch is padded with zero rows and a
