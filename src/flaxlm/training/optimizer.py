@@ -18,7 +18,8 @@ def make_schedule(opt: OptimizerConfig, total_steps: int) -> optax.Schedule:
     if not 0 <= opt.warmup_steps <= total_steps:
         raise FlaxlmError(
             f"optimizer.warmup_steps={opt.warmup_steps} must be between 0 and the run's "
-            f"{total_steps} training steps."
+            f"{total_steps} training steps. Lower optimizer.warmup_steps, or train longer "
+            "(trainer.max_steps, trainer.num_epochs)."
         )
     warmup = optax.linear_schedule(0.0, opt.lr, opt.warmup_steps)
     if opt.schedule == Schedule.wsd:
@@ -72,7 +73,7 @@ def parameter_name(path) -> str | None:
 
 def make_optimizer(opt: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
     if opt.lr <= 0:
-        raise FlaxlmError(f"optimizer.lr={opt.lr} must be positive.")
+        raise FlaxlmError(f"optimizer.lr={opt.lr} must be positive, e.g. optimizer.lr=3e-4.")
     tx = _OPTIMIZERS[opt.kind](opt, schedule)
     if opt.max_grad_norm is None:
         return tx
