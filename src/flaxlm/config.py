@@ -59,11 +59,21 @@ class LanguageConfig:
     shuffle_buffer: int = 1000
 
 
+class ModelFamily(str, enum.Enum):
+    gpt2 = "gpt2"  # decoder: GPT2LMHeadModel (task=clm), GPT2ForSequenceClassification
+    bert = "bert"  # encoder: BertForSequenceClassification (task=classify)
+
+
 @dataclasses.dataclass
 class ModelConfig:
-    """WHICH network: a GPT-2 family decoder, named as in `transformers.GPT2Config`."""
+    """WHICH network, with GPT2Config's names for the shape; a BERT encoder reads them as
+    hidden_size = n_embd, num_hidden_layers = n_layer, num_attention_heads = n_head,
+    intermediate_size = n_inner, max_position_embeddings = n_positions, hidden_act =
+    activation_function, hidden_dropout_prob = resid_pdrop (= embd_pdrop),
+    attention_probs_dropout_prob = attn_pdrop, layer_norm_eps = layer_norm_epsilon."""
 
     name: str = MISSING
+    family: ModelFamily = ModelFamily.gpt2
     vocab_size: int = 50257
     n_positions: int = 1024
     n_embd: int = 768
@@ -79,6 +89,12 @@ class ModelConfig:
     # null → hardware.param_dtype (float32 master weights by default). bfloat16 reproduces the
     # seed notebook, which initialised its parameters (and so AdamW's moments) in bfloat16.
     param_dtype: Optional[str] = None
+    type_vocab_size: int = 2  # bert: segment (token type) embeddings
+    classifier_dropout: Optional[float] = None  # classify: null → resid_pdrop, as in HF
+    # Start from pretrained weights: an HF model directory, a Hub id, or pkg://<module>/<dir>
+    # (a checkpoint shipped inside an installed Python package). Its config.json then fixes
+    # family and shape (the fields above are overwritten from it), and its tokenizer is used.
+    init_from: Optional[str] = None
 
 
 class OptimizerKind(str, enum.Enum):
@@ -139,13 +155,36 @@ class HardwareConfig:
     peak_tflops_per_device: float = 0.1  # denominator of MFU
 
 
+class Padding(str, enum.Enum):
+    max_length = "max_length"  # every example padded to task.max_seq_length: one shape
+    buckets = "buckets"  # each batch padded to the next of a few lengths: less padding, few shapes
+
+
 @dataclasses.dataclass
 class TaskConfig:
-    """WHAT objective. `clm`: causal language modelling on packed blocks."""
+    """WHAT objective. `clm`: causal language modelling on packed blocks. `classify`:
+    sequence (or sentence-pair) classification, or regression when num_labels = 1."""
 
     name: str = MISSING
-    # Blocks of this many tokens; null → the model's context length (model.n_positions).
+    # clm: blocks of this many tokens; null → the model's context length (model.n_positions).
+    # classify: examples truncated and padded to this many tokens (null → 128).
     max_seq_length: Optional[int] = None
+    # classify only, below. The data: a Hub dataset (e.g. nyu-mll/glue with config mrpc), or
+    # local tsv / csv / jsonl / parquet files.
+    dataset: Optional[str] = None
+    dataset_config: Optional[str] = None
+    train_split: str = "train"
+    eval_split: str = "validation"
+    train_files: list[str] = dataclasses.field(default_factory=list)
+    eval_files: list[str] = dataclasses.field(default_factory=list)
+    text_column: str = "sentence1"
+    text_pair_column: Optional[str] = None  # null → single-sentence classification
+    label_column: str = "label"
+    num_labels: Optional[int] = None  # null → from the data; 1 → regression (STS-B)
+    # Metrics on the eval split, named as GLUE reports them: accuracy, f1, matthews,
+    # pearson, spearman. Empty → accuracy (+ f1 with two labels), or pearson/spearman.
+    metrics: list[str] = dataclasses.field(default_factory=list)
+    padding: Padding = Padding.max_length
 
 
 @dataclasses.dataclass

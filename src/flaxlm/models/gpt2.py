@@ -164,13 +164,17 @@ class GPT2LMHeadModel(nnx.Module):
         self.ln_f = _layer_norm(spec, rngs)
 
     def __call__(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
+        # Tied head: logits against the token embeddings, in the compute dtype.
+        return self.wte.attend(self.hidden_states(input_ids_BxL, rngs))
+
+    def hidden_states(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
+        """The final (ln_f-normalised) hidden state of every position: (B, L, D)."""
         positions_L = jnp.arange(input_ids_BxL.shape[1])
         x_BxLxD = self.wte(input_ids_BxL) + self.wpe(positions_L)[None]
         x_BxLxD = self.drop(x_BxLxD, deterministic=rngs is None, rngs=rngs)
         for block in self.h:
             x_BxLxD = block(x_BxLxD, rngs)
-        # Tied head: logits against the token embeddings, in the compute dtype.
-        return self.wte.attend(self.ln_f(x_BxLxD))
+        return self.ln_f(x_BxLxD)
 
 
 def count_params(model: nnx.Module) -> int:
