@@ -1,0 +1,223 @@
+"""BERT for sequence classification in Flax NNX, with the parameter layout of transformers'
+`BertForSequenceClassification`.
+
+The module tree mirrors HF's names (`bert.embeddings.word_embeddings`,
+`bert.encoder.layer.<i>.attention.self.query`, ..., `bert.pooler.dense`, `classifier`), so a
+checkpoint maps one to one (see `flaxlm.models.hf`). Unlike GPT-2's Conv1D, HF's BERT uses
+`nn.Linear`, whose weight is stored (out, in): the mapping transposes it into our (in, out)
+kernel.
+
+The shape comes from `ModelConfig` under GPT-2's field names (hidden_size = n_embd,
+num_hidden_layers = n_layer, intermediate_size = n_inner, ...; see its docstring), and the
+dtypes from the same `GPT2Spec` the decoder uses.
+
+Shapes are in the names: B batch, L sequence length, D model width, N heads, H head width,
+F MLP width, C classes (1 for regression).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from flaxlm.models.gpt2 import ACTIVATIONS, GPT2Spec, _dense, _embedding, _layer_norm
+
+
+def _check_shape(spec: GPT2Spec) -> None:
+    cfg = spec.model
+    if cfg.n_embd % cfg.n_head:
+        raise ValueError(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
+    if cfg.activation_function not in ACTIVATIONS:
+        raise ValueError(
+            f"model.activation_function={cfg.activation_function!r} is not one of "
+            f"{sorted(ACTIVATIONS)}"
+        )
+
+
+class BertEmbeddings(nnx.Module):
+    """Word + position + segment embeddings, then LayerNorm and dropout."""
+
+    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
+        cfg = spec.model
+        self.word_embeddings = _embedding(cfg.vocab_size, spec, rngs)
+        self.position_embeddings = _embedding(cfg.n_positions, spec, rngs)
+        self.token_type_embeddings = _embedding(cfg.type_vocab_size, spec, rngs)
+        self.LayerNorm = _layer_norm(spec, rngs)
+        self.dropout = nnx.Dropout(cfg.resid_pdrop)
+
+    def __call__(self, input_ids_BxL, token_type_ids_BxL, rngs: nnx.Rngs | None) -> jax.Array:
+        positions_L = jnp.arange(input_ids_BxL.shape[1])
+        x_BxLxD = (
+            self.word_embeddings(input_ids_BxL)
+            + self.position_embeddings(positions_L)[None]
+            + self.token_type_embeddings(token_type_ids_BxL)
+        )
+        return self.dropout(self.LayerNorm(x_BxLxD), deterministic=rngs is None, rngs=rngs)
+
+
+class BertSelfAttention(nnx.Module):
+    """Bidirectional multi-head attention whose keys skip the padding (attention_mask == 0)."""
+
+    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
+        cfg = spec.model
+        self.num_heads = cfg.n_head
+        self.attn_pdrop = cfg.attn_pdrop
+        std = cfg.initializer_range
+        self.query = _dense(cfg.n_embd, cfg.n_embd, spec, rngs, std)
+        self.key = _dense(cfg.n_embd, cfg.n_embd, spec, rngs, std)
+        self.value = _dense(cfg.n_embd, cfg.n_embd, spec, rngs, std)
+
+    def __call__(self, x_BxLxD, key_mask_BxL, rngs: nnx.Rngs | None) -> jax.Array:
+        B, L, D = x_BxLxD.shape
+        q_BxLxNxH, k_BxLxNxH, v_BxLxNxH = (
+            projection(x_BxLxD).reshape(B, L, self.num_heads, D // self.num_heads)
+            for projection in (self.query, self.key, self.value)
+        )
+        mask_Bx1x1xL = key_mask_BxL[:, None, None, :]
+        if rngs is not None and self.attn_pdrop > 0:
+            out_BxLxNxH = _masked_attention_with_dropout(
+                q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, mask_Bx1x1xL, self.attn_pdrop, rngs.dropout()
+            )
+        else:
+            out_BxLxNxH = jax.nn.dot_product_attention(
+                q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, mask=mask_Bx1x1xL
+            )
+        return out_BxLxNxH.reshape(B, L, D)
+
+
+def _masked_attention_with_dropout(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, mask_Bx1x1xL, rate, key):
+    """Padding-masked attention with dropout on the probabilities, as HF's BERT trains.
+
+    The fused `jax.nn.dot_product_attention` has no dropout, so training spells the same
+    computation out. A large finite negative (not -inf) keeps a row whose keys are all padding
+    (a filler row of the last eval batch) finite, as the fused path does.
+    """
+    H = q_BxLxNxH.shape[-1]
+    scores_BxNxLxL = jnp.einsum("bqnh,bknh->bnqk", q_BxLxNxH, k_BxLxNxH) / jnp.sqrt(H)
+    scores_BxNxLxL = scores_BxNxLxL.astype(jnp.float32)
+    scores_BxNxLxL = jnp.where(mask_Bx1x1xL, scores_BxNxLxL, jnp.finfo(jnp.float32).min)
+    probs_BxNxLxL = jax.nn.softmax(scores_BxNxLxL, axis=-1)
+    keep_BxNxLxL = jax.random.bernoulli(key, 1.0 - rate, probs_BxNxLxL.shape)
+    probs_BxNxLxL = jnp.where(keep_BxNxLxL, probs_BxNxLxL / (1.0 - rate), 0.0)
+    return jnp.einsum("bnqk,bknh->bqnh", probs_BxNxLxL.astype(v_BxLxNxH.dtype), v_BxLxNxH)
+
+
+class BertSelfOutput(nnx.Module):
+    """Project the attention output, then Post-LayerNorm around the residual."""
+
+    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
+        cfg = spec.model
+        self.dense = _dense(cfg.n_embd, cfg.n_embd, spec, rngs, cfg.initializer_range)
+        self.LayerNorm = _layer_norm(spec, rngs)
+        self.dropout = nnx.Dropout(cfg.resid_pdrop)
+
+    def __call__(self, h_BxLxD, residual_BxLxD, rngs: nnx.Rngs | None) -> jax.Array:
+        h_BxLxD = self.dropout(self.dense(h_BxLxD), deterministic=rngs is None, rngs=rngs)
+        return self.LayerNorm(h_BxLxD + residual_BxLxD)
+
+
+class BertAttention(nnx.Module):
+    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
+        self.self = BertSelfAttention(spec, rngs)  # HF's name, so the keys map one to one
+        self.output = BertSelfOutput(spec, rngs)
+
+    def __call__(self, x_BxLxD, key_mask_BxL, rngs: nnx.Rngs | None) -> jax.Array:
+        return self.output(self.self(x_BxLxD, key_mask_BxL, rngs), x_BxLxD, rngs)
+
+
+class BertIntermediate(nnx.Module):
+    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
+        cfg = spec.model
+        self.dense = _dense(cfg.n_embd, spec.mlp_width, spec, rngs, cfg.initializer_range)
+        self.activation = ACTIVATIONS[cfg.activation_function]
+
+    def __call__(self, x_BxLxD) -> jax.Array:
+        return self.activation(self.dense(x_BxLxD))
+
+
+class BertOutput(nnx.Module):
+    """Project the MLP back to the model width, then Post-LayerNorm around the residual."""
+
+    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
+        cfg = spec.model
+        self.dense = _dense(spec.mlp_width, cfg.n_embd, spec, rngs, cfg.initializer_range)
+        self.LayerNorm = _layer_norm(spec, rngs)
+        self.dropout = nnx.Dropout(cfg.resid_pdrop)
+
+    def __call__(self, h_BxLxF, residual_BxLxD, rngs: nnx.Rngs | None) -> jax.Array:
+        h_BxLxD = self.dropout(self.dense(h_BxLxF), deterministic=rngs is None, rngs=rngs)
+        return self.LayerNorm(h_BxLxD + residual_BxLxD)
+
+
+class BertLayer(nnx.Module):
+    """Post-LayerNorm block: x = LN(x + attn(x)), then LN(x + mlp(x))."""
+
+    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
+        self.attention = BertAttention(spec, rngs)
+        self.intermediate = BertIntermediate(spec, rngs)
+        self.output = BertOutput(spec, rngs)
+
+    def __call__(self, x_BxLxD, key_mask_BxL, rngs: nnx.Rngs | None) -> jax.Array:
+        x_BxLxD = self.attention(x_BxLxD, key_mask_BxL, rngs)
+        return self.output(self.intermediate(x_BxLxD), x_BxLxD, rngs)
+
+
+class BertEncoder(nnx.Module):
+    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
+        self.layer = nnx.List([BertLayer(spec, rngs) for _ in range(spec.model.n_layer)])
+
+    def __call__(self, x_BxLxD, key_mask_BxL, rngs: nnx.Rngs | None) -> jax.Array:
+        for layer in self.layer:
+            x_BxLxD = layer(x_BxLxD, key_mask_BxL, rngs)
+        return x_BxLxD
+
+
+class BertPooler(nnx.Module):
+    """The first ([CLS]) position through a dense layer and tanh: the sentence vector."""
+
+    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
+        cfg = spec.model
+        self.dense = _dense(cfg.n_embd, cfg.n_embd, spec, rngs, cfg.initializer_range)
+
+    def __call__(self, x_BxLxD) -> jax.Array:
+        return jnp.tanh(self.dense(x_BxLxD[:, 0]))
+
+
+class BertModel(nnx.Module):
+    """The encoder: embeddings, post-LN layers and the pooler, as HF's `BertModel`."""
+
+    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
+        _check_shape(spec)
+        self.embeddings = BertEmbeddings(spec, rngs)
+        self.encoder = BertEncoder(spec, rngs)
+        self.pooler = BertPooler(spec, rngs)
+
+    def __call__(self, input_ids_BxL, attention_mask_BxL, token_type_ids_BxL,
+                 rngs: nnx.Rngs | None = None) -> tuple[jax.Array, jax.Array]:
+        """(last hidden states (B, L, D), pooled sentence vectors (B, D))."""
+        key_mask_BxL = attention_mask_BxL.astype(bool)
+        x_BxLxD = self.embeddings(input_ids_BxL, token_type_ids_BxL, rngs)
+        x_BxLxD = self.encoder(x_BxLxD, key_mask_BxL, rngs)
+        return x_BxLxD, self.pooler(x_BxLxD)
+
+
+class BertForSequenceClassification(nnx.Module):
+    """Token ids, attention mask and segment ids in; class logits (B, C) out.
+
+    C = num_labels; 1 means regression (one score per example). Pass `rngs` to train
+    (dropout on), None to evaluate.
+    """
+
+    def __init__(self, spec: GPT2Spec, num_labels: int, rngs: nnx.Rngs):
+        cfg = spec.model
+        self.bert = BertModel(spec, rngs)
+        dropout = cfg.classifier_dropout if cfg.classifier_dropout is not None else cfg.resid_pdrop
+        self.dropout = nnx.Dropout(dropout)
+        self.classifier = _dense(cfg.n_embd, num_labels, spec, rngs, cfg.initializer_range)
+
+    def __call__(self, input_ids_BxL, attention_mask_BxL, token_type_ids_BxL,
+                 rngs: nnx.Rngs | None = None) -> jax.Array:
+        _, pooled_BxD = self.bert(input_ids_BxL, attention_mask_BxL, token_type_ids_BxL, rngs)
+        pooled_BxD = self.dropout(pooled_BxD, deterministic=rngs is None, rngs=rngs)
+        return self.classifier(pooled_BxD)

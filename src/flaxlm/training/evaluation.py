@@ -1,0 +1,239 @@
+"""Distributed evaluation of a classifier that counts every example exactly once.
+
+Known ways to get this wrong, all seen in the wild: dropping the incomplete last batch (the Flax
+GLUE example), or padding it by repeating examples and forgetting to remove the repeats
+(accelerate #575, #952, #1674, #3013). Here the eval batches are padded with zero rows and a
+mask (data/classify.py), each batch's outputs are gathered to every process in global row
+order (batch order, then mesh device order: exactly the dataset order), the padded rows are
+dropped by the mask, and the metrics are computed once, on exactly the N real examples, by
+scikit-learn and scipy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import warnings
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+import scipy.stats
+import sklearn.metrics
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+
+from flaxlm.config import Padding
+from flaxlm.data.classify import eval_batches
+from flaxlm.errors import FlaxlmError
+
+CLASSIFICATION_METRICS = ("accuracy", "f1", "matthews")
+REGRESSION_METRICS = ("pearson", "spearman")
+KNOWN_METRICS = CLASSIFICATION_METRICS + REGRESSION_METRICS
+
+
+# --- prediction ----------------------------------------------------------------------------------
+
+
+def predict(
+    apply_fn: Callable[[dict[str, jax.Array]], jax.Array],
+    arrays: dict[str, np.ndarray],
+    global_batch_size: int,
+    mesh: Mesh,
+    padding: Padding = Padding.max_length,
+) -> np.ndarray:
+    """The model outputs (N, C) for the N examples of `arrays`, in dataset order, on every
+    process.
+
+    All batches are dispatched before any is fetched, so the host builds batch b+1 while the
+    devices run batch b; the outputs are small (N × C) and wait on the devices.
+    """
+    num_examples = len(arrays["labels"])
+    pending = []
+    for batch in eval_batches(arrays, global_batch_size, mesh, padding):
+        pending.append((apply_fn(batch), batch["mask"]))
+    outputs = [_real_rows(gather_rows(out), gather_rows(mask)) for out, mask in pending]
+    outputs_NxC = np.concatenate(outputs) if outputs else np.zeros((0, 1), np.float32)
+    if len(outputs_NxC) != num_examples:  # the one thing this module exists to guarantee
+        raise AssertionError(
+            f"evaluation produced {len(outputs_NxC)} predictions for {num_examples} examples"
+        )
+    return outputs_NxC
+
+
+def gather_rows(array: jax.Array) -> np.ndarray:
+    """A global array as one host numpy array on every process, rows in global order.
+
+    Single-process arrays are simply fetched. Across hosts `process_allgather(tiled=True)`
+    reshards to replicated and fetches; it is only called on arrays that span processes,
+    because on a fully addressable array it would instead concatenate every process's copy.
+    """
+    if not isinstance(array, jax.Array) or array.is_fully_addressable:
+        return np.asarray(array)
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+def _real_rows(outputs: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    outputs_BxC = outputs.reshape(len(outputs), -1)  # a regression head may return (B,)
+    return outputs_BxC[mask.astype(bool)]
+
+
+def to_predictions(outputs_NxC: np.ndarray, is_regression: bool) -> np.ndarray:
+    """Class ids (argmax of the logits) or regression scores (the single output)."""
+    if is_regression:
+        return outputs_NxC.reshape(len(outputs_NxC), -1)[:, 0].astype(np.float32)
+    return outputs_NxC.argmax(axis=-1).astype(np.int32)
+
+
+def eval_loss(outputs_NxC: np.ndarray, labels: np.ndarray, is_regression: bool) -> float:
+    """The mean loss over the N real examples, computed once from the gathered outputs:
+    cross-entropy of the logits, or squared error for regression (as HF's heads train)."""
+    outputs = outputs_NxC.astype(np.float64)
+    if is_regression:
+        return float(np.mean((outputs.reshape(len(outputs), -1)[:, 0] - labels) ** 2))
+    shifted = outputs - outputs.max(axis=-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    return float(-np.mean(log_probs[np.arange(len(labels)), labels.astype(np.int64)]))
+
+
+def evaluate(
+    apply_fn: Callable[[dict[str, jax.Array]], jax.Array],
+    arrays: dict[str, np.ndarray],
+    global_batch_size: int,
+    mesh: Mesh,
+    metrics: Sequence[str],
+    is_regression: bool,
+    num_labels: int | None = None,
+    padding: Padding = Padding.max_length,
+) -> tuple[dict[str, float], np.ndarray]:
+    """`eval/loss` plus the named metrics, and the predictions they were computed from."""
+    outputs_NxC = predict(apply_fn, arrays, global_batch_size, mesh, padding)
+    labels = arrays["labels"]
+    predictions = to_predictions(outputs_NxC, is_regression)
+    results = {"eval/loss": eval_loss(outputs_NxC, labels, is_regression)}
+    results.update(compute_metrics(metrics, predictions, labels, is_regression, num_labels))
+    return results, predictions
+
+
+# --- metrics -------------------------------------------------------------------------------------
+
+
+def default_metrics(num_labels: int, is_regression: bool) -> list[str]:
+    """What GLUE reports when a task names none: accuracy (+ f1 for two classes), or
+    Pearson and Spearman correlations for regression."""
+    if is_regression:
+        return list(REGRESSION_METRICS)
+    return ["accuracy", "f1"] if num_labels == 2 else ["accuracy"]
+
+
+def check_metrics(names: Sequence[str], is_regression: bool) -> None:
+    """Fail before training on a metric name that is unknown or does not fit the task."""
+    unknown = [n for n in names if n not in KNOWN_METRICS]
+    if unknown:
+        raise FlaxlmError(
+            f"task.metrics has unknown metric(s) {unknown}. Known: {list(KNOWN_METRICS)} "
+            "(empty → accuracy, + f1 with two labels, or pearson and spearman for regression)."
+        )
+    kind, allowed = (
+        ("regression", REGRESSION_METRICS) if is_regression
+        else ("classification", CLASSIFICATION_METRICS)
+    )
+    wrong = [n for n in names if n not in allowed]
+    if wrong:
+        raise FlaxlmError(
+            f"task.metrics={list(names)}: {wrong} do not apply to {kind} (task.num_labels"
+            f"{'=1' if is_regression else ' > 1'}); for {kind} use {list(allowed)}."
+        )
+
+
+def compute_metrics(
+    names: Sequence[str],
+    predictions: np.ndarray,
+    labels: np.ndarray,
+    is_regression: bool,
+    num_labels: int | None = None,
+) -> dict[str, float]:
+    """`eval/<name>` for each metric, by scikit-learn and scipy, over all the examples at once.
+
+    f1 is GLUE's: binary with class 1 positive; with more than two classes (num_labels, or the
+    classes seen) it is the macro average. A correlation of fewer than two examples, or of a
+    constant prediction, is undefined and reported as nan.
+    """
+    check_metrics(names, is_regression)
+    if len(predictions) != len(labels):
+        raise ValueError(f"{len(predictions)} predictions for {len(labels)} labels")
+    return {
+        f"eval/{name}": float(_METRICS[name](predictions, labels, num_labels)) for name in names
+    }
+
+
+def _accuracy(predictions, labels, num_labels):
+    return sklearn.metrics.accuracy_score(labels, predictions)
+
+
+def _f1(predictions, labels, num_labels):
+    classes = num_labels or int(max(predictions.max(initial=0), labels.max(initial=0))) + 1
+    if classes <= 2:
+        return sklearn.metrics.f1_score(labels, predictions, pos_label=1, zero_division=0.0)
+    return sklearn.metrics.f1_score(
+        labels, predictions, labels=list(range(classes)), average="macro", zero_division=0.0
+    )
+
+
+def _matthews(predictions, labels, num_labels):
+    return sklearn.metrics.matthews_corrcoef(labels, predictions)
+
+
+def _correlation(statistic):
+    def metric(predictions, labels, num_labels):
+        if len(labels) < 2:
+            return math.nan
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", scipy.stats.ConstantInputWarning)
+            return statistic(predictions, labels)[0]
+
+    return metric
+
+
+_METRICS = {
+    "accuracy": _accuracy,
+    "f1": _f1,
+    "matthews": _matthews,
+    "pearson": _correlation(scipy.stats.pearsonr),
+    "spearman": _correlation(scipy.stats.spearmanr),
+}
+
+
+# --- predictions file ----------------------------------------------------------------------------
+
+
+def write_predictions(
+    path: str,
+    predictions: np.ndarray,
+    labels: np.ndarray,
+    label_names: Sequence[str] | None = None,
+) -> None:
+    """`predictions.jsonl`: one line per eval example, in dataset order,
+    {"index", "prediction", "label"} (+ "prediction_name", "label_name" when classes are named).
+
+    Written to a temporary name and renamed into place, so a killed run never leaves a file
+    that looks complete. Every process holds the same predictions: call it on process 0 only.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=".predictions-", suffix=".tmp")
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+            for index, (prediction, label) in enumerate(zip(predictions.tolist(), labels.tolist())):
+                row = {"index": index, "prediction": prediction, "label": label}
+                if label_names is not None:
+                    row["prediction_name"] = label_names[prediction]
+                    row["label_name"] = label_names[label]
+                file.write(json.dumps(row) + "\n")
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
