@@ -6,6 +6,7 @@ corpus cannot be reached fails with a FlaxlmError naming the dataset and config.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -289,10 +290,12 @@ SHRUNK = [  # after the experiment, so they win: the preset's recipe at a size t
     "logger=none",
 ]
 EXPERIMENTS = sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml"))
+CLM_EXPERIMENTS = [e for e in EXPERIMENTS if compose([f"experiment={e}"]).task.name == "clm"]
+GLUE_EXPERIMENTS = [e for e in EXPERIMENTS if e.startswith("glue-")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("experiment", EXPERIMENTS)
+@pytest.mark.parametrize("experiment", CLM_EXPERIMENTS)
 def test_every_preset_trains_a_few_steps_on_local_stand_in_data(experiment, tmp_path):
     """Each preset end to end, shrunk; a hub corpus is replaced by a local copy laid out like it
     (same config name), so the preset's own language settings are the ones exercised."""
@@ -311,3 +314,112 @@ def test_every_preset_trains_a_few_steps_on_local_stand_in_data(experiment, tmp_
     assert os.path.exists(run_dir / "model" / "model.safetensors")
     saved = OmegaConf.load(run_dir / "config.yaml")
     assert (saved.language.hub_config, saved.task.max_seq_length) == (language.hub_config, 64)
+
+
+# --- the fine-tuning presets --------------------------------------------------------------------
+
+# GLUE config -> (text columns, eval split, label kind), as nyu-mll/glue lays them out.
+GLUE = {
+    "cola": (["sentence"], "validation", 2),
+    "sst2": (["sentence"], "validation", 2),
+    "mrpc": (["sentence1", "sentence2"], "validation", 2),
+    "qqp": (["question1", "question2"], "validation", 2),
+    "stsb": (["sentence1", "sentence2"], "validation", "float"),
+    "mnli": (["premise", "hypothesis"], "validation_matched", 3),
+    "qnli": (["question", "sentence"], "validation", 2),
+    "rte": (["sentence1", "sentence2"], "validation", 2),
+    "wnli": (["sentence1", "sentence2"], "validation", 2),
+}
+
+
+def test_the_glue_presets_cover_every_glue_task():
+    assert sorted(GLUE_EXPERIMENTS) == sorted(f"glue-{name}" for name in GLUE)
+
+
+def test_glue_mrpc_is_the_accelerate_notebook():
+    config = config_of(["experiment=glue-mrpc"])
+    assert (config.task.name, config.model.name, config.model.init_from) == (
+        "classify", "bert-base-cased", "google-bert/bert-base-cased")
+    assert (config.task.dataset, config.task.dataset_config) == ("nyu-mll/glue", "mrpc")
+    assert (config.task.text_column, config.task.text_pair_column) == ("sentence1", "sentence2")
+    assert config.task.max_seq_length == 128 and config.task.metrics == ["accuracy", "f1"]
+    assert (config.optimizer.lr, config.optimizer.schedule) == (2e-5, Schedule.linear)
+    assert (config.trainer.num_epochs, config.seed) == (3, 42)
+    assert (config.hardware.per_device_batch_size,
+            config.hardware.per_device_eval_batch_size) == (8, 32)
+
+
+def write_glue_stand_in(root: Path, name: str) -> Path:
+    """A local directory laid out like nyu-mll/glue's `name` config (parquet + README)."""
+    columns, eval_split, labels = GLUE[name]
+    rng = random.Random(0)
+    words = "cat dog sat on the mat ran far away home big small red blue".split()
+    if labels == "float":
+        label_feature = datasets.Value("float32")
+    else:
+        label_feature = datasets.ClassLabel(names=[f"class{i}" for i in range(labels)])
+    features = datasets.Features(
+        {**{c: datasets.Value("string") for c in columns}, "label": label_feature,
+         "idx": datasets.Value("int32")}
+    )
+    (root / name).mkdir(parents=True)
+    splits = {"train": 48, eval_split: 13}
+    for split, rows in splits.items():
+        table = {c: [" ".join(rng.choices(words, k=6)) for _ in range(rows)] for c in columns}
+        table["label"] = [rng.uniform(0, 5) if labels == "float" else rng.randrange(labels)
+                          for _ in range(rows)]
+        table["idx"] = list(range(rows))
+        datasets.Dataset.from_dict(table, features=features).to_parquet(
+            str(root / name / f"{split}-00000-of-00001.parquet"))
+    data_files = "".join(f"  - split: {split}\n    path: {name}/{split}-*\n" for split in splits)
+    (root / "README.md").write_text(f"---\nconfigs:\n- config_name: {name}\n  data_files:\n"
+                                    f"{data_files}---\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def tiny_bert_checkpoint(tmp_path_factory):
+    """A tiny random BERT written as an HF directory (config, safetensors, WordPiece
+    tokenizer): what model.init_from reads in place of bert-base-cased from the Hub."""
+    import transformers
+    from flax import nnx
+
+    from flaxlm.config import ModelConfig, ModelFamily
+    from flaxlm.models import hf
+    from flaxlm.models.bert import BertForSequenceClassification
+    from flaxlm.models.gpt2 import GPT2Spec
+
+    directory = tmp_path_factory.mktemp("tiny-bert")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]",
+             *"cat dog sat on the mat ran far away home big small red blue".split()]
+    (directory / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tokenizer = transformers.BertTokenizerFast(vocab_file=str(directory / "vocab.txt"))
+    model_config = ModelConfig(name="tiny-bert", family=ModelFamily.bert, vocab_size=len(vocab),
+                               n_positions=64, n_embd=32, n_layer=1, n_head=2, n_inner=64,
+                               activation_function="gelu", layer_norm_epsilon=1e-12)
+    model = BertForSequenceClassification(GPT2Spec(model_config), 2, nnx.Rngs(0))
+    hf.save_classifier(str(directory), nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+                       model_config, tokenizer, num_labels=2)
+    return directory
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experiment", GLUE_EXPERIMENTS)
+def test_every_glue_preset_fine_tunes_a_few_steps_on_a_local_stand_in(
+        experiment, tiny_bert_checkpoint, tmp_path):
+    """Each GLUE preset's own columns, splits, label kind and metrics, end to end; the Hub
+    dataset is a local copy laid out like it, bert-base-cased a tiny random BERT."""
+    name = experiment.removeprefix("glue-")
+    root = write_glue_stand_in(tmp_path / "glue", name)
+    run_dir = tmp_path / "run"
+    overrides = [f"experiment={experiment}", f"task.dataset={root}",
+                 f"model.init_from={tiny_bert_checkpoint}", "task.max_seq_length=32",
+                 "hardware=cpu-8", "hardware.per_device_batch_size=2",
+                 "hardware.per_device_eval_batch_size=2", "optimizer.warmup_steps=0",
+                 "trainer.max_steps=3", "logger=none"]
+    loss = train(compose(overrides, run_dir=run_dir))
+    assert math.isfinite(loss)
+    preset = config_of([f"experiment={experiment}"]).task
+    last_eval = [r for r in map(json.loads, open(run_dir / "metrics.jsonl")) if "eval/loss" in r][-1]
+    assert {f"eval/{m}" for m in preset.metrics} <= set(last_eval)
+    assert len(open(run_dir / "predictions.jsonl").readlines()) == 13  # every eval example

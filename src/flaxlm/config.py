@@ -207,6 +207,12 @@ class TokenizerConfig:
     train_docs: int = 10000
 
 
+class ResumeMode(str, enum.Enum):
+    auto = "auto"  # continue the run directory's latest checkpoint if there is one
+    never = "never"  # always a fresh run; a run directory that holds a run is an error
+    must = "must"  # there must be a checkpoint to continue
+
+
 @dataclasses.dataclass
 class TrainerConfig:
     """How long to train and how often to evaluate and log."""
@@ -224,6 +230,26 @@ class TrainerConfig:
     eval_every: Optional[int] = None  # steps; null → only at the end of each epoch
     log_every: int = 10  # steps between train-metric log lines
     eval_before_training: bool = True
+    # Continue the latest checkpoint of the run directory (run_dir, or resume_from) if it has
+    # one. auto: resume if there is a checkpoint, else start fresh; never: always a fresh run
+    # (in a new run_dir); must: fail unless there is a checkpoint to resume.
+    resume: ResumeMode = ResumeMode.auto
+    # A step whose loss or gradients are not finite: false → stop with an error naming the
+    # step; true → skip its update (parameters and optimizer state unchanged) and go on; the
+    # skipped steps are counted in train/skipped_steps.
+    skip_nonfinite: bool = False
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    """When to save the full train state to <run_dir>/checkpoints/ and how many to keep."""
+
+    every_steps: Optional[int] = 500  # null → only at epoch ends, the last step and on SIGTERM
+    at_epoch_end: bool = True
+    keep_last: int = 3  # the newest checkpoints kept
+    keep_best: int = 1  # plus this many with the lowest eval loss (0 → none extra)
+    # Write files in a background thread: the step loop only waits for the copy off the device.
+    async_save: bool = True
 
 
 @dataclasses.dataclass
@@ -241,6 +267,20 @@ class LoggerConfig:
 
 
 @dataclasses.dataclass
+class SamplesConfig:
+    """Text the trained model writes at the end of a task=clm run: printed, logged to
+    metrics.jsonl and as a W&B table. Each prompt starts a document (it follows the EOS that
+    separates documents); an empty prompt lets the model start its own. No prompts → none."""
+
+    prompts: list[str] = dataclasses.field(default_factory=list)
+    max_new_tokens: int = 40  # cut to what the context (model.n_positions) leaves
+    temperature: float = 0.8  # 0 → greedy
+    top_k: int = 50  # 0 → no cut
+    top_p: float = 1.0  # 1 → no cut
+    seed: int = 0
+
+
+@dataclasses.dataclass
 class TrainConfig:
     """The whole composed config of `flaxlm-train`."""
 
@@ -252,8 +292,12 @@ class TrainConfig:
     logger: LoggerConfig = MISSING
     tokenizer: TokenizerConfig = dataclasses.field(default_factory=TokenizerConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    samples: SamplesConfig = dataclasses.field(default_factory=SamplesConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     seed: int = 0
     run_dir: str = MISSING  # where this run writes; a new run never reuses an existing one
+    # Continue the run in this directory (its latest complete checkpoint) instead of run_dir.
+    resume_from: Optional[str] = None
     cache_dir: str = "~/.cache/flaxlm"  # tokenizers and packed token blocks, shared by runs
 
 

@@ -12,7 +12,7 @@ import json
 import netrc
 import os
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 from urllib.parse import urlparse
 
 from flaxlm.config import LoggerConfig
@@ -26,7 +26,32 @@ class Tracker:
 
     def __init__(self, run_dir: str, wandb_run=None):
         self.wandb_run = wandb_run
-        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+        self._path = os.path.join(run_dir, "metrics.jsonl")
+        self._jsonl = open(self._path, "a", buffering=1)
+
+    def rewind(self, step: int) -> int:
+        """Drop the metrics.jsonl lines after `step` (those of a run that was killed after its
+        last checkpoint, and a half-written last line): a resumed run then continues the file
+        exactly as the uninterrupted run wrote it. Returns how many lines were dropped. (A W&B
+        run keeps what it was sent; it ignores steps logged again.)"""
+        self._jsonl.close()
+        kept, dropped = [], 0
+        with open(self._path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    record = None
+                if record is None or not line.endswith("\n") or record.get("step", 0) > step:
+                    dropped += 1
+                else:
+                    kept.append(line)
+        temporary = f"{self._path}.tmp"
+        with open(temporary, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(temporary, self._path)
+        self._jsonl = open(self._path, "a", buffering=1)
+        return dropped
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         record = {k: _plain(v) for k, v in metrics.items()}
@@ -34,15 +59,31 @@ class Tracker:
         if self.wandb_run is not None:
             self.wandb_run.log(record, step=step)
 
+    def log_table(self, key: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
+                  step: int) -> None:
+        """A small table (e.g. generated samples): one metrics.jsonl record whose `key` holds
+        the rows as {column: value} dicts, and a `wandb.Table` in the W&B run."""
+        records = [{c: _plain(v) for c, v in zip(columns, row)} for row in rows]
+        self._jsonl.write(json.dumps({"step": step, "time": time.time(), key: records}) + "\n")
+        if self.wandb_run is not None:
+            import wandb
+
+            table = wandb.Table(columns=list(columns), data=[list(row) for row in rows])
+            self.wandb_run.log({key: table}, step=step)
+
     def summary(self, values: Mapping[str, Any]) -> None:
         if self.wandb_run is not None:
             self.wandb_run.summary.update({k: _plain(v) for k, v in values.items()})
 
-    def finish(self, exit_code: int = 0) -> None:
-        """Close everything; a failed run is marked failed in W&B (exit code 1). Always call
-        this, so that the next job of a multirun does not log into this job's W&B run."""
+    def finish(self, exit_code: int = 0, preempted: bool = False) -> None:
+        """Close everything; a failed run is marked failed in W&B (exit code 1), a preempted
+        one (stopped by a signal after saving a checkpoint) as preempting, so W&B shows it as
+        resumable. Always call this, so that the next job of a multirun does not log into this
+        job's W&B run."""
         self._jsonl.close()
         if self.wandb_run is not None:
+            if preempted:
+                self.wandb_run.mark_preempting()
             self.wandb_run.finish(exit_code=exit_code)
             self.wandb_run = None
 
@@ -54,13 +95,18 @@ def start_tracker(
     *,
     name: str | None,
     group: str | None,
+    run_id: str | None = None,
 ) -> Tracker:
+    """`run_id` names the W&B run: the same id continues the same run (a resumed training
+    run passes the id it stored in its run directory)."""
     if not logger.wandb:
         return Tracker(run_dir)
     import wandb
 
     mode = resolve_mode(logger.mode)
     run = wandb.init(
+        id=run_id,
+        resume="allow" if run_id else None,
         project=logger.project,
         entity=logger.entity,
         dir=run_dir,

@@ -1,5 +1,9 @@
 """`flaxlm-train`: the Hydra entrypoint. It only composes the config and hands it to
-`flaxlm.train.train`; a user's mistake is printed as one paragraph, without a traceback."""
+`flaxlm.train.train`; a user's mistake is printed as one paragraph, without a traceback.
+
+Exit codes: 0 done; 1 failed; 2 a configuration or input error (FlaxlmError); 75 stopped by
+SIGTERM / SIGINT after saving a checkpoint — the same overrides plus resume_from=<run dir>
+(or the same command, if it named run_dir / hydra.run.dir) continue the run."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ register_configs()
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def main(cfg: DictConfig) -> float:
     from flaxlm.train import train  # after Hydra: JAX starts only once the config is known
+    from flaxlm.training.checkpoint import PREEMPTED_EXIT_CODE, Preempted
 
     hydra_cfg = HydraConfig.get()
     overrides = [o for o in hydra_cfg.overrides.task if not o.startswith("hparams_search")]
@@ -36,6 +41,10 @@ def main(cfg: DictConfig) -> float:
     except FlaxlmError as err:
         print(f"flaxlm: error: {err}", file=sys.stderr)
         sys.exit(2)
+    except Preempted:
+        # SIGTERM / SIGINT: the checkpoint is saved; 75 (EX_TEMPFAIL) tells a scheduler that
+        # the run can be resumed.
+        sys.exit(PREEMPTED_EXIT_CODE)
 
 
 if __name__ == "__main__":

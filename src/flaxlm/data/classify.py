@@ -462,7 +462,8 @@ def encode(split: datasets.Dataset, tokenizer, max_length: int) -> dict[str, np.
         rows = arrow[start : start + _ENCODE_CHUNK]
         text = rows["text"].to_pylist()
         pair = rows["text_pair"].to_pylist() if has_pair else None
-        encoding = tokenizer(text, pair, truncation=True, max_length=max_length)
+        encoding = tokenizer(text, pair, truncation=True, max_length=max_length,
+                             return_token_type_ids=True)
         parts.append(_pad_encoding(encoding, max_length, pad_id))
     if parts:
         arrays = {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}

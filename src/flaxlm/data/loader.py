@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from flaxlm.errors import FlaxlmError
 from flaxlm.parallel import global_batch, process_rows
 
 
@@ -32,6 +33,16 @@ class TrainLoader:
     @property
     def steps_per_epoch(self) -> int:
         return len(self.blocks) // self.global_batch_size
+
+    def state_dict(self) -> dict:
+        """What fixes the order of batches: with (epoch, step in epoch), which the training
+        loop saves alongside, the loader's whole position for a checkpoint."""
+        return {"kind": "blocks", "seed": self.seed, "num_blocks": len(self.blocks),
+                "global_batch_size": self.global_batch_size}
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Check that a checkpoint's loader would yield the batches this one yields."""
+        check_same_loader(saved, self.state_dict())
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[jax.Array]:
         """The global batches of `epoch`, from `start_step` on."""
@@ -59,3 +70,16 @@ def eval_batches(
 
 def num_eval_batches(num_blocks: int, global_batch_size: int) -> int:
     return -(-num_blocks // global_batch_size)
+
+
+def check_same_loader(saved: dict, current: dict) -> None:
+    """A resumed run must read the same data in the same order; name what differs."""
+    differences = [f"{key}: {saved.get(key)!r} → {current[key]!r}"
+                   for key in current if saved.get(key) != current[key]]
+    if differences:
+        raise FlaxlmError(
+            "The checkpoint's training data differs from this run's (" + "; ".join(differences)
+            + "), so resuming would not continue the same run. Resume with the run's own "
+            "language, tokenizer, task.max_seq_length, seed and batch settings, or start a new "
+            "run (trainer.resume=never and a new run_dir)."
+        )

@@ -33,6 +33,7 @@ import transformers
 from datasets.distributed import split_dataset_by_node
 from jax.sharding import Mesh
 
+from flaxlm.data.loader import check_same_loader
 from flaxlm.data.packing import join_documents
 from flaxlm.errors import FlaxlmError
 from flaxlm.parallel import global_batch, process_rows
@@ -235,6 +236,18 @@ class StreamingLoader:
 
     def state(self) -> StreamState:
         return self._state
+
+    def state_dict(self) -> dict:
+        """The stream position after the last batch yielded, and what fixes the order."""
+        return {"kind": "stream", "seed": self.seed, "shuffle_buffer": self.shuffle_buffer,
+                "global_batch_size": self.global_batch_size,
+                "stream": dataclasses.asdict(self._state)}
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Continue from a checkpoint's position (same order settings, checked)."""
+        current = self.state_dict()
+        check_same_loader({**saved, "stream": current["stream"]}, current)
+        self._state = StreamState(**saved["stream"])
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[jax.Array]:
         """Global batches from the current stream position, until step `steps_per_epoch`.

@@ -5,8 +5,12 @@ checkpoint maps one to one (see `flaxlm.models.hf`): HF's `Conv1D.weight` is sto
 exactly like our `Linear.kernel`; LayerNorm `weight` is our `scale`; embedding `weight` is our
 `embedding`. The LM head is tied to `wte`, as in HF, so it has no parameters of its own.
 
+Generation runs the same modules through `decode`, against a `KVCache`: the keys and values of
+every position so far, preallocated to the full length and passed in and returned (never stored
+on a module), so a jitted decode loop keeps one shape.
+
 Shapes are in the names: B batch, L sequence length, D model width, N heads, H head width,
-F MLP width, V vocabulary.
+F MLP width, V vocabulary, S cache slots (prompt + new tokens).
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
+from jax import lax
 
 from flaxlm.config import ModelConfig
 
@@ -86,11 +91,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BxLxD: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:
         B, L, D = x_BxLxD.shape
-        qkv_BxLx3D = self.c_attn(x_BxLxD)
-        q_BxLxNxH, k_BxLxNxH, v_BxLxNxH = (
-            part.reshape(B, L, self.num_heads, D // self.num_heads)
-            for part in jnp.split(qkv_BxLx3D, 3, axis=-1)
-        )
+        q_BxLxNxH, k_BxLxNxH, v_BxLxNxH = self._heads(x_BxLxD)
         if rngs is not None and self.attn_pdrop > 0:
             out_BxLxNxH = _attention_with_dropout(
                 q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, self.attn_pdrop, rngs.dropout()
@@ -101,6 +102,31 @@ class Attention(nnx.Module):
             )
         out_BxLxD = self.c_proj(out_BxLxNxH.reshape(B, L, D))
         return self.resid_dropout(out_BxLxD, deterministic=rngs is None, rngs=rngs)
+
+    def decode(self, x_BxLxD: jax.Array, keys_BxSxNxH: jax.Array, values_BxSxNxH: jax.Array,
+               index: jax.Array, mask_BxLxS: jax.Array):
+        """Attention of L new positions, written into the cache at slot `index`, over every
+        slot that `mask_BxLxS` allows. Returns the output and the updated keys and values."""
+        B, L, D = x_BxLxD.shape
+        q_BxLxNxH, k_BxLxNxH, v_BxLxNxH = self._heads(x_BxLxD)
+        keys_BxSxNxH = lax.dynamic_update_slice_in_dim(
+            keys_BxSxNxH, k_BxLxNxH.astype(keys_BxSxNxH.dtype), index, axis=1
+        )
+        values_BxSxNxH = lax.dynamic_update_slice_in_dim(
+            values_BxSxNxH, v_BxLxNxH.astype(values_BxSxNxH.dtype), index, axis=1
+        )
+        out_BxLxNxH = jax.nn.dot_product_attention(
+            q_BxLxNxH, keys_BxSxNxH, values_BxSxNxH, mask=mask_BxLxS[:, None]
+        )
+        return self.c_proj(out_BxLxNxH.reshape(B, L, D)), keys_BxSxNxH, values_BxSxNxH
+
+    def _heads(self, x_BxLxD: jax.Array):
+        B, L, D = x_BxLxD.shape
+        qkv_BxLx3D = self.c_attn(x_BxLxD)
+        return (
+            part.reshape(B, L, self.num_heads, D // self.num_heads)
+            for part in jnp.split(qkv_BxLx3D, 3, axis=-1)
+        )
 
 
 def _attention_with_dropout(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, rate: float, key: jax.Array):
@@ -146,6 +172,29 @@ class Block(nnx.Module):
         x_BxLxD = x_BxLxD + self.attn(self.ln_1(x_BxLxD), rngs)
         return x_BxLxD + self.mlp(self.ln_2(x_BxLxD), rngs)
 
+    def decode(self, x_BxLxD, keys_BxSxNxH, values_BxSxNxH, index, mask_BxLxS):
+        """`__call__` without dropout, attending over the cache (see `Attention.decode`)."""
+        attn_BxLxD, keys_BxSxNxH, values_BxSxNxH = self.attn.decode(
+            self.ln_1(x_BxLxD), keys_BxSxNxH, values_BxSxNxH, index, mask_BxLxS
+        )
+        x_BxLxD = x_BxLxD + attn_BxLxD
+        return x_BxLxD + self.mlp(self.ln_2(x_BxLxD), None), keys_BxSxNxH, values_BxSxNxH
+
+
+@struct.dataclass
+class KVCache:
+    """What generation carries from step to step: every layer's keys and values, preallocated
+    to S slots (prompt + new tokens), which slots hold a real token, and the next free slot.
+
+    Prompts are left-padded (right-aligned), so every row's next token goes to the same slot;
+    `filled_BxS` keeps the padding out of attention and out of the position count.
+    """
+
+    keys_BxSxNxH: tuple[jax.Array, ...]  # one per layer
+    values_BxSxNxH: tuple[jax.Array, ...]  # one per layer
+    filled_BxS: jax.Array  # bool
+    index: jax.Array  # int32 scalar: the slot the next token is written to
+
 
 class GPT2LMHeadModel(nnx.Module):
     """Token ids in, next-token logits out. Pass `rngs` to train (dropout on), None to evaluate."""
@@ -176,6 +225,87 @@ class GPT2LMHeadModel(nnx.Module):
             x_BxLxD = block(x_BxLxD, rngs)
         return self.ln_f(x_BxLxD)
 
+    def init_cache(self, batch_size: int, num_slots: int) -> KVCache:
+        """An empty cache for `batch_size` rows of up to `num_slots` tokens, prompt included."""
+        num_heads = self.h[0].attn.num_heads
+        shape = (batch_size, num_slots, num_heads, self.wte.features // num_heads)
+        zeros = tuple(jnp.zeros(shape, self.wte.dtype) for _ in self.h)
+        return KVCache(
+            keys_BxSxNxH=zeros,
+            values_BxSxNxH=zeros,
+            filled_BxS=jnp.zeros((batch_size, num_slots), bool),
+            index=jnp.zeros((), jnp.int32),
+        )
+
+    def decode(self, input_ids_BxL: jax.Array, cache: KVCache,
+               input_mask_BxL: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """Logits of L new tokens given everything in `cache`, and the cache with them in it.
+
+        The prompt goes in once (L = prompt length, `input_mask_BxL` False on left padding),
+        then one token per step (L = 1). Evaluation mode: no dropout.
+        """
+        B, L = input_ids_BxL.shape
+        if input_mask_BxL is None:
+            input_mask_BxL = jnp.ones((B, L), bool)
+        input_mask_BxL = input_mask_BxL.astype(bool)
+        # A token's position counts only the real tokens before it, so left padding shifts
+        # nothing: a padded row sees the positions it would see alone.
+        seen_Bx1 = cache.filled_BxS.sum(axis=1, keepdims=True)
+        positions_BxL = jnp.maximum(seen_Bx1 + jnp.cumsum(input_mask_BxL, axis=1) - 1, 0)
+        filled_BxS = lax.dynamic_update_slice_in_dim(
+            cache.filled_BxS, input_mask_BxL, cache.index, axis=1
+        )
+        slots_S = jnp.arange(filled_BxS.shape[1])
+        query_slots_L = cache.index + jnp.arange(L)
+        causal_LxS = slots_S[None, :] <= query_slots_L[:, None]
+        mask_BxLxS = causal_LxS[None] & filled_BxS[:, None, :]
+
+        x_BxLxD = self.wte(input_ids_BxL) + self.wpe(positions_BxL)
+        keys, values = [], []
+        for block, keys_BxSxNxH, values_BxSxNxH in zip(
+            self.h, cache.keys_BxSxNxH, cache.values_BxSxNxH
+        ):
+            x_BxLxD, keys_BxSxNxH, values_BxSxNxH = block.decode(
+                x_BxLxD, keys_BxSxNxH, values_BxSxNxH, cache.index, mask_BxLxS
+            )
+            keys.append(keys_BxSxNxH)
+            values.append(values_BxSxNxH)
+        logits_BxLxV = self.wte.attend(self.ln_f(x_BxLxD))
+        return logits_BxLxV, KVCache(tuple(keys), tuple(values), filled_BxS, cache.index + L)
+
 
 def count_params(model: nnx.Module) -> int:
     return sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+class GPT2ForSequenceClassification(nnx.Module):
+    """GPT-2 as a classifier, as HF's class of that name: the hidden state of each row's last
+    non-padding token through `score` (no bias) gives the logits (B, C); C = 1 is regression.
+
+    `transformer` is a whole GPT2LMHeadModel so an LM checkpoint (ours or HF's) maps one to one;
+    its tied head is simply unused. Rows are right-padded, so the last real token sits at
+    attention_mask.sum() - 1, and causal attention means it never saw the padding after it.
+    `token_type_ids_BxL` is accepted for a common signature with BERT and ignored.
+    """
+
+    def __init__(self, spec: GPT2Spec, num_labels: int, pad_token_id: int, rngs: nnx.Rngs):
+        cfg = spec.model
+        self.pad_token_id = pad_token_id  # kept for the exported config.json
+        self.transformer = GPT2LMHeadModel(spec, rngs)
+        self.score = nnx.Linear(
+            cfg.n_embd,
+            num_labels,
+            use_bias=False,
+            dtype=spec.compute_dtype,
+            param_dtype=spec.param_dtype,
+            kernel_init=nnx.initializers.normal(cfg.initializer_range),
+            rngs=rngs,
+        )
+
+    def __call__(self, input_ids_BxL, attention_mask_BxL, token_type_ids_BxL=None,
+                 rngs: nnx.Rngs | None = None) -> jax.Array:
+        x_BxLxD = self.transformer.hidden_states(input_ids_BxL, rngs=rngs)
+        # A filler row with no tokens at all (last eval batch) reads position 0, not -1.
+        last_B = jnp.maximum(attention_mask_BxL.sum(axis=-1) - 1, 0)
+        last_BxD = jnp.take_along_axis(x_BxLxD, last_B[:, None, None], axis=1)[:, 0]
+        return self.score(last_BxD)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from typing import Callable
 
 import jax
 import numpy as np
@@ -16,23 +17,52 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from flaxlm.data.loader import TrainLoader, eval_batches, num_eval_batches
+from flaxlm.errors import FlaxlmError
 from flaxlm.tracking import Tracker
+from flaxlm.training.checkpoint import Preempted, StopRequest
 from flaxlm.training.step import CompiledSteps, TrainState
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """How long to train and how often to evaluate and log, in steps."""
+    """How long to train and how often to evaluate, log and checkpoint, in steps."""
 
     steps_per_epoch: int
     total_steps: int
     eval_every: int | None
     log_every: int
     eval_before_training: bool
+    checkpoint_every: int | None = None  # also at epoch ends (if below), the last step, on stop
+    checkpoint_at_epoch_end: bool = True
+    count_skipped: bool = False  # trainer.skip_nonfinite: log train/skipped_steps
 
     @property
     def num_epochs(self) -> int:
         return math.ceil(self.total_steps / self.steps_per_epoch)
+
+
+@dataclasses.dataclass
+class LoopState:
+    """What the loop itself carries from step to step, beyond the train state: saved with each
+    checkpoint so that a resumed run logs exactly what the uninterrupted one would have."""
+
+    step: int = 0
+    epoch: int = 0
+    step_in_epoch: int = 0
+    window_losses: list[float] = dataclasses.field(default_factory=list)  # since the last log
+    window_skipped: int = 0
+    last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "LoopState":
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+
+
+# save(step, state, loop_state, eval_metrics or None): write a checkpoint of `state` after `step`.
+SaveFn = Callable[[int, TrainState, LoopState, "dict[str, float] | None"], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,78 +108,142 @@ def fit(
     throughput: Throughput,
     tracker: Tracker,
     dropout_key: jax.Array,
+    *,
+    save: SaveFn | None = None,
+    resume: LoopState | None = None,
+    stop: StopRequest | None = None,
 ) -> tuple[TrainState, dict[str, float]]:
-    """Train for `plan.total_steps`; return the final state and the last evaluation."""
-    last_eval: dict[str, float] = {}
+    """Train for `plan.total_steps`; return the final state and the last evaluation.
 
-    window = _Window(throughput)
+    `resume` continues a run from a checkpoint's loop state (with `state` restored from the
+    same checkpoint). `save` is called after every step that should be checkpointed, only with
+    a state whose metrics were fetched and found finite. When `stop` is requested (SIGTERM /
+    SIGINT) the loop saves after the current step and raises `Preempted`.
+    """
+    progress = resume or LoopState()
+    step, last_eval = progress.step, dict(progress.last_eval)
+    last_saved = step if resume else None
+    window = _Window(throughput, progress.window_losses, progress.window_skipped,
+                     plan.count_skipped)
+    stop = stop or StopRequest()
 
-    def run_eval(step: int, epoch: float) -> None:
+    def run_eval(epoch: float) -> None:
         nonlocal last_eval
         last_eval = evaluate(state.params)
         tracker.log({**last_eval, "epoch": epoch}, step=step)
         window.restart_clock()  # evaluation time is not training throughput
 
-    if plan.eval_before_training:
-        run_eval(0, 0.0)
+    def checkpoint(epoch: int, step_in_epoch: int, metrics: dict[str, float] | None) -> None:
+        nonlocal last_saved
+        if save is None or last_saved == step:
+            return
+        save(step, state, LoopState(step, epoch, step_in_epoch, list(window.losses),
+                                    window.skipped, dict(last_eval)), metrics)
+        last_saved = step
+        window.restart_clock()  # nor is the copy off the device
+
+    def check(step_metrics) -> None:
+        window.add(*step_metrics, last_saved=last_saved)
+
+    if plan.eval_before_training and step == 0:
+        run_eval(0.0)
         tqdm.write(_describe("before training", last_eval))
 
-    pending = None  # the previous step's metrics, still on the device
-    step = 0
-    epochs = tqdm(range(plan.num_epochs), desc="epoch", position=0)
-    for epoch in epochs:
-        epoch_steps = min(plan.steps_per_epoch, plan.total_steps - step)
-        bar = tqdm(total=epoch_steps, desc=f"train (epoch {epoch + 1})", position=1, leave=False)
-        for inputs in loader.epoch(epoch):
+    pending = None  # (step, metrics) of the previous step, still on the device
+    first_epoch = step // plan.steps_per_epoch
+    epochs = tqdm(total=plan.num_epochs, desc="epoch", position=0, initial=first_epoch)
+    for epoch in range(first_epoch, plan.num_epochs):
+        if step >= plan.total_steps:
+            break
+        start_step = step - epoch * plan.steps_per_epoch
+        epoch_steps = min(plan.steps_per_epoch, plan.total_steps - epoch * plan.steps_per_epoch)
+        bar = tqdm(total=epoch_steps, initial=start_step, desc=f"train (epoch {epoch + 1})",
+                   position=1, leave=False)
+        for inputs in loader.epoch(epoch, start_step):
             if step == plan.total_steps:
                 break
             state, metrics = steps.train(state, inputs, dropout_key)
             step += 1
             if pending is not None:  # fetched only now, after the next step was dispatched
-                window.add(pending)
-            pending = metrics
+                check(pending)
+            pending = (step, metrics)
             bar.update()
-            if step % plan.log_every == 0 or step == plan.total_steps:
-                window.add(pending)
+            mid_epoch = bar.n < epoch_steps  # the epoch's last step is handled after the loop
+            save_now = mid_epoch and save is not None and bool(
+                plan.checkpoint_every and step % plan.checkpoint_every == 0
+            )
+            log_now = step % plan.log_every == 0 or step == plan.total_steps
+            if log_now or save_now:  # a state is saved only once its loss is known finite
+                check(pending)
                 pending = None
+            if log_now:
                 record = window.flush(epoch + bar.n / plan.steps_per_epoch)
                 bar.set_postfix(loss=f"{record['train/loss']:.3f}")
                 tracker.log(record, step=step)
-            if plan.eval_every and step % plan.eval_every == 0 and bar.n < epoch_steps:
-                run_eval(step, epoch + bar.n / plan.steps_per_epoch)
+            evaluated = bool(plan.eval_every and step % plan.eval_every == 0 and mid_epoch)
+            if evaluated:
+                run_eval(epoch + bar.n / plan.steps_per_epoch)
+            if save_now:
+                checkpoint(epoch, bar.n, last_eval if evaluated else None)
+            if stop.requested and mid_epoch:  # a signal may arrive at any point of the step
+                if pending is not None:
+                    check(pending)
+                    pending = None
+                checkpoint(epoch, bar.n, None)
+                raise Preempted(step, stop.signal_name)
         bar.close()
         if pending is not None:
-            window.add(pending)
+            check(pending)
             pending = None
-        run_eval(step, epoch + bar.n / plan.steps_per_epoch)
+        run_eval(epoch + bar.n / plan.steps_per_epoch)
         tqdm.write(
             f"Epoch {epoch + 1}/{plan.num_epochs} | step {step} | "
             f"train loss {window.last_loss:.4f} | lr {window.last_lr:.3g} | "
             + _describe("", last_eval)
         )
+        if (plan.checkpoint_at_epoch_end or step == plan.total_steps or stop.requested
+                or (plan.checkpoint_every and step % plan.checkpoint_every == 0)):
+            # An epoch that ended exactly here saves the position at the next epoch's start.
+            ended = bar.n == plan.steps_per_epoch
+            checkpoint(epoch + 1 if ended else epoch, 0 if ended else bar.n, last_eval)
+        if stop.requested:
+            raise Preempted(step, stop.signal_name)
+        epochs.update()
     epochs.close()
     return state, last_eval
 
 
 class _Window:
     """Train metrics between two log lines: mean loss, last learning rate and grad norm, and
-    throughput over wall time (the first step, which compiles, is not timed)."""
+    throughput over wall time (the first step, which compiles, is not timed). Every step's
+    metrics pass through `add`, which stops the run on a non-finite one (or counts it when
+    skipped)."""
 
-    def __init__(self, throughput: Throughput):
+    def __init__(self, throughput: Throughput, losses=(), skipped: int = 0,
+                 count_skipped: bool = False):
         self.throughput = throughput
-        self.losses: list[float] = []
+        self.losses: list[float] = list(losses)
+        self.skipped = skipped
+        self.count_skipped = count_skipped
         self.timed_steps = 0
         self.started: float | None = None
-        self.last_loss = float("nan")
+        self.last_loss = self.losses[-1] if self.losses else float("nan")
         self.last_lr = float("nan")
         self.last_grad_norm = float("nan")
 
-    def add(self, metrics) -> None:
+    def add(self, step: int, metrics, last_saved: int | None = None) -> None:
         metrics = jax.device_get(metrics)
-        self.losses.append(float(metrics["loss"]))
-        self.last_loss = self.losses[-1]
+        loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
         self.last_lr = float(metrics["learning_rate"])
-        self.last_grad_norm = float(metrics["grad_norm"])
+        if bool(metrics.get("skipped", False)):
+            self.skipped += 1
+            print(f"flaxlm: step {step} skipped: loss {loss}, gradient norm {grad_norm} "
+                  "(trainer.skip_nonfinite=true)", flush=True)
+        elif not bool(metrics.get("finite", True)):
+            raise _diverged(step, loss, grad_norm, last_saved)
+        else:
+            self.losses.append(loss)
+            self.last_loss, self.last_grad_norm = loss, grad_norm
         if self.started is None:
             self.started = time.perf_counter()  # the clock starts once a first step finished
         else:
@@ -160,11 +254,13 @@ class _Window:
 
     def flush(self, epoch: float) -> dict[str, float]:
         record = {
-            "train/loss": float(np.mean(self.losses)),
+            "train/loss": float(np.mean(self.losses)) if self.losses else float("nan"),
             "train/learning_rate": self.last_lr,
             "train/grad_norm": self.last_grad_norm,
             "epoch": epoch,
         }
+        if self.count_skipped:
+            record["train/skipped_steps"] = self.skipped
         elapsed = time.perf_counter() - self.started if self.started is not None else 0.0
         if self.timed_steps and elapsed > 0:
             tokens_per_second = self.timed_steps * self.throughput.tokens_per_step / elapsed
@@ -172,13 +268,33 @@ class _Window:
             record["train/mfu"] = (
                 tokens_per_second * self.throughput.flops_per_token / self.throughput.peak_flops
             )
-        self.losses, self.timed_steps, self.started = [], 0, time.perf_counter()
+        self.losses, self.skipped, self.timed_steps = [], 0, 0
+        self.started = time.perf_counter()
         return record
 
 
-def _describe(prefix: str, evaluation: dict[str, float]) -> str:
-    text = (
-        f"eval loss {evaluation['eval/loss']:.4f} | perplexity {evaluation['eval/perplexity']:.2f}"
-        f" | bits/byte {evaluation['eval/bits_per_byte']:.3f}"
+def _diverged(step: int, loss: float, grad_norm: float, last_saved: int | None) -> FlaxlmError:
+    kept = (f"The last checkpoint (step {last_saved}) was saved before it and is intact."
+            if last_saved else "No checkpoint was written from a non-finite state.")
+    return FlaxlmError(
+        f"Training diverged at step {step}: the loss is {loss} and the gradient norm "
+        f"{grad_norm}; the loss, the gradients or the updated parameters are not finite. "
+        f"{kept} Lower optimizer.lr, add optimizer.warmup_steps or gradient clipping "
+        "(optimizer.max_grad_norm), check the data, or set trainer.skip_nonfinite=true to skip "
+        "such steps and go on."
     )
+
+
+def describe(evaluation: dict[str, float]) -> str:
+    """One line from any task's eval record: 'eval loss 6.3981 | perplexity 600.38 | …'."""
+    parts = [f"eval loss {evaluation['eval/loss']:.4f}"]
+    for key, value in evaluation.items():
+        if key.startswith("eval/") and key != "eval/loss":
+            name = key.removeprefix("eval/").replace("bits_per_byte", "bits/byte")
+            parts.append(f"{name} {value:.4g}")
+    return " | ".join(parts)
+
+
+def _describe(prefix: str, evaluation: dict[str, float]) -> str:
+    text = describe(evaluation)
     return f"{prefix}: {text}" if prefix else text

@@ -44,32 +44,62 @@ def next_token_losses(logits_BxLxV: jax.Array, inputs_BxL: jax.Array) -> jax.Arr
     )
 
 
-def train_step(state: TrainState, inputs_KxBxL: jax.Array, dropout_key: jax.Array, *, graphdef,
-               tx: optax.GradientTransformation, schedule: optax.Schedule):
-    """One optimizer step on the mean gradient of K micro-batches of B rows (K = 1: the seed)."""
+def lm_loss(model, inputs_BxL: jax.Array, rngs: nnx.Rngs) -> jax.Array:
+    """Causal LM: the mean next-token cross-entropy of a batch of token blocks."""
+    return next_token_losses(model(inputs_BxL, rngs=rngs), inputs_BxL).mean()
 
-    def loss_fn(params, inputs_BxL, key):
-        model = nnx.merge(graphdef, params)
-        logits_BxLxV = model(inputs_BxL, rngs=nnx.Rngs(dropout=key))
-        return next_token_losses(logits_BxLxV, inputs_BxL).mean()
 
-    first_micro_batch = state.step * inputs_KxBxL.shape[0]
+def train_step(state: TrainState, batch_K, dropout_key: jax.Array, *, graphdef,
+               tx: optax.GradientTransformation, schedule: optax.Schedule,
+               loss_fn: Callable = lm_loss, skip_nonfinite: bool = False):
+    """One optimizer step on the mean gradient of K micro-batches of B rows (K = 1: the seed).
+
+    `batch_K` is an array or a pytree of arrays (e.g. a dict of input ids, masks and labels),
+    each leaf shaped (K, B, ...); `loss_fn(model, micro_batch, rngs)` gives a micro-batch's
+    mean loss (`lm_loss` for pre-training).
+
+    `metrics["finite"]` says whether the loss, the gradients and the new parameters are all
+    finite; the loop checks it before it lets a state be checkpointed. With `skip_nonfinite`
+    a non-finite step keeps the old parameters and optimizer state (the step still counts, so
+    the data and the schedule move on) and reports `skipped` = 1.
+    """
+
+    def micro_batch_loss(params, micro_batch, key):
+        return loss_fn(nnx.merge(graphdef, params), micro_batch, nnx.Rngs(dropout=key))
+
+    first_micro_batch = state.step * jax.tree.leaves(batch_K)[0].shape[0]
     loss, grads = accumulate_gradients(
-        loss_fn, state.params, inputs_KxBxL, dropout_key, first_micro_batch
+        micro_batch_loss, state.params, batch_K, dropout_key, first_micro_batch
     )
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    new_state = TrainState(
-        step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state
-    )
+    params = optax.apply_updates(state.params, updates)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(params)
+    skipped = jnp.zeros((), jnp.bool_)
+    if skip_nonfinite:
+        skipped = ~finite
+        keep_old = lambda new, old: jnp.where(skipped, old, new)  # noqa: E731
+        params = jax.tree.map(keep_old, params, state.params)
+        opt_state = jax.tree.map(keep_old, opt_state, state.opt_state)
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
     metrics = {
         "loss": loss,
-        "grad_norm": optax.tree.norm(grads),
+        "grad_norm": grad_norm,
         "learning_rate": schedule(state.step),
+        "finite": finite,
+        "skipped": skipped,
     }
     return new_state, metrics
 
 
-def accumulate_gradients(loss_fn: Callable, params, inputs_KxBxL: jax.Array,
+def all_finite(tree) -> jax.Array:
+    """One boolean: every element of every floating-point leaf is finite."""
+    leaves = [jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(tree)
+              if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    return jnp.stack(leaves).all() if leaves else jnp.ones((), jnp.bool_)
+
+
+def accumulate_gradients(loss_fn: Callable, params, batch_K,
                          dropout_key: jax.Array, first_micro_batch: jax.Array):
     """Mean loss and mean gradient over the K micro-batches, one micro-batch at a time.
 
@@ -81,12 +111,12 @@ def accumulate_gradients(loss_fn: Callable, params, inputs_KxBxL: jax.Array,
     `fold_in(dropout_key, m)`: fresh masks for every micro-batch, and without accumulation
     (m = step) the seed's key for every step.
     """
-    num_micro = inputs_KxBxL.shape[0]
+    num_micro = jax.tree.leaves(batch_K)[0].shape[0]
 
-    def add_micro_batch(sums, index_and_inputs):
-        index, inputs_BxL = index_and_inputs
+    def add_micro_batch(sums, index_and_batch):
+        index, micro_batch = index_and_batch
         key = jax.random.fold_in(dropout_key, first_micro_batch + index)
-        loss, grads = jax.value_and_grad(loss_fn)(params, inputs_BxL, key)
+        loss, grads = jax.value_and_grad(loss_fn)(params, micro_batch, key)
         loss_sum, grad_sums = sums
         grad_sums = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sums, grads)
         return (loss_sum + loss, grad_sums), None
@@ -94,21 +124,26 @@ def accumulate_gradients(loss_fn: Callable, params, inputs_KxBxL: jax.Array,
     zeros = (jnp.zeros((), jnp.float32),
              jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
     (loss_sum, grad_sums), _ = jax.lax.scan(
-        add_micro_batch, zeros, (jnp.arange(num_micro), inputs_KxBxL)
+        add_micro_batch, zeros, (jnp.arange(num_micro), batch_K)
     )
     grads = jax.tree.map(lambda s, p: (s / num_micro).astype(p.dtype), grad_sums, params)
     return loss_sum / num_micro, grads
 
 
-def split_micro_batches(inputs_NxL: jax.Array, num_micro: int, sharding: NamedSharding):
-    """(K·B, L) rows → (K, B, L) micro-batches, micro-batch i being rows i, i+K, i+2K, …
+def split_micro_batches(batch_N, num_micro: int, sharding: NamedSharding):
+    """(K·B, ...) rows → (K, B, ...) micro-batches, for an array or every leaf of a pytree;
+    micro-batch i is rows i, i+K, i+2K, …
 
     Each device holds a contiguous run of K·B/devices rows; taking every K-th row keeps all of
     them on their device as its B/devices rows of every micro-batch, so no data moves.
     """
-    rows, length = inputs_NxL.shape
-    inputs_KxBxL = inputs_NxL.reshape(rows // num_micro, num_micro, length).swapaxes(0, 1)
-    return jax.lax.with_sharding_constraint(inputs_KxBxL, sharding)
+
+    def split(rows_N):
+        rows, *rest = rows_N.shape
+        rows_KxB = rows_N.reshape(rows // num_micro, num_micro, *rest).swapaxes(0, 1)
+        return jax.lax.with_sharding_constraint(rows_KxB, sharding)
+
+    return jax.tree.map(split, batch_N)
 
 
 def eval_step(params, inputs_BxL: jax.Array, row_mask_B: jax.Array, token_bytes_V: jax.Array,
@@ -132,22 +167,31 @@ class CompiledSteps:
     eval: Callable
 
 
-def compile_steps(mesh: Mesh, graphdef, tx, schedule, grad_accum_steps: int = 1) -> CompiledSteps:
-    """jit both steps with explicit shardings; the train state is donated (updated in place).
-
-    The train step takes `grad_accum_steps` micro-batches' rows at once, sharded as one batch.
-    """
+def compile_train_step(mesh: Mesh, graphdef, tx, schedule, loss_fn: Callable = lm_loss,
+                       grad_accum_steps: int = 1, skip_nonfinite: bool = False) -> Callable:
+    """`train(state, batch, dropout_key) -> (state, metrics)`, jitted: the batch (an array or
+    a pytree of arrays with `grad_accum_steps` micro-batches' rows) sharded over the data axis,
+    the state replicated and donated (updated in place). `loss_fn(model, micro_batch, rngs)`."""
     rep, data = replicated(mesh), batch_sharded(mesh)
     micro_batches = NamedSharding(mesh, PartitionSpec(None, DATA_AXIS))
-    train = jax.jit(
-        lambda state, inputs, key: train_step(
-            state, split_micro_batches(inputs, grad_accum_steps, micro_batches), key,
-            graphdef=graphdef, tx=tx, schedule=schedule,
+    return jax.jit(
+        lambda state, batch, key: train_step(
+            state, split_micro_batches(batch, grad_accum_steps, micro_batches), key,
+            graphdef=graphdef, tx=tx, schedule=schedule, loss_fn=loss_fn,
+            skip_nonfinite=skip_nonfinite,
         ),
         in_shardings=(rep, data, rep),
         out_shardings=(rep, rep),
         donate_argnums=0,
     )
+
+
+def compile_steps(mesh: Mesh, graphdef, tx, schedule, grad_accum_steps: int = 1,
+                  skip_nonfinite: bool = False) -> CompiledSteps:
+    """The causal-LM train and eval steps, jitted with explicit shardings."""
+    rep, data = replicated(mesh), batch_sharded(mesh)
+    train = compile_train_step(mesh, graphdef, tx, schedule, lm_loss, grad_accum_steps,
+                               skip_nonfinite)
     evaluate = jax.jit(
         lambda params, inputs, mask, token_bytes: eval_step(
             params, inputs, mask, token_bytes, graphdef=graphdef

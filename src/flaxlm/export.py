@@ -1,0 +1,373 @@
+"""Models leave flaxlm as Hugging Face directories, and come back from a run for generation.
+
+`export_hf` writes what `transformers.AutoModelForCausalLM.from_pretrained(out)` and
+`AutoTokenizer.from_pretrained(out)` load (PyTorch, no missing or unused weights):
+
+    config.json             GPT2Config (`hf.to_gpt2_config`), or any HF config passed in
+    model.safetensors       float32 weights under HF's PyTorch names (`hf.to_hf_state_dict`)
+    tokenizer files         tokenizer.json, tokenizer_config.json, ...
+    generation_config.json  bos / eos / pad ids and the sampling defaults (LM only)
+    README.md               a model card: the run's eval figures and its resolved config
+    flaxlm_export.json      what wrote the directory, from which run and step
+
+The directory is written under a temporary name beside `out` and renamed into place, so a
+killed export never leaves a directory that looks whole. An existing `out` is replaced only if
+it is empty or an earlier flaxlm export (it has flaxlm_export.json), or with `overwrite=True`;
+anything else of the user's is an error, never silently overwritten.
+
+A classifier export (BERT or GPT-2) differs only in the HF config (`hf.to_classifier_config`,
+whose `architectures[0]` picks the parameter mapping) and in having no generation config: pass
+`hf_config=` and `generation=None`.
+
+`load_run_model` is the way back: a run directory (its latest or a given checkpoint, or, for a
+run without checkpoints, its exported `model/`) as a model ready to generate with.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import tempfile
+from typing import Any, NamedTuple
+
+import numpy as np
+import transformers
+from flax import nnx
+from omegaconf import OmegaConf
+
+from flaxlm.config import ModelConfig
+from flaxlm.errors import FlaxlmError
+from flaxlm.generate import GenerationSettings
+from flaxlm.models import hf
+from flaxlm.models.gpt2 import GPT2LMHeadModel, GPT2Spec
+
+MARKER = "flaxlm_export.json"
+MODEL_SUBDIR = "model"  # a run's own export, written at the end of training
+
+# The model card's evaluation table: metric key → label, format.
+_CARD_FIGURES = [
+    ("eval/loss", "eval loss (nats per token)", "{:.4f}"),
+    ("eval/perplexity", "eval perplexity", "{:,.2f}"),
+    ("eval/bits_per_byte", "eval bits per byte", "{:.3f}"),
+    ("steps", "optimizer steps", "{:,}"),
+    ("tokens_seen", "training tokens seen", "{:,}"),
+]
+
+
+def export_hf(out_dir: str, params: dict, model_config: ModelConfig, tokenizer, *,
+              run_config: dict | None = None, eval_metrics: dict | None = None,
+              generation: GenerationSettings | None = GenerationSettings(),
+              hf_config: transformers.PretrainedConfig | None = None,
+              source: str | None = None, overwrite: bool = False) -> str:
+    """Write `params` (a nested dict, as `nnx.to_pure_dict` gives) as an HF model directory at
+    `out_dir`; returns its absolute path.
+
+    `hf_config` defaults to the GPT2LMHeadModel config of `model_config` with the tokenizer's
+    special ids. `run_config` (the resolved config) and `eval_metrics` (eval/loss,
+    eval/perplexity, eval/bits_per_byte, steps, tokens_seen) go into the model card;
+    `generation` becomes generation_config.json (None: none written); `source` says where the
+    weights came from (e.g. "run_dir, step 230").
+    """
+    out_dir = os.path.abspath(os.path.expanduser(out_dir))
+    check_destination(out_dir, overwrite)
+    if hf_config is None:
+        hf_config = hf.to_gpt2_config(
+            model_config,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    architecture = (hf_config.architectures or [hf.GPT2_LM])[0]
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.export-", dir=parent)
+    try:
+        hf_config.save_pretrained(staging)
+        _save_weights(staging, hf.to_hf_state_dict(params, architecture))
+        tokenizer.save_pretrained(staging)
+        if generation is not None:
+            generation_config(generation, tokenizer).save_pretrained(staging)
+        card = model_card(model_config, architecture, run_config, eval_metrics, source,
+                          _count(params))
+        _write_text(os.path.join(staging, "README.md"), card)
+        _write_text(os.path.join(staging, MARKER), json.dumps({
+            "exported_by": "flaxlm",
+            "architecture": architecture,
+            "source": source,
+            "eval_metrics": _plain(eval_metrics or {}),
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }, indent=2) + "\n")
+        os.chmod(staging, 0o755)  # mkdtemp's 0700 is for the staging name only
+        _move_into_place(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def check_destination(out_dir: str, overwrite: bool = False) -> None:
+    """`out_dir` may be written: absent, empty, an earlier flaxlm export, or `overwrite`."""
+    if not os.path.lexists(out_dir):
+        return
+    if not os.path.isdir(out_dir) or os.path.islink(out_dir):
+        raise FlaxlmError(
+            f"out={out_dir} exists and is not a directory. Choose another out= path."
+        )
+    if overwrite or not os.listdir(out_dir) or is_flaxlm_export(out_dir):
+        return
+    raise FlaxlmError(
+        f"out={out_dir} already exists and holds files that are not a flaxlm export (it has "
+        f"no {MARKER}), so exporting would overwrite them. Choose a new out= directory, empty "
+        "this one, or pass overwrite=true to replace it."
+    )
+
+
+def is_flaxlm_export(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, MARKER))
+
+
+def generation_config(settings: GenerationSettings, tokenizer) -> transformers.GenerationConfig:
+    """transformers' generation defaults for the export: our sampling settings and the
+    tokenizer's special ids (generation stops at EOS; batches pad with the pad token)."""
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id, max_new_tokens=settings.max_new_tokens)
+    if settings.is_greedy:
+        return transformers.GenerationConfig(do_sample=False, **ids)
+    return transformers.GenerationConfig(
+        do_sample=True, temperature=settings.temperature, top_k=settings.top_k,
+        top_p=settings.top_p, **ids,
+    )
+
+
+def model_card(model_config: ModelConfig, architecture: str, run_config: dict | None,
+               eval_metrics: dict | None, source: str | None, num_params: int) -> str:
+    """README.md: what the model is, how well it did, how to load it, how it was trained."""
+    language = ((run_config or {}).get("language") or {}).get("name")
+    lines = [
+        "---",
+        "library_name: transformers",
+        f"pipeline_tag: {'text-generation' if architecture == hf.GPT2_LM else 'text-classification'}",
+        "tags: [flaxlm, jax, flax, " + ("gpt2" if "GPT2" in architecture else "bert") + "]",
+        "---",
+        "",
+        f"# {model_config.name}" + (f" on {language}" if language else ""),
+        "",
+        f"A `{architecture}` ({model_config.n_layer} layers, width {model_config.n_embd}, "
+        f"{model_config.n_head} heads, context {model_config.n_positions}, vocabulary "
+        f"{model_config.vocab_size:,}; {num_params / 1e6:.2f}M parameters) trained with flaxlm "
+        "(JAX / Flax NNX) and exported to transformers' PyTorch layout."
+        + (f" Weights from {source}." if source else ""),
+        "",
+        "## Evaluation",
+        "",
+    ]
+    figures = [(label, fmt.format(_plain(eval_metrics[key])))
+               for key, label, fmt in _CARD_FIGURES if eval_metrics and key in eval_metrics]
+    if figures:
+        lines += ["| | |", "|---|---|", *(f"| {label} | {value} |" for label, value in figures)]
+    else:
+        lines.append("No evaluation was recorded for these weights.")
+    lines += ["", "## Use", "", "```python",
+              "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+              'model = AutoModelForCausalLM.from_pretrained("<this directory>")',
+              'tokenizer = AutoTokenizer.from_pretrained("<this directory>")',
+              "```", ""]
+    if architecture == hf.GPT2_LM:
+        lines += ["Training packed documents into one stream separated by the EOS token "
+                  f"`{_eos_text(run_config)}`, so a prompt that starts a document reads best "
+                  "after it (`flaxlm-generate` prepends it).", ""]
+    if run_config:
+        lines += ["## Training configuration", "", "```yaml",
+                  OmegaConf.to_yaml(OmegaConf.create(_plain(run_config))).rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def run_generation_settings(run_config: dict | None) -> GenerationSettings:
+    """The sampling settings a run used for its end-of-run samples (`samples.*`), as the
+    export's generation defaults; GenerationSettings' own where the run has none."""
+    samples = (run_config or {}).get("samples") or {}
+    names = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+    return GenerationSettings(**{name: samples[name] for name in names if name in samples})
+
+
+def _eos_text(run_config: dict | None) -> str:
+    return ((run_config or {}).get("tokenizer") or {}).get("eos_token") or "</s>"
+
+
+def _save_weights(directory: str, state_dict: dict[str, np.ndarray]) -> None:
+    from safetensors.numpy import save_file
+
+    # A transposed kernel (nn.Linear heads) is a strided view, which safetensors rejects.
+    tensors = {key: np.ascontiguousarray(value) for key, value in state_dict.items()}
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _move_into_place(staging: str, out_dir: str) -> None:
+    """Rename `staging` to `out_dir`; an existing `out_dir` is moved aside first and removed
+    only once the new one is in place."""
+    if not os.path.lexists(out_dir):
+        os.rename(staging, out_dir)
+        return
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=os.path.dirname(out_dir))
+    os.rmdir(old)  # only its unique name is wanted
+    os.rename(out_dir, old)
+    try:
+        os.rename(staging, out_dir)
+    except BaseException:
+        os.rename(old, out_dir)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def _count(params: dict) -> int:
+    return sum(int(np.size(leaf)) for _, leaf in hf._flatten(params))
+
+
+def _plain(value: Any) -> Any:
+    """numpy / JAX scalars and containers of them as plain Python, for JSON and YAML."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value.item() if hasattr(value, "item") else value
+
+
+# ---------------------------------------------------------------- reading a run back
+
+
+class RunModel(NamedTuple):
+    """A run's trained model, ready to export or generate with."""
+
+    params: dict  # nested, as nnx.to_pure_dict gives
+    model_config: ModelConfig
+    tokenizer: Any
+    run_config: dict  # the run's resolved config ({} if unknown)
+    step: int | None
+    source: str  # e.g. "/runs/x checkpoint step 200", for messages and the model card
+
+    def model(self) -> GPT2LMHeadModel:
+        return build_lm(self.model_config, self.params)
+
+
+def load_run_model(run_dir: str, step: int | None = None) -> RunModel:
+    """The parameters of `run_dir`'s latest complete checkpoint (or of `step`), with the run's
+    config and its tokenizer (from `run_dir/model/`). A run without checkpoints falls back to
+    the HF model it exported at its end, `run_dir/model/` (then `step` must be unset)."""
+    from flaxlm.training.checkpoint import CHECKPOINT_SUBDIR, restore_params
+
+    run_dir = os.path.abspath(os.path.expanduser(run_dir))
+    if not os.path.isdir(run_dir):
+        raise FlaxlmError(
+            f"run_dir={run_dir} does not exist. Pass the directory of a flaxlm-train run, e.g. "
+            "run_dir=outputs/clm/runs/<timestamp>."
+        )
+    model_dir = os.path.join(run_dir, MODEL_SUBDIR)
+    tokenizer = _load_tokenizer(model_dir, run_dir)
+    if os.path.isdir(os.path.join(run_dir, CHECKPOINT_SUBDIR)):
+        params, run_config, step = restore_params(run_dir, step)
+        model_config = _model_config(run_config, run_dir)
+        return RunModel(params, model_config, tokenizer, run_config, step,
+                        f"{run_dir} checkpoint step {step}")
+    if step is not None:
+        raise FlaxlmError(
+            f"run_dir={run_dir} has no checkpoints/ folder, so there is no checkpoint at step "
+            f"{step}. Leave step unset to use the model the run exported at its end "
+            f"({model_dir})."
+        )
+    return _from_export(model_dir, run_dir, tokenizer)
+
+
+def build_lm(model_config: ModelConfig, params: dict) -> GPT2LMHeadModel:
+    """A GPT2LMHeadModel of `model_config`'s shape holding `params` (no random init runs)."""
+    model = nnx.eval_shape(lambda: GPT2LMHeadModel(GPT2Spec(model_config), nnx.Rngs(0)))
+    state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, _with_int_layer_keys(params))
+    nnx.update(model, state)
+    return model
+
+
+def _with_int_layer_keys(params):
+    """nnx.List children are keyed by int; a dict read back from disk may hold '0', '1', ..."""
+    if not isinstance(params, dict):
+        return params
+    return {int(k) if isinstance(k, str) and k.isdigit() else k: _with_int_layer_keys(v)
+            for k, v in params.items()}
+
+
+def _load_tokenizer(model_dir: str, run_dir: str):
+    if not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        raise FlaxlmError(
+            f"{model_dir} has no tokenizer.json, so the run's tokenizer is unknown. Pass the "
+            "directory of a flaxlm-train run (it saves its tokenizer to model/ before training "
+            f"starts); is run_dir={run_dir} one?"
+        )
+    return transformers.AutoTokenizer.from_pretrained(model_dir)
+
+
+def _model_config(run_config: dict, run_dir: str) -> ModelConfig:
+    if "model" not in run_config:
+        raise FlaxlmError(f"The checkpoint of {run_dir} has no model config in its metadata.")
+    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), run_config["model"])
+    return OmegaConf.to_object(merged)
+
+
+def _from_export(model_dir: str, run_dir: str, tokenizer) -> RunModel:
+    if not os.path.isfile(os.path.join(model_dir, "model.safetensors")):
+        raise FlaxlmError(
+            f"run_dir={run_dir} has no checkpoint (no checkpoints/ folder) and no exported "
+            f"model ({model_dir}/model.safetensors): the run stopped before saving its weights. "
+            "Point run_dir at a run that finished or saved a checkpoint."
+        )
+    run_config = _saved_run_config(run_dir)
+    base = _model_config(run_config, run_dir) if "model" in run_config else ModelConfig(
+        name=os.path.basename(run_dir))
+    model_config = hf.pretrained_model_config(model_dir, base)
+    params = _read_export_params(model_dir, model_config)
+    marker = _read_marker(model_dir)
+    step = (marker.get("eval_metrics") or {}).get("steps")
+    return RunModel(params, model_config, tokenizer, run_config, step, f"{model_dir} (final export)")
+
+
+def _read_export_params(model_dir: str, model_config: ModelConfig) -> dict:
+    """Our nested parameters from an HF GPT2LMHeadModel directory, by our names mapped to HF's."""
+    model = nnx.eval_shape(lambda: GPT2LMHeadModel(GPT2Spec(model_config), nnx.Rngs(0)))
+    hf.load_pretrained_weights(model, model_dir, source=model_dir)  # raises if any is missing
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def _saved_run_config(run_dir: str) -> dict:
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(path):
+        return {}
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+
+
+def _read_marker(model_dir: str) -> dict:
+    try:
+        with open(os.path.join(model_dir, MARKER)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def eval_metrics_at(run_dir: str, step: int | None) -> dict:
+    """The eval figures metrics.jsonl recorded at `step` (none if no eval ran then), plus
+    `steps`; for the model card of an export from a checkpoint."""
+    figures: dict = {} if step is None else {"steps": step}
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if step is None or not os.path.isfile(path):
+        return figures
+    with open(path) as f:
+        for line in f:
+            record = json.loads(line)
+            if record.get("step") == step and "eval/loss" in record:
+                figures.update({k: v for k, v in record.items() if k.startswith("eval/")})
+    return figures
+

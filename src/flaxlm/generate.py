@@ -1,0 +1,213 @@
+"""Text generation with the GPT-2 model's KV cache: prefill the prompts once, then one token per
+step inside a single jitted `lax.while_loop`.
+
+Prompts of different lengths are left-padded into one batch (right-aligned), so every row's
+next token lands in the same cache slot; the cache's `filled` mask keeps the padding out of
+attention and out of the position ids, so a padded row generates what it would alone. Prompt
+lengths are rounded up to a few buckets, so a new prompt rarely compiles anything: the loop
+compiles once per (batch size, prompt bucket, max_new_tokens, greedy or not).
+
+    from flaxlm.generate import GenerationSettings, generate
+    texts = generate(model, tokenizer, ["Return the", "A list is"],
+                     GenerationSettings(max_new_tokens=40, temperature=0.8, top_k=50))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from flaxlm.errors import FlaxlmError
+from flaxlm.models.gpt2 import GPT2LMHeadModel
+
+MIN_PROMPT_BUCKET = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationSettings:
+    """How to pick each new token. `greedy` (or temperature 0) takes the most likely token;
+    otherwise logits / temperature are cut to the `top_k` most likely tokens (0: no cut) and
+    then to the smallest set whose probability reaches `top_p` (1.0: no cut), and sampled."""
+
+    max_new_tokens: int = 50
+    greedy: bool = False
+    temperature: float = 1.0
+    top_k: int = 50  # as transformers' default
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise FlaxlmError(f"max_new_tokens={self.max_new_tokens} must be at least 1.")
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise FlaxlmError(
+                f"temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}: "
+                "temperature and top_k must be at least 0 (temperature 0: greedy; top_k 0: no "
+                "cut) and top_p in (0, 1] (1: no cut)."
+            )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0
+
+
+def generate(model: GPT2LMHeadModel, tokenizer, prompts: Sequence[str],
+             settings: GenerationSettings) -> list[str]:
+    """Completions of `prompts` (the new text only, up to and without the first EOS).
+
+    Each prompt is read as the start of a document: it follows the EOS token that separates
+    documents in the packed training stream, which also gives an empty prompt a context.
+    """
+    prompt_ids = [[tokenizer.eos_token_id, *tokenizer(p)["input_ids"]] for p in prompts]
+    new_ids = generate_ids(model, prompt_ids, settings, eos_token_id=tokenizer.eos_token_id,
+                           pad_token_id=tokenizer.pad_token_id)
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in new_ids]
+
+
+def generate_ids(model: GPT2LMHeadModel, prompt_ids: Sequence[Sequence[int]],
+                 settings: GenerationSettings, *, eos_token_id: int | None,
+                 pad_token_id: int | None = None) -> list[list[int]]:
+    """New token ids for each prompt (a list of ids, at least one), up to and without the first
+    `eos_token_id`, at most `settings.max_new_tokens`."""
+    check_prompts(settings, prompt_ids, model.wpe.num_embeddings)
+    pad = pad_token_id if pad_token_id is not None else 0
+    ids_BxP, mask_BxP = left_pad(prompt_ids, pad)
+    eos = -1 if eos_token_id is None else eos_token_id
+    graphdef, params = nnx.split(model)
+    tokens_BxT = _generate_tokens(
+        graphdef, params, jnp.asarray(ids_BxP), jnp.asarray(mask_BxP),
+        jax.random.key(settings.seed), jnp.float32(max(settings.temperature, 1e-6)),
+        jnp.int32(settings.top_k), jnp.float32(settings.top_p),
+        max_new_tokens=settings.max_new_tokens, greedy=settings.is_greedy,
+        eos_token_id=eos, pad_token_id=pad,
+    )
+    return [_until_eos(row, eos) for row in np.asarray(tokens_BxT).tolist()]
+
+
+def check_prompts(settings: GenerationSettings, prompt_ids: Sequence[Sequence[int]],
+                   n_positions: int) -> None:
+    if not prompt_ids or any(len(ids) == 0 for ids in prompt_ids):
+        raise FlaxlmError("Generation needs at least one prompt, each of at least one token.")
+    longest = max(len(ids) for ids in prompt_ids)
+    if longest + settings.max_new_tokens > n_positions:
+        raise FlaxlmError(
+            f"The longest prompt ({longest} tokens) plus max_new_tokens="
+            f"{settings.max_new_tokens} exceeds the model's context of {n_positions} positions "
+            "(model.n_positions). Shorten the prompt or lower max_new_tokens."
+        )
+
+
+def left_pad(prompt_ids: Sequence[Sequence[int]], pad_token_id: int):
+    """Prompts right-aligned in a (B, P) array, P rounded up to a bucket, and their mask."""
+    P = prompt_bucket(max(len(ids) for ids in prompt_ids))
+    ids_BxP = np.full((len(prompt_ids), P), pad_token_id, np.int32)
+    mask_BxP = np.zeros((len(prompt_ids), P), bool)
+    for row, ids in enumerate(prompt_ids):
+        ids_BxP[row, P - len(ids):] = ids
+        mask_BxP[row, P - len(ids):] = True
+    return ids_BxP, mask_BxP
+
+
+def prompt_bucket(length: int) -> int:
+    """The next power of two (at least MIN_PROMPT_BUCKET): few shapes, at most 2× padding."""
+    return max(MIN_PROMPT_BUCKET, 1 << (length - 1).bit_length())
+
+
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "eos_token_id",
+                              "pad_token_id")
+)
+def _generate_tokens(graphdef, params, ids_BxP, mask_BxP, key, temperature, top_k, top_p, *,
+                     max_new_tokens: int, greedy: bool, eos_token_id: int, pad_token_id: int):
+    """(B, max_new_tokens) new tokens; after a row's EOS, `pad_token_id`. The loop stops early
+    once every row has emitted EOS."""
+    model = nnx.merge(graphdef, params)
+    B, P = ids_BxP.shape
+    T = max_new_tokens
+
+    def pick(logits_BxV, step):
+        if greedy:
+            return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+        return sample(logits_BxV, jax.random.fold_in(key, step), temperature, top_k, top_p)
+
+    cache = model.init_cache(B, P + T)
+    logits_BxPxV, cache = model.decode(ids_BxP, cache, mask_BxP)
+    tokens_BxT = jnp.full((B, T), pad_token_id, jnp.int32)
+
+    def keep_going(carry):
+        step, _, done_B, _, _ = carry
+        return (step < T) & ~jnp.all(done_B)
+
+    def one_token(carry):
+        step, token_B, done_B, tokens_BxT, cache = carry
+        token_B = jnp.where(done_B, pad_token_id, token_B)
+        tokens_BxT = tokens_BxT.at[:, step].set(token_B)
+        done_B = done_B | (token_B == eos_token_id)
+        # After the last token this decode is wasted, but skipping it under a `cond` would
+        # trace the model twice; the cache has a slot for it.
+        logits_Bx1xV, cache = model.decode(token_B[:, None], cache)
+        return step + 1, pick(logits_Bx1xV[:, 0], step + 1), done_B, tokens_BxT, cache
+
+    first_B = pick(logits_BxPxV[:, -1], 0)  # right-aligned: the last slot is every row's last token
+    carry = (jnp.int32(0), first_B, jnp.zeros(B, bool), tokens_BxT, cache)
+    return lax.while_loop(keep_going, one_token, carry)[3]
+
+
+def sample(logits_BxV: jax.Array, key: jax.Array, temperature, top_k, top_p) -> jax.Array:
+    """One token per row from softmax(logits / temperature), cut to top_k, then top_p (the
+    order transformers applies them in). top_k and top_p are traced, so changing them does not
+    recompile; ties at a cut-off are all kept."""
+    logits_BxV = logits_BxV.astype(jnp.float32) / temperature
+    V = logits_BxV.shape[-1]
+    sorted_BxV = -jnp.sort(-logits_BxV, axis=-1)  # descending
+    k = jnp.where((top_k > 0) & (top_k < V), top_k, V)
+    kth_Bx1 = lax.dynamic_slice_in_dim(sorted_BxV, k - 1, 1, axis=-1)
+    sorted_BxV = jnp.where(jnp.arange(V) < k, sorted_BxV, -jnp.inf)
+    # top_p: keep the most likely tokens until their probability reaches top_p; the token that
+    # crosses it is kept, so the most likely token always is.
+    probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+    before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV  # probability of the likelier ones
+    last_kept_B = jnp.sum(before_BxV < top_p, axis=-1) - 1
+    cutoff_Bx1 = jnp.take_along_axis(sorted_BxV, last_kept_B[:, None], axis=-1)
+    keep_BxV = logits_BxV >= jnp.maximum(kth_Bx1, cutoff_Bx1)
+    return jax.random.categorical(key, jnp.where(keep_BxV, logits_BxV, -jnp.inf)).astype(jnp.int32)
+
+
+def _until_eos(tokens: list[int], eos_token_id: int) -> list[int]:
+    return tokens[: tokens.index(eos_token_id)] if eos_token_id in tokens else tokens
+
+
+def settings_from_samples(samples) -> GenerationSettings:
+    """The `samples` config group (flaxlm.config.SamplesConfig) as GenerationSettings; built
+    when a run starts, so a bad setting fails before training rather than after it."""
+    return GenerationSettings(
+        max_new_tokens=samples.max_new_tokens, temperature=samples.temperature,
+        top_k=samples.top_k, top_p=samples.top_p, seed=samples.seed,
+    )
+
+
+def log_samples(model: GPT2LMHeadModel, tokenizer, prompts: Sequence[str],
+                settings: GenerationSettings, tracker, step: int) -> list[str]:
+    """End-of-run samples: printed, and logged through `tracker` as table `samples` (prompt,
+    completion). max_new_tokens is cut to what the context leaves, so a run never fails here."""
+    if not prompts:
+        return []
+    longest = max(len(tokenizer(p)["input_ids"]) for p in prompts) + 1  # + the leading EOS
+    room = model.wpe.num_embeddings - longest
+    if room < 1:
+        print("flaxlm: no samples: the longest sample prompt fills the whole context")
+        return []
+    settings = dataclasses.replace(settings, max_new_tokens=min(settings.max_new_tokens, room))
+    completions = generate(model, tokenizer, prompts, settings)
+    for prompt, completion in zip(prompts, completions):
+        print(f"flaxlm: sample | {prompt}{completion}".replace("\n", "⏎ "))
+    tracker.log_table("samples", ["prompt", "completion"],
+                      [[p, c] for p, c in zip(prompts, completions)], step=step)
+    return completions

@@ -1,0 +1,276 @@
+"""Checkpoints that let a run be stopped anywhere and continued as if it never stopped.
+
+One `Checkpointer` per run, over `<run_dir>/checkpoints/` (an orbax `CheckpointManager`). A
+checkpoint at step s holds three items:
+
+- `state`: the train-state pytree (parameters, optimizer state, step; any pytree of arrays with
+  a top-level `params` field or key, which `restore_params` reads);
+- `loader`: the data loader's position as a JSON dict (epoch, step in epoch, shuffle seed; a
+  stream's `StreamState`), whatever the caller's loader needs to yield the same next batch;
+- `meta`: JSON metadata (the resolved config, the tokenizer's hash, RNG keys, the loop's
+  unfinished metric window, ...).
+
+It is generic over all three, so the pre-training loop and the fine-tuning loop share it.
+
+Atomicity comes from orbax (0.12.8, local filesystem): a step is written into
+`<step>.orbax-checkpoint-tmp*/` and renamed to `<step>/` only once every item is on disk, so a
+process killed mid-save leaves only a tmp folder, which is never listed as a step (tested with a
+real SIGKILL) and is removed when the next run opens the directory. A finalised folder damaged
+afterwards (a truncated copy, a full disk, a deleted file) fails to restore: `restore_latest`
+then says so and falls back to the next older checkpoint.
+
+Asynchronous saves: `save` returns once the arrays are copied off the device, and a background
+thread writes the files; the state's buffers may be donated to the next step at once (tested).
+
+Retention: the last `keep_last` checkpoints, plus the `keep_best` with the lowest eval loss among
+those saved with eval metrics: two orbax preservation policies, either of which keeps a step.
+orbax's `max_to_keep` + `best_fn` alone ranks only checkpoints that have metrics; the ones
+saved between evaluations, which a resume needs, would be kept forever or dropped at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from typing import Any, Iterator, NamedTuple
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as policies
+
+from flaxlm.errors import FlaxlmError
+
+CHECKPOINT_SUBDIR = "checkpoints"
+BEST_METRIC = "eval/loss"  # lower is better
+
+# Exit status of a run stopped by SIGTERM / SIGINT after saving its checkpoint: BSD sysexits'
+# EX_TEMPFAIL ("temporary failure, try again"). It is distinct from a failure (1), a user error
+# (2) and a process killed by a signal before saving (128 + signal, e.g. 137, 143): a job
+# scheduler that sees 75 knows that the run can be resumed from its run directory.
+PREEMPTED_EXIT_CODE = 75
+
+
+class Preempted(Exception):
+    """The run was asked to stop (SIGTERM / SIGINT) and saved a checkpoint at `step`."""
+
+    def __init__(self, step: int, signal_name: str, run_dir: str | None = None):
+        self.step, self.signal_name, self.run_dir = step, signal_name, run_dir
+        super().__init__(f"stopped by {signal_name} after step {step}; checkpoint saved")
+
+
+class Restored(NamedTuple):
+    state: Any  # the train-state pytree, laid out like the abstract state given to restore
+    loader_state: dict
+    metadata: dict
+    step: int
+
+
+class Checkpointer:
+    """Saves and restores (train state, loader state, metadata) by step under `directory`."""
+
+    def __init__(self, directory: str, *, keep_last: int = 3, keep_best: int = 1,
+                 async_save: bool = True, read_only: bool = False):
+        if keep_last < 1 or keep_best < 0:
+            raise FlaxlmError(
+                f"checkpoint.keep_last={keep_last} must be at least 1 (the checkpoint a resume "
+                f"needs) and checkpoint.keep_best={keep_best} at least 0."
+            )
+        self.directory = os.path.abspath(directory)
+        keep = [policies.LatestN(n=keep_last)]
+        if keep_best:
+            keep.append(policies.BestN(
+                get_metric_fn=lambda metrics: metrics[BEST_METRIC],
+                reverse=True,  # sorted high → low; BestN keeps the last n: the lowest losses
+                n=keep_best,
+                keep_checkpoints_without_metrics=False,
+            ))
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=policies.AnyPreservationPolicy(keep),
+            enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=not read_only,  # leftovers of a save that was killed
+            read_only=read_only,
+            create=not read_only,
+        )
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=("state", "loader", "meta")
+        )
+
+    def steps(self) -> list[int]:
+        """Steps of finalised checkpoints, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def save(self, step: int, state, loader_state: dict, metadata: dict,
+             metrics: dict[str, float] | None = None) -> None:
+        """Start saving; with async_save this returns once the arrays are copied off the
+        device, and the files are written in a background thread. `metrics` with an
+        `eval/loss` make the checkpoint a candidate for the best ones kept."""
+        best = None
+        if metrics and BEST_METRIC in metrics:
+            best = {BEST_METRIC: float(metrics[BEST_METRIC])}
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                loader=ocp.args.JsonSave(loader_state),
+                meta=ocp.args.JsonSave({**metadata, "step": step}),
+            ),
+            metrics=best,
+            force=True,  # the caller decides when to save
+        )
+
+    def restore(self, step: int, abstract_state) -> Restored:
+        """The checkpoint at `step`, arrays laid out (shape, dtype, sharding) as
+        `abstract_state` (a pytree of arrays or `jax.ShapeDtypeStruct`s)."""
+        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target),
+            loader=ocp.args.JsonRestore(),
+            meta=ocp.args.JsonRestore(),
+        ))
+        if restored.meta.get("step") != step:
+            raise FlaxlmError(f"checkpoint {step} in {self.directory} has the metadata of step "
+                              f"{restored.meta.get('step')}")
+        return Restored(restored.state, dict(restored.loader), dict(restored.meta), step)
+
+    def restore_latest(self, abstract_state) -> Restored | None:
+        """The newest checkpoint that restores whole, or None if there is none. A damaged one
+        is skipped with a message naming it and the reason."""
+        for step in reversed(self.steps()):
+            try:
+                return self.restore(step, abstract_state)
+            except Exception as err:  # noqa: BLE001 — any failure means: not usable
+                print(
+                    f"flaxlm: checkpoint step {step} in {self.directory} is incomplete or "
+                    f"unreadable ({type(err).__name__}: {_first_line(err)}); falling back to "
+                    "the previous checkpoint", file=sys.stderr, flush=True,
+                )
+        return None
+
+    def wait(self) -> None:
+        """Block until every started save is on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Wait for pending saves, then release orbax's threads."""
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+
+def restore_params(run_dir: str, step: int | None = None) -> tuple[dict, dict, int]:
+    """(parameters, resolved config, step) of a run's checkpoint: the latest complete one, or
+    `step`. Parameters are a nested dict of numpy arrays, as `nnx.to_pure_dict` gives (layer
+    indices as ints); the config is the run's resolved config as a plain dict. Needs no model:
+    the arrays are read as saved, on the host."""
+    directory = os.path.join(os.path.abspath(os.path.expanduser(run_dir)), CHECKPOINT_SUBDIR)
+    steps = finalised_steps(directory)
+    if not steps:
+        raise FlaxlmError(
+            f"{run_dir} has no complete checkpoint in {CHECKPOINT_SUBDIR}/. Pass the directory "
+            "of a run that trained with checkpointing (every run writes one at its end)."
+        )
+    if step is not None and step not in steps:
+        raise FlaxlmError(f"{run_dir} has no checkpoint for step {step}; it has steps {steps}.")
+    candidates = [step] if step is not None else list(reversed(steps))
+    for candidate in candidates:
+        try:
+            return _read_params(os.path.join(directory, str(candidate)), candidate)
+        except Exception as err:  # noqa: BLE001
+            if step is not None:
+                raise
+            print(f"flaxlm: checkpoint step {candidate} in {directory} is unreadable "
+                  f"({_first_line(err)}); trying the previous one", file=sys.stderr, flush=True)
+    raise FlaxlmError(f"No checkpoint in {directory} could be read (steps {steps}).")
+
+
+def finalised_steps(directory: str) -> list[int]:
+    """Steps with a finalised folder (orbax renames `<step>.orbax-checkpoint-tmp-*` into
+    `<step>` only once it is whole), read without orbax."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(name) for name in os.listdir(directory)
+                  if name.isdigit() and os.path.isdir(os.path.join(directory, name)))
+
+
+def _read_params(step_dir: str, step: int) -> tuple[dict, dict, int]:
+    meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
+        os.path.join(step_dir, "meta"), args=ocp.args.JsonRestore()
+    )
+    reader = ocp.PyTreeCheckpointer()
+    state_dir = os.path.join(step_dir, "state")
+    tree = reader.metadata(state_dir).item_metadata.tree
+    # Only the parameters, as numpy; the optimizer state (2× the parameters for Adam) stays
+    # on disk.
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    restored = reader.restore(state_dir, args=ocp.args.PyTreeRestore(
+        item={"params": tree["params"]},
+        restore_args={"params": restore_args["params"]},
+        partial_restore=True,
+    ))
+    return _pure_dict(restored["params"]), meta["config"], step
+
+
+def _pure_dict(tree):
+    """The saved `nnx.State` as `nnx.to_pure_dict` gives it: orbax stores each variable as
+    {"value": array} and every dict key as a string, where list indices are ints."""
+    if not isinstance(tree, dict):
+        return tree
+    if set(tree) == {"value"} and not isinstance(tree["value"], dict):
+        return tree["value"]
+    return {int(k) if isinstance(k, str) and k.isdigit() else k: _pure_dict(v)
+            for k, v in tree.items()}
+
+
+def key_to_json(key: jax.Array) -> list[int]:
+    """A typed PRNG key as JSON-safe integers (its raw key data), exact."""
+    return np.asarray(jax.random.key_data(key)).astype(np.int64).ravel().tolist()
+
+
+def key_from_json(data: list[int], like: jax.Array) -> jax.Array:
+    raw = np.asarray(data, dtype=np.asarray(jax.random.key_data(like)).dtype)
+    return jax.random.wrap_key_data(raw.reshape(jax.random.key_data(like).shape),
+                                    impl=jax.random.key_impl(like))
+
+
+class StopRequest:
+    """Set by SIGTERM or SIGINT while `catching_signals()` is active: the training loop
+    finishes its current step, saves a checkpoint and raises `Preempted`. A second signal
+    gets the default behaviour (a second Ctrl-C kills at once)."""
+
+    def __init__(self):
+        self.signal_name: str | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+    @contextlib.contextmanager
+    def catching_signals(self) -> Iterator["StopRequest"]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self  # signal handlers can only be set from the main thread
+            return
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+        def handle(signum, _frame):
+            self.signal_name = signal.Signals(signum).name
+            print(f"\nflaxlm: {self.signal_name} received; saving a checkpoint after this step "
+                  "(send it again to stop at once)", file=sys.stderr, flush=True)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+        for sig in previous:
+            signal.signal(sig, handle)
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:300] if text else ""
+

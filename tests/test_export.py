@@ -1,0 +1,220 @@
+"""Export to a Hugging Face directory that transformers loads cleanly, the flaxlm-export and
+flaxlm-generate command lines on a real (two-step) run, and the samples a run writes at its end."""
+
+import glob
+import io
+import json
+import logging
+import os
+import warnings
+
+import numpy as np
+import pytest
+import tokenizers
+import transformers
+from conftest import TINY, compose
+from flax import nnx
+
+from flaxlm.config import ModelConfig
+from flaxlm.errors import FlaxlmError
+from flaxlm.export import MARKER, export_hf
+from flaxlm.models.gpt2 import GPT2LMHeadModel, GPT2Spec
+
+CONFIG = ModelConfig(name="t", vocab_size=97, n_positions=32, n_embd=64, n_layer=2, n_head=4)
+TEXT = ["the cat sat on the mat", "a much longer prompt on the mat", "the dog ate the cat"] * 5
+FIGURES = {"eval/loss": 6.398, "eval/perplexity": 600.4, "eval/bits_per_byte": 2.56,
+           "steps": 230, "tokens_seen": 471040}
+
+
+def make_tokenizer(vocab_size: int = 97) -> transformers.PreTrainedTokenizerFast:
+    """A small byte-level BPE over the letters of TEXT (no full byte alphabet, so it fits a
+    97-token model), with flaxlm's special tokens."""
+    model = tokenizers.Tokenizer(tokenizers.models.BPE())
+    model.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = tokenizers.decoders.ByteLevel()
+    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    model.train_from_iterator(
+        TEXT, tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials)
+    )
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=model, bos_token="<s>", pad_token="<pad>", eos_token="</s>",
+        unk_token="<unk>", mask_token="<mask>",
+    )
+
+
+def make_params(config=CONFIG):
+    return nnx.to_pure_dict(nnx.state(GPT2LMHeadModel(GPT2Spec(config), nnx.Rngs(0)), nnx.Param))
+
+
+def export(out, **kwargs):
+    return export_hf(str(out), make_params(), CONFIG, make_tokenizer(),
+                     run_config={"language": {"name": "en-builtin"}, "seed": 0},
+                     eval_metrics=FIGURES, **kwargs)
+
+
+@pytest.mark.torch
+def test_transformers_loads_the_export_cleanly_and_its_logits_match_ours(tmp_path):
+    torch = pytest.importorskip("torch")
+    out = export(tmp_path / "hf")
+
+    logs = io.StringIO()
+    handler = logging.StreamHandler(logs)
+    handler.setLevel(logging.WARNING)
+    hf_logger = logging.getLogger("transformers")
+    hf_logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch_model, info = transformers.AutoModelForCausalLM.from_pretrained(
+                out, output_loading_info=True
+            )
+            tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    finally:
+        hf_logger.removeHandler(handler)
+    assert type(torch_model).__name__ == "GPT2LMHeadModel"
+    assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(),
+                    "error_msgs": []}
+    assert logs.getvalue() == ""
+    assert [str(w.message) for w in caught if "weight" in str(w.message).lower()] == []
+
+    ids = np.random.default_rng(0).integers(0, 97, (2, 32))
+    model = GPT2LMHeadModel(GPT2Spec(CONFIG), nnx.Rngs(0))
+    with torch.no_grad():
+        theirs = torch_model.eval()(torch.from_numpy(ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(model(ids)), theirs, atol=2e-5)  # float32 reorderings
+
+    ours = make_tokenizer()
+    assert tokenizer("the cat")["input_ids"] == ours("the cat")["input_ids"]
+    assert (tokenizer.eos_token, tokenizer.pad_token) == ("</s>", "<pad>")
+
+
+def test_export_writes_generation_config_and_model_card(tmp_path):
+    out = export(tmp_path / "hf")
+    tokenizer = make_tokenizer()
+    generation = json.loads(open(os.path.join(out, "generation_config.json")).read())
+    assert (generation["eos_token_id"], generation["pad_token_id"], generation["bos_token_id"]) == (
+        tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id)
+    assert generation["do_sample"] is True and generation["top_k"] == 50
+    card = open(os.path.join(out, "README.md")).read()
+    for figure in ("6.3980", "600.40", "2.560", "| optimizer steps | 230 |", "471,040",
+                   "library_name: transformers", "en-builtin", "seed: 0"):
+        assert figure in card, figure
+    assert json.loads(open(os.path.join(out, MARKER)).read())["architecture"] == "GPT2LMHeadModel"
+    config = json.loads(open(os.path.join(out, "config.json")).read())
+    assert config["architectures"] == ["GPT2LMHeadModel"] and config["n_layer"] == 2
+
+
+def test_export_never_overwrites_a_users_directory_but_replaces_an_earlier_export(tmp_path):
+    users = tmp_path / "mine"
+    users.mkdir()
+    (users / "notes.txt").write_text("keep me")
+    with pytest.raises(FlaxlmError, match="not a flaxlm export"):
+        export(users)
+    assert (users / "notes.txt").read_text() == "keep me"
+
+    out = tmp_path / "hf"
+    export(out)
+    (out / "stale.txt").write_text("from the first export")
+    export(out)  # an earlier flaxlm export: replaced as a whole
+    assert not (out / "stale.txt").exists() and (out / "model.safetensors").exists()
+    export(users, overwrite=True)
+    assert not (users / "notes.txt").exists()
+    assert sorted(os.listdir(tmp_path)) == ["hf", "mine"]  # no staging folders left
+
+
+def test_a_failed_export_leaves_nothing_behind(tmp_path, monkeypatch):
+    import flaxlm.export
+
+    def fail(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(flaxlm.export, "_save_weights", fail)
+    with pytest.raises(OSError, match="disk full"):
+        export(tmp_path / "hf")
+    assert os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------- a real run and the CLIs
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A two-step run with W&B offline: checkpoint, model/ export and end-of-run samples."""
+    from flaxlm.train import train
+
+    directory = tmp_path_factory.mktemp("run") / "run"
+    overrides = [o for o in TINY if not o.startswith("logger")]
+    train(compose([*overrides, "logger=wandb", "trainer.max_steps=2",
+                   "language.max_train_docs=40", "language.max_eval_docs=10",
+                   "samples.prompts=['','Return the']", "samples.max_new_tokens=8"],
+                  run_dir=directory))
+    return str(directory)
+
+
+def test_a_run_ends_with_samples_in_metrics_jsonl_and_wandb(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    [samples] = [r for r in records if "samples" in r]
+    assert samples["step"] == 2
+    assert [row["prompt"] for row in samples["samples"]] == ["", "Return the"]
+    assert all(isinstance(row["completion"], str) for row in samples["samples"])
+    [table] = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "files", "media",
+                                     "table", "samples_*.table.json"))
+    logged = json.loads(open(table).read())
+    assert logged["columns"] == ["prompt", "completion"]
+    assert [row[1] for row in logged["data"]] == [row["completion"] for row in samples["samples"]]
+    card = open(os.path.join(run_dir, "model", "README.md")).read()
+    assert "| optimizer steps | 2 |" in card and "eval perplexity" in card
+
+
+@pytest.mark.torch
+def test_flaxlm_export_and_generate_on_a_run(run_dir, tmp_path, capsys):
+    from flaxlm.cli import export as export_cli
+    from flaxlm.cli import generate as generate_cli
+
+    out = export_cli.run([f"run_dir={run_dir}", f"out={tmp_path / 'hf'}"])
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert torch_model.config.n_layer == 2
+    assert "| optimizer steps | 2 |" in open(os.path.join(out, "README.md")).read()
+
+    args = [f"run_dir={run_dir}", "prompt=Return the", "prompt=[a, b]", "greedy=true",
+            "max_new_tokens=6"]
+    completions = generate_cli.run(args)
+    assert len(completions) == 3 and completions == generate_cli.run(args)
+    printed = capsys.readouterr().out
+    assert printed.count("\n---\n") == 4 and "Return the" + completions[0] in printed
+
+
+def test_cli_errors_are_one_paragraph_with_exit_status_2(run_dir, tmp_path, capsys):
+    from flaxlm.cli import export as export_cli
+    from flaxlm.cli import generate as generate_cli
+
+    cases = [
+        (export_cli.main, [f"run_dir={tmp_path / 'missing'}", f"out={tmp_path / 'o'}"],
+         "does not exist"),
+        (export_cli.main, [f"run_dir={run_dir}", f"out={tmp_path / 'o'}", "step=7"],
+         "no checkpoint for step 7; it has steps [2]"),
+        (export_cli.main, [f"run_dir={run_dir}", f"out={run_dir}"], "not a flaxlm export"),
+        (export_cli.main, [f"run_dir={run_dir}"], "needs out="),
+        (generate_cli.main, [f"run_dir={run_dir}", "temperature=hot"], "temperature='hot'"),
+        (generate_cli.main, [f"run_dir={run_dir}", "prompt=x", "max_new_token=3"],
+         "'max_new_token=3' is not a setting"),
+    ]
+    for main, argv, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)
+
+
+def test_generate_falls_back_to_the_runs_export_without_checkpoints(run_dir, tmp_path):
+    import shutil
+
+    from flaxlm.cli import generate as generate_cli
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("checkpoints", "wandb"))
+    args = ["prompt=Return the", "greedy=true", "max_new_tokens=6"]
+    assert generate_cli.run([f"run_dir={copy}", *args]) == generate_cli.run(
+        [f"run_dir={run_dir}", *args])

@@ -1,0 +1,241 @@
+"""Never lose a run: stopped by SIGTERM, a run resumes to exactly the parameters and metrics of
+the run that never stopped; a changed config that would train something else is refused; a
+non-finite step stops the run (or is skipped) without ever reaching a checkpoint."""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from conftest import TINY, compose
+from wandb_records import of_type, read_wandb_records
+from flaxlm.data.loader import TrainLoader
+from flaxlm.errors import FlaxlmError
+from flaxlm.models import hf
+from flaxlm.tracking import Tracker
+from flaxlm.train import train
+from flaxlm.training.checkpoint import PREEMPTED_EXIT_CODE, Preempted, restore_params
+
+# 2 epochs of 10 steps; a checkpoint every 4 steps and at each epoch end.
+RUN = [*TINY, "language.max_train_docs=12", "language.max_eval_docs=2", "trainer.num_epochs=2",
+       "trainer.log_every=2", "checkpoint.every_steps=4", "optimizer.warmup_steps=2"]
+VOLATILE = {"time", "train/tokens_per_second", "train/mfu"}  # wall-clock dependent
+
+
+def metrics_of(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if k not in VOLATILE} for line in f]
+
+
+def assert_same_params(run_dir, reference_dir):
+    params, _, step = restore_params(str(run_dir))
+    expected, _, expected_step = restore_params(str(reference_dir))
+    assert step == expected_step
+    for (path, leaf), (_, other) in zip(flat(params), flat(expected), strict=True):
+        assert np.array_equal(leaf, other), path  # bitwise
+
+
+def flat(tree, path=()):
+    if isinstance(tree, dict):
+        for key in sorted(tree, key=str):
+            yield from flat(tree[key], (*path, key))
+    else:
+        yield path, tree
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run every resumed run is compared with."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FLAXLM_CACHE", str(tmp_path_factory.getbasetemp() / "flaxlm-cache"))
+        train(compose(RUN, run_dir=run_dir))
+    return run_dir
+
+
+def stop_at(monkeypatch, stop_step: int, sig=signal.SIGTERM):
+    """Send `sig` to this process while the loop logs `step`'s train metrics."""
+    log = Tracker.log
+
+    def log_then_signal(self, metrics, step):  # noqa: F811 — Tracker.log's own signature
+        log(self, metrics, step=step)
+        if step == stop_step and "train/loss" in metrics:
+            os.kill(os.getpid(), sig)
+
+    monkeypatch.setattr(Tracker, "log", log_then_signal)
+
+
+def test_a_run_stopped_by_sigterm_resumes_to_the_same_parameters_and_metrics(
+        tmp_path, reference, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        stop_at(patch, 14)  # in the second epoch, not a checkpoint step
+        with pytest.raises(Preempted) as stopped:
+            train(compose(RUN, run_dir=run_dir))
+    assert stopped.value.step == 14 and stopped.value.signal_name == "SIGTERM"
+    assert os.path.isdir(run_dir / "checkpoints" / "14")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers put back
+    # As if killed -9 after the checkpoint: lines past it, the last one half-written.
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 15, "train/loss": 1.0}) + '\n{"step": 16, "train/lo')
+
+    capsys.readouterr()
+    train(compose(RUN, run_dir=run_dir))
+    out = capsys.readouterr().out
+    assert "resuming" in out and "step 14" in out and "2 metrics.jsonl line(s)" in out
+    assert metrics_of(run_dir) == metrics_of(reference)
+    assert_same_params(run_dir, reference)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_cli_saves_exits_75_and_the_same_command_resumes(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    overrides = [o for o in RUN if not o.startswith("logger")]
+    command = [sys.executable, "-m", "flaxlm.cli.train", *overrides, "logger=wandb",
+               f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True)
+    deadline = time.monotonic() + 300
+    while not any(r.get("step", 0) >= 3 for r in _read_if_any(run_dir)):
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == PREEMPTED_EXIT_CODE, err[-3000:]
+    assert "SIGTERM received" in err
+
+    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert metrics_of(run_dir) == metrics_of(reference)
+    assert_same_params(run_dir, reference)
+    # One W&B run, continued: both processes logged under the id kept in the run dir.
+    run_id = (run_dir / "wandb_run_id").read_text().strip()
+    offline_runs = sorted(glob.glob(str(run_dir / "wandb" / "offline-run-*")))
+    assert len(offline_runs) == 2 and all(d.endswith(run_id) for d in offline_runs)
+    exit_codes = []
+    for offline_run in offline_runs:
+        [log] = glob.glob(os.path.join(offline_run, "*.wandb"))
+        exit_codes += [e.exit_code for e in of_type(read_wandb_records(Path(log)), "exit")]
+    assert exit_codes == [PREEMPTED_EXIT_CODE, 0]
+
+
+def _read_if_any(run_dir):
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f if line.endswith("\n")]
+    except FileNotFoundError:
+        return []
+
+
+def test_resuming_with_another_model_shape_fails_listing_the_differences(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    with pytest.raises(FlaxlmError) as error:
+        train(compose([*RUN, "model.n_layer=3", "optimizer.lr=1e-3"], run_dir=run_dir))
+    message = str(error.value)
+    assert "model.n_layer: 2 → 3" in message and "optimizer.lr: 0.0003 → 0.001" in message
+    assert "trainer.resume=never" in message
+
+
+def test_resuming_with_a_new_log_cadence_and_length_continues(tmp_path, reference, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    train(compose([*RUN, "trainer.log_every=3", "trainer.num_epochs=3"], run_dir=run_dir))
+    assert "resuming" in capsys.readouterr().out
+    records = metrics_of(run_dir)
+    assert records[: len(metrics_of(reference))] == metrics_of(reference)
+    assert [r["step"] for r in records if "train/loss" in r][-2:] == [27, 30]
+    assert restore_params(str(run_dir))[2] == 30
+
+
+def test_resume_must_without_a_checkpoint_and_never_with_resume_from_fail(tmp_path):
+    with pytest.raises(FlaxlmError, match="no complete checkpoint"):
+        train(compose([*RUN, "trainer.resume=must"], run_dir=tmp_path / "new"))
+    with pytest.raises(FlaxlmError, match="trainer.resume=never"):
+        train(compose([*RUN, "trainer.resume=never", f"resume_from={tmp_path}"],
+                      run_dir=tmp_path / "x"))
+
+
+def corrupt_batch_at(monkeypatch, bad_step: int):
+    """Token ids past the vocabulary in the batch of `bad_step`: the embedding lookup fills
+    them with NaN, so that step's loss and gradients are NaN."""
+    epoch_of = TrainLoader.epoch
+    seen = {"steps": 0}
+
+    def epoch(self, epoch_index, start_step=0):
+        for batch in epoch_of(self, epoch_index, start_step):
+            seen["steps"] += 1
+            yield batch + 100_000 if seen["steps"] == bad_step else batch
+
+    monkeypatch.setattr(TrainLoader, "epoch", epoch)
+
+
+def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_good_checkpoint(
+        tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    corrupt_batch_at(monkeypatch, 7)
+    with pytest.raises(FlaxlmError, match=r"diverged at step 7.*checkpoint \(step 6\)"):
+        train(compose([*RUN, "checkpoint.every_steps=3"], run_dir=run_dir))
+    params, _, step = restore_params(str(run_dir))
+    assert step == 6  # step 9's save never happened: the loop stopped on 7's loss first
+    assert all(np.isfinite(leaf).all() for _, leaf in flat(params))
+
+
+def test_skip_nonfinite_skips_the_bad_step_and_counts_it(tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    corrupt_batch_at(monkeypatch, 3)
+    loss = train(compose([*RUN, "trainer.skip_nonfinite=true"], run_dir=run_dir))
+    assert math.isfinite(loss)
+    assert "step 3 skipped" in capsys.readouterr().out
+    logs = {r["step"]: r for r in metrics_of(run_dir) if "train/loss" in r}
+    assert [logs[s]["train/skipped_steps"] for s in sorted(logs)] == [0, 1] + [0] * 8
+    assert all(math.isfinite(r["train/loss"]) for r in logs.values())  # mean of the others
+    params, _, _ = restore_params(str(run_dir))
+    assert all(np.isfinite(leaf).all() for _, leaf in flat(params))
+
+
+def test_restore_params_equals_the_exported_model(reference):
+    params, config, step = restore_params(str(reference))
+    assert step == 20 and config["model"]["n_layer"] == 2
+    exported = safetensors.numpy.load_file(str(reference / "model" / "model.safetensors"))
+    for key, value in hf.to_hf_state_dict(params).items():
+        if key in exported:
+            np.testing.assert_array_equal(exported[key], value, err_msg=key)
+    assert set(exported) <= set(hf.to_hf_state_dict(params))
+
+
+@pytest.mark.slow
+def test_a_streaming_run_resumes_from_its_stream_position(tmp_path, monkeypatch, capsys):
+    """language.streaming: the checkpoint holds the StreamState, and the resumed run reads the
+    same next batches as the run that never stopped."""
+    from test_streaming import streaming_run
+
+    settings = ["trainer.max_steps=8", "checkpoint.every_steps=3", "trainer.log_every=2",
+                "language.shuffle_buffer=5"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    train(streaming_run(tmp_path / "a", *settings))
+    cfg = streaming_run(tmp_path / "b", *settings)
+    with monkeypatch.context() as patch:
+        stop_at(patch, 4)
+        with pytest.raises(Preempted):
+            train(cfg)
+    assert restore_params(str(tmp_path / "b" / "run"))[2] == 4
+    capsys.readouterr()
+    train(cfg)
+    assert "from its checkpoint at step 4" in capsys.readouterr().out
+    assert metrics_of(tmp_path / "b" / "run") == metrics_of(tmp_path / "a" / "run")
+    assert_same_params(tmp_path / "b" / "run", tmp_path / "a" / "run")
