@@ -84,6 +84,8 @@ def test_every_option_composes_into_the_typed_schema(group, option):
     for entry in OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml")).get(
         "defaults", []
     ):
+        if isinstance(entry, str):  # another preset of the group (glue-cola uses glue-mrpc)
+            continue
         for key, picked in entry.items():
             assert cfg[key.removeprefix("override /")].name == picked
 

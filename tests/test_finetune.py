@@ -68,12 +68,12 @@ def files_overrides(pair_files):
 
 
 def test_finetuning_raises_accuracy_above_chance(pair_files, tmp_path):
-    from flaxlm.finetune import finetune
+    from flaxlm.train import train
 
     run_dir = tmp_path / "run"
     cfg = compose([*TINY_CLASSIFY, *files_overrides(pair_files), "trainer.num_epochs=3"],
                   run_dir=run_dir)
-    finetune(cfg)
+    train(cfg)
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     evals = [r for r in records if "eval/accuracy" in r]
     assert evals[0]["step"] == 0 and evals[-1]["step"] > 0
@@ -91,20 +91,20 @@ def test_finetuning_raises_accuracy_above_chance(pair_files, tmp_path):
 
 
 def test_classify_without_data_fails_clearly(tmp_path):
-    from flaxlm.finetune import finetune
+    from flaxlm.train import train
 
     cfg = compose([*TINY_CLASSIFY], run_dir=tmp_path / "run")
     with pytest.raises(FlaxlmError, match="task.train_files"):
-        finetune(cfg)
+        train(cfg)
 
 
 def test_label_outside_num_labels_fails_clearly(pair_files, tmp_path):
-    from flaxlm.finetune import finetune
+    from flaxlm.train import train
 
     cfg = compose([*TINY_CLASSIFY, *files_overrides(pair_files), "task.num_labels=1"],
                   run_dir=tmp_path / "run")
     with pytest.raises(FlaxlmError, match="num_labels"):
-        finetune(cfg)
+        train(cfg)
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""`finetune(cfg)`: task=classify, from a composed config to a fine-tuned classifier.
+"""task=classify: fine-tune a classifier, as the body of `flaxlm.train.train`'s job.
 
 examples (Hub or local files) → the checkpoint's tokenizer (or a BPE trained on the examples)
 → fixed-shape token arrays → an encoder or GPT-2 with a classification head, from pretrained
@@ -10,8 +10,8 @@ metrics.jsonl and an HF-loadable model directory.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
-import time
 
 import datasets
 import jax
@@ -20,60 +20,35 @@ import numpy as np
 import optax
 import tokenizers
 from flax import nnx
-from omegaconf import DictConfig, OmegaConf
 
-from flaxlm.config import ModelConfig, Padding, TrainConfig
+from flaxlm.config import ModelConfig, ModelFamily, Padding, TrainConfig
 from flaxlm.data import classify as data
 from flaxlm.data.tokenizer import prepare_tokenizer
 from flaxlm.errors import FlaxlmError
 from flaxlm.models import build, hf
 from flaxlm.models.gpt2 import GPT2Spec, count_params
-from flaxlm.parallel import configure_platform, make_mesh, replicated
-from flaxlm.tracking import start_tracker
-from flaxlm.train import claim_run_dir, enable_compilation_cache, global_batch_size, make_plan
+from flaxlm.parallel import replicated
+from flaxlm.runs import CheckpointSaver, RunDir, restore_run
+from flaxlm.train import global_batch_size, make_plan
 from flaxlm.training import evaluation
-from flaxlm.training.loop import Throughput, describe, fit
+from flaxlm.training.checkpoint import Checkpointer, StopRequest, key_to_json
+from flaxlm.training.loop import Throughput, fit
 from flaxlm.training.optimizer import make_optimizer, make_schedule
 from flaxlm.training.step import CompiledSteps, compile_train_step, create_state
 
-def finetune(cfg: DictConfig, *, choices: dict[str, str] | None = None,
-             run_name: str | None = None, run_group: str | None = None) -> float:
-    """Run one fine-tuning job; return the final eval loss (what a sweeper minimises)."""
-    config: TrainConfig = OmegaConf.to_object(cfg)
-    started = time.perf_counter()
-    configure_platform(config.hardware)
-    enable_compilation_cache(config.cache_dir)
-    mesh = make_mesh(config.hardware.num_devices)
-    check_task_settings(config)
-    global_batch_size(config, mesh.size)
-    run_dir = claim_run_dir(config.run_dir)
-    OmegaConf.save(cfg, os.path.join(run_dir, "config.yaml"), resolve=True)
-
-    tracker_config = {**OmegaConf.to_container(cfg, resolve=True), "choices": choices or {}}
-    tracker = start_tracker(config.logger, run_dir, tracker_config, name=run_name, group=run_group)
-    try:
-        final = _finetune(config, run_dir, mesh, tracker)
-        final["wall_time_s"] = time.perf_counter() - started
-        tracker.summary(final)
-        print(f"flaxlm: done in {final['wall_time_s']:.0f}s | {final['steps']} steps | "
-              f"{describe(final)} | run dir {run_dir}")
-    except BaseException:
-        tracker.finish(exit_code=1)
-        raise
-    tracker.finish()
-    return final["eval/loss"]
-
-
-def _finetune(config: TrainConfig, run_dir: str, mesh, tracker) -> dict:
+def finetune(config: TrainConfig, resolved: dict, run: RunDir, mesh, max_length: int, tracker,
+             checkpointer: Checkpointer, stop: StopRequest) -> dict:
+    """task=classify inside `flaxlm.train.train`'s job; returns the final metrics."""
     pretrained = hf.resolve_checkpoint(config.model.init_from) if config.model.init_from else None
     model_config = (hf.pretrained_model_config(pretrained, config.model) if pretrained
                     else config.model)
+    check_max_length(max_length, model_config)
     examples = data.load_examples(config.task)
     metrics = config.task.metrics or evaluation.default_metrics(examples.num_labels,
                                                                 examples.is_regression)
     evaluation.check_metrics(metrics, examples.is_regression)
     tokenizer = _tokenizer(config, model_config, pretrained, examples.train)
-    max_length = check_max_length(config, model_config)
+    tokenizer_hash = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
     train_arrays = data.encode(examples.train, tokenizer, max_length)
     eval_arrays = data.encode(examples.eval, tokenizer, max_length)
 
@@ -99,7 +74,7 @@ def _finetune(config: TrainConfig, run_dir: str, mesh, tracker) -> dict:
     init_key, dropout_key = jax.random.split(jax.random.key(config.seed))
     model = build.build_classifier(spec, examples.num_labels, tokenizer.pad_token_id,
                                    nnx.Rngs(params=init_key))
-    if pretrained:
+    if pretrained and not run.resuming:  # a resumed run's weights come from its checkpoint
         report = hf.load_pretrained_weights(model, pretrained, source=config.model.init_from)
         print(f"flaxlm: model.init_from={config.model.init_from}: {report}")
     graphdef, state = create_state(model, tx)
@@ -107,6 +82,13 @@ def _finetune(config: TrainConfig, run_dir: str, mesh, tracker) -> dict:
     steps = compile_classifier_steps(mesh, graphdef, tx, schedule, examples.is_regression,
                                      config.trainer.grad_accum_steps,
                                      config.trainer.skip_nonfinite)
+    metadata = {"config": resolved, "tokenizer_sha256": tokenizer_hash,
+                "dropout_key": key_to_json(dropout_key), "wandb_run_id": run.wandb_run_id}
+    resume = None
+    if run.resuming:
+        state, dropout_key, resume = restore_run(checkpointer, state, dropout_key, loader,
+                                                 tokenizer_hash, tracker, run.path)
+
     eval_batch = config.hardware.per_device_eval_batch_size or config.hardware.per_device_batch_size
     evaluator = ClassifierEvaluator(
         steps, eval_arrays, eval_batch * mesh.size, mesh, metrics, examples.is_regression,
@@ -115,29 +97,43 @@ def _finetune(config: TrainConfig, run_dir: str, mesh, tracker) -> dict:
     num_params = count_params(model)
     throughput = Throughput(
         tokens_per_step=batch_size * max_length,
-        flops_per_token=6 * num_params + 12 * model_config.n_layer * model_config.n_embd * max_length,
+        flops_per_token=flops_per_token(model_config, num_params, max_length),
         peak_flops=config.hardware.peak_tflops_per_device * 1e12 * mesh.size,
     )
+    labels = "regression" if examples.is_regression else f"{examples.num_labels} labels"
     print(
-        f"flaxlm: {model_config.name} ({num_params / 1e6:.2f}M params, "
-        f"{examples.num_labels if not examples.is_regression else 'regression'} label(s)) on "
+        f"flaxlm: {model_config.name} ({num_params / 1e6:.2f}M params, {labels}) on "
         f"{mesh.size} {jax.default_backend()} device(s) | {len(examples.train)} train / "
         f"{len(examples.eval)} eval examples of ≤ {max_length} tokens | global batch "
         f"{batch_size} | {plan.total_steps} steps ({plan.steps_per_epoch}/epoch) | "
-        f"run dir {run_dir}"
+        f"run dir {run.path}"
     )
-    state, last_eval = fit(state, steps, loader, evaluator, plan, throughput, tracker, dropout_key)
-
+    saver = CheckpointSaver(checkpointer, loader, metadata)
+    state, last_eval = fit(state, steps, loader, evaluator, plan, throughput, tracker, dropout_key,
+                           save=saver, resume=resume, stop=stop)
+    print(f"flaxlm: {saver.describe()}")
+    if evaluator.last_predictions is None:  # resumed after the last eval: score once more
+        last_eval = evaluator(state.params)
     if jax.process_index() == 0:  # every process holds all predictions and parameters
         evaluation.write_predictions(
-            os.path.join(run_dir, "predictions.jsonl"), evaluator.last_predictions,
+            os.path.join(run.path, "predictions.jsonl"), evaluator.last_predictions,
             eval_arrays["labels"], examples.label_names,
         )
         hf.save_classifier(
-            os.path.join(run_dir, "model"), nnx.to_pure_dict(state.params), model_config,
-            tokenizer, num_labels=examples.num_labels, label_names=examples.label_names,
+            os.path.join(run.path, "model"), jax.device_get(nnx.to_pure_dict(state.params)),
+            model_config, tokenizer, num_labels=examples.num_labels,
+            label_names=examples.label_names,
         )
     return {**last_eval, "steps": int(state.step)}
+
+
+def flops_per_token(model: ModelConfig, num_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per weight that multiplies (embedding tables are lookups,
+    and a classifier leaves GPT-2's tied LM head unused) plus attention's 12·layers·width·length."""
+    tables = model.vocab_size + model.n_positions
+    if model.family == ModelFamily.bert:
+        tables += model.type_vocab_size
+    return 6 * (num_params - tables * model.n_embd) + 12 * model.n_layer * model.n_embd * seq_len
 
 
 def _tokenizer(config: TrainConfig, model_config: ModelConfig, pretrained: str | None,
@@ -177,7 +173,8 @@ def with_pair_template(tokenizer):
     return tokenizer
 
 
-def check_task_settings(config: TrainConfig) -> None:
+def check_task_settings(config: TrainConfig) -> int:
+    """What can be checked before any data is read; returns the padded example length."""
     task = config.task
     if task.dataset is None and not task.train_files:
         raise FlaxlmError(
@@ -190,17 +187,15 @@ def check_task_settings(config: TrainConfig) -> None:
             "task.train_files is set but task.eval_files is empty: fine-tuning evaluates on "
             "held-out examples. Give task.eval_files=[...] (e.g. a validation.tsv)."
         )
+    return data.max_length_for(task)
 
 
-def check_max_length(config: TrainConfig, model_config: ModelConfig) -> int:
-    length = data.max_length_for(config.task)
-    if not 2 <= length <= model_config.n_positions:
+def check_max_length(length: int, model: ModelConfig) -> None:
+    if not 2 <= length <= model.n_positions:
         raise FlaxlmError(
             f"task.max_seq_length={length} must be between 2 and the model's "
-            f"{model_config.n_positions} positions ({model_config.name}). Lower "
-            "task.max_seq_length."
+            f"{model.n_positions} positions ({model.name}). Lower task.max_seq_length."
         )
-    return length
 
 
 def classification_losses(logits_BxC: jax.Array, labels_B: jax.Array,

@@ -1,17 +1,17 @@
-"""`train(cfg)`: the whole pre-training job, from a composed config to a trained model.
+"""`train(cfg)`: one job, from a composed config to a trained model, for either task.
 
-corpus → tokenizer → packed blocks → mesh and sharded batches → jitted steps → evaluation →
-W&B + metrics.jsonl → an HF-loadable model directory. This is the config edge: the composed
-config becomes typed objects here, and everything below receives plain arguments.
+The job (this function): platform and mesh, the run directory (fresh, or a stopped run
+resumed), W&B, the checkpointer and the SIGTERM / SIGINT handler, around the task's body:
+`task=clm` here (corpus → tokenizer → packed blocks → jitted steps → evaluation → an
+HF-loadable model directory with samples), `task=classify` in `flaxlm.finetune`. This is the
+config edge: the composed config becomes typed objects here, and everything below receives
+plain arguments.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import fcntl
 import hashlib
 import os
-import secrets
 import sys
 import time
 
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from omegaconf import DictConfig, OmegaConf
 
-from flaxlm.config import CheckpointConfig, ResumeMode, TrainConfig
+from flaxlm.config import TrainConfig
 from flaxlm.data.corpus import load_corpus, load_corpus_stream
 from flaxlm.data.loader import TrainLoader
 from flaxlm.data.packing import tokenize_and_pack
@@ -33,18 +33,23 @@ from flaxlm.generate import log_samples, settings_from_samples
 from flaxlm.models import hf
 from flaxlm.models.gpt2 import GPT2LMHeadModel, GPT2Spec, count_params
 from flaxlm.parallel import configure_platform, make_mesh, replicated
+from flaxlm.runs import (
+    CheckpointSaver,
+    RunDir,
+    close_quietly,
+    make_checkpointer,
+    open_run_dir,
+    restore_run,
+)
 from flaxlm.tracking import start_tracker
 from flaxlm.training.checkpoint import (
-    CHECKPOINT_SUBDIR,
     PREEMPTED_EXIT_CODE,
     Checkpointer,
     Preempted,
     StopRequest,
-    finalised_steps,
-    key_from_json,
     key_to_json,
 )
-from flaxlm.training.loop import Evaluator, LoopState, Plan, Throughput, fit
+from flaxlm.training.loop import Evaluator, Plan, Throughput, describe, fit
 from flaxlm.training.optimizer import make_optimizer, make_schedule
 from flaxlm.training.step import compile_steps, create_state
 
@@ -63,6 +68,7 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     configure_platform(config.hardware)
     enable_compilation_cache(config.cache_dir)
     mesh = make_mesh(config.hardware.num_devices)
+    body = task_body(config.task.name)
     seq_len = check_settings(config, mesh.size)  # before claiming run_dir: a retry can reuse it
     resolved = OmegaConf.to_container(cfg, resolve=True)
     run = open_run_dir(config, resolved)
@@ -74,14 +80,14 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         checkpointer = make_checkpointer(run.path, config.checkpoint)
         stop = StopRequest()
         with stop.catching_signals():
-            final = _train(config, resolved, run, mesh, seq_len, tracker, checkpointer, stop)
+            final = body(config, resolved, run, mesh, seq_len, tracker, checkpointer, stop)
         checkpointer.close()
         final["wall_time_s"] = time.perf_counter() - started
         tracker.summary(final)
         _print_summary(final, run.path)
     except Preempted as stopped:
         stopped.run_dir = run.path
-        _close_quietly(checkpointer)  # the preemption checkpoint must be on disk before exit
+        close_quietly(checkpointer)  # the preemption checkpoint must be on disk before exit
         if tracker is not None:
             tracker.finish(exit_code=PREEMPTED_EXIT_CODE, preempted=True)
         print(f"flaxlm: {stopped}; to continue, run the same overrides plus "
@@ -89,7 +95,7 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
               f"hydra.run.dir); exit code {PREEMPTED_EXIT_CODE}", file=sys.stderr, flush=True)
         raise
     except BaseException:
-        _close_quietly(checkpointer)  # let good checkpoints already started finish writing
+        close_quietly(checkpointer)  # let good checkpoints already started finish writing
         if tracker is not None:
             tracker.finish(exit_code=1)
         raise
@@ -99,8 +105,24 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     return final["eval/loss"]
 
 
-def _train(config: TrainConfig, resolved: dict, run: "RunDir", mesh, seq_len: int, tracker,
-           checkpointer: Checkpointer, stop: StopRequest) -> dict:
+def task_body(name: str):
+    """The function that runs task `name` inside the job: (config, resolved config, run
+    directory, mesh, sequence length, tracker, checkpointer, stop request) → final metrics."""
+    if name == "clm":
+        return pretrain
+    if name == "classify":
+        from flaxlm.finetune import finetune  # it builds on this module's helpers
+
+        return finetune
+    raise FlaxlmError(
+        f"task.name={name!r} is not a task flaxlm runs. Pick task=clm (pre-train a causal "
+        "LM) or task=classify (fine-tune a classifier)."
+    )
+
+
+def pretrain(config: TrainConfig, resolved: dict, run: RunDir, mesh, seq_len: int, tracker,
+             checkpointer: Checkpointer, stop: StopRequest) -> dict:
+    """task=clm: the causal-LM pre-training run; returns the final metrics."""
     batch_size = global_batch_size(config, mesh.size)
     prepare = _streamed_data if config.language.streaming else _packed_data
     tokenizer, loader, eval_blocks, train_size = prepare(config, mesh, seq_len, batch_size)
@@ -171,78 +193,6 @@ def _train(config: TrainConfig, resolved: dict, run: "RunDir", mesh, seq_len: in
     return final
 
 
-def restore_run(checkpointer: Checkpointer, state, dropout_key, loader, tokenizer_hash: str,
-                tracker, run_dir: str):
-    """The run's latest complete checkpoint: (state, dropout key, loop state), after checking
-    that the tokenizer and the loader's data order are the run's own; `loader` continues from
-    the checkpoint's position and metrics.jsonl is cut back to the checkpoint's step. Any
-    train loop whose checkpoints carry `tokenizer_sha256`, `dropout_key` and `loop` metadata
-    (as `CheckpointSaver` + `fit` write them) can resume with it."""
-    restored = checkpointer.restore_latest(state)
-    if restored is None:
-        raise FlaxlmError(
-            f"run_dir={run_dir} has checkpoints, but none of them could be read (see the "
-            "messages above), so the run cannot be continued. Start a new run "
-            "(trainer.resume=never with a new run_dir)."
-        )
-    saved_hash = restored.metadata.get("tokenizer_sha256")
-    if saved_hash != tokenizer_hash:
-        raise FlaxlmError(
-            f"The tokenizer differs from the one run_dir={run_dir} was trained with (hash "
-            f"{str(saved_hash)[:12]} → {tokenizer_hash[:12]}): its token ids would mean other "
-            "words. Resume with the run's tokenizer settings (tokenizer.*, language.*), or "
-            "start a new run (trainer.resume=never with a new run_dir)."
-        )
-    loader.load_state_dict(restored.loader_state)
-    dropout_key = key_from_json(restored.metadata["dropout_key"], dropout_key)
-    resume = LoopState.from_json(restored.metadata["loop"])
-    dropped = tracker.rewind(restored.step)
-    print(f"flaxlm: resuming {run_dir} from its checkpoint at step {restored.step} "
-          f"(epoch {resume.epoch + 1}, step {resume.step_in_epoch} of it); "
-          f"{dropped} metrics.jsonl line(s) after it dropped", flush=True)
-    return restored.state, dropout_key, resume
-
-
-class CheckpointSaver:
-    """The loop's `save`: adds the loader's position and the run's metadata to each
-    checkpoint, and times how long the loop waits for each save."""
-
-    def __init__(self, checkpointer: Checkpointer, loader, metadata: dict):
-        self.checkpointer, self.loader, self.metadata = checkpointer, loader, metadata
-        self.seconds: list[float] = []
-
-    def __call__(self, step: int, state, loop_state: LoopState, metrics) -> None:
-        began = time.perf_counter()
-        loader_state = {**self.loader.state_dict(), "epoch": loop_state.epoch,
-                        "step_in_epoch": loop_state.step_in_epoch}
-        self.checkpointer.save(step, state, loader_state,
-                               {**self.metadata, "loop": loop_state.to_json()}, metrics)
-        self.seconds.append(time.perf_counter() - began)
-
-    def describe(self) -> str:
-        if not self.seconds:
-            return "no checkpoint saved by this process"
-        return (f"{len(self.seconds)} checkpoint(s) in {self.checkpointer.directory}; the loop "
-                f"waited {sum(self.seconds):.2f}s for them (longest {max(self.seconds):.2f}s)")
-
-
-def make_checkpointer(run_dir: str, settings: CheckpointConfig) -> Checkpointer:
-    if settings.every_steps is not None and settings.every_steps < 1:
-        raise FlaxlmError(f"checkpoint.every_steps={settings.every_steps} must be at least 1 "
-                          "(or null: only at epoch ends, the last step and on SIGTERM).")
-    return Checkpointer(os.path.join(run_dir, CHECKPOINT_SUBDIR), keep_last=settings.keep_last,
-                        keep_best=settings.keep_best, async_save=settings.async_save)
-
-
-def _close_quietly(checkpointer: Checkpointer | None) -> None:
-    if checkpointer is None:
-        return
-    try:
-        checkpointer.close()
-    except Exception as err:  # noqa: BLE001 — already failing; say so, keep the first error
-        print(f"flaxlm: closing the checkpointer failed too: {err}", file=sys.stderr)
-
-
 def _packed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int):
     """The whole corpus tokenised and packed (cached), shuffled per epoch."""
     corpus = load_corpus(config.language)
@@ -293,151 +243,16 @@ def enable_compilation_cache(cache_dir: str) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
-def claim_run_dir(run_dir: str) -> str:
-    """Create `run_dir` for this run alone: a directory that already holds a run is never
-    written into (Hydra may have created it and put its .hydra/ folder there; that is fine)."""
-    run_dir = os.path.abspath(os.path.expanduser(run_dir))
-    os.makedirs(run_dir, exist_ok=True)
-    try:
-        flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY
-        os.close(os.open(os.path.join(run_dir, "metrics.jsonl"), flags, 0o644))
-    except FileExistsError:
-        raise FlaxlmError(
-            f"run_dir={run_dir} already holds a run (it has a metrics.jsonl) without a "
-            "checkpoint to continue, and a new run never writes into an existing one. Leave "
-            "run_dir / hydra.run.dir at its default (a fresh timestamped folder under outputs/) "
-            "or choose a new directory."
-        ) from None
-    return run_dir
-
-
-# Settings a resumed run may change: how often it logs, evaluates and checkpoints, how long
-# it trains, where it logs (and the text samples it logs), and how the same global batch is
-# spread over devices. Anything else (model, tokenizer, data, optimizer, seed, ...) would make
-# it another run.
-RESUMABLE_CHANGES = (
-    "run_dir", "resume_from", "cache_dir", "logger.", "checkpoint.", "samples.",
-    "trainer.log_every", "trainer.eval_every", "trainer.max_steps", "trainer.num_epochs",
-    "trainer.eval_before_training", "trainer.resume", "trainer.skip_nonfinite",
-    "hardware.name", "hardware.cpu_devices", "hardware.num_devices",
-    "hardware.per_device_batch_size", "hardware.per_device_eval_batch_size",
-    "hardware.peak_tflops_per_device",
-)
-WANDB_ID_FILE = "wandb_run_id"
-
-
-@dataclasses.dataclass
-class RunDir:
-    """The run directory this process writes, held under an exclusive lock."""
-
-    path: str
-    resuming: bool
-    wandb_run_id: str
-    lock: int | None = None  # the lock file's descriptor
-
-    def release(self) -> None:
-        if self.lock is not None:
-            os.close(self.lock)  # closing drops the flock
-            self.lock = None
-
-
-def open_run_dir(config: TrainConfig, resolved: dict) -> RunDir:
-    """The directory to write: a fresh run's own (claimed), or, when it holds a checkpoint and
-    trainer.resume allows, the stopped run's, after checking that the config still describes
-    the same run."""
-    mode = ResumeMode(config.trainer.resume)
-    path = os.path.abspath(os.path.expanduser(config.resume_from or config.run_dir))
-    if config.resume_from and mode == ResumeMode.never:
-        raise FlaxlmError(
-            f"resume_from={config.resume_from} asks to continue a run, but trainer.resume=never "
-            "forbids it. Drop one of the two settings."
-        )
-    if mode != ResumeMode.never and has_checkpoint(path):
-        lock = _lock(path)
-        check_resumable(os.path.join(path, "config.yaml"), resolved)
-        return RunDir(path, True, _wandb_run_id(path), lock)
-    if mode == ResumeMode.must or config.resume_from:
-        raise FlaxlmError(
-            f"There is no complete checkpoint in {os.path.join(path, CHECKPOINT_SUBDIR)} to "
-            f"resume (trainer.resume={mode.value}"
-            + (f", resume_from={config.resume_from}" if config.resume_from else "")
-            + "). Point resume_from at the directory of a run that saved a checkpoint, or set "
-            "trainer.resume=auto to start a new run when there is none."
-        )
-    path = claim_run_dir(path)
-    lock = _lock(path)
-    OmegaConf.save(OmegaConf.create(resolved), os.path.join(path, "config.yaml"))
-    return RunDir(path, False, _wandb_run_id(path), lock)
-
-
-def has_checkpoint(run_dir: str) -> bool:
-    return bool(finalised_steps(os.path.join(run_dir, CHECKPOINT_SUBDIR)))
-
-
-def check_resumable(saved_config_path: str, resolved: dict) -> None:
-    """Resuming with a config that would train something else fails, naming each difference."""
-    if not os.path.exists(saved_config_path):
-        raise FlaxlmError(f"{saved_config_path} is missing, so this run cannot be checked "
-                          "before resuming it. Restore the file, or start a new run.")
-    saved = _flatten(OmegaConf.to_container(OmegaConf.load(saved_config_path), resolve=True))
-    current = _flatten(resolved)
-    # Keys only one side has are settings added (or removed) by a flaxlm upgrade in between:
-    # the run did not use them, so they do not make it another run.
-    changed = [
-        f"{key}: {saved[key]!r} → {current[key]!r}"
-        for key in sorted(set(saved) & set(current))
-        if saved[key] != current[key] and not key.startswith(RESUMABLE_CHANGES)
-    ]
-    if changed:
-        raise FlaxlmError(
-            f"Cannot resume the run in {os.path.dirname(saved_config_path)}: this config changes "
-            "what it trains (" + "; ".join(changed) + "). A resumed run may only change "
-            "logging, evaluation and checkpoint cadence, trainer.max_steps / num_epochs, the "
-            "logger and how the batch is spread over devices. Resume with the run's own "
-            "settings, or start a new run (trainer.resume=never, or a new run_dir)."
-        )
-
-
-def _flatten(tree, prefix: str = "") -> dict:
-    if isinstance(tree, dict):
-        flat = {}
-        for key, value in tree.items():
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        return flat
-    return {prefix[:-1]: tree}
-
-
-def _lock(run_dir: str) -> int:
-    """One process at a time in a run directory: two resumes of one run would interleave."""
-    descriptor = os.open(os.path.join(run_dir, ".lock"), os.O_CREAT | os.O_RDWR, 0o644)
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(descriptor)
-        raise FlaxlmError(
-            f"Another process is training in run_dir={run_dir} right now. Wait for it to stop, "
-            "or start a new run in another directory."
-        ) from None
-    return descriptor
-
-
-def _wandb_run_id(run_dir: str) -> str:
-    """The W&B run id of this run directory, made once and kept in the directory, so that a
-    resumed run continues the same W&B run."""
-    path = os.path.join(run_dir, WANDB_ID_FILE)
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            return f.read().strip()
-    run_id = secrets.token_hex(4)  # W&B's own ids are 8 lowercase alphanumerics
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(run_id + "\n")
-    return run_id
-
-
 def check_settings(config: TrainConfig, num_devices: int) -> int:
-    """Settings that can be checked before any data is read; returns the block length."""
-    seq_len = config.task.max_seq_length or config.model.n_positions
-    if not 2 <= seq_len <= config.model.n_positions:
+    """Settings that can be checked before any data is read; returns the sequence length
+    (clm: the block length; classify: the padded example length)."""
+    if config.task.name == "classify":
+        from flaxlm.finetune import check_task_settings
+
+        seq_len = check_task_settings(config)  # the model's positions are checked once known
+    else:
+        seq_len = config.task.max_seq_length or config.model.n_positions
+    if config.task.name == "clm" and not 2 <= seq_len <= config.model.n_positions:
         raise FlaxlmError(
             f"task.max_seq_length={seq_len} must be between 2 and the model's context length "
             f"model.n_positions={config.model.n_positions} ({config.model.name}). Lower "
@@ -458,7 +273,7 @@ def check_settings(config: TrainConfig, num_devices: int) -> int:
         if value is not None and value < 1:
             raise FlaxlmError(f"{key}={value} must be at least 1 (or null).")
     global_batch_size(config, num_devices)
-    if config.language.streaming:
+    if config.task.name == "clm" and config.language.streaming:
         check_streaming_settings(config)
     return seq_len
 
@@ -546,9 +361,6 @@ def flops_per_token(config: TrainConfig, num_params: int, seq_len: int) -> float
 
 
 def _print_summary(final: dict, run_dir: str) -> None:
-    print(
-        f"flaxlm: done in {final['wall_time_s']:.0f}s | {final['steps']} steps, "
-        f"{final['tokens_seen']:,} tokens | final eval loss {final['eval/loss']:.4f}, "
-        f"perplexity {final['eval/perplexity']:.2f}, bits/byte {final['eval/bits_per_byte']:.3f}"
-        f" | run dir {run_dir}"
-    )
+    tokens = f", {final['tokens_seen']:,} tokens" if "tokens_seen" in final else ""
+    print(f"flaxlm: done in {final['wall_time_s']:.0f}s | {final['steps']} steps{tokens} | "
+          f"final {describe(final)} | run dir {run_dir}")
