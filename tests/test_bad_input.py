@@ -16,7 +16,8 @@ from flaxlm.config import CorpusSource, LanguageConfig, TokenizerConfig
 from flaxlm.data.corpus import load_corpus
 from flaxlm.data.tokenizer import prepare_tokenizer
 from flaxlm.errors import FlaxlmError
-from flaxlm.train import claim_run_dir, train
+from flaxlm.runs import claim_run_dir
+from flaxlm.train import train
 
 ENGLISH = """\
 The village stood at the edge of a wide marsh, and in winter the wind came across it without
