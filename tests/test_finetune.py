@@ -12,6 +12,7 @@ import pytest
 from conftest import CONF_DIR, REPO, compose  # noqa: F401
 
 from flaxlm.errors import FlaxlmError
+from flaxlm.train import train
 
 # Small enough for a few seconds on 2 cores; 8 simulated devices × 2 rows.
 TINY_CLASSIFY = [
@@ -68,7 +69,6 @@ def files_overrides(pair_files):
 
 
 def test_finetuning_raises_accuracy_above_chance(pair_files, tmp_path):
-    from flaxlm.train import train
 
     run_dir = tmp_path / "run"
     cfg = compose([*TINY_CLASSIFY, *files_overrides(pair_files), "trainer.num_epochs=3"],
@@ -91,7 +91,6 @@ def test_finetuning_raises_accuracy_above_chance(pair_files, tmp_path):
 
 
 def test_classify_without_data_fails_clearly(tmp_path):
-    from flaxlm.train import train
 
     cfg = compose([*TINY_CLASSIFY], run_dir=tmp_path / "run")
     with pytest.raises(FlaxlmError, match="task.train_files"):
@@ -99,7 +98,6 @@ def test_classify_without_data_fails_clearly(tmp_path):
 
 
 def test_label_outside_num_labels_fails_clearly(pair_files, tmp_path):
-    from flaxlm.train import train
 
     cfg = compose([*TINY_CLASSIFY, *files_overrides(pair_files), "task.num_labels=1"],
                   run_dir=tmp_path / "run")
@@ -128,3 +126,46 @@ def test_cli_finetunes_gpt2_pretrained_here(pair_files, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "score" in done.stdout  # the fresh head is reported
     assert "eval/accuracy" in open(run_dir / "metrics.jsonl").read()
+
+
+@pytest.mark.torch
+def test_a_classify_run_exports_to_transformers_with_our_logits(pair_files, tmp_path):
+    """flaxlm-export on a task=classify run → AutoModelForSequenceClassification loads it with
+    nothing missing or unused, and its logits are ours; flaxlm-generate refuses it."""
+    import torch
+    import transformers
+    from flax import nnx
+
+    from flaxlm.cli.export import run as export
+    from flaxlm.cli.generate import run as generate
+    from flaxlm.export import load_run_model
+    from flaxlm.models.build import build_classifier
+    from flaxlm.models.gpt2 import GPT2Spec
+
+    run_dir = tmp_path / "run"
+    train(compose([*TINY_CLASSIFY, *files_overrides(pair_files), "trainer.max_steps=3"],
+                  run_dir=run_dir))
+    out = export([f"run_dir={run_dir}", f"out={tmp_path / 'hf'}"])
+    torch_model, info = transformers.AutoModelForSequenceClassification.from_pretrained(
+        out, output_loading_info=True)
+    assert not any(info.values()), info
+    assert "eval accuracy" in open(os.path.join(out, "README.md")).read()
+
+    run_model = load_run_model(str(run_dir))
+    ours = nnx.eval_shape(lambda: build_classifier(
+        GPT2Spec(run_model.model_config), 2, run_model.tokenizer.pad_token_id, nnx.Rngs(0)))
+    state = nnx.state(ours, nnx.Param)
+    nnx.replace_by_pure_dict(state, run_model.params)
+    nnx.update(ours, state)
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    batch = tokenizer(["alpha the kilo", "of it"], ["bravo delta", "lima mike papa india"],
+                      padding=True, return_tensors="np", return_token_type_ids=True)
+    logits = ours(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+    torch_model.eval()
+    with torch.no_grad():
+        expected = torch_model(**{k: torch.tensor(v) for k, v in batch.items()}).logits.numpy()
+    np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-5)
+
+    with pytest.raises(FlaxlmError, match="classifier"):
+        generate([f"run_dir={run_dir}", "prompt=hello"])

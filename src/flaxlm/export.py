@@ -41,6 +41,7 @@ from flaxlm.config import ModelConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.generate import GenerationSettings
 from flaxlm.models import hf
+from flaxlm.models.build import build_classifier
 from flaxlm.models.gpt2 import GPT2LMHeadModel, GPT2Spec
 
 MARKER = "flaxlm_export.json"
@@ -51,6 +52,11 @@ _CARD_FIGURES = [
     ("eval/loss", "eval loss (nats per token)", "{:.4f}"),
     ("eval/perplexity", "eval perplexity", "{:,.2f}"),
     ("eval/bits_per_byte", "eval bits per byte", "{:.3f}"),
+    ("eval/accuracy", "eval accuracy", "{:.4f}"),
+    ("eval/f1", "eval F1", "{:.4f}"),
+    ("eval/matthews", "eval Matthews correlation", "{:.4f}"),
+    ("eval/pearson", "eval Pearson correlation", "{:.4f}"),
+    ("eval/spearman", "eval Spearman correlation", "{:.4f}"),
     ("steps", "optimizer steps", "{:,}"),
     ("tokens_seen", "training tokens seen", "{:,}"),
 ]
@@ -169,9 +175,11 @@ def model_card(model_config: ModelConfig, architecture: str, run_config: dict | 
         lines += ["| | |", "|---|---|", *(f"| {label} | {value} |" for label, value in figures)]
     else:
         lines.append("No evaluation was recorded for these weights.")
+    auto_class = ("AutoModelForCausalLM" if architecture == hf.GPT2_LM
+                  else "AutoModelForSequenceClassification")
     lines += ["", "## Use", "", "```python",
-              "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-              'model = AutoModelForCausalLM.from_pretrained("<this directory>")',
+              f"from transformers import {auto_class}, AutoTokenizer", "",
+              f'model = {auto_class}.from_pretrained("<this directory>")',
               'tokenizer = AutoTokenizer.from_pretrained("<this directory>")',
               "```", ""]
     if architecture == hf.GPT2_LM:
@@ -251,8 +259,15 @@ class RunModel(NamedTuple):
     run_config: dict  # the run's resolved config ({} if unknown)
     step: int | None
     source: str  # e.g. "/runs/x checkpoint step 200", for messages and the model card
+    hf_config: Any = None  # a task=classify run's HF classifier config; None for an LM
 
     def model(self) -> GPT2LMHeadModel:
+        if self.hf_config is not None:
+            raise FlaxlmError(
+                f"{self.source} is a classifier ({self.hf_config.architectures[0]}, from a "
+                "task=classify run), not a language model, so it cannot generate text. Point "
+                "run_dir at a task=clm run."
+            )
         return build_lm(self.model_config, self.params)
 
 
@@ -273,8 +288,13 @@ def load_run_model(run_dir: str, step: int | None = None) -> RunModel:
     if os.path.isdir(os.path.join(run_dir, CHECKPOINT_SUBDIR)):
         params, run_config, step = restore_params(run_dir, step)
         model_config = _model_config(run_config, run_dir)
+        hf_config = None
+        if _is_classifier_run(run_config):
+            # Its shape may come from model.init_from's config.json: model/ holds the real one.
+            model_config = hf.pretrained_model_config(model_dir, model_config)
+            hf_config = transformers.AutoConfig.from_pretrained(model_dir)
         return RunModel(params, model_config, tokenizer, run_config, step,
-                        f"{run_dir} checkpoint step {step}")
+                        f"{run_dir} checkpoint step {step}", hf_config)
     if step is not None:
         raise FlaxlmError(
             f"run_dir={run_dir} has no checkpoints/ folder, so there is no checkpoint at step "
@@ -329,17 +349,23 @@ def _from_export(model_dir: str, run_dir: str, tokenizer) -> RunModel:
     base = _model_config(run_config, run_dir) if "model" in run_config else ModelConfig(
         name=os.path.basename(run_dir))
     model_config = hf.pretrained_model_config(model_dir, base)
-    params = _read_export_params(model_dir, model_config)
+    hf_config = None
+    if _is_classifier_run(run_config):
+        hf_config = transformers.AutoConfig.from_pretrained(model_dir)
+        model = nnx.eval_shape(lambda: build_classifier(
+            GPT2Spec(model_config), hf_config.num_labels, tokenizer.pad_token_id, nnx.Rngs(0)))
+    else:
+        model = nnx.eval_shape(lambda: GPT2LMHeadModel(GPT2Spec(model_config), nnx.Rngs(0)))
+    hf.load_pretrained_weights(model, model_dir, source=model_dir)  # raises if any is missing
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     marker = _read_marker(model_dir)
     step = (marker.get("eval_metrics") or {}).get("steps")
-    return RunModel(params, model_config, tokenizer, run_config, step, f"{model_dir} (final export)")
+    return RunModel(params, model_config, tokenizer, run_config, step,
+                    f"{model_dir} (final export)", hf_config)
 
 
-def _read_export_params(model_dir: str, model_config: ModelConfig) -> dict:
-    """Our nested parameters from an HF GPT2LMHeadModel directory, by our names mapped to HF's."""
-    model = nnx.eval_shape(lambda: GPT2LMHeadModel(GPT2Spec(model_config), nnx.Rngs(0)))
-    hf.load_pretrained_weights(model, model_dir, source=model_dir)  # raises if any is missing
-    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+def _is_classifier_run(run_config: dict) -> bool:
+    return ((run_config or {}).get("task") or {}).get("name") == "classify"
 
 
 def _saved_run_config(run_dir: str) -> dict:

@@ -25,6 +25,7 @@ from flaxlm.config import ModelConfig, ModelFamily, Padding, TrainConfig
 from flaxlm.data import classify as data
 from flaxlm.data.tokenizer import prepare_tokenizer
 from flaxlm.errors import FlaxlmError
+from flaxlm.export import MODEL_SUBDIR, export_hf
 from flaxlm.models import build, hf
 from flaxlm.models.gpt2 import GPT2Spec, count_params
 from flaxlm.parallel import replicated
@@ -89,6 +90,18 @@ def finetune(config: TrainConfig, resolved: dict, run: RunDir, mesh, max_length:
         state, dropout_key, resume = restore_run(checkpointer, state, dropout_key, loader,
                                                  tokenizer_hash, tracker, run.path)
 
+    # model/ gets the tokenizer and HF config now, so flaxlm-export can turn any checkpoint
+    # of this run into an HF directory while it trains; the end of the run completes it.
+    model_dir = os.path.join(run.path, MODEL_SUBDIR)
+    hf_config = hf.to_classifier_config(
+        model_config, num_labels=examples.num_labels, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        label_names=examples.label_names,
+    )
+    if jax.process_index() == 0:
+        tokenizer.save_pretrained(model_dir)
+        hf_config.save_pretrained(model_dir)
+
     eval_batch = config.hardware.per_device_eval_batch_size or config.hardware.per_device_batch_size
     evaluator = ClassifierEvaluator(
         steps, eval_arrays, eval_batch * mesh.size, mesh, metrics, examples.is_regression,
@@ -114,17 +127,16 @@ def finetune(config: TrainConfig, resolved: dict, run: RunDir, mesh, max_length:
     print(f"flaxlm: {saver.describe()}")
     if evaluator.last_predictions is None:  # resumed after the last eval: score once more
         last_eval = evaluator(state.params)
+    final = {**last_eval, "steps": int(state.step)}
     if jax.process_index() == 0:  # every process holds all predictions and parameters
         evaluation.write_predictions(
             os.path.join(run.path, "predictions.jsonl"), evaluator.last_predictions,
             eval_arrays["labels"], examples.label_names,
         )
-        hf.save_classifier(
-            os.path.join(run.path, "model"), jax.device_get(nnx.to_pure_dict(state.params)),
-            model_config, tokenizer, num_labels=examples.num_labels,
-            label_names=examples.label_names,
-        )
-    return {**last_eval, "steps": int(state.step)}
+        export_hf(model_dir, jax.device_get(nnx.to_pure_dict(state.params)), model_config,
+                  tokenizer, run_config=resolved, eval_metrics=final, hf_config=hf_config,
+                  generation=None, source=f"{run.path}, step {final['steps']}", overwrite=True)
+    return final
 
 
 def flops_per_token(model: ModelConfig, num_params: int, seq_len: int) -> float:

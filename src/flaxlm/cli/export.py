@@ -115,8 +115,10 @@ def run(argv: Sequence[str]) -> str:
     out = export_hf(
         args["out"], run_model.params, run_model.model_config, run_model.tokenizer,
         run_config=run_model.run_config, eval_metrics=metrics,
-        generation=run_generation_settings(run_model.run_config), source=run_model.source,
-        overwrite=args["overwrite"],
+        hf_config=run_model.hf_config,  # a classifier's; None → the LM's GPT2Config
+        generation=(None if run_model.hf_config is not None
+                    else run_generation_settings(run_model.run_config)),
+        source=run_model.source, overwrite=args["overwrite"],
     )
     print(f"flaxlm: exported {run_model.source} to {out}")
     return out
