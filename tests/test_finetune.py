@@ -169,3 +169,18 @@ def test_a_classify_run_exports_to_transformers_with_our_logits(pair_files, tmp_
 
     with pytest.raises(FlaxlmError, match="classifier"):
         generate([f"run_dir={run_dir}", "prompt=hello"])
+
+
+def test_clm_continues_pre_training_from_a_runs_exported_model(tmp_path):
+    """model.init_from with task=clm: the continued run starts where the first one ended — its
+    eval before training is the first run's final eval, on the same tokenizer and blocks."""
+    tiny_gpt2 = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=32",
+                 "model.vocab_size=512", "hardware=cpu-8", "hardware.per_device_batch_size=2",
+                 "logger=none", "language.max_train_docs=40", "samples.prompts=[]"]
+    first = train(compose([*tiny_gpt2, "trainer.max_steps=3"], run_dir=tmp_path / "first"))
+    second_dir = tmp_path / "second"
+    train(compose(["model=gpt2-tiny", f"model.init_from={tmp_path / 'first' / 'model'}",
+                   *tiny_gpt2[5:], "trainer.max_steps=1"], run_dir=second_dir))
+    records = [json.loads(line) for line in open(second_dir / "metrics.jsonl")]
+    assert records[0]["step"] == 0
+    assert records[0]["eval/loss"] == pytest.approx(first, abs=1e-5)

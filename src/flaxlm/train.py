@@ -10,6 +10,7 @@ plain arguments.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import sys
@@ -122,10 +123,23 @@ def task_body(name: str):
 
 def pretrain(config: TrainConfig, resolved: dict, run: RunDir, mesh, seq_len: int, tracker,
              checkpointer: Checkpointer, stop: StopRequest) -> dict:
-    """task=clm: the causal-LM pre-training run; returns the final metrics."""
+    """task=clm: the causal-LM pre-training run; returns the final metrics.
+
+    With model.init_from it continues pre-training a GPT-2 checkpoint (HF's or a run's own
+    model/): shape and tokenizer come from the checkpoint, the weights too unless resuming.
+    """
+    pretrained = hf.resolve_checkpoint(config.model.init_from) if config.model.init_from else None
+    if pretrained:
+        config = dataclasses.replace(
+            config, model=hf.pretrained_model_config(pretrained, config.model))
+        seq_len = config.task.max_seq_length or config.model.n_positions  # the checkpoint's
+        check_block_length(config, seq_len)
     batch_size = global_batch_size(config, mesh.size)
     prepare = _streamed_data if config.language.streaming else _packed_data
-    tokenizer, loader, eval_blocks, train_size = prepare(config, mesh, seq_len, batch_size)
+    fixed_tokenizer = (hf.load_pretrained_tokenizer(pretrained)
+                       if pretrained and config.tokenizer.path is None else None)
+    tokenizer, loader, eval_blocks, train_size = prepare(config, mesh, seq_len, batch_size,
+                                                         fixed_tokenizer)
     sample_settings = settings_from_samples(config.samples)  # a bad setting fails now
     tokenizer_hash = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
 
@@ -139,6 +153,9 @@ def pretrain(config: TrainConfig, resolved: dict, run: RunDir, mesh, seq_len: in
     )
     init_key, dropout_key = jax.random.split(jax.random.key(config.seed))
     model = GPT2LMHeadModel(spec, nnx.Rngs(params=init_key))
+    if pretrained and not run.resuming:  # a resumed run's weights come from its checkpoint
+        report = hf.load_pretrained_weights(model, pretrained, source=config.model.init_from)
+        print(f"flaxlm: model.init_from={config.model.init_from}: {report}")
     graphdef, state = create_state(model, tx)
     state = jax.device_put(state, replicated(mesh))
     steps = compile_steps(mesh, graphdef, tx, schedule, config.trainer.grad_accum_steps,
@@ -193,10 +210,11 @@ def pretrain(config: TrainConfig, resolved: dict, run: RunDir, mesh, seq_len: in
     return final
 
 
-def _packed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int):
-    """The whole corpus tokenised and packed (cached), shuffled per epoch."""
+def _packed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, tokenizer=None):
+    """The whole corpus tokenised (by `tokenizer`, or one prepared from the config) and packed
+    (cached), shuffled per epoch."""
     corpus = load_corpus(config.language)
-    tokenizer = prepare_tokenizer(
+    tokenizer = tokenizer or prepare_tokenizer(
         config.tokenizer, corpus.train, config.model.vocab_size, config.cache_dir
     )
     train_blocks = tokenize_and_pack(corpus.train, tokenizer, seq_len, config.cache_dir, "tokenize train")
@@ -208,17 +226,18 @@ def _packed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int):
     return tokenizer, loader, eval_blocks, len(train_blocks)
 
 
-def _streamed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int):
+def _streamed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, tokenizer=None):
     """language.streaming: a small validation head packed like above; training packed on the
     fly from this process's shard of the rest of the stream."""
     validation, train_stream = load_corpus_stream(config.language)
-    sample = datasets.Dataset.from_dict(
-        {"text": [row["text"] for row in train_stream.take(config.tokenizer.train_docs)]},
-        features=datasets.Features({"text": datasets.Value("string")}),
-    )
-    tokenizer = prepare_tokenizer(
-        config.tokenizer, sample, config.model.vocab_size, config.cache_dir
-    )
+    if tokenizer is None:
+        sample = datasets.Dataset.from_dict(
+            {"text": [row["text"] for row in train_stream.take(config.tokenizer.train_docs)]},
+            features=datasets.Features({"text": datasets.Value("string")}),
+        )
+        tokenizer = prepare_tokenizer(
+            config.tokenizer, sample, config.model.vocab_size, config.cache_dir
+        )
     eval_blocks = tokenize_and_pack(
         validation, tokenizer, seq_len, config.cache_dir, "tokenize validation"
     )
@@ -252,12 +271,8 @@ def check_settings(config: TrainConfig, num_devices: int) -> int:
         seq_len = check_task_settings(config)  # the model's positions are checked once known
     else:
         seq_len = config.task.max_seq_length or config.model.n_positions
-    if config.task.name == "clm" and not 2 <= seq_len <= config.model.n_positions:
-        raise FlaxlmError(
-            f"task.max_seq_length={seq_len} must be between 2 and the model's context length "
-            f"model.n_positions={config.model.n_positions} ({config.model.name}). Lower "
-            "task.max_seq_length, or pick a model with more positions."
-        )
+    if config.task.name == "clm":
+        check_block_length(config, seq_len)
     for key, value in [
         ("hardware.per_device_batch_size", config.hardware.per_device_batch_size),
         ("trainer.num_epochs", config.trainer.num_epochs),
@@ -276,6 +291,15 @@ def check_settings(config: TrainConfig, num_devices: int) -> int:
     if config.task.name == "clm" and config.language.streaming:
         check_streaming_settings(config)
     return seq_len
+
+
+def check_block_length(config: TrainConfig, seq_len: int) -> None:
+    if not 2 <= seq_len <= config.model.n_positions:
+        raise FlaxlmError(
+            f"task.max_seq_length={seq_len} must be between 2 and the model's context length "
+            f"model.n_positions={config.model.n_positions} ({config.model.name}). Lower "
+            "task.max_seq_length, or pick a model with more positions."
+        )
 
 
 def check_streaming_settings(config: TrainConfig) -> None:
