@@ -124,12 +124,17 @@ def run(argv: Sequence[str]) -> str:
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def run_command(run_fn: Callable[[Sequence[str]], Any], argv: Sequence[str] | None) -> None:
+    """Run a command's `run(argv)`; a user's mistake is one paragraph on stderr, status 2."""
     try:
-        run(sys.argv[1:] if argv is None else argv)
+        run_fn(sys.argv[1:] if argv is None else argv)
     except FlaxlmError as err:
         print(f"flaxlm: error: {err}", file=sys.stderr)
         sys.exit(2)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    run_command(run, argv)
 
 
 if __name__ == "__main__":

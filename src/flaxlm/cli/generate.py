@@ -14,8 +14,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from flaxlm.cli.export import Setting, boolean, optional_int, parse_settings
-from flaxlm.errors import FlaxlmError
+from flaxlm.cli.export import Setting, boolean, optional_int, parse_settings, run_command
 
 USAGE = """usage: flaxlm-generate run_dir=DIR [prompt=TEXT ...] [step=N] [max_new_tokens=N]
                        [temperature=T] [top_k=K] [top_p=P] [seed=S] [greedy=true]
@@ -64,11 +63,7 @@ def run(argv: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    try:
-        run(sys.argv[1:] if argv is None else argv)
-    except FlaxlmError as err:
-        print(f"flaxlm: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_command(run, argv)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,7 @@ batch padded with zero rows and a `mask` that says which rows are real.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import itertools
-import os
 from pathlib import Path
 from typing import Iterator
 
@@ -30,7 +28,7 @@ import pyarrow.compute as pc
 from jax.sharding import Mesh
 
 from flaxlm.config import Padding, TaskConfig
-from flaxlm.data.corpus import _root_cause
+from flaxlm.data.corpus import expand_patterns, root_cause
 from flaxlm.data.loader import check_same_loader
 from flaxlm.errors import FlaxlmError
 from flaxlm.parallel import global_batch, process_rows
@@ -116,7 +114,7 @@ def _load_hub(task: TaskConfig, split: str) -> datasets.Dataset:
         table = datasets.load_dataset(task.dataset, task.dataset_config, split=split)
     except Exception as err:  # not found, offline, unknown config or split, bad files
         raise FlaxlmError(
-            f"Could not load {_hub_where(task, split)}: {_root_cause(err)}. Check the dataset, "
+            f"Could not load {_hub_where(task, split)}: {root_cause(err)}. Check the dataset, "
             "config and split names (GLUE: task.dataset=nyu-mll/glue with task.dataset_config "
             "cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte or wnli; mnli's eval split is "
             "validation_matched), and that this machine can reach the Hub or, with "
@@ -138,26 +136,9 @@ def _check_both_files(task: TaskConfig) -> None:
 def _load_files(patterns: list[str], setting: str, task: TaskConfig) -> datasets.Dataset:
     parts = [
         _map_columns(_read_file(path, setting), task, repr(str(path)))
-        for path in _expand(patterns, setting)
+        for path in expand_patterns(patterns, setting)
     ]
     return parts[0] if len(parts) == 1 else _concatenate(parts)
-
-
-def _expand(patterns: list[str], setting: str) -> list[Path]:
-    """Files matched by each pattern (sorted per pattern, in pattern order, no repeats)."""
-    paths: dict[Path, None] = {}
-    for pattern in patterns:
-        matches = sorted(
-            p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p)
-        )
-        if not matches:
-            raise FlaxlmError(
-                f"{setting}: {pattern!r} matches no file (relative paths are resolved from the "
-                f"working directory {os.getcwd()!r}). Fix the path or glob, or use an absolute "
-                "path."
-            )
-        paths.update((Path(m).resolve(), None) for m in matches)
-    return list(paths)
 
 
 def _read_file(path: Path, setting: str) -> datasets.Dataset:
@@ -175,7 +156,7 @@ def _read_file(path: Path, setting: str) -> datasets.Dataset:
         return datasets.load_dataset(builder, data_files=[str(path)], split="train", **options)
     except Exception as err:  # datasets raises anything from StopIteration to ArrowInvalid
         raise FlaxlmError(
-            f"{setting}: could not parse {str(path)!r} as {suffix[1:]} ({_root_cause(err)}). "
+            f"{setting}: could not parse {str(path)!r} as {suffix[1:]} ({root_cause(err)}). "
             "Check that the file is well-formed (csv/tsv with a header row, JSON Lines, or "
             f"Parquet), or remove it from {setting}."
         ) from err

@@ -168,12 +168,17 @@ def _load_files(language: LanguageConfig) -> datasets.Dataset:
 
 
 def _expand(patterns: list[str]) -> list[Path]:
-    """Paths matched by each pattern, sorted per pattern, in pattern order, without repeats."""
     if not patterns:
         raise FlaxlmError(
             "language.source=files but language.files is empty: give one or more paths or glob "
             "patterns, e.g. language.files=[data/*.txt]."
         )
+    return expand_patterns(patterns, "language.files")
+
+
+def expand_patterns(patterns: list[str], setting: str) -> list[Path]:
+    """Files matched by each path or glob of `setting`, sorted per pattern, in pattern order,
+    without repeats; a pattern that matches nothing is an error naming it."""
     paths: dict[Path, None] = {}  # an ordered set
     for pattern in patterns:
         matches = sorted(
@@ -181,7 +186,7 @@ def _expand(patterns: list[str]) -> list[Path]:
         )
         if not matches:
             raise FlaxlmError(
-                f"language.files: the pattern {pattern!r} matches no file (relative paths are "
+                f"{setting}: the pattern {pattern!r} matches no file (relative paths are "
                 f"resolved from the working directory {os.getcwd()!r}). Fix the path or glob, "
                 "or use an absolute path."
             )
@@ -236,7 +241,7 @@ def _load_file(path: Path, language: LanguageConfig) -> datasets.Dataset:
         except Exception as err:  # datasets raises anything from StopIteration to ArrowInvalid
             raise FlaxlmError(
                 f"language.files: could not parse {str(path)!r} as {path.suffix[1:]} "
-                f"({_root_cause(err)}). Check that the file is well-formed "
+                f"({root_cause(err)}). Check that the file is well-formed "
                 f"{_FORMAT_HINTS[builder]}, or remove it from language.files."
             ) from err
         table = _text_column(table, language.text_column, where=repr(str(path)))
@@ -296,7 +301,7 @@ def _open_hub(language: LanguageConfig, streaming: bool):
             f"language.hub_path={language.hub_path!r} "
             f"(language.hub_config={language.hub_config!r}, language.hub_split="
             f"{language.hub_split!r}, language.hub_revision={language.hub_revision!r}): "
-            f"{_root_cause(err)}. Check the names on the Hub, that this machine has network "
+            f"{root_cause(err)}. Check the names on the Hub, that this machine has network "
             "access (or, with HF_HUB_OFFLINE=1, that the dataset is in the local cache), and, for "
             "a gated corpus, that you accepted its terms and set HF_TOKEN."
         ) from err
@@ -305,7 +310,7 @@ def _open_hub(language: LanguageConfig, streaming: bool):
 # --- common --------------------------------------------------------------------------------------
 
 
-def _root_cause(err: BaseException) -> str:
+def root_cause(err: BaseException) -> str:
     """The innermost explicitly chained error: `datasets` wraps the useful message."""
     while err.__cause__ is not None:
         err = err.__cause__
