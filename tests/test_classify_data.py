@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import datasets
-import jax
 import numpy as np
 import pytest
 import tokenizers

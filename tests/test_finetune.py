@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import CONF_DIR, REPO, compose  # noqa: F401
+from conftest import REPO, compose
 
 from flaxlm.errors import FlaxlmError
 from flaxlm.train import train
