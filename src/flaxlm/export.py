@@ -40,7 +40,7 @@ from omegaconf import OmegaConf
 from flaxlm.config import ModelConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.generate import GenerationSettings
-from flaxlm.models import hf
+from flaxlm.models import hf, pretrained
 from flaxlm.models.build import build_classifier
 from flaxlm.models.gpt2 import GPT2LMHeadModel, GPT2Spec
 
@@ -235,7 +235,7 @@ def _write_text(path: str, text: str) -> None:
 
 
 def _count(params: dict) -> int:
-    return sum(int(np.size(leaf)) for _, leaf in hf._flatten(params))
+    return sum(int(np.size(leaf)) for _, leaf in hf.flatten_params(params))
 
 
 def _plain(value: Any) -> Any:
@@ -291,7 +291,7 @@ def load_run_model(run_dir: str, step: int | None = None) -> RunModel:
         hf_config = None
         if _is_classifier_run(run_config):
             # Its shape may come from model.init_from's config.json: model/ holds the real one.
-            model_config = hf.pretrained_model_config(model_dir, model_config)
+            model_config = pretrained.pretrained_model_config(model_dir, model_config)
             hf_config = transformers.AutoConfig.from_pretrained(model_dir)
         return RunModel(params, model_config, tokenizer, run_config, step,
                         f"{run_dir} checkpoint step {step}", hf_config)
@@ -348,7 +348,7 @@ def _from_export(model_dir: str, run_dir: str, tokenizer) -> RunModel:
     run_config = _saved_run_config(run_dir)
     base = _model_config(run_config, run_dir) if "model" in run_config else ModelConfig(
         name=os.path.basename(run_dir))
-    model_config = hf.pretrained_model_config(model_dir, base)
+    model_config = pretrained.pretrained_model_config(model_dir, base)
     hf_config = None
     if _is_classifier_run(run_config):
         hf_config = transformers.AutoConfig.from_pretrained(model_dir)
@@ -356,7 +356,8 @@ def _from_export(model_dir: str, run_dir: str, tokenizer) -> RunModel:
             GPT2Spec(model_config), hf_config.num_labels, tokenizer.pad_token_id, nnx.Rngs(0)))
     else:
         model = nnx.eval_shape(lambda: GPT2LMHeadModel(GPT2Spec(model_config), nnx.Rngs(0)))
-    hf.load_pretrained_weights(model, model_dir, source=model_dir)  # raises if any is missing
+    # Raises if any weight is missing.
+    pretrained.load_pretrained_weights(model, model_dir, source=model_dir)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     marker = _read_marker(model_dir)
     step = (marker.get("eval_metrics") or {}).get("steps")

@@ -26,7 +26,7 @@ from flaxlm.data import classify as data
 from flaxlm.data.tokenizer import prepare_tokenizer
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import MODEL_SUBDIR, export_hf
-from flaxlm.models import build, hf
+from flaxlm.models import build, hf, pretrained
 from flaxlm.models.gpt2 import GPT2Spec, count_params
 from flaxlm.parallel import replicated
 from flaxlm.runs import CheckpointSaver, RunDir, restore_run
@@ -40,15 +40,16 @@ from flaxlm.training.step import CompiledSteps, compile_train_step, create_state
 def finetune(config: TrainConfig, resolved: dict, run: RunDir, mesh, max_length: int, tracker,
              checkpointer: Checkpointer, stop: StopRequest) -> dict:
     """task=classify inside `flaxlm.train.train`'s job; returns the final metrics."""
-    pretrained = hf.resolve_checkpoint(config.model.init_from) if config.model.init_from else None
-    model_config = (hf.pretrained_model_config(pretrained, config.model) if pretrained
-                    else config.model)
+    checkpoint_dir = (pretrained.resolve_checkpoint(config.model.init_from)
+                      if config.model.init_from else None)
+    model_config = (pretrained.pretrained_model_config(checkpoint_dir, config.model)
+                    if checkpoint_dir else config.model)
     check_max_length(max_length, model_config)
     examples = data.load_examples(config.task)
     metrics = config.task.metrics or evaluation.default_metrics(examples.num_labels,
                                                                 examples.is_regression)
     evaluation.check_metrics(metrics, examples.is_regression)
-    tokenizer = _tokenizer(config, model_config, pretrained, examples.train)
+    tokenizer = _tokenizer(config, model_config, checkpoint_dir, examples.train)
     tokenizer_hash = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
     train_arrays = data.encode(examples.train, tokenizer, max_length)
     eval_arrays = data.encode(examples.eval, tokenizer, max_length)
@@ -75,8 +76,9 @@ def finetune(config: TrainConfig, resolved: dict, run: RunDir, mesh, max_length:
     init_key, dropout_key = jax.random.split(jax.random.key(config.seed))
     model = build.build_classifier(spec, examples.num_labels, tokenizer.pad_token_id,
                                    nnx.Rngs(params=init_key))
-    if pretrained and not run.resuming:  # a resumed run's weights come from its checkpoint
-        report = hf.load_pretrained_weights(model, pretrained, source=config.model.init_from)
+    if checkpoint_dir and not run.resuming:  # a resumed run's weights come from its checkpoint
+        report = pretrained.load_pretrained_weights(model, checkpoint_dir,
+                                                    source=config.model.init_from)
         print(f"flaxlm: model.init_from={config.model.init_from}: {report}")
     graphdef, state = create_state(model, tx)
     state = jax.device_put(state, replicated(mesh))
@@ -141,19 +143,20 @@ def finetune(config: TrainConfig, resolved: dict, run: RunDir, mesh, max_length:
 
 def flops_per_token(model: ModelConfig, num_params: int, seq_len: int) -> float:
     """Training FLOPs per token: 6 per weight that multiplies (embedding tables are lookups,
-    and a classifier leaves GPT-2's tied LM head unused) plus attention's 12·layers·width·length."""
+    and a classifier leaves GPT-2's tied LM head unused) plus attention's
+    12·layers·width·length."""
     tables = model.vocab_size + model.n_positions
     if model.family == ModelFamily.bert:
         tables += model.type_vocab_size
     return 6 * (num_params - tables * model.n_embd) + 12 * model.n_layer * model.n_embd * seq_len
 
 
-def _tokenizer(config: TrainConfig, model_config: ModelConfig, pretrained: str | None,
+def _tokenizer(config: TrainConfig, model_config: ModelConfig, checkpoint_dir: str | None,
                train: datasets.Dataset):
     """The checkpoint's own tokenizer (its ids are what the embeddings learnt), else
     tokenizer.path, else a byte-level BPE trained on the training examples."""
-    if pretrained and config.tokenizer.path is None:
-        tokenizer = hf.load_pretrained_tokenizer(pretrained)
+    if checkpoint_dir and config.tokenizer.path is None:
+        tokenizer = pretrained.load_pretrained_tokenizer(checkpoint_dir)
     else:
         columns = [c for c in ("text", "text_pair") if c in train.column_names]
         texts = datasets.Dataset.from_dict(

@@ -31,7 +31,7 @@ from flaxlm.data.tokenizer import prepare_tokenizer, token_byte_lengths
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import build_lm, export_hf
 from flaxlm.generate import log_samples, settings_from_samples
-from flaxlm.models import hf
+from flaxlm.models import hf, pretrained
 from flaxlm.models.gpt2 import GPT2LMHeadModel, GPT2Spec, count_params
 from flaxlm.parallel import configure_platform, make_mesh, replicated
 from flaxlm.runs import (
@@ -128,16 +128,17 @@ def pretrain(config: TrainConfig, resolved: dict, run: RunDir, mesh, seq_len: in
     With model.init_from it continues pre-training a GPT-2 checkpoint (HF's or a run's own
     model/): shape and tokenizer come from the checkpoint, the weights too unless resuming.
     """
-    pretrained = hf.resolve_checkpoint(config.model.init_from) if config.model.init_from else None
-    if pretrained:
+    checkpoint_dir = (pretrained.resolve_checkpoint(config.model.init_from)
+                      if config.model.init_from else None)
+    if checkpoint_dir:
         config = dataclasses.replace(
-            config, model=hf.pretrained_model_config(pretrained, config.model))
+            config, model=pretrained.pretrained_model_config(checkpoint_dir, config.model))
         seq_len = config.task.max_seq_length or config.model.n_positions  # the checkpoint's
         check_block_length(config, seq_len)
     batch_size = global_batch_size(config, mesh.size)
     prepare = _streamed_data if config.language.streaming else _packed_data
-    fixed_tokenizer = (hf.load_pretrained_tokenizer(pretrained)
-                       if pretrained and config.tokenizer.path is None else None)
+    fixed_tokenizer = (pretrained.load_pretrained_tokenizer(checkpoint_dir)
+                       if checkpoint_dir and config.tokenizer.path is None else None)
     tokenizer, loader, eval_blocks, train_size = prepare(config, mesh, seq_len, batch_size,
                                                          fixed_tokenizer)
     sample_settings = settings_from_samples(config.samples)  # a bad setting fails now
@@ -153,8 +154,9 @@ def pretrain(config: TrainConfig, resolved: dict, run: RunDir, mesh, seq_len: in
     )
     init_key, dropout_key = jax.random.split(jax.random.key(config.seed))
     model = GPT2LMHeadModel(spec, nnx.Rngs(params=init_key))
-    if pretrained and not run.resuming:  # a resumed run's weights come from its checkpoint
-        report = hf.load_pretrained_weights(model, pretrained, source=config.model.init_from)
+    if checkpoint_dir and not run.resuming:  # a resumed run's weights come from its checkpoint
+        report = pretrained.load_pretrained_weights(model, checkpoint_dir,
+                                                    source=config.model.init_from)
         print(f"flaxlm: model.init_from={config.model.init_from}: {report}")
     graphdef, state = create_state(model, tx)
     state = jax.device_put(state, replicated(mesh))

@@ -1,4 +1,4 @@
-"""Interop with Hugging Face: configs, the parameter-name mapping both ways, checkpoint import.
+"""Interop with Hugging Face: configs and the parameter-name mapping, both ways.
 
 Our modules carry HF's PyTorch names, so an NNX parameter path becomes a `state_dict()` key by
 joining it with dots and renaming the leaf (`kernel`/`scale`/`embedding` → `weight`):
@@ -16,20 +16,11 @@ joining it with dots and renaming the leaf (`kernel`/`scale`/`embedding` → `we
 
 HF's GPT-2 body uses Conv1D, whose weight is stored (in, out) like our kernels; every other HF
 projection here is `nn.Linear`, stored (out, in), so its kernel is transposed both ways.
-
-Import (`model.init_from`): `resolve_checkpoint` finds a local directory (a path, a checkpoint
-inside an installed package, or a Hub snapshot), `pretrained_model_config` reads family and shape
-from its config.json, `load_pretrained_weights` fills a built model and says what it loaded and
-what starts fresh (a new classifier head), and `load_pretrained_tokenizer` loads its tokenizer.
-Weights come from safetensors, or from `pytorch_model.bin` through torch's weights-only
-unpickler — never through plain pickle, which can run code.
+Importing a checkpoint (`model.init_from`) is `flaxlm.models.pretrained`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
-import json
 import os
 
 import numpy as np
@@ -37,13 +28,11 @@ import transformers
 from flax import nnx
 
 from flaxlm.config import ModelConfig, ModelFamily
-from flaxlm.errors import FlaxlmError
 
 GPT2_LM = "GPT2LMHeadModel"
 GPT2_CLASSIFIER = "GPT2ForSequenceClassification"
 BERT_CLASSIFIER = "BertForSequenceClassification"
 ARCHITECTURES = (GPT2_LM, GPT2_CLASSIFIER, BERT_CLASSIFIER)
-SUPPORTED_MODEL_TYPES = {"gpt2": ModelFamily.gpt2, "bert": ModelFamily.bert}
 
 _LEAF_NAMES = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bias": "bias"}
 
@@ -157,11 +146,11 @@ def is_transposed(path: tuple, architecture: str = GPT2_LM) -> bool:
     return str(path[0]) == "score"  # the GPT-2 body is Conv1D, already (in, out)
 
 
-def _flatten(params: dict, path: tuple = ()):
+def flatten_params(params: dict, path: tuple = ()):
     """(path, leaf) for every leaf of a nested parameter dict."""
     for key, child in params.items():
         if isinstance(child, dict):
-            yield from _flatten(child, (*path, key))
+            yield from flatten_params(child, (*path, key))
         else:
             yield (*path, key), child
 
@@ -169,7 +158,7 @@ def _flatten(params: dict, path: tuple = ()):
 def to_hf_state_dict(params: dict, architecture: str = GPT2_LM) -> dict[str, np.ndarray]:
     """Flat {HF key: float32 array} from our nested parameter dict (nnx.State.to_pure_dict())."""
     flat: dict[str, np.ndarray] = {}
-    for path, leaf in _flatten(params):
+    for path, leaf in flatten_params(params):
         array = np.asarray(leaf, dtype=np.float32)
         flat[hf_name(path, architecture)] = array.T if is_transposed(path, architecture) else array
     return flat
@@ -206,445 +195,3 @@ def save_classifier(directory: str, params: dict, model: ModelConfig, tokenizer,
     )
     save_pretrained(directory, params, config)
     tokenizer.save_pretrained(directory)
-
-
-# ---------------------------------------------------------------- finding a checkpoint
-
-_HUB_MODEL_FILES = ["config.json", "model*.safetensors", "model.safetensors.index.json"]
-_HUB_TORCH_FILES = ["config.json", "pytorch_model*.bin", "pytorch_model.bin.index.json"]
-_HUB_TOKENIZER_FILES = [
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.txt", "vocab.json", "merges.txt", "spiece.model", "sentencepiece.bpe.model",
-]
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json")
-
-
-def resolve_checkpoint(source: str) -> str:
-    """A local directory holding the checkpoint `source` names (the `model.init_from` value):
-    an existing directory; `pkg://<module>/<subdir>`, a directory inside an installed Python
-    package; or a Hugging Face Hub id, downloaded (config, weights, tokenizer) or found in the
-    Hub cache."""
-    local = os.path.expanduser(source)
-    if os.path.isdir(local):
-        return os.path.abspath(local)
-    if source.startswith("pkg://"):
-        return _package_dir(source)
-    if local.startswith(("/", ".", "~")) or os.path.isfile(local):
-        raise FlaxlmError(
-            f"model.init_from={source}: no such directory. Point it at an HF model directory "
-            "(config.json + model.safetensors), a Hub id such as "
-            "sentence-transformers/all-MiniLM-L6-v2, or pkg://<module>/<dir>."
-        )
-    return _hub_snapshot(source)
-
-
-def _package_dir(source: str) -> str:
-    module, _, subdir = source[len("pkg://"):].partition("/")
-    spec = importlib.util.find_spec(module) if module else None
-    if spec is None or not spec.submodule_search_locations:
-        raise FlaxlmError(
-            f"model.init_from={source}: Python package {module!r} is not installed. Install it "
-            f"(pip install {module.replace('_', '-')}) or point model.init_from at a model "
-            "directory or Hub id."
-        )
-    directory = os.path.join(list(spec.submodule_search_locations)[0], subdir)
-    if not os.path.isdir(directory):
-        raise FlaxlmError(
-            f"model.init_from={source}: package {module!r} has no directory {subdir!r} "
-            f"(looked in {directory}). Check the part after the module name."
-        )
-    return directory
-
-
-def _hub_snapshot(repo_id: str) -> str:
-    import huggingface_hub
-    from huggingface_hub import errors
-
-    def download(patterns):
-        return huggingface_hub.snapshot_download(
-            repo_id, allow_patterns=patterns + _HUB_TOKENIZER_FILES
-        )
-
-    try:
-        directory = download(_HUB_MODEL_FILES)
-        if not _weight_files(directory):  # an older repo with PyTorch weights only
-            directory = download(_HUB_TORCH_FILES)
-    except (errors.LocalEntryNotFoundError, errors.RepositoryNotFoundError,
-            errors.RevisionNotFoundError, errors.GatedRepoError, errors.HFValidationError,
-            errors.HfHubHTTPError, OSError, ValueError) as error:
-        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
-        why = ("the Hub is offline (HF_HUB_OFFLINE=1) and it is not in the local Hub cache"
-               if offline else f"{type(error).__name__}: {error}")
-        raise FlaxlmError(
-            f"model.init_from={repo_id}: could not fetch this Hugging Face Hub model: {why}. "
-            "Check the id, go online once to cache it (or `huggingface-cli login` for a gated "
-            "model), or point model.init_from at a local model directory."
-        ) from error
-    return directory
-
-
-# ---------------------------------------------------------------- config.json → ModelConfig
-
-
-def read_hf_config(local_dir: str) -> dict:
-    path = os.path.join(local_dir, "config.json")
-    if not os.path.isfile(path):
-        raise FlaxlmError(
-            f"model.init_from: {local_dir} has no config.json, so its architecture is unknown. "
-            "Point model.init_from at a Hugging Face model directory (config.json + weights)."
-        )
-    with open(path) as f:
-        return json.load(f)
-
-
-def checkpoint_family(local_dir: str) -> ModelFamily:
-    """The model family of the checkpoint, from config.json's `model_type`."""
-    model_type = read_hf_config(local_dir).get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise FlaxlmError(
-            f"model.init_from: the checkpoint in {local_dir} is architecture {model_type!r} "
-            f"(config.json model_type), which is not supported; supported: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}. Choose a checkpoint of one of these types."
-        )
-    return SUPPORTED_MODEL_TYPES[model_type]
-
-
-def pretrained_model_config(local_dir: str, base: ModelConfig) -> ModelConfig:
-    """`base` with family and shape (and activation, LayerNorm epsilon, init range) from the
-    checkpoint's config.json. Dropout rates stay `base`'s: they are fine-tuning choices, not
-    part of the pretrained network."""
-    family = checkpoint_family(local_dir)
-    raw = read_hf_config(local_dir)
-    if family is ModelFamily.gpt2:
-        shape = _gpt2_shape(transformers.GPT2Config.from_dict(raw), local_dir)
-    else:
-        shape = _bert_shape(transformers.BertConfig.from_dict(raw), raw, local_dir)
-    from flaxlm.models.gpt2 import ACTIVATIONS
-
-    if shape["activation_function"] not in ACTIVATIONS:
-        raise FlaxlmError(
-            f"model.init_from: the checkpoint in {local_dir} uses activation "
-            f"{shape['activation_function']!r}; supported: {', '.join(sorted(ACTIVATIONS))}."
-        )
-    return dataclasses.replace(base, family=family, **shape)
-
-
-def _gpt2_shape(config, local_dir: str) -> dict:
-    if getattr(config, "scale_attn_by_inverse_layer_idx", False) or getattr(
-        config, "add_cross_attention", False
-    ):
-        raise FlaxlmError(
-            f"model.init_from: the GPT-2 checkpoint in {local_dir} uses "
-            "scale_attn_by_inverse_layer_idx or cross-attention, which flaxlm's GPT-2 does not "
-            "implement. Choose a plain GPT-2 checkpoint."
-        )
-    return dict(
-        vocab_size=config.vocab_size,
-        n_positions=config.n_positions,
-        n_embd=config.n_embd,
-        n_layer=config.n_layer,
-        n_head=config.n_head,
-        n_inner=config.n_inner,
-        activation_function=config.activation_function,
-        layer_norm_epsilon=config.layer_norm_epsilon,
-        initializer_range=config.initializer_range,
-    )
-
-
-def _bert_shape(config, raw: dict, local_dir: str) -> dict:
-    position_type = raw.get("position_embedding_type", "absolute")
-    if position_type != "absolute" or raw.get("is_decoder", False):
-        raise FlaxlmError(
-            f"model.init_from: the BERT checkpoint in {local_dir} has "
-            f"position_embedding_type={position_type!r} / is_decoder="
-            f"{raw.get('is_decoder', False)}; flaxlm's BERT is the absolute-position encoder. "
-            "Choose a standard BERT checkpoint."
-        )
-    return dict(
-        vocab_size=config.vocab_size,
-        n_positions=config.max_position_embeddings,
-        n_embd=config.hidden_size,
-        n_layer=config.num_hidden_layers,
-        n_head=config.num_attention_heads,
-        n_inner=config.intermediate_size,
-        activation_function=config.hidden_act,
-        layer_norm_epsilon=config.layer_norm_eps,
-        initializer_range=config.initializer_range,
-        type_vocab_size=config.type_vocab_size,
-    )
-
-
-# ---------------------------------------------------------------- weights
-
-
-@dataclasses.dataclass
-class LoadReport:
-    """What `load_pretrained_weights` did, by HF key."""
-
-    loaded: list[str]  # copied from the checkpoint
-    missing: list[str]  # not in the checkpoint (or of another shape): a fresh head, initialised
-    unexpected: list[str]  # in the checkpoint, unused (a pretraining head, or allowed extras)
-    reshaped: dict[str, tuple] = dataclasses.field(default_factory=dict)  # head: (ckpt, ours)
-
-    def __str__(self) -> str:
-        return self.summary()
-
-    def summary(self) -> str:
-        """One info line for the log."""
-        line = f"loaded {len(self.loaded)} pretrained tensors"
-        if self.missing:
-            line += f"; fresh (randomly initialised): {', '.join(self.missing)}"
-        if self.reshaped:
-            line += "; replaced (checkpoint shape differs): " + ", ".join(
-                f"{key} {ckpt}→{ours}" for key, (ckpt, ours) in self.reshaped.items()
-            )
-        if self.unexpected:
-            line += f"; unused from the checkpoint: {_some(self.unexpected)}"
-        return line
-
-
-# Keys a checkpoint may hold that are not parameters: buffers (causal masks, position ids).
-_BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", "position_ids", "token_type_ids")
-# Heads our model may lack: pretraining heads (BERT's MLM/NSP `cls`, GPT-2's `lm_head`) and the
-# task head of another fine-tune; unused, reported, never an error.
-_UNUSED_HEAD_PREFIXES = ("cls.", "lm_head.", "score.", "classifier.")
-# Heads our model has that a checkpoint may lack: they start from their fresh initialisation.
-_FRESH_HEAD_PREFIXES = ("classifier.", "score.")
-# The body of each family, as a bare HF base model (BertModel, GPT2Model) names it.
-_BODY = {
-    BERT_CLASSIFIER: ("bert.", ("embeddings", "encoder", "pooler")),
-    GPT2_CLASSIFIER: ("transformer.", ("wte", "wpe", "h", "ln_f")),
-    GPT2_LM: ("transformer.", ("wte", "wpe", "h", "ln_f")),
-}
-_FAMILY = {GPT2_LM: ModelFamily.gpt2, GPT2_CLASSIFIER: ModelFamily.gpt2,
-           BERT_CLASSIFIER: ModelFamily.bert}
-
-
-def load_pretrained_weights(model: nnx.Module, local_dir: str, *, source: str | None = None,
-                            allow_unexpected: bool = False) -> LoadReport:
-    """Copy the checkpoint in `local_dir` into `model` (in place, cast to its parameter dtype).
-
-    A fresh classifier head (and a fresh pooler, for a checkpoint without one) is expected and
-    reported; any other parameter missing from the checkpoint, or of another shape, is a
-    FlaxlmError. Checkpoint tensors the model has no place for are allowed when they are a
-    (pretraining) head, and otherwise an error unless `allow_unexpected`. `source` is the
-    `model.init_from` value, for messages.
-    """
-    setting = f"model.init_from={source or local_dir}"
-    architecture = architecture_of(model)
-    _check_family(local_dir, architecture, setting)
-    checkpoint = _canonical_keys(read_checkpoint(local_dir, setting), architecture)
-
-    state = nnx.state(model, nnx.Param)
-    params = nnx.to_pure_dict(state)
-    targets = {hf_name(path, architecture): path for path, _ in _flatten(params)}
-    pooler_fresh = architecture == BERT_CLASSIFIER and not any(
-        key.startswith("bert.pooler.") for key in checkpoint
-    )
-
-    def is_fresh_head(key: str) -> bool:
-        return key.startswith(_FRESH_HEAD_PREFIXES) or (
-            pooler_fresh and key.startswith("bert.pooler.")
-        )
-
-    loaded, missing, reshaped, wrong_shape = [], [], {}, []
-    for key, path in targets.items():
-        if key not in checkpoint:
-            missing.append(key)
-            continue
-        array = checkpoint[key].T if is_transposed(path, architecture) else checkpoint[key]
-        target = _get(params, path)
-        if array.shape != target.shape:
-            if is_fresh_head(key):  # e.g. an MNLI head (3 labels) fine-tuned again for 2
-                reshaped[key] = (array.shape, target.shape)
-                continue
-            wrong_shape.append((key, array.shape, target.shape))
-            continue
-        _set(params, path, np.asarray(array).astype(target.dtype))
-        loaded.append(key)
-
-    if wrong_shape:
-        raise FlaxlmError(_shape_message(setting, local_dir, wrong_shape, architecture))
-    not_fresh = [key for key in missing if not is_fresh_head(key)]
-    if not_fresh:
-        raise FlaxlmError(
-            f"{setting}: the checkpoint in {local_dir} lacks {len(not_fresh)} parameters of "
-            f"{architecture} that are not a task head: {_some(not_fresh)}. It is incomplete or "
-            "another architecture; point model.init_from at a full checkpoint of this model."
-        )
-    unexpected = [key for key in checkpoint if key not in targets]
-    surprising = [key for key in unexpected if not key.startswith(_UNUSED_HEAD_PREFIXES)]
-    if surprising and not allow_unexpected:
-        raise FlaxlmError(
-            f"{setting}: the checkpoint in {local_dir} has {len(surprising)} tensors "
-            f"{architecture} has no place for: {_some(surprising)}. It is probably a different "
-            "architecture or variant than its config.json says; point model.init_from at a "
-            "standard checkpoint (or load with allow_unexpected=True to ignore them)."
-        )
-    nnx.replace_by_pure_dict(state, params)
-    nnx.update(model, state)
-    return LoadReport(loaded, missing + list(reshaped), unexpected, reshaped)
-
-
-def _check_family(local_dir: str, architecture: str, setting: str) -> None:
-    if not os.path.isfile(os.path.join(local_dir, "config.json")):
-        return  # weights alone: the key mapping and shape checks still guard the load
-    family = checkpoint_family(local_dir)
-    if family is not _FAMILY[architecture]:
-        raise FlaxlmError(
-            f"{setting}: the checkpoint in {local_dir} is a {family.value} model but the model "
-            f"being built is {architecture} (model.family={_FAMILY[architecture].value}). Set "
-            f"model.family={family.value} (pretrained_model_config does so from config.json)."
-        )
-
-
-def _canonical_keys(checkpoint: dict, architecture: str) -> dict:
-    """The checkpoint under our model's HF names: buffers dropped, old LayerNorm names
-    (gamma/beta) renamed, and a bare base model's keys (BertModel, GPT2Model) prefixed."""
-    prefix, body = _BODY[architecture]
-    renamed = {}
-    for key, array in checkpoint.items():
-        if key.endswith(_BUFFER_SUFFIXES):
-            continue
-        if key == "lm_head.weight" and architecture != BERT_CLASSIFIER:
-            continue  # tied to wte: the same tensor again
-        if key.endswith(".gamma"):
-            key = key[: -len("gamma")] + "weight"
-        elif key.endswith(".beta"):
-            key = key[: -len("beta")] + "bias"
-        if key.split(".", 1)[0] in body:
-            key = prefix + key
-        renamed[key] = array
-    return renamed
-
-
-def _shape_message(setting: str, local_dir: str, wrong_shape: list, architecture: str) -> str:
-    key, ckpt_shape, our_shape = wrong_shape[0]  # both in our (in, out) layout
-    more = f" (and {len(wrong_shape) - 1} more)" if len(wrong_shape) > 1 else ""
-    return (
-        f"{setting}: parameter {key} has shape {tuple(ckpt_shape)} in the checkpoint in "
-        f"{local_dir} but {tuple(our_shape)} in the {architecture} being built{more}. The model "
-        f"was built with a different {_shape_setting(key)} than the checkpoint; build it from "
-        "the checkpoint's config.json (pretrained_model_config) or fix that setting to match."
-    )
-
-
-def _shape_setting(key: str) -> str:
-    """The ModelConfig field that sets this parameter's shape, for error messages."""
-    for fragment, setting in (
-        ("attention.", "model.n_embd"),
-        ("word_embeddings", "model.vocab_size"), ("wte", "model.vocab_size"),
-        ("position_embeddings", "model.n_positions"), ("wpe", "model.n_positions"),
-        ("token_type_embeddings", "model.type_vocab_size"),
-        ("intermediate", "model.n_inner"), ("c_fc", "model.n_inner"),
-        ("mlp.c_proj", "model.n_inner"), ("output.dense", "model.n_inner"),
-    ):
-        if fragment in key:
-            return setting
-    return "model.n_embd"
-
-
-def _some(keys: list[str], limit: int = 10) -> str:
-    shown = ", ".join(keys[:limit])
-    return shown + (f" (and {len(keys) - limit} more)" if len(keys) > limit else "")
-
-
-def _get(params: dict, path: tuple):
-    for key in path:
-        params = params[key]
-    return params
-
-
-def _set(params: dict, path: tuple, value) -> None:
-    for key in path[:-1]:
-        params = params[key]
-    params[path[-1]] = value
-
-
-def read_checkpoint(local_dir: str, setting: str = "model.init_from") -> dict[str, np.ndarray]:
-    """{HF key: array} from model.safetensors (or its shards), else pytorch_model.bin (or its
-    shards) through torch's weights-only unpickler."""
-    files = _weight_files(local_dir)
-    if not files:
-        raise FlaxlmError(
-            f"{setting}: {local_dir} holds no weights (model.safetensors or pytorch_model.bin, "
-            "or a sharded index of either). Point model.init_from at a complete model directory."
-        )
-    tensors: dict[str, np.ndarray] = {}
-    for path in files:
-        read = _read_safetensors if path.endswith(".safetensors") else _read_torch_bin
-        tensors.update(read(path, setting))
-    return tensors
-
-
-def _weight_files(local_dir: str) -> list[str]:
-    for single, index in (("model.safetensors", "model.safetensors.index.json"),
-                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
-        if os.path.isfile(os.path.join(local_dir, single)):
-            return [os.path.join(local_dir, single)]
-        if os.path.isfile(os.path.join(local_dir, index)):
-            with open(os.path.join(local_dir, index)) as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-            return [os.path.join(local_dir, shard) for shard in shards]
-    return []
-
-
-def _read_safetensors(path: str, setting: str) -> dict[str, np.ndarray]:
-    from safetensors import safe_open
-
-    tensors = {}
-    with safe_open(path, framework="numpy") as f:
-        for key in f.keys():
-            try:
-                tensors[key] = f.get_tensor(key)
-            except TypeError:  # bfloat16, which numpy cannot hold: read through JAX
-                tensors[key] = None
-    if any(value is None for value in tensors.values()):
-        with safe_open(path, framework="flax") as f:
-            for key in [k for k, v in tensors.items() if v is None]:
-                tensors[key] = np.asarray(f.get_tensor(key).astype(np.float32))
-    return tensors
-
-
-def _read_torch_bin(path: str, setting: str) -> dict[str, np.ndarray]:
-    try:
-        import torch
-    except ImportError as error:
-        raise FlaxlmError(
-            f"{setting}: {path} is a PyTorch checkpoint (no model.safetensors beside it), and "
-            "reading it needs torch (pip install torch), or convert it to safetensors first."
-        ) from error
-    try:
-        # weights_only: torch's restricted unpickler, which loads tensors and refuses code.
-        state = torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as error:  # noqa: BLE001 - any unpickling failure means the same to the user
-        raise FlaxlmError(
-            f"{setting}: {path} could not be read as plain PyTorch weights "
-            f"({type(error).__name__}: {error}). flaxlm reads .bin files only with torch's "
-            "weights-only loader; use a model.safetensors checkpoint instead."
-        ) from error
-    return {
-        key: (value.to(torch.float32) if value.is_floating_point() else value).numpy()
-        for key, value in state.items()
-        if isinstance(value, torch.Tensor)
-    }
-
-
-# ---------------------------------------------------------------- tokenizer
-
-
-def load_pretrained_tokenizer(local_dir: str):
-    """The checkpoint's own tokenizer (`transformers.AutoTokenizer`)."""
-    if not any(os.path.isfile(os.path.join(local_dir, name)) for name in _TOKENIZER_FILES):
-        raise FlaxlmError(
-            f"model.init_from: {local_dir} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}). "
-            "A pretrained model needs the tokenizer it was trained with: set tokenizer.path=… to "
-            "that tokenizer's directory."
-        )
-    try:
-        return transformers.AutoTokenizer.from_pretrained(local_dir)
-    except (OSError, ValueError) as error:
-        raise FlaxlmError(
-            f"model.init_from: the tokenizer in {local_dir} could not be loaded ({error}). "
-            "Set tokenizer.path=… to a working tokenizer directory."
-        ) from error
