@@ -37,6 +37,7 @@ from flaxlm.training.loop import Throughput, fit
 from flaxlm.training.optimizer import make_optimizer, make_schedule
 from flaxlm.training.step import CompiledSteps, compile_train_step, create_state
 
+
 def finetune(config: TrainConfig, resolved: dict, run: RunDir, mesh, max_length: int, tracker,
              checkpointer: Checkpointer, stop: StopRequest) -> dict:
     """task=classify inside `flaxlm.train.train`'s job; returns the final metrics."""
