@@ -333,7 +333,10 @@ def _load_tokenizer(model_dir: str, run_dir: str):
 
 def _model_config(run_config: dict, run_dir: str) -> ModelConfig:
     if "model" not in run_config:
-        raise FlaxlmError(f"The checkpoint of {run_dir} has no model config in its metadata.")
+        raise FlaxlmError(
+            f"The checkpoint of {run_dir} has no model config in its metadata, so it was not "
+            "written by flaxlm-train. Point run_dir at a flaxlm-train run directory."
+        )
     merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), run_config["model"])
     return OmegaConf.to_object(merged)
 

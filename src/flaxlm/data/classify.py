@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 from jax.sharding import Mesh
 
 from flaxlm.config import Padding, TaskConfig
-from flaxlm.data.corpus import expand_patterns, root_cause
+from flaxlm.data.corpus import check_file_type, expand_patterns, root_cause
 from flaxlm.data.loader import check_same_loader
 from flaxlm.errors import FlaxlmError
 from flaxlm.parallel import global_batch, process_rows
@@ -142,15 +142,8 @@ def _load_files(patterns: list[str], setting: str, task: TaskConfig) -> datasets
 
 
 def _read_file(path: Path, setting: str) -> datasets.Dataset:
+    check_file_type(path, setting, _BUILDERS)
     suffix = path.suffix.lower()
-    if suffix not in _BUILDERS:
-        raise FlaxlmError(
-            f"{setting}: {str(path)!r} has the unsupported extension {path.suffix!r}. "
-            f"Supported: {', '.join(_BUILDERS)}; convert the file, or rename it if it already "
-            "is one of these."
-        )
-    if path.stat().st_size == 0:
-        raise FlaxlmError(f"{setting}: {str(path)!r} is empty. Remove it from {setting}.")
     builder, options = _BUILDERS[suffix]
     try:
         return datasets.load_dataset(builder, data_files=[str(path)], split="train", **options)

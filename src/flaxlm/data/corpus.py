@@ -196,16 +196,21 @@ def expand_patterns(patterns: list[str], setting: str) -> list[Path]:
 
 def _check_file(path: Path) -> None:
     """Fail on what `datasets` would report badly or not at all: wrong type, empty, bad UTF-8."""
-    if path.suffix.lower() not in _BUILDERS:
+    check_file_type(path, "language.files", _BUILDERS)
+    if path.suffix.lower() != ".parquet":
+        _check_utf8(path)
+
+
+def check_file_type(path: Path, setting: str, supported) -> None:
+    """A file of `setting` must have one of the `supported` extensions and not be empty."""
+    if path.suffix.lower() not in supported:
         raise FlaxlmError(
-            f"language.files: {str(path)!r} has the unsupported extension {path.suffix!r}. "
-            f"Supported: {', '.join(_BUILDERS)}; convert the file, or rename it if it already is "
+            f"{setting}: {str(path)!r} has the unsupported extension {path.suffix!r}. "
+            f"Supported: {', '.join(supported)}; convert the file, or rename it if it already is "
             "one of these."
         )
     if path.stat().st_size == 0:
-        raise FlaxlmError(f"language.files: {str(path)!r} is empty. Remove it from language.files.")
-    if path.suffix.lower() != ".parquet":
-        _check_utf8(path)
+        raise FlaxlmError(f"{setting}: {str(path)!r} is empty. Remove it from {setting}.")
 
 
 def _check_utf8(path: Path) -> None:

@@ -12,7 +12,7 @@ num_hidden_layers = n_layer, intermediate_size = n_inner, ...; see its docstring
 dtypes from the same `GPT2Spec` the decoder uses.
 
 Shapes are in the names: B batch, L sequence length, D model width, N heads, H head width,
-F MLP width, C classes (1 for regression).
+F MLP width, I a projection's input width (D or F), C classes (1 for regression).
 """
 
 from __future__ import annotations
@@ -21,7 +21,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flaxlm.models.gpt2 import ACTIVATIONS, GPT2Spec, _dense, _embedding, _layer_norm
+from flaxlm.models.gpt2 import (
+    ACTIVATIONS,
+    GPT2Spec,
+    _dense,
+    _embedding,
+    _layer_norm,
+    attention_with_dropout,
+)
 
 
 def _check_shape(spec: GPT2Spec) -> None:
@@ -76,7 +83,7 @@ class BertSelfAttention(nnx.Module):
         )
         mask_Bx1x1xL = key_mask_BxL[:, None, None, :]
         if rngs is not None and self.attn_pdrop > 0:
-            out_BxLxNxH = _masked_attention_with_dropout(
+            out_BxLxNxH = attention_with_dropout(
                 q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, mask_Bx1x1xL, self.attn_pdrop, rngs.dropout()
             )
         else:
@@ -86,41 +93,25 @@ class BertSelfAttention(nnx.Module):
         return out_BxLxNxH.reshape(B, L, D)
 
 
-def _masked_attention_with_dropout(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, mask_Bx1x1xL, rate, key):
-    """Padding-masked attention with dropout on the probabilities, as HF's BERT trains.
+class BertOutput(nnx.Module):
+    """Project back to the model width, then Post-LayerNorm around the residual: HF's
+    BertSelfOutput (after attention, from width D) and BertOutput (after the MLP, from F)."""
 
-    The fused `jax.nn.dot_product_attention` has no dropout, so training spells the same
-    computation out. A large finite negative (not -inf) keeps a row whose keys are all padding
-    (a filler row of the last eval batch) finite, as the fused path does.
-    """
-    H = q_BxLxNxH.shape[-1]
-    scores_BxNxLxL = jnp.einsum("bqnh,bknh->bnqk", q_BxLxNxH, k_BxLxNxH) / jnp.sqrt(H)
-    scores_BxNxLxL = scores_BxNxLxL.astype(jnp.float32)
-    scores_BxNxLxL = jnp.where(mask_Bx1x1xL, scores_BxNxLxL, jnp.finfo(jnp.float32).min)
-    probs_BxNxLxL = jax.nn.softmax(scores_BxNxLxL, axis=-1)
-    keep_BxNxLxL = jax.random.bernoulli(key, 1.0 - rate, probs_BxNxLxL.shape)
-    probs_BxNxLxL = jnp.where(keep_BxNxLxL, probs_BxNxLxL / (1.0 - rate), 0.0)
-    return jnp.einsum("bnqk,bknh->bqnh", probs_BxNxLxL.astype(v_BxLxNxH.dtype), v_BxLxNxH)
-
-
-class BertSelfOutput(nnx.Module):
-    """Project the attention output, then Post-LayerNorm around the residual."""
-
-    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
+    def __init__(self, spec: GPT2Spec, in_features: int, rngs: nnx.Rngs):
         cfg = spec.model
-        self.dense = _dense(cfg.n_embd, cfg.n_embd, spec, rngs, cfg.initializer_range)
+        self.dense = _dense(in_features, cfg.n_embd, spec, rngs, cfg.initializer_range)
         self.LayerNorm = _layer_norm(spec, rngs)
         self.dropout = nnx.Dropout(cfg.resid_pdrop)
 
-    def __call__(self, h_BxLxD, residual_BxLxD, rngs: nnx.Rngs | None) -> jax.Array:
-        h_BxLxD = self.dropout(self.dense(h_BxLxD), deterministic=rngs is None, rngs=rngs)
+    def __call__(self, h_BxLxI, residual_BxLxD, rngs: nnx.Rngs | None) -> jax.Array:
+        h_BxLxD = self.dropout(self.dense(h_BxLxI), deterministic=rngs is None, rngs=rngs)
         return self.LayerNorm(h_BxLxD + residual_BxLxD)
 
 
 class BertAttention(nnx.Module):
     def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
         self.self = BertSelfAttention(spec, rngs)  # HF's name, so the keys map one to one
-        self.output = BertSelfOutput(spec, rngs)
+        self.output = BertOutput(spec, spec.model.n_embd, rngs)
 
     def __call__(self, x_BxLxD, key_mask_BxL, rngs: nnx.Rngs | None) -> jax.Array:
         return self.output(self.self(x_BxLxD, key_mask_BxL, rngs), x_BxLxD, rngs)
@@ -136,27 +127,13 @@ class BertIntermediate(nnx.Module):
         return self.activation(self.dense(x_BxLxD))
 
 
-class BertOutput(nnx.Module):
-    """Project the MLP back to the model width, then Post-LayerNorm around the residual."""
-
-    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
-        cfg = spec.model
-        self.dense = _dense(spec.mlp_width, cfg.n_embd, spec, rngs, cfg.initializer_range)
-        self.LayerNorm = _layer_norm(spec, rngs)
-        self.dropout = nnx.Dropout(cfg.resid_pdrop)
-
-    def __call__(self, h_BxLxF, residual_BxLxD, rngs: nnx.Rngs | None) -> jax.Array:
-        h_BxLxD = self.dropout(self.dense(h_BxLxF), deterministic=rngs is None, rngs=rngs)
-        return self.LayerNorm(h_BxLxD + residual_BxLxD)
-
-
 class BertLayer(nnx.Module):
     """Post-LayerNorm block: x = LN(x + attn(x)), then LN(x + mlp(x))."""
 
     def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
         self.attention = BertAttention(spec, rngs)
         self.intermediate = BertIntermediate(spec, rngs)
-        self.output = BertOutput(spec, rngs)
+        self.output = BertOutput(spec, spec.mlp_width, rngs)
 
     def __call__(self, x_BxLxD, key_mask_BxL, rngs: nnx.Rngs | None) -> jax.Array:
         x_BxLxD = self.attention(x_BxLxD, key_mask_BxL, rngs)

@@ -93,8 +93,9 @@ class Attention(nnx.Module):
         B, L, D = x_BxLxD.shape
         q_BxLxNxH, k_BxLxNxH, v_BxLxNxH = self._heads(x_BxLxD)
         if rngs is not None and self.attn_pdrop > 0:
-            out_BxLxNxH = _attention_with_dropout(
-                q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, self.attn_pdrop, rngs.dropout()
+            causal_LxL = jnp.tril(jnp.ones((L, L), dtype=bool))
+            out_BxLxNxH = attention_with_dropout(
+                q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, causal_LxL, self.attn_pdrop, rngs.dropout()
             )
         else:
             out_BxLxNxH = jax.nn.dot_product_attention(
@@ -129,16 +130,20 @@ class Attention(nnx.Module):
         )
 
 
-def _attention_with_dropout(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, rate: float, key: jax.Array):
-    """Causal attention with dropout on the attention probabilities, as HF's GPT-2 trains.
+def attention_with_dropout(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, mask, rate: float,
+                           key: jax.Array):
+    """Attention with dropout on the attention probabilities, as HF's GPT-2 and BERT train.
 
     The fused `jax.nn.dot_product_attention` has no dropout, so training with attn_pdrop > 0
-    spells the same computation out; evaluation always takes the fused path.
+    spells the same computation out; evaluation always takes the fused path. `mask`
+    (broadcastable to B×N×L×L) says which keys each query sees: causal for GPT-2, the padding
+    for BERT. A large finite negative (not -inf) keeps a row that sees no key at all (a filler
+    row of the last eval batch) finite, as the fused path does.
     """
-    L, H = q_BxLxNxH.shape[1], q_BxLxNxH.shape[-1]
+    H = q_BxLxNxH.shape[-1]
     scores_BxNxLxL = jnp.einsum("bqnh,bknh->bnqk", q_BxLxNxH, k_BxLxNxH) / jnp.sqrt(H)
-    causal_LxL = jnp.tril(jnp.ones((L, L), dtype=bool))
-    scores_BxNxLxL = jnp.where(causal_LxL, scores_BxNxLxL.astype(jnp.float32), -jnp.inf)
+    scores_BxNxLxL = jnp.where(mask, scores_BxNxLxL.astype(jnp.float32),
+                               jnp.finfo(jnp.float32).min)
     probs_BxNxLxL = jax.nn.softmax(scores_BxNxLxL, axis=-1)
     keep_BxNxLxL = jax.random.bernoulli(key, 1.0 - rate, probs_BxNxLxL.shape)
     probs_BxNxLxL = jnp.where(keep_BxNxLxL, probs_BxNxLxL / (1.0 - rate), 0.0)

@@ -132,8 +132,11 @@ class Checkpointer:
             meta=ocp.args.JsonRestore(),
         ))
         if restored.meta.get("step") != step:
-            raise FlaxlmError(f"checkpoint {step} in {self.directory} has the metadata of step "
-                              f"{restored.meta.get('step')}")
+            raise FlaxlmError(
+                f"checkpoint {step} in {self.directory} has the metadata of step "
+                f"{restored.meta.get('step')}: the folder was renamed or copied over. Move it "
+                "out of checkpoints/ so that resume uses the previous one."
+            )
         return Restored(restored.state, dict(restored.loader), dict(restored.meta), step)
 
     def restore_latest(self, abstract_state) -> Restored | None:
@@ -173,7 +176,8 @@ def restore_params(run_dir: str, step: int | None = None) -> tuple[dict, dict, i
             "of a run that trained with checkpointing (every run writes one at its end)."
         )
     if step is not None and step not in steps:
-        raise FlaxlmError(f"{run_dir} has no checkpoint for step {step}; it has steps {steps}.")
+        raise FlaxlmError(f"{run_dir} has no checkpoint for step {step}; it has steps {steps}. "
+                          "Pass one of those as step=, or leave step unset for the latest.")
     candidates = [step] if step is not None else list(reversed(steps))
     for candidate in candidates:
         try:
@@ -183,7 +187,11 @@ def restore_params(run_dir: str, step: int | None = None) -> tuple[dict, dict, i
                 raise
             print(f"flaxlm: checkpoint step {candidate} in {directory} is unreadable "
                   f"({_first_line(err)}); trying the previous one", file=sys.stderr, flush=True)
-    raise FlaxlmError(f"No checkpoint in {directory} could be read (steps {steps}).")
+    raise FlaxlmError(
+        f"No checkpoint in {directory} could be read (steps {steps}; the messages above say "
+        "why). If the run also finished, its final model is in model/ beside checkpoints/: move "
+        "checkpoints/ aside to use it."
+    )
 
 
 def finalised_steps(directory: str) -> list[int]:
