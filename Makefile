@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV ?= .venv
 ARGS ?=
 PYTEST_ARGS ?=
+# The tests are independent: one pytest-xdist worker per core of the 2-core CI machine.
+PYTEST_WORKERS ?= 2
 
 .PHONY: train test bench clean-venv
 
@@ -23,7 +25,7 @@ train: $(VENV)/.installed
 	$(VENV)/bin/flaxlm-train $(ARGS)
 
 test: $(VENV)/.installed-test
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed-test
 	$(VENV)/bin/python benchmarks/train_step.py --quickstart $(ARGS)

@@ -192,8 +192,10 @@ def test_claimed_metrics_file_is_a_plain_non_executable_file(tmp_path):
 
 
 def test_train_never_writes_into_an_earlier_runs_directory(tmp_path, english):
-    # A first run that claims the directory, writes its config, then stops (corpus too small).
+    # A first run that claims the directory, writes its config, then stops (corpus too small)
+    # after logging a metric: it is a run, not only a failed start.
     train_on(tmp_path, english, "hardware.per_device_batch_size=1000")
+    write(tmp_path / "run" / "metrics.jsonl", '{"step": 0, "eval/loss": 6.0}\n')
     config = (tmp_path / "run" / "config.yaml").read_bytes()
     assert b"per_device_batch_size: 1000" in config
 

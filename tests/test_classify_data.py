@@ -411,3 +411,30 @@ def test_num_labels_above_the_classes_the_data_use(tmp_path):
     train = labelled(tmp_path, "train.jsonl", [0, 1, 1])
     with pytest.raises(FlaxlmError, match=r"task\.num_labels=5.*uses only the labels \[0, 1\]"):
         load_examples(files_task(train, train, text_column="text", num_labels=5))
+
+
+@pytest.mark.parametrize(
+    ("train_labels", "eval_labels", "num_labels", "message"),
+    [
+        pytest.param([1, 1, 1], [1, 0], None, r"Every example of .*train\.jsonl'\] has the label 1",
+                     id="one-class-ids"),
+        pytest.param(["pos", "pos"], ["pos"], None,
+                     r"Every example of .*train\.jsonl'\] has the label 'pos'", id="one-class-names"),
+        pytest.param([0, 0, 0], [0, 1], 2, r"Every example of .*train\.jsonl'\] has the label 0",
+                     id="one-class-of-two"),
+        pytest.param([0, 1, 0, 1, 5], [0, 1], None,
+                     r"num_labels=null, so 6.*train\.jsonl'\] uses only the labels \[0, 1, 5\] "
+                     r"\(with \[2, 2, 1\] examples\).*\[2, 3, 4\] would never be trained",
+                     id="stray-label-invents-classes"),
+        pytest.param([0, 2, 0, 2], [0, 1, 2], None, r"labels \[0, 2\].*classes \[1\] would never",
+                     id="eval-id-unseen-in-train"),
+        pytest.param([0, 2, 2], [0], 3, r"task\.num_labels=3, but .*classes \[1\] would never",
+                     id="gap-with-num-labels"),
+    ],
+)
+def test_classes_the_train_split_never_shows_are_refused(tmp_path, train_labels, eval_labels,
+                                                          num_labels, message):
+    train = labelled(tmp_path, "train.jsonl", train_labels)
+    dev = labelled(tmp_path, "dev.jsonl", eval_labels)
+    with pytest.raises(FlaxlmError, match=message):
+        load_examples(files_task(train, dev, text_column="text", num_labels=num_labels))

@@ -6,6 +6,7 @@ import functools
 import hashlib
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -327,6 +328,35 @@ def test_file_without_text(tmp_path):
     raises(files_config(tmp_path / "blank.jsonl"), "blank.jsonl", "no non-blank text", "'text'")
 
 
+@pytest.mark.parametrize("source", ["files", "hub"])
+def test_rows_without_text_are_counted_in_one_warning(tmp_path, capsys, source):
+    rows = [{"text": f"doc {i}"} for i in range(7)] + [{"id": 7}, {"text": None, "id": 8}]
+    path = write_jsonl(tmp_path / "train.jsonl", rows)
+    language = files_config(path) if source == "files" else hub_config(tmp_path)
+    assert len(texts(load_corpus(language))) == 7
+    # `datasets` draws progress bars on stderr too
+    (warning,) = [line for line in re.split(r"[\r\n]", capsys.readouterr().err)
+                  if line.startswith("flaxlm:")]
+    assert warning.startswith("flaxlm: warning: language.text_column='text' of ")
+    named = repr(str(path)) if source == "files" else f"language.hub_path={str(tmp_path)!r}"
+    assert f"{named} is missing or null in 2 of the 9 rows (22%)" in warning, warning
+
+
+def test_no_warning_for_blank_text_or_a_plain_text_file(tmp_path, capsys):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "alpha"}, {"text": " "}, {"text": "beta"}])
+    (tmp_path / "b.txt").write_text("one\n\n\n\ntwo\n", encoding="utf-8")
+    assert texts(load_corpus(files_config(tmp_path / "a.jsonl", tmp_path / "b.txt"))) == [
+        "alpha", "beta", "one", "two"
+    ]
+    assert "flaxlm:" not in capsys.readouterr().err
+
+
+def test_text_missing_from_every_row_names_the_setting(tmp_path):
+    write_jsonl(tmp_path / "none.jsonl", [{"text": None}, {"id": 1}])
+    raises(files_config(tmp_path / "none.jsonl"), "language.text_column='text'",
+           "missing or null in every one of the 2 rows", "none.jsonl")
+
+
 @pytest.mark.parametrize("name", ["latin.txt", "latin.jsonl", "latin.csv"])
 def test_invalid_utf8_names_file_and_offset(tmp_path, name):
     content = {
@@ -373,7 +403,9 @@ def test_missing_or_non_text_column_lists_the_columns(tmp_path):
         ("bad.csv", b'text\n"an unterminated quote\n'),
     ],
 )
-def test_unparseable_file_names_the_file(tmp_path, name, content):
+def test_unparseable_file_names_the_file(tmp_path, caplog, name, content):
     (tmp_path / name).write_bytes(content)
     error = raises(files_config(tmp_path / name), "language.files", "could not parse", name)
     assert error.__cause__ is not None
+    # `datasets` logs nothing before it: the error is the first line the user reads
+    assert not [r.getMessage() for r in caplog.records if r.name.startswith("datasets")]

@@ -84,7 +84,9 @@ def test_transformers_loads_the_export_cleanly_and_its_logits_match_ours(tmp_pat
     np.testing.assert_allclose(np.asarray(model(ids)), theirs, atol=2e-5)  # float32 reorderings
 
     ours = make_tokenizer()
-    assert tokenizer("the cat")["input_ids"] == ours("the cat")["input_ids"]
+    plain = ours("the cat")["input_ids"]
+    assert tokenizer("the cat", add_special_tokens=False)["input_ids"] == plain
+    assert tokenizer("the cat")["input_ids"] == [ours.eos_token_id, *plain]  # a document's start
     assert (tokenizer.eos_token, tokenizer.pad_token) == ("</s>", "<pad>")
 
 
@@ -108,8 +110,9 @@ def test_export_never_overwrites_a_users_directory_but_replaces_an_earlier_expor
     users = tmp_path / "mine"
     users.mkdir()
     (users / "notes.txt").write_text("keep me")
-    with pytest.raises(FlaxlmError, match="not a flaxlm export"):
-        export(users)
+    for overwrite in (False, True):
+        with pytest.raises(FlaxlmError, match="not a flaxlm export"):
+            export(users, overwrite=overwrite)
     assert (users / "notes.txt").read_text() == "keep me"
 
     out = tmp_path / "hf"
@@ -117,8 +120,14 @@ def test_export_never_overwrites_a_users_directory_but_replaces_an_earlier_expor
     (out / "stale.txt").write_text("from the first export")
     export(out)  # an earlier flaxlm export: replaced as a whole
     assert not (out / "stale.txt").exists() and (out / "model.safetensors").exists()
-    export(users, overwrite=True)
-    assert not (users / "notes.txt").exists()
+    # A marker alone does not make an export: not with a folder inside, nor a run's files.
+    (out / "mine").mkdir()
+    with pytest.raises(FlaxlmError, match="not a flaxlm export"):
+        export(out, overwrite=True)
+    (out / "mine").rmdir()
+    (out / "metrics.jsonl").write_text("")
+    with pytest.raises(FlaxlmError, match="holds a flaxlm run"):
+        export(out, overwrite=True)
     assert sorted(os.listdir(tmp_path)) == ["hf", "mine"]  # no staging folders left
 
 
@@ -194,7 +203,7 @@ def test_cli_errors_are_one_paragraph_with_exit_status_2(run_dir, tmp_path, caps
          "does not exist"),
         (export_cli.main, [f"run_dir={run_dir}", f"out={tmp_path / 'o'}", "step=7"],
          "no checkpoint for step 7; it has steps [2]"),
-        (export_cli.main, [f"run_dir={run_dir}", f"out={run_dir}"], "not a flaxlm export"),
+        (export_cli.main, [f"run_dir={run_dir}", f"out={run_dir}"], "is the run being exported"),
         (export_cli.main, [f"run_dir={run_dir}"], "needs out="),
         (generate_cli.main, [f"run_dir={run_dir}", "temperature=hot"], "temperature='hot'"),
         (generate_cli.main, [f"run_dir={run_dir}", "prompt=x", "max_new_token=3"],
@@ -218,3 +227,129 @@ def test_generate_falls_back_to_the_runs_export_without_checkpoints(run_dir, tmp
     args = ["prompt=Return the", "greedy=true", "max_new_tokens=6"]
     assert generate_cli.run([f"run_dir={copy}", *args]) == generate_cli.run(
         [f"run_dir={run_dir}", *args])
+
+
+def test_exported_files_get_the_modes_the_umask_gives(tmp_path):
+    previous = os.umask(0o027)
+    try:
+        out = export(tmp_path / "hf")
+    finally:
+        os.umask(previous)
+    modes = {name: oct(os.stat(os.path.join(out, name)).st_mode & 0o777)
+             for name in os.listdir(out)}
+    assert "model.safetensors" in modes and modes == {name: oct(0o640) for name in modes}
+    assert oct(os.stat(out).st_mode & 0o777) == oct(0o750)
+
+
+def test_the_exported_tokenizer_reads_a_prompt_as_flaxlm_generate_does(tmp_path):
+    from flaxlm.generate import encode_prompts
+
+    out = export(tmp_path / "hf")
+    exported = transformers.AutoTokenizer.from_pretrained(out)
+    ours = make_tokenizer()
+    prompts = ["the cat", "", "a much longer prompt on the mat"]
+    fed = encode_prompts(ours, prompts)
+    assert fed[:2] == [[ours.eos_token_id, *ours("the cat")["input_ids"]], [ours.eos_token_id]]
+    assert [exported(prompt)["input_ids"] for prompt in prompts] == fed
+    assert encode_prompts(exported, prompts) == fed  # no second EOS
+    assert exported("the cat", add_special_tokens=False)["input_ids"] == fed[0][1:]
+
+
+def test_a_document_start_tokenizer_packs_and_classifies_as_before(tmp_path):
+    """The exported tokenizer, fed back (model.init_from, tokenizer.path), packs the same
+    stream (one EOS between documents) and gets the same classification template."""
+    import datasets
+
+    from flaxlm.data.packing import tokenize_and_pack
+    from flaxlm.data.tokenizer import with_document_start
+    from flaxlm.finetune import with_pair_template
+
+    texts = datasets.Dataset.from_dict({"text": TEXT})
+    for offsets in (None, tokenizers.processors.ByteLevel(trim_offsets=False)):
+        plain = make_tokenizer()
+        plain.backend_tokenizer.post_processor = offsets
+        exported = with_document_start(plain)
+        assert plain("the cat")["input_ids"] == make_tokenizer()("the cat")["input_ids"]  # a copy
+        assert with_document_start(exported) is exported
+        np.testing.assert_array_equal(tokenize_and_pack(texts, exported, 8, str(tmp_path)),
+                                      tokenize_and_pack(texts, plain, 8, str(tmp_path)))
+        paired, paired_before = with_pair_template(exported), with_pair_template(plain)
+        assert (paired.backend_tokenizer.post_processor.__getstate__()
+                == paired_before.backend_tokenizer.post_processor.__getstate__())
+        assert paired("the cat", "the mat")["input_ids"] == paired_before("the cat", "the mat")[
+            "input_ids"]
+
+
+def test_flaxlm_export_never_replaces_a_run_or_its_checkpoints(run_dir, tmp_path, capsys):
+    import shutil
+
+    from flaxlm.cli import export as export_cli
+
+    runs = tmp_path / "runs"
+    copy = runs / "run"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("wandb"))
+    files = sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*"))
+    cases = [
+        (copy, copy, "is the run being exported"),
+        (copy, runs, "is the run being exported (run_dir="),  # a folder above it
+        (copy, copy / "checkpoints", "the checkpoints folder of a run"),
+        (copy, copy / "checkpoints" / "hf", "the checkpoints folder of a run"),
+        (run_dir, copy, "holds a flaxlm run (it has metrics.jsonl, config.yaml, .lock, "
+                        "checkpoints)"),
+        (run_dir, runs, "not a flaxlm export"),  # another run inside
+    ]
+    for source, out, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            export_cli.main([f"run_dir={source}", f"out={out}", "overwrite=true"])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and f"out={out}" in err and "Traceback" not in err, (out, err)
+    assert sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*")) == files
+
+    # The run's own model/: replaced as an earlier export, or with overwrite=true while it
+    # holds only what the run wrote at its start.
+    export_cli.run([f"run_dir={copy}", f"out={copy / 'model'}"])
+    (copy / "model" / MARKER).unlink()
+    with pytest.raises(SystemExit):
+        export_cli.main([f"run_dir={copy}", f"out={copy / 'model'}"])
+    assert "pass overwrite=true to replace this run's model/" in capsys.readouterr().err
+    export_cli.run([f"run_dir={copy}", f"out={copy / 'model'}", "overwrite=true"])
+    assert (copy / "model" / MARKER).exists()
+
+
+def test_reading_a_run_back_logs_no_warnings(run_dir, caplog):
+    from flaxlm.export import load_run_model
+
+    with caplog.at_level(logging.WARNING):
+        load_run_model(run_dir)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_transformers_generates_what_flaxlm_generate_does_from_the_plain_prompt(run_dir, tmp_path):
+    torch = pytest.importorskip("torch")
+    from flaxlm.cli import export as export_cli
+    from flaxlm.cli import generate as generate_cli
+    from flaxlm.export import load_run_model
+    from flaxlm.generate import encode_prompts
+
+    out = export_cli.run([f"run_dir={run_dir}", f"out={tmp_path / 'hf'}"])
+    prompts = ["Return the", "The", "A list is", ""]
+    ours = generate_cli.run([f"run_dir={run_dir}", *(f"prompt={p}" for p in prompts),
+                             "greedy=true", "max_new_tokens=8"])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert [tokenizer(p)["input_ids"] for p in prompts] == encode_prompts(
+        load_run_model(run_dir).tokenizer, prompts)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    theirs = []
+    for prompt in prompts:
+        inputs = tokenizer(prompt, return_tensors="pt")
+        with torch.no_grad():
+            ids = model.generate(**inputs, do_sample=False, max_new_tokens=8)
+        theirs.append(tokenizer.decode(ids[0, inputs["input_ids"].shape[1]:],
+                                       skip_special_tokens=True))
+    assert theirs == ours
+    pipe = transformers.pipeline("text-generation", model=out)
+    assert [pipe(p, do_sample=False, max_new_tokens=8, return_full_text=False)[0]
+            ["generated_text"] for p in prompts] == ours

@@ -302,3 +302,23 @@ def test_four_accumulated_micro_batches_equal_one_step_on_the_four_times_batch(c
     # The micro-batches are cut where each device's rows already are: no rows move.
     hlo = compiled.as_text()
     assert "all-to-all" not in hlo and "collective-permute" not in hlo
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["optimizer.lr=nan", "optimizer.lr=inf", "optimizer.lr=0", "optimizer.b1=nan",
+     "optimizer.b2=1.0", "optimizer.eps=-inf", "optimizer.weight_decay=nan",
+     "optimizer.weight_decay=-0.1", "optimizer.end_lr=inf", "optimizer.max_grad_norm=nan",
+     "optimizer.max_grad_norm=0", "optimizer.decay_fraction=nan"],
+)
+def test_non_finite_or_impossible_optimizer_numbers_fail_before_any_data(override):
+    config = OmegaConf.to_object(compose([*TINY, override]))
+    with pytest.raises(FlaxlmError) as info:
+        check_settings(config, num_devices=8)
+    assert override.split("=")[0] in str(info.value)
+
+
+def test_non_finite_momentum_is_named():
+    config = OmegaConf.to_object(compose([*TINY, "optimizer=sgd", "optimizer.momentum=inf"]))
+    with pytest.raises(FlaxlmError, match="optimizer.momentum=inf"):
+        check_settings(config, num_devices=8)

@@ -1,9 +1,14 @@
-"""Tests of `flaxlm.data.packing`: joining documents with EOS, cutting blocks, and the cache."""
+"""Tests of `flaxlm.data.packing`: joining documents with EOS, cutting blocks, the cache, and
+long documents tokenised in bounded pieces."""
 
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import datasets
 import numpy as np
@@ -12,8 +17,9 @@ import transformers
 
 from flaxlm.config import TokenizerConfig
 from flaxlm.data import packing
+from flaxlm.data import tokenizer as tokenizer_module
 from flaxlm.data.packing import cut_blocks, join_documents, tokenize_and_pack
-from flaxlm.data.tokenizer import prepare_tokenizer
+from flaxlm.data.tokenizer import DocumentEncoder, prepare_tokenizer
 
 EOS = 2
 PARAGRAPHS = [
@@ -202,3 +208,136 @@ def test_packing_copies_the_stream_in_chunks(tokenizer, tmp_path, monkeypatch):
     chunked = tokenize_and_pack(dataset(texts), tokenizer, 8, str(tmp_path / "chunked"))
     np.testing.assert_array_equal(chunked, expected)
     assert len(expected) > 4
+
+
+# --- a long document is tokenised in bounded pieces, with the ids of the whole ----------------
+
+# Spaces in runs, tabs, newlines, digits, a contraction and non-ASCII text around the cuts.
+TRICKY = "It's  2 spaces,\tA tab\nand a line;   3 more   (1987) é ð 漢字 — ok.  "
+
+
+class SpyBackend:
+    """A backend tokenizer that records the strings of every encode call."""
+
+    def __init__(self, backend):
+        self.backend, self.calls = backend, []
+
+    def encode_batch(self, texts, **kwargs):
+        self.calls.append(list(texts))
+        return self.backend.encode_batch(texts, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+
+def whole_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_a_long_document_reaches_the_tokenizer_in_bounded_pieces_with_the_same_ids(tokenizer,
+                                                                                   tmp_path):
+    long_document = " ".join(PARAGRAPHS + [TRICKY]) * 600  # ~4 pieces
+    assert len(long_document) > 3 * tokenizer_module.PIECE_CHARS
+    texts = [PARAGRAPHS[0], long_document, PARAGRAPHS[1]]
+    spy = SpyBackend(tokenizer.backend_tokenizer)
+    spied = SimpleNamespace(backend_tokenizer=spy, eos_token_id=tokenizer.eos_token_id)
+
+    blocks = tokenize_and_pack(dataset(texts), spied, 16, str(tmp_path))
+
+    documents = [whole_ids(tokenizer, text) for text in texts]
+    assert blocks.tolist() == reference_blocks(documents, tokenizer.eos_token_id, 16)
+    strings = [text for call in spy.calls for text in call]
+    assert max(map(len, strings)) <= tokenizer_module.PIECE_CHARS
+    assert all(sum(map(len, call)) <= tokenizer_module.ENCODE_CHARS for call in spy.calls)
+
+
+@pytest.mark.parametrize("piece_chars", [24, 41, 100])
+def test_cuts_at_a_space_after_a_non_space_keep_every_id(tokenizer, monkeypatch, piece_chars):
+    monkeypatch.setattr(tokenizer_module, "PIECE_CHARS", piece_chars)
+    monkeypatch.setattr(tokenizer_module, "ENCODE_CHARS", 3 * piece_chars)
+    texts = [TRICKY * 7, "", " ".join(PARAGRAPHS), PARAGRAPHS[0], " leading and trailing "]
+    encoder = DocumentEncoder(tokenizer.backend_tokenizer)
+    encoded = encoder.encode(texts)
+    assert [ids.tolist() for ids in encoded] == [whole_ids(tokenizer, text) for text in texts]
+    assert all(ids.dtype == np.int32 for ids in encoded)
+    assert encoder.inexact_cuts == 0 and encoder.inexact_cuts_warning() is None
+
+
+def test_a_stretch_without_a_space_is_cut_mid_word_and_reported(tokenizer, tmp_path, monkeypatch,
+                                                                capsys):
+    monkeypatch.setattr(tokenizer_module, "PIECE_CHARS", 16)
+    text = "x" * 50 + " and then words"  # cut at 16, 32 and 48; then at the space before "and"
+    blocks = tokenize_and_pack(dataset([text, PARAGRAPHS[0]]), tokenizer, 4, str(tmp_path))
+    assert len(blocks) > 0
+    [warning] = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
+    assert warning.startswith("flaxlm: warning: 3 cut(s) of documents longer than 16 characters")
+
+
+def test_a_tokenizer_that_prepends_to_every_string_has_its_cuts_reported(tokenizer, monkeypatch):
+    """Llama-2's tokenizer.json prepends "▁" to every string, so a cut adds a token there."""
+    import tokenizers
+
+    monkeypatch.setattr(tokenizer_module, "PIECE_CHARS", 30)
+    prepending = tokenizers.Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    prepending.normalizer = tokenizers.normalizers.Prepend("▁")
+    text = " ".join(PARAGRAPHS[:2])
+    plain, other = DocumentEncoder(tokenizer.backend_tokenizer), DocumentEncoder(prepending)
+    plain.encode([text])
+    other.encode([text])
+    assert plain.inexact_cuts == 0
+    pieces = list(tokenizer_module.document_pieces(text, 30))
+    assert all(clean for _, clean in pieces) and len(pieces) > 3
+    assert other.inexact_cuts == len(pieces) - 1  # every cut, although each is at a space
+    assert other.inexact_cuts_warning().startswith(f"flaxlm: warning: {other.inexact_cuts} cut(s)")
+
+
+_PEAK_MEMORY_SCRIPT = textwrap.dedent("""
+    import resource, sys, tempfile
+    import datasets
+    from flaxlm.config import TokenizerConfig
+    from flaxlm.data.packing import tokenize_and_pack
+    from flaxlm.data.tokenizer import prepare_tokenizer
+
+    paragraphs = sys.argv[1:]
+    cache = tempfile.mkdtemp()
+    tokenizer = prepare_tokenizer(TokenizerConfig(vocab_size=320),
+                                  datasets.Dataset.from_dict({"text": paragraphs}), 512, cache)
+    line = " ".join(paragraphs * 20_000)  # one document of ~8 MB on one line
+    texts = datasets.Dataset.from_dict({"text": [*paragraphs, line, *paragraphs]})
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    blocks = tokenize_and_pack(texts, tokenizer, 64, cache)
+    growth_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024
+    print(len(line), len(blocks), growth_mb)
+""")
+
+
+@pytest.mark.slow
+def test_packing_one_long_line_takes_memory_bounded_by_the_pieces_not_the_line():
+    """Tokenising ~8 MB as one string took the tokenizer over 1 GB; in pieces it takes a working
+    set of one encode group plus the int32 ids."""
+    done = subprocess.run([sys.executable, "-c", _PEAK_MEMORY_SCRIPT, *PARAGRAPHS[:5]],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    chars, num_blocks, growth_mb = map(int, done.stdout.split()[-3:])
+    assert chars > 7_000_000 and num_blocks > 10_000
+    assert growth_mb < 500, f"peak RSS grew by {growth_mb} MB while packing"
+
+
+def test_padding_and_truncation_set_in_a_loaded_tokenizer_never_reach_the_blocks(tokenizer,
+                                                                                 tmp_path):
+    """A tokenizer.json may carry them (sentence-transformers' pad and cut at 128 tokens);
+    packing must still see whole documents, and the tokenizer itself stays as it was."""
+    import tokenizers
+
+    backend = tokenizers.Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    backend.enable_truncation(max_length=4)
+    backend.enable_padding(pad_id=1, pad_token="<pad>", length=32)
+    loaded = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>")
+    assert loaded.backend_tokenizer.truncation and loaded.backend_tokenizer.padding
+
+    blocks = tokenize_and_pack(dataset(PARAGRAPHS), loaded, 8, str(tmp_path))
+
+    documents = [whole_ids(tokenizer, text) for text in PARAGRAPHS]
+    assert blocks.tolist() == reference_blocks(documents, tokenizer.eos_token_id, 8)
+    assert loaded.backend_tokenizer.truncation["max_length"] == 4
+    assert loaded.backend_tokenizer.padding["length"] == 32

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import datasets
 import pytest
+import tokenizers
 import transformers
 
 from flaxlm.config import TokenizerConfig
@@ -200,3 +201,50 @@ def test_token_byte_lengths_are_zero_for_special_tokens_and_positive_otherwise(t
     special = sorted(SPECIAL_IDS.values())
     assert lengths[special].tolist() == [0] * len(special)
     assert (lengths[len(special):] >= 1).all()
+
+
+@pytest.mark.parametrize(
+    ("settings", "model_vocab", "setting"),
+    [
+        (TokenizerConfig(vocab_size=100), MODEL_VOCAB, "tokenizer.vocab_size=100"),
+        (TokenizerConfig(), 200, "model.vocab_size=200"),
+    ],
+)
+def test_vocab_below_the_byte_alphabet_names_the_setting_and_minimum(tmp_path, settings,
+                                                                      model_vocab, setting):
+    with pytest.raises(FlaxlmError) as info:
+        prepare_tokenizer(settings, dataset(DOCUMENTS), model_vocab, str(tmp_path))
+    message = str(info.value)
+    assert setting in message and "at least 261" in message, message
+    assert not (tmp_path / "tokenizers").exists()  # refused before training
+
+
+def test_vocab_of_exactly_the_byte_alphabet_is_allowed(tmp_path):
+    tokenizer = prepare_tokenizer(TokenizerConfig(vocab_size=261), dataset(DOCUMENTS), MODEL_VOCAB,
+                                  str(tmp_path))
+    assert len(tokenizer) == 256 + len(SPECIAL_IDS)
+
+
+def test_training_on_a_long_document_sees_bounded_pieces_and_learns_the_same_merges(monkeypatch):
+    """The trainer counts pre-tokens, which cutting a document at a space after a non-space
+    leaves unchanged; whole, a document of tens of MB took the trainer gigabytes."""
+    long_document = " ".join(_DOCUMENTS) * 1500
+    assert len(long_document) > 4 * tokenizer_module.PIECE_CHARS
+    reference = tokenizers.ByteLevelBPETokenizer()
+    reference.train_from_iterator([[long_document]], vocab_size=400,
+                                  special_tokens=list(SETTINGS.special_tokens))
+    received = []
+    original = tokenizers.ByteLevelBPETokenizer.train_from_iterator
+
+    def spy(self, iterator, **kwargs):
+        def recorded():
+            for batch in iterator:
+                received.extend(batch)
+                yield batch
+        return original(self, recorded(), **kwargs)
+
+    monkeypatch.setattr(tokenizers.ByteLevelBPETokenizer, "train_from_iterator", spy)
+    trained = tokenizer_module.train_bpe(SETTINGS, dataset([long_document]), 400)
+    assert max(map(len, received)) <= tokenizer_module.PIECE_CHARS
+    assert "".join(received) == long_document
+    assert trained.backend_tokenizer.to_str() == reference._tokenizer.to_str()

@@ -49,9 +49,10 @@ def test_short_run_on_the_builtin_corpus_learns(tmp_path):
 
     assert (run_dir / "config.yaml").exists()
     tokenizer = transformers.AutoTokenizer.from_pretrained(run_dir / "model")
-    assert tokenizer.decode(tokenizer("Return the value of x.")["input_ids"]) == (
-        "Return the value of x."
-    )
+    # A prompt is read as the start of a document: the packed stream's separator, then text.
+    ids = tokenizer("Return the value of x.")["input_ids"]
+    assert ids[0] == tokenizer.eos_token_id
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "Return the value of x."
     gpt2 = json.loads((run_dir / "model" / "config.json").read_text())
     assert (gpt2["n_layer"], gpt2["eos_token_id"]) == (2, tokenizer.eos_token_id)
     assert (run_dir / "model" / "model.safetensors").exists()

@@ -12,8 +12,12 @@
 
 The directory is written under a temporary name beside `out` and renamed into place, so a
 killed export never leaves a directory that looks whole. An existing `out` is replaced only if
-it is empty or an earlier flaxlm export (it has flaxlm_export.json), or with `overwrite=True`;
-anything else of the user's is an error, never silently overwritten.
+it is empty or an earlier flaxlm export (`is_flaxlm_export`), or, with `overwrite=True`, a
+run's own model/ folder; a run, a folder above the run being exported, anything inside a run's
+checkpoints/ and anything else of the user's is an error, never replaced.
+
+A language model's tokenizer is exported with `with_document_start`: it reads a text as the
+start of a document, as flaxlm-generate does, so transformers generates what flaxlm does.
 
 A classifier export (BERT or GPT-2) differs only in the HF config (`hf.to_classifier_config`,
 whose `architectures[0]` picks the parameter mapping) and in having no generation config: pass
@@ -38,14 +42,17 @@ from flax import nnx
 from omegaconf import OmegaConf
 
 from flaxlm.config import ModelConfig
+from flaxlm.data.tokenizer import with_document_start
 from flaxlm.errors import FlaxlmError
 from flaxlm.generate import GenerationSettings
 from flaxlm.models import hf, pretrained
 from flaxlm.models.build import build_classifier
 from flaxlm.models.gpt2 import GPT2LMHeadModel, GPT2Spec
+from flaxlm.training.checkpoint import CHECKPOINT_SUBDIR
 
 MARKER = "flaxlm_export.json"
 MODEL_SUBDIR = "model"  # a run's own export, written at the end of training
+RUN_FILES = ("metrics.jsonl", "config.yaml", ".lock")  # beside checkpoints/ in every run dir
 
 # The model card's evaluation table: metric key → label, format.
 _CARD_FIGURES = [
@@ -66,7 +73,8 @@ def export_hf(out_dir: str, params: dict, model_config: ModelConfig, tokenizer, 
               run_config: dict | None = None, eval_metrics: dict | None = None,
               generation: GenerationSettings | None = GenerationSettings(),
               hf_config: transformers.PretrainedConfig | None = None,
-              source: str | None = None, overwrite: bool = False) -> str:
+              source: str | None = None, overwrite: bool = False,
+              run_dir: str | None = None) -> str:
     """Write `params` (a nested dict, as `nnx.to_pure_dict` gives) as an HF model directory at
     `out_dir`; returns its absolute path.
 
@@ -74,10 +82,11 @@ def export_hf(out_dir: str, params: dict, model_config: ModelConfig, tokenizer, 
     special ids. `run_config` (the resolved config) and `eval_metrics` (eval/loss,
     eval/perplexity, eval/bits_per_byte, steps, tokens_seen) go into the model card;
     `generation` becomes generation_config.json (None: none written); `source` says where the
-    weights came from (e.g. "run_dir, step 230").
+    weights came from (e.g. "run_dir, step 230"); `run_dir`, the run they came from, is never
+    replaced (`check_destination`).
     """
     out_dir = os.path.abspath(os.path.expanduser(out_dir))
-    check_destination(out_dir, overwrite)
+    check_destination(out_dir, overwrite, run_dir)
     if hf_config is None:
         hf_config = hf.to_gpt2_config(
             model_config,
@@ -86,8 +95,11 @@ def export_hf(out_dir: str, params: dict, model_config: ModelConfig, tokenizer, 
             pad_token_id=tokenizer.pad_token_id,
         )
     architecture = (hf_config.architectures or [hf.GPT2_LM])[0]
+    if architecture == hf.GPT2_LM:
+        tokenizer = with_document_start(tokenizer)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
+    _remove_leftovers(out_dir)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.export-", dir=parent)
     try:
         hf_config.save_pretrained(staging)
@@ -105,7 +117,7 @@ def export_hf(out_dir: str, params: dict, model_config: ModelConfig, tokenizer, 
             "eval_metrics": _plain(eval_metrics or {}),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }, indent=2) + "\n")
-        os.chmod(staging, 0o755)  # mkdtemp's 0700 is for the staging name only
+        _give_default_modes(staging)
         _move_into_place(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -113,25 +125,93 @@ def export_hf(out_dir: str, params: dict, model_config: ModelConfig, tokenizer, 
     return out_dir
 
 
-def check_destination(out_dir: str, overwrite: bool = False) -> None:
-    """`out_dir` may be written: absent, empty, an earlier flaxlm export, or `overwrite`."""
+def check_destination(out_dir: str, overwrite: bool = False, run_dir: str | None = None) -> None:
+    """`out_dir` may be written: absent, empty, an earlier flaxlm export, or, with `overwrite`,
+    a run's own model/ folder (the tokenizer and config it wrote when it started). Never, even
+    with `overwrite`: `run_dir` (the run being exported) or a folder above it, a folder that
+    holds a run, anything inside a run's checkpoints/, or any other folder of the user's."""
+    out_dir = os.path.abspath(os.path.expanduser(out_dir))
+    real_out = os.path.realpath(out_dir)
+    if run_dir is not None:
+        source = os.path.realpath(os.path.expanduser(run_dir))
+        if os.path.commonpath([source, real_out]) == real_out:
+            raise FlaxlmError(
+                f"out={out_dir} is the run being exported (run_dir={run_dir}) or a folder "
+                "that contains it, and the export would replace it, deleting the run. Choose "
+                "an out= folder that does not contain the run, e.g. out=my-model."
+            )
+    for folder in _self_and_parents(real_out):
+        run = os.path.dirname(folder)
+        if os.path.basename(folder) == CHECKPOINT_SUBDIR and set(_run_files(run)) - {folder}:
+            raise FlaxlmError(
+                f"out={out_dir} is inside {folder}, the checkpoints folder of a run, which "
+                "holds only that run's checkpoints. Choose an out= folder outside it, e.g. "
+                "out=my-model."
+            )
     if not os.path.lexists(out_dir):
         return
     if not os.path.isdir(out_dir) or os.path.islink(out_dir):
         raise FlaxlmError(
             f"out={out_dir} exists and is not a directory. Choose another out= path."
         )
-    if overwrite or not os.listdir(out_dir) or is_flaxlm_export(out_dir):
+    if found := _run_files(out_dir):
+        raise FlaxlmError(
+            f"out={out_dir} holds a flaxlm run (it has "
+            f"{', '.join(os.path.basename(path) for path in found)}), and the export "
+            "would replace it, deleting the run. Choose a new out= folder, e.g. out=my-model."
+        )
+    if not os.listdir(out_dir) or is_flaxlm_export(out_dir):
+        return
+    own_model_dir = _is_run_model_dir(out_dir)
+    if overwrite and own_model_dir:
         return
     raise FlaxlmError(
-        f"out={out_dir} already exists and holds files that are not a flaxlm export (it has "
-        f"no {MARKER}), so exporting would overwrite them. Choose a new out= directory, empty "
-        "this one, or pass overwrite=true to replace it."
+        f"out={out_dir} already exists and is not a flaxlm export (an export is a folder of "
+        f"files only, with a {MARKER} that flaxlm wrote), so the export would replace files "
+        "of yours; flaxlm-export replaces only its own earlier exports. Choose a new out= "
+        "folder, or move this one away yourself"
+        + (", or pass overwrite=true to replace this run's model/ folder (its tokenizer and "
+           "config)." if own_model_dir else ".")
     )
 
 
 def is_flaxlm_export(directory: str) -> bool:
-    return os.path.isfile(os.path.join(directory, MARKER))
+    """An earlier export, safe to replace: plain files only (an export has no subfolders, so
+    nothing else can hide in it), among them the marker an export writes, and no run's files."""
+    marker = _read_marker(directory)
+    return (isinstance(marker, dict) and marker.get("exported_by") == "flaxlm"
+            and _only_files(directory) and not _run_files(directory))
+
+
+def _is_run_model_dir(directory: str) -> bool:
+    """A run's model/ folder: where the run writes its tokenizer and config when it starts,
+    and its export when it ends."""
+    return (os.path.basename(directory) == MODEL_SUBDIR
+            and bool(_run_files(os.path.dirname(directory))) and _only_files(directory))
+
+
+def _run_files(directory: str) -> list[str]:
+    """The files and folders of a run in `directory` (paths)."""
+    names = (*RUN_FILES, CHECKPOINT_SUBDIR)
+    return [path for path in (os.path.join(directory, name) for name in names)
+            if os.path.lexists(path)]
+
+
+def _only_files(directory: str) -> bool:
+    try:
+        with os.scandir(directory) as entries:
+            return all(entry.is_file(follow_symlinks=False) for entry in entries)
+    except OSError:
+        return False
+
+
+def _self_and_parents(path: str):
+    while True:
+        yield path
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        path = parent
 
 
 def generation_config(settings: GenerationSettings, tokenizer) -> transformers.GenerationConfig:
@@ -184,8 +264,9 @@ def model_card(model_config: ModelConfig, architecture: str, run_config: dict | 
               "```", ""]
     if architecture == hf.GPT2_LM:
         lines += ["Training packed documents into one stream separated by the EOS token "
-                  f"`{_eos_text(run_config)}`, so a prompt that starts a document reads best "
-                  "after it (`flaxlm-generate` prepends it).", ""]
+                  f"`{_eos_text(run_config)}`, so the model reads a text as the start of a "
+                  "document after it: the tokenizer puts it in front of every text it encodes, "
+                  "as `flaxlm-generate` does (`add_special_tokens=False` leaves it out).", ""]
     if run_config:
         lines += ["## Training configuration", "", "```yaml",
                   OmegaConf.to_yaml(OmegaConf.create(_plain(run_config))).rstrip(), "```", ""]
@@ -210,6 +291,28 @@ def _save_weights(directory: str, state_dict: dict[str, np.ndarray]) -> None:
     # A transposed kernel (nn.Linear heads) is a strided view, which safetensors rejects.
     tensors = {key: np.ascontiguousarray(value) for key, value in state_dict.items()}
     save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _give_default_modes(directory: str) -> None:
+    """The modes the user's umask gives new files and folders, for `directory` and its files:
+    mkdtemp makes the folder 0700 and safetensors writes its file 0600. The umask is read off
+    a probe folder, as os.umask would change it for the whole process, under other threads."""
+    probe = os.path.join(directory, ".mode-probe")
+    os.mkdir(probe)  # 0o777 less the umask
+    folder_mode = os.stat(probe).st_mode & 0o777
+    os.rmdir(probe)
+    for name in os.listdir(directory):
+        os.chmod(os.path.join(directory, name), folder_mode & 0o666)
+    os.chmod(directory, folder_mode)
+
+
+def _remove_leftovers(out_dir: str) -> None:
+    """Remove what an export of `out_dir` killed midway left beside it: the hidden staging
+    and old-copy folders named below, never a finished export, each as large as the model."""
+    parent, name = os.path.dirname(out_dir), os.path.basename(out_dir)
+    for entry in os.listdir(parent):
+        if entry.startswith((f".{name}.export-", f".{name}.old-")):
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
 
 
 def _move_into_place(staging: str, out_dir: str) -> None:

@@ -23,7 +23,7 @@ from flax import nnx
 
 from flaxlm.config import ModelConfig, ModelFamily, Padding, TrainConfig
 from flaxlm.data import classify as data
-from flaxlm.data.tokenizer import prepare_tokenizer
+from flaxlm.data.tokenizer import has_document_start, prepare_tokenizer, set_post_processor
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import MODEL_SUBDIR, export_hf
 from flaxlm.models import build, hf, pretrained
@@ -172,20 +172,19 @@ def with_pair_template(tokenizer):
     """A tokenizer without a post-processor (our byte-level BPEs: packing adds the EOS itself)
     would glue a sentence pair together with nothing between the halves. Give it BERT's
     layout with EOS as the separator: `A </s>` and `A </s> B </s>`, B's tokens of type 1, so
-    the halves stay apart and GPT-2's classifier reads a fixed end-of-input token."""
-    backend = tokenizer.backend_tokenizer
-    processor = backend.post_processor
+    the halves stay apart and GPT-2's classifier reads a fixed end-of-input token. A language
+    model's document start (`</s> A`, from a flaxlm export) gives way to it likewise."""
+    processor = tokenizer.backend_tokenizer.post_processor
     if tokenizer.eos_token is None or not (
-            processor is None or isinstance(processor, tokenizers.processors.ByteLevel)):
+            processor is None or isinstance(processor, tokenizers.processors.ByteLevel)
+            or has_document_start(tokenizer)):
         return tokenizer  # it has its own layout (e.g. BERT's [CLS] A [SEP] B [SEP])
     eos = tokenizer.eos_token
-    template = tokenizers.processors.TemplateProcessing(
+    set_post_processor(tokenizer, tokenizers.processors.TemplateProcessing(
         single=f"$A:0 {eos}:0",
         pair=f"$A:0 {eos}:0 $B:1 {eos}:1",
         special_tokens=[(eos, tokenizer.eos_token_id)],
-    )
-    backend.post_processor = (template if processor is None
-                              else tokenizers.processors.Sequence([processor, template]))
+    ))
     return tokenizer
 
 

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from flaxlm.data.tokenizer import with_document_start
 from flaxlm.errors import FlaxlmError
 from flaxlm.models.gpt2 import GPT2LMHeadModel
 
@@ -62,13 +63,20 @@ def generate(model: GPT2LMHeadModel, tokenizer, prompts: Sequence[str],
              settings: GenerationSettings) -> list[str]:
     """Completions of `prompts` (the new text only, up to and without the first EOS).
 
-    Each prompt is read as the start of a document: it follows the EOS token that separates
-    documents in the packed training stream, which also gives an empty prompt a context.
+    Each prompt is read as the start of a document (`encode_prompts`).
     """
-    prompt_ids = [[tokenizer.eos_token_id, *tokenizer(p)["input_ids"]] for p in prompts]
+    prompt_ids = encode_prompts(tokenizer, prompts)
     new_ids = generate_ids(model, prompt_ids, settings, eos_token_id=tokenizer.eos_token_id,
                            pad_token_id=tokenizer.pad_token_id)
     return [tokenizer.decode(ids, skip_special_tokens=True) for ids in new_ids]
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
+    """The ids of each prompt read as the start of a document: after the EOS token that
+    separates documents in the packed training stream, which also gives an empty prompt a
+    context. The exported tokenizer encodes a prompt the same way (`with_document_start`)."""
+    encoder = with_document_start(tokenizer)
+    return [encoder(prompt)["input_ids"] for prompt in prompts]
 
 
 def generate_ids(model: GPT2LMHeadModel, prompt_ids: Sequence[Sequence[int]],
@@ -199,7 +207,7 @@ def log_samples(model: GPT2LMHeadModel, tokenizer, prompts: Sequence[str],
     completion). max_new_tokens is cut to what the context leaves, so a run never fails here."""
     if not prompts:
         return []
-    longest = max(len(tokenizer(p)["input_ids"]) for p in prompts) + 1  # + the leading EOS
+    longest = max(len(ids) for ids in encode_prompts(tokenizer, prompts))
     room = model.wpe.num_embeddings - longest
     if room < 1:
         print("flaxlm: no samples: the longest sample prompt fills the whole context")

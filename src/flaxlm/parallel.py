@@ -43,10 +43,11 @@ def configure_platform(hardware: HardwareConfig) -> None:
             os.environ["XLA_FLAGS"] = " ".join(flags)
     try:
         backend = jax.default_backend()
-    except RuntimeError as err:
+    except Exception as err:  # noqa: BLE001 — JAX raises AssertionError when it finds no GPU
+        reason = str(err).strip() or f"no {hardware.platform} device found"
         raise FlaxlmError(
             f"JAX could not start on hardware.platform={hardware.platform!r} "
-            f"(hardware={hardware.name}): {err}. Pick the hardware group that matches this "
+            f"(hardware={hardware.name}): {reason}. Pick the hardware group that matches this "
             "machine (cpu, cpu-8, gpu, tpu) or install the matching jax extra, e.g. "
             "`pip install -U 'jax[cuda12]'`."
         ) from err

@@ -9,11 +9,13 @@ lock, so two processes never interleave in one run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import os
 import secrets
 import sys
+import tempfile
 import time
 
 from omegaconf import OmegaConf
@@ -23,6 +25,7 @@ from flaxlm.errors import FlaxlmError
 from flaxlm.training.checkpoint import (
     CHECKPOINT_SUBDIR,
     Checkpointer,
+    disk_full_cause,
     finalised_steps,
     key_from_json,
 )
@@ -31,20 +34,52 @@ from flaxlm.training.loop import LoopState
 
 def claim_run_dir(run_dir: str) -> str:
     """Create `run_dir` for this run alone: a directory that already holds a run is never
-    written into (Hydra may have created it and put its .hydra/ folder there; that is fine)."""
+    written into (Hydra may have created it and put its .hydra/ folder there; that is fine).
+
+    A start that failed before its first step (its metrics.jsonl empty, no checkpoint) left
+    nothing to keep: this run takes its place, with a W&B run of its own. The caller holds the
+    directory's lock (`open_run_dir` does), so a start that is still running is never taken
+    for a failed one."""
     run_dir = os.path.abspath(os.path.expanduser(run_dir))
     os.makedirs(run_dir, exist_ok=True)
     try:
         flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY
         os.close(os.open(os.path.join(run_dir, "metrics.jsonl"), flags, 0o644))
     except FileExistsError:
-        raise FlaxlmError(
-            f"run_dir={run_dir} already holds a run (it has a metrics.jsonl) without a "
-            "checkpoint to continue, and a new run never writes into an existing one. Leave "
-            "run_dir / hydra.run.dir at its default (a fresh timestamped folder under outputs/) "
-            "or choose a new directory."
-        ) from None
+        if not _failed_start(run_dir):
+            raise FlaxlmError(
+                f"run_dir={run_dir} already holds a run (it has a metrics.jsonl) without a "
+                "checkpoint to continue, and a new run never writes into an existing one. Leave "
+                "run_dir / hydra.run.dir at its default (a fresh timestamped folder under "
+                "outputs/) or choose a new directory."
+            ) from None
+        print(f"flaxlm: run_dir={run_dir} holds a start that failed before its first step "
+              "(empty metrics.jsonl, no checkpoint); this run starts afresh in it", flush=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(run_dir, WANDB_ID_FILE))
     return run_dir
+
+
+def _failed_start(run_dir: str) -> bool:
+    """A run that stopped before logging a metric or starting a checkpoint: nothing in it is
+    worth keeping (config.yaml and model/ are rewritten by the next start)."""
+    checkpoints = os.path.join(run_dir, CHECKPOINT_SUBDIR)
+    return (os.path.getsize(os.path.join(run_dir, "metrics.jsonl")) == 0
+            and not (os.path.isdir(checkpoints) and os.listdir(checkpoints)))
+
+
+def writable_dir(path: str, setting: str, advice: str) -> str:
+    """`path` as an absolute directory, created if missing, checked writable by creating a file
+    in it; otherwise a FlaxlmError naming `setting` and giving `advice`."""
+    path = os.path.abspath(os.path.expanduser(path))
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise FlaxlmError(f"{setting}={path} is not a directory flaxlm can write to "
+                          f"({err.strerror or err}). {advice}") from None
+    return path
 
 
 # Settings a resumed run may change: how often it logs, evaluates and checkpoints, how long
@@ -88,22 +123,60 @@ def open_run_dir(config: TrainConfig, resolved: dict) -> RunDir:
             f"resume_from={config.resume_from} asks to continue a run, but trainer.resume=never "
             "forbids it. Drop one of the two settings."
         )
-    if mode != ResumeMode.never and has_checkpoint(path):
-        lock = _lock(path)
-        check_resumable(os.path.join(path, "config.yaml"), resolved)
-        return RunDir(path, True, _wandb_run_id(path), lock)
-    if mode == ResumeMode.must or config.resume_from:
-        raise FlaxlmError(
-            f"There is no complete checkpoint in {os.path.join(path, CHECKPOINT_SUBDIR)} to "
-            f"resume (trainer.resume={mode.value}"
-            + (f", resume_from={config.resume_from}" if config.resume_from else "")
-            + "). Point resume_from at the directory of a run that saved a checkpoint, or set "
-            "trainer.resume=auto to start a new run when there is none."
-        )
-    path = claim_run_dir(path)
+    resuming = mode != ResumeMode.never and has_checkpoint(path)
+    if not resuming and (mode == ResumeMode.must or config.resume_from):
+        raise FlaxlmError(_nothing_to_resume(path, config.resume_from, mode))
+    if config.resume_from:
+        path = writable_dir(path, "resume_from", "A run continues in its own directory: make "
+                            "it writable, or resume from a writable copy of it.")
+    else:
+        path = writable_dir(path, "run_dir", "Set hydra.run.dir (or run_dir) to a directory "
+                            "you can write to.")
     lock = _lock(path)
-    OmegaConf.save(OmegaConf.create(resolved), os.path.join(path, "config.yaml"))
-    return RunDir(path, False, _wandb_run_id(path), lock)
+    try:
+        if resuming:
+            check_resumable(os.path.join(path, "config.yaml"), resolved)
+        else:
+            if mode != ResumeMode.never:
+                _set_aside_start_without_checkpoint(path, resolved)
+            claim_run_dir(path)
+            OmegaConf.save(OmegaConf.create(resolved), os.path.join(path, "config.yaml"))
+        return RunDir(path, resuming, _wandb_run_id(path), lock)
+    except BaseException:
+        os.close(lock)
+        raise
+
+
+def _set_aside_start_without_checkpoint(run_dir: str, resolved: dict) -> None:
+    """This same run, stopped (killed, out of memory) after logging metrics but before its
+    first checkpoint, has nothing to continue from: it starts again from step 0, as a scheduler
+    that requeues the same command expects. Its metrics.jsonl is kept under another name, and
+    the new start gets a W&B run of its own. A directory with another config is left alone
+    (`claim_run_dir` refuses it)."""
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if (not os.path.isfile(metrics) or os.path.getsize(metrics) == 0 or has_checkpoint(run_dir)
+            or _config_changes(os.path.join(run_dir, "config.yaml"), resolved) != []):
+        return
+    kept = f"{metrics}.stopped-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    os.replace(metrics, kept)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(run_dir, WANDB_ID_FILE))
+    print(f"flaxlm: run_dir={run_dir} holds this run stopped before its first checkpoint, so "
+          f"it starts again from step 0; the metrics it had logged are kept in {kept}",
+          flush=True)
+
+
+def _nothing_to_resume(path: str, resume_from: str | None, mode: ResumeMode) -> str:
+    checkpoints = os.path.join(path, CHECKPOINT_SUBDIR)
+    missing = "" if os.path.isdir(path) else f" ({path} does not exist)"
+    if resume_from:
+        return (f"resume_from={resume_from} has no complete checkpoint to resume in "
+                f"{checkpoints}{missing}. Point resume_from at the directory of a run that "
+                "saved a checkpoint, or drop resume_from to start a new run.")
+    return (f"trainer.resume={mode.value}, but there is no complete checkpoint in "
+            f"{checkpoints}{missing}. Point run_dir (or resume_from) at the directory of a run "
+            "that saved a checkpoint, or set trainer.resume=auto to start a new run when there "
+            "is none.")
 
 
 def has_checkpoint(run_dir: str) -> bool:
@@ -112,18 +185,10 @@ def has_checkpoint(run_dir: str) -> bool:
 
 def check_resumable(saved_config_path: str, resolved: dict) -> None:
     """Resuming with a config that would train something else fails, naming each difference."""
-    if not os.path.exists(saved_config_path):
+    changed = _config_changes(saved_config_path, resolved)
+    if changed is None:
         raise FlaxlmError(f"{saved_config_path} is missing, so this run cannot be checked "
                           "before resuming it. Restore the file, or start a new run.")
-    saved = _flatten(OmegaConf.to_container(OmegaConf.load(saved_config_path), resolve=True))
-    current = _flatten(resolved)
-    # Keys only one side has are settings added (or removed) by a flaxlm upgrade in between:
-    # the run did not use them, so they do not make it another run.
-    changed = [
-        f"{key}: {saved[key]!r} → {current[key]!r}"
-        for key in sorted(set(saved) & set(current))
-        if saved[key] != current[key] and not key.startswith(RESUMABLE_CHANGES)
-    ]
     if changed:
         raise FlaxlmError(
             f"Cannot resume the run in {os.path.dirname(saved_config_path)}: this config changes "
@@ -132,6 +197,22 @@ def check_resumable(saved_config_path: str, resolved: dict) -> None:
             "logger and how the batch is spread over devices. Resume with the run's own "
             "settings, or start a new run (trainer.resume=never, or a new run_dir)."
         )
+
+
+def _config_changes(saved_config_path: str, resolved: dict) -> list[str] | None:
+    """Each setting that differs from the saved config and would make it another run, as
+    "key: old → new"; None when there is no saved config."""
+    if not os.path.exists(saved_config_path):
+        return None
+    saved = _flatten(OmegaConf.to_container(OmegaConf.load(saved_config_path), resolve=True))
+    current = _flatten(resolved)
+    # Keys only one side has are settings added (or removed) by a flaxlm upgrade in between:
+    # the run did not use them, so they do not make it another run.
+    return [
+        f"{key}: {saved[key]!r} → {current[key]!r}"
+        for key in sorted(set(saved) & set(current))
+        if saved[key] != current[key] and not key.startswith(RESUMABLE_CHANGES)
+    ]
 
 
 def _flatten(tree, prefix: str = "") -> dict:
@@ -239,4 +320,25 @@ def close_quietly(checkpointer: Checkpointer | None) -> None:
     try:
         checkpointer.close()
     except Exception as err:  # noqa: BLE001 — already failing; say so, keep the first error
-        print(f"flaxlm: closing the checkpointer failed too: {err}", file=sys.stderr)
+        if disk_full_cause(err) is None:  # a full disk is reported once, by disk_full_error
+            print(f"flaxlm: closing the checkpointer failed too: {err}", file=sys.stderr)
+
+
+def disk_full_error(err: BaseException, run_dir: str) -> FlaxlmError | None:
+    """A full disk or quota, met anywhere in the run (a checkpoint, metrics.jsonl, the
+    export, a cache), as a message saying what is kept and how to go on; None for any other
+    error. orbax saves a step under a temporary name, so a save that ran out of space never
+    replaces the last complete checkpoint."""
+    cause = disk_full_cause(err)
+    if cause is None:
+        return None
+    text = str(cause).strip().splitlines()[0]
+    if len(text) > 400:  # tensorstore's text: the file and the reason come last
+        text = "…" + text[-400:]
+    steps = finalised_steps(os.path.join(run_dir, CHECKPOINT_SUBDIR))
+    kept = (f"Its last complete checkpoint, step {steps[-1]}, is intact: free some space and "
+            "run the same command to resume."
+            if steps else "It had saved no checkpoint yet: free some space and run the same "
+            "command, which starts it again from step 0.")
+    return FlaxlmError(f"A disk is full (or over its quota), so the run in {run_dir} stopped: "
+                       f"{text}. {kept}")

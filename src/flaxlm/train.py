@@ -27,7 +27,7 @@ from flaxlm.data.corpus import load_corpus, load_corpus_stream
 from flaxlm.data.loader import TrainLoader
 from flaxlm.data.packing import tokenize_and_pack
 from flaxlm.data.streaming import StreamingLoader, process_shard
-from flaxlm.data.tokenizer import prepare_tokenizer, token_byte_lengths
+from flaxlm.data.tokenizer import prepare_tokenizer, token_byte_lengths, with_document_start
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import build_lm, export_hf
 from flaxlm.generate import log_samples, settings_from_samples
@@ -38,9 +38,11 @@ from flaxlm.runs import (
     CheckpointSaver,
     RunDir,
     close_quietly,
+    disk_full_error,
     make_checkpointer,
     open_run_dir,
     restore_run,
+    writable_dir,
 )
 from flaxlm.tracking import start_tracker
 from flaxlm.training.checkpoint import (
@@ -51,7 +53,7 @@ from flaxlm.training.checkpoint import (
     key_to_json,
 )
 from flaxlm.training.loop import Evaluator, Plan, Throughput, describe, fit
-from flaxlm.training.optimizer import make_optimizer, make_schedule
+from flaxlm.training.optimizer import check_optimizer_settings, make_optimizer, make_schedule
 from flaxlm.training.step import compile_steps, create_state
 
 
@@ -67,6 +69,9 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     config: TrainConfig = OmegaConf.to_object(cfg)
     started = time.perf_counter()
     configure_platform(config.hardware)
+    writable_dir(config.cache_dir, "cache_dir", "Set cache_dir (or the FLAXLM_CACHE environment "
+                 "variable) to a directory you can write to: tokenizers, packed data and "
+                 "compiled steps are kept there.")
     enable_compilation_cache(config.cache_dir)
     mesh = make_mesh(config.hardware.num_devices)
     body = task_body(config.task.name)
@@ -95,10 +100,13 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
               f"resume_from={run.path} (or the same command, if it set run_dir or "
               f"hydra.run.dir); exit code {PREEMPTED_EXIT_CODE}", file=sys.stderr, flush=True)
         raise
-    except BaseException:
+    except BaseException as err:
         close_quietly(checkpointer)  # let good checkpoints already started finish writing
         if tracker is not None:
             tracker.finish(exit_code=1)
+        full = disk_full_error(err, run.path)
+        if full is not None:
+            raise full from err
         raise
     finally:
         run.release()
@@ -170,7 +178,7 @@ def pretrain(config: TrainConfig, resolved: dict, run: RunDir, mesh, seq_len: in
                                                  tokenizer_hash, tracker, run.path)
 
     model_dir = os.path.join(run.path, "model")
-    tokenizer.save_pretrained(model_dir)
+    with_document_start(tokenizer).save_pretrained(model_dir)  # as the export will have it
     gpt2_config = hf.to_gpt2_config(
         config.model,
         bos_token_id=tokenizer.bos_token_id,
@@ -290,6 +298,7 @@ def check_settings(config: TrainConfig, num_devices: int) -> int:
         if value is not None and value < 1:
             raise FlaxlmError(f"{key}={value} must be at least 1 (or null).")
     global_batch_size(config, num_devices)
+    check_optimizer_settings(config.optimizer)
     if config.task.name == "clm" and config.language.streaming:
         check_streaming_settings(config)
     return seq_len

@@ -20,9 +20,10 @@ USAGE = """usage: flaxlm-export run_dir=DIR out=DIR [step=N] [overwrite=true]
 
   run_dir    a flaxlm-train run directory (outputs/clm/runs/<timestamp>)
   out        the Hugging Face directory to write; an existing one is replaced only if it is an
-             earlier flaxlm export (or overwrite=true)
+             earlier flaxlm export, never if it holds or contains a run
   step       the checkpoint to export (default: the latest complete one)
-  overwrite  replace `out` whatever it holds (default: false)"""
+  overwrite  also replace a run's own model/ folder that holds only the tokenizer and config
+             written when the run started (default: false)"""
 
 
 @dataclasses.dataclass
@@ -109,7 +110,7 @@ def run(argv: Sequence[str]) -> str:
         run_generation_settings,
     )
 
-    check_destination(args["out"], args["overwrite"])  # before reading the checkpoint
+    check_destination(args["out"], args["overwrite"], args["run_dir"])  # before reading
     run_model = load_run_model(args["run_dir"], args["step"])
     metrics = eval_metrics_at(args["run_dir"], run_model.step)
     out = export_hf(
@@ -118,7 +119,7 @@ def run(argv: Sequence[str]) -> str:
         hf_config=run_model.hf_config,  # a classifier's; None → the LM's GPT2Config
         generation=(None if run_model.hf_config is not None
                     else run_generation_settings(run_model.run_config)),
-        source=run_model.source, overwrite=args["overwrite"],
+        source=run_model.source, overwrite=args["overwrite"], run_dir=args["run_dir"],
     )
     print(f"flaxlm: exported {run_model.source} to {out}")
     return out

@@ -1,7 +1,8 @@
 """`flaxlm-train`: the Hydra entrypoint. It only composes the config and hands it to
 `flaxlm.train.train`; a user's mistake is printed as one paragraph, without a traceback.
 
-Exit codes: 0 done; 1 failed; 2 a configuration or input error (FlaxlmError); 75 stopped by
+Exit codes: 0 done; 1 failed (a multirun: one of its jobs failed, the others still ran); 2 a
+configuration or input error (FlaxlmError, or a config Hydra cannot compose); 75 stopped by
 SIGTERM / SIGINT after saving a checkpoint — the same overrides plus resume_from=<run dir>
 (or the same command, if it named run_dir / hydra.run.dir) continue the run."""
 
@@ -9,12 +10,16 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
+from flaxlm.cli.sweep import SweepJob
 from flaxlm.config import register_configs
 from flaxlm.errors import FlaxlmError
 
@@ -24,27 +29,62 @@ register_configs()
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
-def main(cfg: DictConfig) -> float:
+def train_job(cfg: DictConfig) -> float:
     from flaxlm.train import train  # after Hydra: JAX starts only once the config is known
     from flaxlm.training.checkpoint import PREEMPTED_EXIT_CODE, Preempted
 
     hydra_cfg = HydraConfig.get()
     overrides = [o for o in hydra_cfg.overrides.task if not o.startswith("hparams_search")]
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    # In a multirun a failed job is recorded and the sweep goes on (see flaxlm.cli.sweep).
+    job = (SweepJob(os.path.abspath(hydra_cfg.sweep.dir), hydra_cfg.job.num, overrides,
+                    hydra_cfg.runtime.output_dir) if multirun else None)
     try:
-        return train(
+        eval_loss = train(
             cfg,
             choices={k: v for k, v in hydra_cfg.runtime.choices.items() if not k.startswith("hydra")},
             run_name=",".join(overrides) or None,
             run_group=os.path.basename(hydra_cfg.sweep.dir) if multirun else None,
         )
     except FlaxlmError as err:
-        print(f"flaxlm: error: {err}", file=sys.stderr)
-        sys.exit(2)
-    except Preempted:
+        print(f"flaxlm: error: {err}", file=sys.stderr, flush=True)
+        if job is None:
+            sys.exit(2)
+        return job.failed(str(err))
+    except Preempted as stopped:
+        if job is not None:
+            job.preempted(str(stopped))
         # SIGTERM / SIGINT: the checkpoint is saved; 75 (EX_TEMPFAIL) tells a scheduler that
         # the run can be resumed.
         sys.exit(PREEMPTED_EXIT_CODE)
+    except Exception as err:
+        if job is None:
+            raise
+        traceback.print_exc()  # not the user's mistake: the details are needed
+        return job.failed(f"{type(err).__name__}: {err}")
+    return eval_loss if job is None else job.done(eval_loss)
+
+
+def main() -> None:
+    # Hydra would print a composition error itself and exit 1; raising it instead lets it be
+    # reported as flaxlm reports every configuration error: one line, exit 2. A user who set
+    # HYDRA_FULL_ERROR asked for Hydra's full report and gets it.
+    full_error_asked = bool(os.environ.get("HYDRA_FULL_ERROR"))
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        train_job()
+    except (CompactHydraException, OmegaConfBaseException) as err:
+        if full_error_asked:
+            raise
+        # The first line of each says what is wrong; the rest (Hydra's search path,
+        # OmegaConf's key bookkeeping) is noise to a user.
+        message = str(err).split("\nConfig search path")[0]
+        if isinstance(err.__cause__, OmegaConfBaseException):
+            message += f" ({str(err.__cause__).splitlines()[0]})"
+        message = " ".join(message.split())
+        print(f"flaxlm: error: {message}. Run `flaxlm-train --help` for the config groups "
+              "and `flaxlm-train --cfg job` for the composed config.", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

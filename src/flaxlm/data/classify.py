@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 from jax.sharding import Mesh
 
 from flaxlm.config import Padding, TaskConfig
-from flaxlm.data.corpus import check_file_type, expand_patterns, root_cause
+from flaxlm.data.corpus import check_file_type, expand_patterns, quiet_datasets_logs, root_cause
 from flaxlm.data.loader import check_same_loader
 from flaxlm.errors import FlaxlmError
 from flaxlm.parallel import global_batch, process_rows
@@ -146,7 +146,9 @@ def _read_file(path: Path, setting: str) -> datasets.Dataset:
     suffix = path.suffix.lower()
     builder, options = _BUILDERS[suffix]
     try:
-        return datasets.load_dataset(builder, data_files=[str(path)], split="train", **options)
+        with quiet_datasets_logs():
+            return datasets.load_dataset(builder, data_files=[str(path)], split="train",
+                                         **options)
     except Exception as err:  # datasets raises anything from StopIteration to ArrowInvalid
         raise FlaxlmError(
             f"{setting}: could not parse {str(path)!r} as {suffix[1:]} ({root_cause(err)}). "
@@ -308,27 +310,18 @@ def _class_label_labels(
 
 
 def _integer_labels(train, evaluation, task, train_where, eval_where, names) -> _Labels:
-    """Class ids in [0, num_labels); num_labels null → one more than train's largest id."""
+    """Class ids in [0, num_labels), each one used by the train split; num_labels null → one
+    more than train's largest id."""
     for labels, where in ((train, train_where), (evaluation, eval_where)):
         _check_not_unlabeled(labels, where, everywhere=False)
+    used, counts = np.unique(train, return_counts=True)
+    _check_several_classes(used.tolist(), train_where)
     num_labels = task.num_labels
     if num_labels is None:
         num_labels = int(train.max()) + 1
-        if num_labels < 2:
-            raise FlaxlmError(
-                f"Every label of {train_where} is {int(train.max())}, so classification has "
-                "nothing to learn. Check task.label_column, or set task.num_labels."
-            )
         setting = f"task.num_labels=null, so {num_labels} from the largest label of the train split"
     else:
         setting = f"task.num_labels={num_labels}"
-        if int(train.max()) + 1 < num_labels:
-            raise FlaxlmError(
-                f"task.num_labels={num_labels}, but {train_where} uses only the labels "
-                f"{np.unique(train)[:20].tolist()}: the classes from {int(train.max()) + 1} up "
-                "would never be trained. Set task.num_labels to the number of classes (or null "
-                "to take it from the data), or check task.label_column."
-            )
     for labels, where in ((train, train_where), (evaluation, eval_where)):
         bad = np.unique(labels[(labels < 0) | (labels >= num_labels)])
         if bad.size:
@@ -337,7 +330,28 @@ def _integer_labels(train, evaluation, task, train_where, eval_where, names) -> 
                 f"({setting}). Set task.num_labels to the number of classes, or fix the labels "
                 "(class ids must run from 0)."
             )
+    # A class the train split never shows is never learnt, and an eval example of it can only
+    # be scored wrong; with num_labels null, one stray large id would also invent the classes
+    # below it.
+    unused = np.setdiff1d(np.arange(num_labels), used)
+    if unused.size:
+        raise FlaxlmError(
+            f"{setting}, but {train_where} uses only the labels {used[:20].tolist()} (with "
+            f"{counts[:20].tolist()} examples): the classes {unused[:20].tolist()} would never be "
+            "trained. Class ids must run from 0 to the number of classes - 1, each in the train "
+            "split: fix or remove the rows with stray labels, or set task.num_labels to the "
+            "number of classes (or null to take it from the data); check task.label_column."
+        )
     return _Labels(train.astype(np.int32), evaluation.astype(np.int32), num_labels, False, names)
+
+
+def _check_several_classes(used: list, where: str) -> None:
+    if len(used) < 2:
+        raise FlaxlmError(
+            f"Every example of {where} has the label {used[0]!r}, so the classifier has "
+            "nothing to learn: classification needs at least two classes in the train split. "
+            "Add examples of the other classes, or check task.label_column."
+        )
 
 
 def _string_labels(train_values, eval_values, task, train_where, eval_where) -> _Labels:
@@ -349,6 +363,7 @@ def _string_labels(train_values, eval_values, task, train_where, eval_where) -> 
             "number of classes (or null), or point task.label_column at numeric scores."
         )
     names = sorted(pc.unique(train_values).to_pylist())
+    _check_several_classes(names, train_where)
     if task.num_labels is not None and task.num_labels != len(names):
         raise FlaxlmError(
             f"task.num_labels={task.num_labels}, but {train_where} has {len(names)} label names "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import codecs
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -23,6 +24,7 @@ import hashlib
 import math
 import os
 import re
+import sys
 import sysconfig
 import warnings
 from pathlib import Path
@@ -242,7 +244,8 @@ def _load_file(path: Path, language: LanguageConfig) -> datasets.Dataset:
         table = datasets.Dataset.from_dict({"text": documents})
     else:
         try:
-            table = datasets.load_dataset(builder, data_files=[str(path)], split="train")
+            with quiet_datasets_logs():
+                table = datasets.load_dataset(builder, data_files=[str(path)], split="train")
         except Exception as err:  # datasets raises anything from StopIteration to ArrowInvalid
             raise FlaxlmError(
                 f"language.files: could not parse {str(path)!r} as {path.suffix[1:]} "
@@ -250,7 +253,8 @@ def _load_file(path: Path, language: LanguageConfig) -> datasets.Dataset:
                 f"{_FORMAT_HINTS[builder]}, or remove it from language.files."
             ) from err
         table = _text_column(table, language.text_column, where=repr(str(path)))
-    table = _drop_blank(table)
+    table = _drop_blank(table, source=None if builder is None else
+                        f"language.text_column={language.text_column!r} of {str(path)!r}")
     if len(table) == 0:
         raise FlaxlmError(
             f"language.files: {str(path)!r} holds no non-blank text"
@@ -278,10 +282,9 @@ def _split_text(text: str, splitting: TextSplitting) -> list[str]:
 
 
 def _load_hub(language: LanguageConfig) -> datasets.Dataset:
-    return _text_column(
-        _open_hub(language, streaming=False), language.text_column,
-        where=f"language.hub_path={language.hub_path!r}",
-    )
+    where = f"language.hub_path={language.hub_path!r}"
+    table = _text_column(_open_hub(language, streaming=False), language.text_column, where)
+    return _drop_blank(table, source=f"language.text_column={language.text_column!r} of {where}")
 
 
 def _open_hub(language: LanguageConfig, streaming: bool):
@@ -315,6 +318,19 @@ def _open_hub(language: LanguageConfig, streaming: bool):
 # --- common --------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def quiet_datasets_logs():
+    """`datasets` logs why a data file does not parse on stderr, then raises; the FlaxlmError
+    made of that exception says it again, so the log line would only push it off the first
+    line of stderr."""
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+
+
 def root_cause(err: BaseException) -> str:
     """The innermost explicitly chained error: `datasets` wraps the useful message."""
     while err.__cause__ is not None:
@@ -328,6 +344,13 @@ def _text_column(table: datasets.Dataset, column: str, where: str) -> datasets.D
         raise FlaxlmError(
             f"language.text_column={column!r} is not a column of {where}; its columns are "
             f"{table.column_names}. Set language.text_column to the one that holds the text."
+        )
+    missing = table.with_format("arrow")[column].null_count  # a row without the field: null
+    if missing and missing == len(table):
+        raise FlaxlmError(
+            f"language.text_column={column!r} is missing or null in every one of the "
+            f"{len(table)} rows of {where}. Set language.text_column to the field that holds the "
+            "text, or fix the data."
         )
     feature = table.features[column]
     if not isinstance(feature, datasets.Value) or feature.dtype not in ("string", "large_string"):
@@ -344,12 +367,26 @@ def _text_column(table: datasets.Dataset, column: str, where: str) -> datasets.D
     )
 
 
-def _drop_blank(table: datasets.Dataset) -> datasets.Dataset:
+def _warn(message: str) -> None:
+    """One line on stderr about input that is used, but not all of it."""
+    print(f"flaxlm: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _drop_blank(table: datasets.Dataset, source: str | None = None) -> datasets.Dataset:
+    """The documents that are neither null nor blank. Rows of a structured `source` (its text
+    column, named) whose text is null, i.e. missing, are counted in a one-line warning: unlike
+    blank text, that is a surprise in the data. If no document is left, the caller says so."""
     text = table.with_format("arrow")["text"]
     keep = pc.fill_null(pc.not_equal(pc.utf8_trim_whitespace(text), ""), False)
     if pc.all(keep).as_py():
         return table  # the usual case; select() would add an index mapping for nothing
-    return table.select(np.flatnonzero(keep.to_numpy(zero_copy_only=False)))
+    kept = np.flatnonzero(keep.to_numpy(zero_copy_only=False))
+    if source is not None and text.null_count and kept.size:
+        _warn(
+            f"{source} is missing or null in {text.null_count} of the {len(table)} rows "
+            f"({text.null_count / len(table):.0%}); those rows are skipped."
+        )
+    return table.select(kept)
 
 
 def _check_split_settings(language: LanguageConfig) -> None:

@@ -4,6 +4,8 @@ Blocks are exactly `max_seq_length` tokens and cross document boundaries, as in 
 `group_texts`; only the remainder at the very end of the stream is dropped. The seed
 concatenated Python lists with `sum(lists, [])`, which is quadratic; here each batch of
 documents becomes one numpy array, appended to a scratch file: linear time, bounded memory.
+A long document is tokenised in pieces (`DocumentEncoder`), so one huge line costs memory in
+proportion to its int32 ids, not the tokenizer's far larger working set for one string.
 
 Packed blocks are cached as `.npy` under `<cache_dir>/blocks/`, keyed by the text, the
 tokenizer, its EOS id and the block length, written in a temporary directory then renamed into
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import datasets
 import numpy as np
@@ -23,12 +25,13 @@ import transformers
 from tqdm.auto import tqdm
 
 from flaxlm.data.fingerprint import settings_fingerprint, text_fingerprint
+from flaxlm.data.tokenizer import DocumentEncoder
 
 ENCODE_BATCH = 1000  # documents tokenised together
 COPY_TOKENS = 1 << 24  # tokens moved at a time from the scratch stream into the blocks
 
 
-def join_documents(token_ids: list[list[int]], eos_id: int) -> np.ndarray:
+def join_documents(token_ids: list[Sequence[int]], eos_id: int) -> np.ndarray:
     """One int32 stream of the documents, each followed by `eos_id`."""
     lengths = np.fromiter((len(ids) + 1 for ids in token_ids), dtype=np.int64, count=len(token_ids))
     stream = np.full(int(lengths.sum()), eos_id, dtype=np.int32)
@@ -76,13 +79,14 @@ def _pack(texts, tokenizer, max_seq_length: int, desc: str, path: str) -> None:
 
 
 def _token_batches(texts, tokenizer, desc: str) -> Iterator[np.ndarray]:
-    """The token stream of `texts`, EOS after every document, one array per encode batch."""
-    backend = tokenizer.backend_tokenizer
+    """The token stream of `texts`, EOS after every document, one array per batch of
+    documents."""
+    encoder = DocumentEncoder(tokenizer.backend_tokenizer)
     for start in tqdm(range(0, len(texts), ENCODE_BATCH), desc=desc, unit="batch", leave=False):
         batch = texts[start : start + ENCODE_BATCH]["text"]
-        encodings = backend.encode_batch(batch, add_special_tokens=False)
-        yield join_documents([e.ids for e in encodings], tokenizer.eos_token_id)
-        del encodings  # free them before the next batch is encoded, not after
+        yield join_documents(encoder.encode(batch), tokenizer.eos_token_id)
+    if warning := encoder.inexact_cuts_warning():
+        print(warning, flush=True)
 
 
 def _write_blocks(stream_path: str, blocks_path: str, max_seq_length: int) -> None:

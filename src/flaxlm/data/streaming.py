@@ -4,8 +4,9 @@ A background thread reads this process's shard of the stream, tokenises and pack
 (blocks of max_seq_length tokens across document boundaries, EOS after every document, exactly
 as `join_documents` + `cut_blocks` pack a materialised split), shuffles the blocks a window at a
 time, and puts whole local batches on a bounded queue a few steps ahead of the training loop.
-Memory is bounded by: one encode batch of documents, one shuffle window of blocks, and the
-queue's batches, whatever the corpus size.
+Memory is bounded by: one encode batch of documents and their int32 ids (a long document is
+tokenised in pieces), one shuffle window of blocks, and the queue's batches, whatever the corpus
+size.
 
 The shuffle is a *windowed* one: `shuffle_buffer` consecutive blocks are permuted by a seed
 derived from (seed, pass, where the window starts in the stream), then emitted. Unlike a
@@ -35,6 +36,7 @@ from jax.sharding import Mesh
 
 from flaxlm.data.loader import check_same_loader
 from flaxlm.data.packing import join_documents
+from flaxlm.data.tokenizer import DocumentEncoder
 from flaxlm.errors import FlaxlmError
 from flaxlm.parallel import global_batch, process_rows
 
@@ -75,11 +77,15 @@ def pack_stream(
     after it (`offset` tokens of document `document` consumed). `texts` starts at document
     `first_document`, of which the first `token_offset` tokens are skipped. The incomplete
     tail at the end of the stream is dropped, as by `cut_blocks`."""
-    backend, eos = tokenizer.backend_tokenizer, tokenizer.eos_token_id
+    encoder, eos = DocumentEncoder(tokenizer.backend_tokenizer), tokenizer.eos_token_id
     carry = np.zeros(0, np.int32)  # tokens after the last whole block, always < max_seq_length
     first, skip = first_document, token_offset
+    warned = False  # about inexact cuts: once per pass, as soon as one is made
     for batch in _batched(texts, ENCODE_DOCS):
-        ids = [e.ids for e in backend.encode_batch(batch, add_special_tokens=False)]
+        ids = encoder.encode(batch)
+        if encoder.inexact_cuts and not warned:
+            print(encoder.inexact_cuts_warning(), flush=True)
+            warned = True
         joined = join_documents(ids, eos)
         ends = np.cumsum([len(doc) + 1 for doc in ids])  # in `joined`, EOS included
         starts = np.concatenate([[0], ends])  # starts[len(ids)] is the end of the batch

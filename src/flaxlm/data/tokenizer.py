@@ -1,5 +1,9 @@
 """The tokenizer: a byte-level BPE trained on the training text, or an existing one loaded.
 
+Text reaches the tokenizer in bounded pieces (`document_pieces`), whatever a document's length:
+while `tokenizers` encodes one string it holds alignments, offsets and token strings for every
+character, many times the string's size, so a one-line file of tens of MB would need gigabytes.
+
 A trained tokenizer is cached under `<cache_dir>/tokenizers/<hash>/`, the hash covering the
 training text and every setting that shapes the result, so a second run on the same corpus
 reuses it and any change retrains. It is saved as a transformers tokenizer directory
@@ -8,10 +12,14 @@ reuses it and any change retrains. It is saved as a transformers tokenizer direc
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 import os
+import re
 import shutil
 import tempfile
+from typing import Iterable, Iterator
 
 import datasets
 import numpy as np
@@ -21,6 +29,12 @@ import transformers
 from flaxlm.config import TokenizerConfig
 from flaxlm.data.fingerprint import settings_fingerprint, text_fingerprint
 from flaxlm.errors import FlaxlmError
+
+PIECE_CHARS = 1 << 16  # the longest string handed to the tokenizer: a piece of a long document
+ENCODE_CHARS = 1 << 20  # characters tokenised (or counted for training) together
+# Cut at every space after a non-space: a tokenizer whose ids of these pieces, joined, equal the
+# whole text's can have long documents cut at such spaces without changing a token.
+_PROBE = "Hello, world!  Two  spaces,\ta tab\nand a line; it's 3.14 € — ðæ 漢字 ok   end"
 
 
 def prepare_tokenizer(
@@ -33,7 +47,7 @@ def prepare_tokenizer(
     if settings.path is not None:
         tokenizer = load_tokenizer(settings.path, settings)
     else:
-        vocab_size = settings.vocab_size or model_vocab_size
+        vocab_size = _bpe_vocab_size(settings, model_vocab_size)
         key = settings_fingerprint(
             # train_docs only chooses the text, which the text fingerprint already covers;
             # leaving it out keeps the keys of existing caches valid.
@@ -48,6 +62,25 @@ def prepare_tokenizer(
     return tokenizer
 
 
+def _bpe_vocab_size(settings: TokenizerConfig, model_vocab_size: int) -> int:
+    """The size to train a BPE to: tokenizer.vocab_size, or null → model.vocab_size. Below
+    the byte alphabet plus the special tokens the trainer would quietly return that many tokens
+    anyway, with no merge learnt, so a smaller size is an error naming the setting behind it."""
+    minimum = 256 + len(set(settings.special_tokens))
+    vocab_size = settings.vocab_size or model_vocab_size
+    if vocab_size < minimum:
+        setting = (f"tokenizer.vocab_size={settings.vocab_size}" if settings.vocab_size else
+                   f"model.vocab_size={model_vocab_size} (which tokenizer.vocab_size=null follows)")
+        raise FlaxlmError(
+            f"{setting} is too small for a byte-level BPE: its alphabet alone is 256 byte "
+            f"tokens plus {minimum - 256} tokenizer.special_tokens, so it needs at least "
+            f"{minimum} before it learns any merge. Set tokenizer.vocab_size (and "
+            f"model.vocab_size) to at least {minimum}, typically a few thousand, or load an "
+            "existing tokenizer with tokenizer.path."
+        )
+    return vocab_size
+
+
 def _shaping_settings(settings: TokenizerConfig) -> dict:
     fields = dataclasses.asdict(settings)
     fields.pop("train_docs")
@@ -60,7 +93,10 @@ def train_bpe(
     """A byte-level BPE as in the seed notebook: every byte is in the alphabet, so no text is
     ever unknown, and merges need `min_frequency` occurrences."""
     bpe = tokenizers.ByteLevelBPETokenizer()
-    batches = (texts[i : i + 1000]["text"] for i in range(0, len(texts), 1000))
+    documents = (text for i in range(0, len(texts), 1000) for text in texts[i : i + 1000]["text"])
+    # Pieces, not whole documents: the trainer counts the words (pre-tokens) of each string,
+    # which are the same whether a document is cut at a space after a non-space or not.
+    batches = ([piece for _, piece, _ in group] for group in piece_groups(documents))
     bpe.train_from_iterator(
         batches,
         vocab_size=vocab_size,
@@ -76,6 +112,99 @@ def train_bpe(
         pad_token=settings.pad_token,
         mask_token=settings.mask_token,
     )
+
+
+def document_pieces(text: str, piece_chars: int) -> Iterator[tuple[str, bool]]:
+    """`text` in pieces of at most `piece_chars` characters, each with whether the cut before it
+    is clean: the first piece, or one that starts at a space after a non-space character.
+    Byte-level BPE (the GPT-2 split pattern: a pre-token holds a space only as its first
+    character or among spaces) and whitespace-splitting pre-tokenizers end a pre-token there,
+    and no token spans two pre-tokens, so the pieces' ids joined are the whole text's. Only a
+    stretch of `piece_chars` characters without such a space is cut where it ends, mid-word."""
+    start, clean = 0, True
+    while len(text) - start > piece_chars:
+        end = text.rfind(" ", start + 1, start + piece_chars + 1)
+        while end > start and text[end - 1].isspace():  # inside a run of spaces: look before it
+            end = text.rfind(" ", start + 1, end)
+        clean_end = end > start
+        if not clean_end:
+            end = start + piece_chars
+        yield text[start:end], clean
+        start, clean = end, clean_end
+    yield text[start:], clean
+
+
+def piece_groups(documents: Iterable[str]) -> Iterator[list[tuple[int, str, bool]]]:
+    """(document index, piece, clean cut) of `documents`' pieces of at most PIECE_CHARS
+    characters, in groups of at most ENCODE_CHARS characters: what one call of the tokenizer
+    receives."""
+    group: list[tuple[int, str, bool]] = []
+    chars = 0
+    for index, text in enumerate(documents):
+        for piece, clean in document_pieces(text, PIECE_CHARS):
+            if group and chars + len(piece) > ENCODE_CHARS:
+                yield group
+                group, chars = [], 0
+            group.append((index, piece, clean))
+            chars += len(piece)
+    if group:
+        yield group
+
+
+class DocumentEncoder:
+    """The token ids of whole documents (no special tokens, no padding, never truncated), each
+    tokenised in pieces of bounded length (`document_pieces`), so memory does not grow with a
+    document's length.
+
+    For byte-level BPE (as trained here, and GPT-2's) and whitespace-splitting tokenizers the
+    ids are exactly those of tokenising each document whole. A tokenizer that adds something to
+    every string it gets (a `Prepend` normalizer, as in Llama-2's tokenizer.json) would tokenise
+    a cut differently; `inexact_cuts` counts the cuts where this tokenizer's ids may differ
+    (checked once on a probe sentence), for the caller to report."""
+
+    def __init__(self, backend: tokenizers.Tokenizer):
+        if backend.padding or backend.truncation:
+            # Set by a tokenizer.json or left by an earlier call: they would pad every document
+            # to a batch length and cut it at max_length. Switched off in a copy, as the
+            # tokenizer itself is also saved and exported.
+            backend = tokenizers.Tokenizer.from_str(backend.to_str())
+            backend.no_padding()
+            backend.no_truncation()
+        self.backend = backend
+        self.inexact_cuts = 0
+        self._clean_cuts_exact: bool | None = None  # probed at the first cut
+
+    def encode(self, texts: list[str]) -> list[np.ndarray]:
+        """int32 token ids of each of `texts`."""
+        parts: list[list[np.ndarray]] = [[] for _ in texts]
+        for group in piece_groups(texts):
+            encodings = self.backend.encode_batch(
+                [piece for _, piece, _ in group], add_special_tokens=False
+            )
+            for (index, _, clean), encoding in zip(group, encodings):
+                if parts[index]:  # a piece after a cut
+                    self.inexact_cuts += not (clean and self._cuts_exact())
+                parts[index].append(np.array(encoding.ids, dtype=np.int32))
+            del encodings  # free them before the next group is encoded, not after
+        return [pieces[0] if len(pieces) == 1 else np.concatenate(pieces) for pieces in parts]
+
+    def _cuts_exact(self) -> bool:
+        if self._clean_cuts_exact is None:
+            pieces = re.split(r"(?<=\S)(?= )", _PROBE)
+            encodings = self.backend.encode_batch([_PROBE, *pieces], add_special_tokens=False)
+            joined = [i for encoding in encodings[1:] for i in encoding.ids]
+            self._clean_cuts_exact = encodings[0].ids == joined
+        return self._clean_cuts_exact
+
+    def inexact_cuts_warning(self) -> str | None:
+        if not self.inexact_cuts:
+            return None
+        return (
+            f"flaxlm: warning: {self.inexact_cuts} cut(s) of documents longer than "
+            f"{PIECE_CHARS} characters, tokenised in pieces to bound memory, may give other "
+            "tokens than the whole document would (a cut mid-word, where no space was near, or a "
+            "tokenizer that adds a token to every string)."
+        )
 
 
 def load_tokenizer(path: str, settings: TokenizerConfig) -> transformers.PreTrainedTokenizerFast:
@@ -162,3 +291,62 @@ def _save_atomically(tokenizer: transformers.PreTrainedTokenizerFast, directory:
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def with_document_start(tokenizer: transformers.PreTrainedTokenizerBase):
+    """`tokenizer`, or a copy of it, that reads a text as the start of a document, the way a
+    language model trained by flaxlm saw every document: after the EOS token. (Packing encodes
+    documents without special tokens and puts EOS after each, `join_documents`.)
+
+    Its post-processor puts EOS in front (`</s> $A`; a pair is two documents in a row,
+    `</s> $A </s> $B`), so `tokenizer(prompt)` gives the ids flaxlm-generate feeds the model,
+    in transformers too once exported, and `add_special_tokens=False` the bare ids. A tokenizer
+    without an EOS token is returned as it is.
+    """
+    if tokenizer.eos_token_id is None or has_document_start(tokenizer):
+        return tokenizer
+    tokenizer = copy.deepcopy(tokenizer)  # the caller's may be packing with add_special_tokens
+    set_post_processor(tokenizer, _document_template(tokenizer))
+    return tokenizer
+
+
+def has_document_start(tokenizer: transformers.PreTrainedTokenizerBase) -> bool:
+    """Whether `tokenizer`'s post-processor ends with `with_document_start`'s template."""
+    if tokenizer.eos_token_id is None:
+        return False
+    processors = _post_processor_states(tokenizer.backend_tokenizer.post_processor)
+    return bool(processors) and processors[-1] == _state(_document_template(tokenizer))
+
+
+def set_post_processor(tokenizer: transformers.PreTrainedTokenizerBase,
+                       template: tokenizers.processors.TemplateProcessing) -> None:
+    """Make `template` what `tokenizer` adds to the texts it encodes. A ByteLevel
+    post-processor, which only trims offsets, stays in front of it; any other is replaced."""
+    backend = tokenizer.backend_tokenizer
+    byte_level = [state for state in _post_processor_states(backend.post_processor)
+                  if state["type"] == "ByteLevel"]
+    if byte_level:
+        options = {key: value for key, value in byte_level[0].items() if key != "type"}
+        template = tokenizers.processors.Sequence(
+            [tokenizers.processors.ByteLevel(**options), template])
+    backend.post_processor = template
+
+
+def _document_template(tokenizer) -> tokenizers.processors.TemplateProcessing:
+    eos = tokenizer.eos_token
+    return tokenizers.processors.TemplateProcessing(
+        single=f"{eos} $A", pair=f"{eos} $A {eos} $B",
+        special_tokens=[(eos, tokenizer.eos_token_id)],
+    )
+
+
+def _post_processor_states(processor) -> list[dict]:
+    """A post-processor as the JSON states of the processors it applies, in order."""
+    if processor is None:
+        return []
+    state = _state(processor)
+    return state["processors"] if state["type"] == "Sequence" else [state]
+
+
+def _state(processor) -> dict:
+    return json.loads(processor.__getstate__())

@@ -17,7 +17,8 @@ Atomicity comes from orbax (0.12.8, local filesystem): a step is written into
 process killed mid-save leaves only a tmp folder, which is never listed as a step (tested with a
 real SIGKILL) and is removed when the next run opens the directory. A finalised folder damaged
 afterwards (a truncated copy, a full disk, a deleted file) fails to restore: `restore_latest`
-then says so and falls back to the next older checkpoint.
+then says so, falls back to the next older checkpoint and renames the damaged folder to
+`<step>.damaged-<time>` (kept, never deleted), so that the resumed run can save that step anew.
 
 Asynchronous saves: `save` returns once the arrays are copied off the device, and a background
 thread writes the files; the state's buffers may be donated to the next step at once (tested).
@@ -31,21 +32,27 @@ saved between evaluations, which a resume needs, would be kept forever or droppe
 from __future__ import annotations
 
 import contextlib
+import errno
+import itertools
+import logging
 import os
 import signal
 import sys
 import threading
+import time
 from typing import Any, Iterator, NamedTuple
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
 from flaxlm.errors import FlaxlmError
 
 CHECKPOINT_SUBDIR = "checkpoints"
 BEST_METRIC = "eval/loss"  # lower is better
+SET_ASIDE_TIMEOUT_S = 300  # how long other processes wait for process 0 to set a step aside
 
 # Exit status of a run stopped by SIGTERM / SIGINT after saving its checkpoint: BSD sysexits'
 # EX_TEMPFAIL ("temporary failure, try again"). It is distinct from a failure (1), a user error
@@ -98,6 +105,11 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=("state", "loader", "meta")
         )
+        # orbax removes those leftovers in a thread that neither close() nor process exit
+        # waits for: a run that stops at once (an input error) would end with that thread's
+        # traceback ("cannot schedule new futures after interpreter shutdown"). Wait for it.
+        self._manager._maybe_await_cleanup_tmp_directory()
+        _quiet_disk_full_logs()
 
     def steps(self) -> list[int]:
         """Steps of finalised checkpoints, oldest first."""
@@ -134,24 +146,38 @@ class Checkpointer:
         if restored.meta.get("step") != step:
             raise FlaxlmError(
                 f"checkpoint {step} in {self.directory} has the metadata of step "
-                f"{restored.meta.get('step')}: the folder was renamed or copied over. Move it "
-                "out of checkpoints/ so that resume uses the previous one."
+                f"{restored.meta.get('step')}: the folder was renamed or copied over."
             )
         return Restored(restored.state, dict(restored.loader), dict(restored.meta), step)
 
     def restore_latest(self, abstract_state) -> Restored | None:
         """The newest checkpoint that restores whole, or None if there is none. A damaged one
-        is skipped with a message naming it and the reason."""
+        is skipped with a message naming it and the reason; once an older one restored, every
+        step folder newer than it is set aside (`set_aside`), since the resumed run would fail
+        to save when it reaches that step again. When none restores, nothing is moved: the
+        fault may lie in `abstract_state`, not in the checkpoints."""
         for step in reversed(self.steps()):
             try:
-                return self.restore(step, abstract_state)
+                restored = self.restore(step, abstract_state)
             except Exception as err:  # noqa: BLE001 — any failure means: not usable
                 print(
                     f"flaxlm: checkpoint step {step} in {self.directory} is incomplete or "
                     f"unreadable ({type(err).__name__}: {_first_line(err)}); falling back to "
                     "the previous checkpoint", file=sys.stderr, flush=True,
                 )
+                continue
+            self._set_aside_newer_than(step)
+            return restored
         return None
+
+    def _set_aside_newer_than(self, step: int) -> None:
+        if jax.process_index() == 0:  # one process renames; the others wait for it
+            for name in _step_names(self.directory, after=step):
+                set_aside(os.path.join(self.directory, name))
+        if jax.process_count() > 1:
+            ocp.multihost.sync_global_processes(f"flaxlm_set_aside_after_{step}",
+                                                timeout=SET_ASIDE_TIMEOUT_S)
+        self._manager.reload()  # its list of steps still holds the ones moved
 
     def wait(self) -> None:
         """Block until every started save is on disk."""
@@ -194,6 +220,28 @@ def restore_params(run_dir: str, step: int | None = None) -> tuple[dict, dict, i
     )
 
 
+def set_aside(path: str) -> str:
+    """Rename a checkpoint folder to `<path>.damaged-<UTC time>`, a name neither orbax nor
+    `finalised_steps` takes for a step, and say so; nothing is deleted. Returns the new path."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = f"{path}.damaged-{stamp}"
+    for count in itertools.count(2):
+        if not os.path.lexists(target):
+            break
+        target = f"{path}.damaged-{stamp}-{count}"
+    os.rename(path, target)
+    print(f"flaxlm: moved the unusable checkpoint {path} aside to {target} (kept for "
+          "inspection; delete it when no longer needed)", file=sys.stderr, flush=True)
+    return target
+
+
+def _step_names(directory: str, after: int) -> list[str]:
+    """Entries of `directory` named like a step later than `after` (finalised or not: orbax
+    could not save that step while any of them is there), oldest first."""
+    return sorted((name for name in os.listdir(directory) if name.isdigit() and int(name) > after),
+                  key=int)
+
+
 def finalised_steps(directory: str) -> list[int]:
     """Steps with a finalised folder (orbax renames `<step>.orbax-checkpoint-tmp-*` into
     `<step>` only once it is whole), read without orbax."""
@@ -207,9 +255,12 @@ def _read_params(step_dir: str, step: int) -> tuple[dict, dict, int]:
     meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
         os.path.join(step_dir, "meta"), args=ocp.args.JsonRestore()
     )
-    reader = ocp.PyTreeCheckpointer()
+    handler = ocp.PyTreeCheckpointHandler()
+    reader = ocp.Checkpointer(handler)
     state_dir = os.path.join(step_dir, "state")
-    tree = reader.metadata(state_dir).item_metadata.tree
+    # The handler's own metadata: the Checkpointer's would also look for the step's metadata
+    # file inside this item folder (it lies one up) and warn that it is missing.
+    tree = handler.metadata(epath.Path(state_dir)).tree
     # Only the parameters, as numpy; the optimizer state (2× the parameters for Adam) stays
     # on disk.
     restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
@@ -276,6 +327,41 @@ class StopRequest:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+
+# How an error says that a disk or a quota is full: an OSError's errno, or the status text of
+# tensorstore, which orbax writes arrays through and whose errors arrive as ValueError.
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_DISK_FULL_TEXTS = tuple(os.strerror(code) for code in _DISK_FULL_ERRNOS) + tuple(
+    f"os_error_code='{code}'" for code in _DISK_FULL_ERRNOS)
+
+
+def disk_full_cause(err: BaseException | None) -> BaseException | None:
+    """The error in `err`'s chain (itself, its cause or context) that says a disk is full."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in _DISK_FULL_ERRNOS:
+            return err
+        if any(text in str(err) for text in _DISK_FULL_TEXTS):
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
+class _DropDiskFullTracebacks(logging.Filter):
+    """orbax's background threads log a full disk's error with its traceback, several times
+    over, before the main thread raises it; flaxlm reports it once, as a message."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and disk_full_cause(record.exc_info[1]))
+
+
+def _quiet_disk_full_logs() -> None:
+    for name in ("absl", "asyncio"):  # orbax's logger; asyncio's "exception never retrieved"
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropDiskFullTracebacks) for f in logger.filters):
+            logger.addFilter(_DropDiskFullTracebacks())
 
 
 def _first_line(err: BaseException) -> str:

@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 from flaxlm.config import Padding
 from flaxlm.data.classify import eval_batches
 from flaxlm.errors import FlaxlmError
+from flaxlm.training.inflight import ready_in_order
 
 CLASSIFICATION_METRICS = ("accuracy", "f1", "matthews")
 REGRESSION_METRICS = ("pearson", "spearman")
@@ -47,14 +48,14 @@ def predict(
     """The model outputs (N, C) for the N examples of `arrays`, in dataset order, on every
     process.
 
-    All batches are dispatched before any is fetched, so the host builds batch b+1 while the
-    devices run batch b; the outputs are small (N × C) and wait on the devices.
+    Batch b is fetched once batch b+1 is dispatched, so the host builds the next batch while
+    the devices run one, and only a couple of programs are ever queued (see `inflight`).
     """
     num_examples = len(arrays["labels"])
-    pending = []
-    for batch in eval_batches(arrays, global_batch_size, mesh, padding):
-        pending.append((apply_fn(batch), batch["mask"]))
-    outputs = [_real_rows(gather_rows(out), gather_rows(mask)) for out, mask in pending]
+    dispatched = ((apply_fn(batch), batch["mask"])
+                  for batch in eval_batches(arrays, global_batch_size, mesh, padding))
+    outputs = [_real_rows(gather_rows(out), gather_rows(mask))
+               for out, mask in ready_in_order(dispatched)]
     outputs_NxC = np.concatenate(outputs) if outputs else np.zeros((0, 1), np.float32)
     if len(outputs_NxC) != num_examples:  # the one thing this module exists to guarantee
         raise AssertionError(

@@ -20,6 +20,7 @@ from flaxlm.data.loader import TrainLoader, eval_batches, num_eval_batches
 from flaxlm.errors import FlaxlmError
 from flaxlm.tracking import Tracker
 from flaxlm.training.checkpoint import Preempted, StopRequest
+from flaxlm.training.inflight import ready_in_order
 from flaxlm.training.step import CompiledSteps, TrainState
 
 
@@ -83,19 +84,25 @@ class Evaluator:
     token_bytes: jax.Array  # (vocab,) UTF-8 bytes per token id
 
     def __call__(self, params) -> dict[str, float]:
-        """Loss over every validation token exactly once: sums over all batches, divided once."""
-        totals = None
+        """Loss over every validation token exactly once: sums over all batches, divided once.
+
+        Each batch's sums are fetched one batch after its dispatch, so only a couple of eval
+        programs are ever queued (see `inflight` for why that matters), and are added up on
+        the host in float64.
+        """
         batches = eval_batches(self.blocks, self.global_batch_size, self.mesh)
+        dispatched = (self.steps.eval(params, inputs, mask, self.token_bytes)
+                      for inputs, mask in batches)
         total = num_eval_batches(len(self.blocks), self.global_batch_size)
-        for inputs, mask in tqdm(batches, total=total, desc="eval", leave=False):
-            sums = self.steps.eval(params, inputs, mask, self.token_bytes)
-            totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
-        totals = jax.device_get(totals)
-        loss = float(totals["loss_sum"] / totals["tokens"])
+        totals = dict.fromkeys(("loss_sum", "tokens", "bytes"), 0.0)
+        for sums in tqdm(ready_in_order(dispatched), total=total, desc="eval", leave=False):
+            for key, value in jax.device_get(sums).items():
+                totals[key] += float(value)
+        loss = totals["loss_sum"] / totals["tokens"]
         return {
             "eval/loss": loss,
             "eval/perplexity": math.exp(min(loss, 700.0)),
-            "eval/bits_per_byte": float(totals["loss_sum"] / (math.log(2) * totals["bytes"])),
+            "eval/bits_per_byte": totals["loss_sum"] / (math.log(2) * totals["bytes"]),
         }
 
 

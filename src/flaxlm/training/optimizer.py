@@ -3,6 +3,7 @@ warmup + decay learning-rate schedule, with optional global-norm clipping in fro
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax
@@ -71,9 +72,39 @@ def parameter_name(path) -> str | None:
     return names[-1] if names else None
 
 
-def make_optimizer(opt: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+def check_optimizer_settings(opt: OptimizerConfig) -> None:
+    """The optimizer's numbers, checked before any data is read. nan fails no comparison
+    (`nan <= 0` is False), so finiteness comes first: a nan or inf would otherwise surface
+    only as a loss that diverges at step 1."""
+    for name in ("lr", "b1", "b2", "eps", "weight_decay", "momentum", "end_lr",
+                 "decay_fraction", "max_grad_norm"):
+        value = getattr(opt, name)
+        if value is not None and not math.isfinite(value):
+            raise FlaxlmError(
+                f"optimizer.{name}={value} is not a finite number (optimizer={opt.name}). Set "
+                f"optimizer.{name} to a real value, or drop the override to use the default."
+            )
     if opt.lr <= 0:
         raise FlaxlmError(f"optimizer.lr={opt.lr} must be positive, e.g. optimizer.lr=3e-4.")
+    for name in ("b1", "b2", "momentum"):
+        value = getattr(opt, name)
+        if value is not None and not 0 <= value < 1:
+            raise FlaxlmError(
+                f"optimizer.{name}={value} must be in [0, 1): it is a moving average's decay "
+                "rate (e.g. 0.9)."
+            )
+    for name in ("eps", "weight_decay", "end_lr"):
+        if getattr(opt, name) < 0:
+            raise FlaxlmError(f"optimizer.{name}={getattr(opt, name)} must not be negative.")
+    if opt.max_grad_norm is not None and opt.max_grad_norm <= 0:
+        raise FlaxlmError(
+            f"optimizer.max_grad_norm={opt.max_grad_norm} must be positive (e.g. 1.0), or null "
+            "for no gradient clipping."
+        )
+
+
+def make_optimizer(opt: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+    check_optimizer_settings(opt)
     tx = _OPTIMIZERS[opt.kind](opt, schedule)
     if opt.max_grad_norm is None:
         return tx

@@ -1,0 +1,220 @@
+"""Every kind of bad input, through the real command line: `flaxlm-train` exits 2, and the first
+line of its stderr is the one `flaxlm: error:` line, naming the setting or file; no traceback.
+
+Each row is a separate test (a process of its own, so pytest-xdist can spread them); most fail
+before any data is read, and none trains beyond a setup step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from conftest import REPO, TINY
+from test_bad_input import ENGLISH, TINY_CORPUS
+
+TRAIN = os.path.join(REPO, ".venv", "bin", "flaxlm-train")
+# If a check is missing, the run stays short.
+BASE = [*TINY, "trainer.max_steps=1", "trainer.eval_before_training=false"]
+CLASSIFY = ["task=classify", "task.text_column=text", "task.max_seq_length=24"]
+FILES = ["language=files"]
+
+
+def corpus(name: str) -> list[str]:
+    return [*FILES, f"language.files=[{{data}}/{name}]"]
+
+
+def classify(train: str, evaluation: str) -> list[str]:
+    return [*CLASSIFY, f"task.train_files=[{{data}}/{train}]",
+            f"task.eval_files=[{{data}}/{evaluation}]"]
+
+
+def jsonl(rows: list[dict]) -> str:
+    return "".join(json.dumps(row) + "\n" for row in rows)
+
+
+def labelled(labels: list) -> str:
+    return jsonl([{"text": f"example {i}", "label": label} for i, label in enumerate(labels)])
+
+
+# Every row's input files, written into each test's data folder.
+DATA = {
+    "english.txt": ENGLISH,
+    "tiny.txt": TINY_CORPUS,
+    "big.txt": "\n\n".join([ENGLISH] * 8),
+    "empty.txt": b"",
+    "latin1.txt": "Caf\xe9 au lait.".encode("latin-1"),
+    "corpus.docx": "not a corpus",
+    "broken.jsonl": '{"text": "fine"}\n{"text": broken\n',
+    "body.jsonl": jsonl([{"body": "the text is here"}] * 3),
+    "no-text.jsonl": jsonl([{"text": None}, {"id": 2}, {"text": None}]),
+    # Label files with a global batch (8 devices × 2) of examples: without the label checks
+    # these would train.
+    "pairs.jsonl": labelled([0, 1] * 8),
+    "one-class.jsonl": labelled([1] * 16),
+    "stray-label.jsonl": labelled([0, 1] * 8 + [5]),
+    "gap.jsonl": labelled([0, 2] * 8),
+    "unseen-int.jsonl": labelled([0, 1, 2]),
+    "names.jsonl": labelled(["neg", "pos"] * 8),
+    "unseen-name.jsonl": labelled(["neg", "pos", "meh"]),
+    "missing-label.csv": "text,label\na,1\nb,\nc,0\n",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    overrides: list[str]  # may hold {tmp} (the test's folder) and {data} (its DATA files)
+    names: list[str]  # what the first stderr line must name
+    setup: Callable[[Path], None] | None = None  # prepares {tmp} before the run
+
+
+def run(tmp: Path, overrides: list[str]) -> subprocess.CompletedProcess:
+    """flaxlm-train as a user runs it: a clean environment (no test settings for JAX), cwd
+    `tmp`, its own caches and run directory ({tmp}/run unless the overrides name one),
+    progress bars off (they are not messages, and `datasets` draws them on stderr)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HYDRA_FULL_ERROR", "JAX_PLATFORMS", "XLA_FLAGS")}
+    env.update(FLAXLM_CACHE=str(tmp / "cache"), HF_DATASETS_CACHE=str(tmp / "hf"),
+               HF_HUB_OFFLINE="1", TQDM_DISABLE="1", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
+    filled = [o.format(tmp=tmp, data=tmp / "data") for o in overrides]
+    if not any(o.startswith("hydra.run.dir=") for o in filled):
+        filled.append(f"hydra.run.dir={tmp / 'run'}")
+    return subprocess.run([TRAIN, *BASE, *filled], cwd=tmp, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def holds_a_run(tmp: Path) -> None:
+    (tmp / "run").mkdir()
+    (tmp / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+
+
+def a_file_at(name: str) -> Callable[[Path], None]:
+    def setup(tmp: Path) -> None:
+        # A file where a directory must go: unwritable even for root, unlike a chmod.
+        (tmp / name).write_text("a file, not a directory\n")
+    return setup
+
+
+def failed_start(tmp: Path) -> None:
+    """A first start into {tmp}/run that fails once it holds the run directory."""
+    first = run(tmp, [*FILES, "language.files=[{tmp}/missing/*.txt]"])
+    assert first.returncode == 2, first.stderr
+
+
+def trained_one_step(tmp: Path) -> None:
+    done = run(tmp, [*corpus("big.txt"), "samples.prompts=[]"])
+    assert done.returncode == 0, done.stderr
+
+
+ROWS = {
+    # --- settings checked before any data is read
+    "lr-nan": Row(["optimizer.lr=nan"], ["optimizer.lr=nan"]),
+    "negative-batch": Row(["hardware.per_device_batch_size=-2"],
+                          ["hardware.per_device_batch_size=-2"]),
+    "global-batch-not-a-multiple": Row(["trainer.global_batch_size=12"],
+                                       ["trainer.global_batch_size=12"]),
+    "block-longer-than-model": Row(["task.max_seq_length=65"],
+                                   ["task.max_seq_length=65", "model.n_positions=64"]),
+    "more-devices-than-exist": Row(["hardware.num_devices=16"], ["hardware.num_devices=16"]),
+    "unknown-platform": Row(["hardware.platform=quantum"], ["hardware.platform='quantum'"]),
+    "streaming-without-max-steps": Row([*corpus("english.txt"), "language.streaming=true",
+                                        "trainer.max_steps=null"],
+                                       ["language.streaming=true", "trainer.max_steps"]),
+    "init-from-missing": Row(["model.init_from={tmp}/no-model"], ["model.init_from="]),
+    "keep-last-zero": Row(["checkpoint.keep_last=0"], ["checkpoint.keep_last=0"]),
+    "classify-without-data": Row(["task=classify"], ["task.dataset", "task.train_files"]),
+    # --- the corpus
+    "files-without-files": Row(FILES, ["language.files is empty"]),
+    "missing-corpus-file": Row(corpus("nothing-*.txt"), ["language.files", "nothing-*.txt"]),
+    "empty-corpus-file": Row(corpus("empty.txt"), ["empty.txt", "is empty"]),
+    "invalid-utf8": Row(corpus("latin1.txt"), ["latin1.txt", "not valid UTF-8"]),
+    "unsupported-extension": Row(corpus("corpus.docx"), ["corpus.docx", "unsupported extension"]),
+    "unparseable-jsonl": Row(corpus("broken.jsonl"), ["broken.jsonl", "could not parse"]),
+    "text-column-absent": Row(corpus("body.jsonl"), ["language.text_column='text'",
+                                                     "body.jsonl"]),
+    "text-null-in-every-row": Row(corpus("no-text.jsonl"), ["language.text_column='text'",
+                                                            "no-text.jsonl"]),
+    "validation-fraction-out-of-range": Row([*corpus("english.txt"),
+                                             "language.validation_fraction=1.5"],
+                                            ["language.validation_fraction=1.5"]),
+    "hub-dataset-missing": Row(["language.source=hub", "language.hub_path={tmp}/no-dataset"],
+                               ["language.hub_path="]),
+    "corpus-shorter-than-a-block": Row(corpus("tiny.txt"),
+                                       ["shorter than one block", "task.max_seq_length=64"]),
+    "corpus-smaller-than-a-batch": Row([*corpus("english.txt"),
+                                        "hardware.per_device_batch_size=64"],
+                                       ["hardware.per_device_batch_size"]),
+    # --- the tokenizer
+    "vocab-below-the-byte-alphabet": Row([*corpus("english.txt"), "tokenizer.vocab_size=100"],
+                                         ["tokenizer.vocab_size=100", "261"]),
+    "tokenizer-larger-than-model": Row([*corpus("english.txt"), "model.vocab_size=300",
+                                        "tokenizer.vocab_size=512"],
+                                       ["model.vocab_size=300", "tokenizer.vocab_size"]),
+    "tokenizer-path-missing": Row([*corpus("english.txt"), "tokenizer.path={tmp}/no-tokenizer"],
+                                  ["tokenizer.path="]),
+    "warmup-longer-than-the-run": Row([*corpus("big.txt"), "optimizer.warmup_steps=50"],
+                                      ["optimizer.warmup_steps=50"]),
+    # --- classification labels
+    "classify-one-class": Row(classify("one-class.jsonl", "pairs.jsonl"),
+                              ["one-class.jsonl", "has the label 1"]),
+    "classify-stray-label": Row(classify("stray-label.jsonl", "pairs.jsonl"),
+                                ["task.num_labels=null", "stray-label.jsonl", "[2, 3, 4]"]),
+    "classify-eval-id-unseen-in-train": Row(classify("gap.jsonl", "unseen-int.jsonl"),
+                                            ["gap.jsonl", "classes [1] would never be trained"]),
+    "classify-eval-name-unseen-in-train": Row(classify("names.jsonl", "unseen-name.jsonl"),
+                                              ["unseen-name.jsonl", "'meh'"]),
+    "classify-label-missing": Row(classify("missing-label.csv", "pairs.jsonl"),
+                                  ["missing-label.csv", "no label"]),
+    "classify-unknown-metric": Row([*classify("pairs.jsonl", "pairs.jsonl"),
+                                    "task.metrics=[nope]"], ["task.metrics", "nope"]),
+    # --- run directories and resuming
+    "run-dir-holds-a-run": Row([], ["already holds a run"], setup=holds_a_run),
+    "resume-from-missing": Row(["resume_from={tmp}/no-run"], ["resume_from="]),
+    "resume-from-with-resume-never": Row(["resume_from={tmp}/run", "trainer.resume=never"],
+                                         ["trainer.resume=never"]),
+    "resume-changes-the-run": Row([*corpus("big.txt"), "samples.prompts=[]", "seed=1"],
+                                  ["Cannot resume", "seed"], setup=trained_one_step),
+    # --- fixes under way in other parts of issue 9 (Hydra composition, no GPU, unwritable
+    # folders, a failed start blocking its retry)
+    "misspelt-key": Row(["trainer.max_step=3"], ["trainer.max_step"]),
+    "unknown-group-option": Row(["optimizer=nosuch"], ["optimizer", "nosuch"]),
+    "unknown-schedule": Row(["optimizer.schedule=nosuch"], ["optimizer.schedule", "nosuch"]),
+    "gpu-without-a-gpu": Row(["hardware=gpu"], ["hardware=gpu"]),
+    "run-dir-unwritable": Row(["hydra.run.dir={tmp}/blocker/run"], ["blocker"],
+                              setup=a_file_at("blocker")),
+    "cache-dir-unwritable": Row([*corpus("english.txt"), "cache_dir={tmp}/blocker/cache"],
+                                ["cache_dir", "blocker"], setup=a_file_at("blocker")),
+    "retry-after-a-failed-start": Row([*FILES, "language.files=[{tmp}/missing/*.txt]"],
+                                      ["language.files", "missing/*.txt"], setup=failed_start),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ROWS)
+def test_bad_input_exits_2_with_one_error_line_naming_it(tmp_path, name):
+    row = ROWS[name]
+    (tmp_path / "data").mkdir()
+    for filename, content in DATA.items():
+        path = tmp_path / "data" / filename
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content, encoding="utf-8")
+    if row.setup is not None:
+        row.setup(tmp_path)
+
+    result = run(tmp_path, row.overrides)
+
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines and lines[0].startswith("flaxlm: error: "), result.stderr
+    assert result.stderr.count("flaxlm: error:") == 1, result.stderr
+    for fragment in row.names:
+        assert fragment in lines[0], f"{fragment!r} not in {lines[0]}"
+    assert result.returncode == 2, result.stderr

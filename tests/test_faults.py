@@ -1,0 +1,337 @@
+"""Fault injection: a run killed with SIGKILL at any point, a damaged or half-written checkpoint
+of any kind, and a full disk each leave a run directory that nothing in is corrupt, and that
+resumes to the result of the run that never failed."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from conftest import TINY, compose
+from test_checkpoint import bumped, leaves_equal, save_steps, train_state  # noqa: F401 — fixture
+from test_resume import assert_same_params, metrics_of
+from flaxlm.errors import FlaxlmError
+from flaxlm.models import hf
+from flaxlm.tracking import Tracker
+from flaxlm.train import train
+from flaxlm.training.checkpoint import Checkpointer, finalised_steps, restore_params
+
+# 2 epochs of 10 steps: checkpoints at 4, 8, 10, 12, 16, 20 (the last 3 and the best kept),
+# evaluations at 0, 6, 10, 12, 18, 20.
+RUN = [*TINY, "language.max_train_docs=12", "language.max_eval_docs=2", "trainer.num_epochs=2",
+       "trainer.log_every=2", "checkpoint.every_steps=4", "optimizer.warmup_steps=2",
+       "trainer.eval_every=6", "samples.prompts=[]"]
+
+# Runs flaxlm-train in a subprocess with one fault planted: argv is the fault, its argument and
+# the overrides. "step" N: SIGKILL while the N-th step runs; "save" N: SIGKILL when the save of
+# step N is written but not yet renamed into place; "eval" N: SIGKILL inside the N-th
+# evaluation; "export": SIGKILL between moving the old model/ aside and the new one into place;
+# "disk-full" N: the save of step N fails as tensorstore does on a full disk.
+FAULTY_RUN = r"""
+import dataclasses, json, os, signal, sys
+
+fault, argument, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
+calls = 0
+
+
+def kill_at(n):
+    global calls
+    calls += 1
+    if calls == n:
+        print(f"fault: SIGKILL at {fault} {n}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+if fault == "step":
+    import flaxlm.train as job
+    compile_steps = job.compile_steps
+
+    def compile_killing(*args, **kwargs):
+        steps = compile_steps(*args, **kwargs)
+
+        def train(*step_args):
+            result = steps.train(*step_args)  # dispatched: the step runs on the devices
+            kill_at(int(argument))
+            return result
+
+        return dataclasses.replace(steps, train=train)
+
+    job.compile_steps = compile_killing
+elif fault == "save":
+    from orbax.checkpoint._src.path import atomicity
+    finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def finalize_killing(self, *args, **kwargs):
+        if self.get_final().name == argument:
+            kill_at(1)
+        return await finalize(self, *args, **kwargs)
+
+    atomicity.AtomicRenameTemporaryPath.finalize = finalize_killing
+elif fault == "eval":
+    import flaxlm.training.loop as loop
+    eval_batches = loop.eval_batches
+
+    def eval_batches_killing(*args, **kwargs):
+        for index, batch in enumerate(eval_batches(*args, **kwargs)):
+            if index == 1:
+                kill_at(int(argument))
+            yield batch
+
+    loop.eval_batches = eval_batches_killing
+elif fault == "export":
+    rename = os.rename
+
+    def rename_killing(source, target, *args, **kwargs):
+        rename(source, target, *args, **kwargs)
+        if os.path.basename(target).startswith(".model.old-"):
+            kill_at(1)
+
+    os.rename = rename_killing
+elif fault == "disk-full":
+    from orbax.checkpoint._src.serialization import serialization
+    serialize = serialization.async_serialize_from_host
+
+    async def serialize_out_of_space(slices, spec, **kwargs):
+        if f"/{argument}.orbax-checkpoint-tmp" in json.dumps(spec, default=str):
+            raise ValueError(  # tensorstore's own words, from a real full tmpfs
+                'RESOURCE_EXHAUSTED: Error writing "params.wte.embedding.value/0" in OCDBT '
+                'database at local file "ocdbt.process_0/": Failed to write 1363 bytes to '
+                "file 7: No space left on device [os_error_code='28']")
+        return await serialize(slices, spec, **kwargs)
+
+    serialization.async_serialize_from_host = serialize_out_of_space
+
+sys.argv = ["flaxlm-train", *overrides]
+from flaxlm.cli.train import main
+main()
+"""
+
+
+# A failed orbax read or write leaves a callback for its closed event loop.
+orbax_closed_loop = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+def run_with_fault(run_dir, fault: str, argument, *overrides: str):
+    return subprocess.run(
+        [sys.executable, "-c", FAULTY_RUN, fault, str(argument), *RUN, *overrides,
+         f"hydra.run.dir={run_dir}"],
+        capture_output=True, text=True, timeout=600,
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The run that never failed."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FLAXLM_CACHE", str(tmp_path_factory.getbasetemp() / "flaxlm-cache"))
+        train(compose(RUN, run_dir=run_dir))
+    return run_dir
+
+
+def assert_intact(run_dir):
+    """Every checkpoint restores, no half-written one is left, every metrics line is whole,
+    and model/ holds the latest checkpoint's parameters."""
+    checkpoints = run_dir / "checkpoints"
+    assert all(name.isdigit() or ".damaged-" in name for name in os.listdir(checkpoints))
+    for step in finalised_steps(str(checkpoints)):
+        assert restore_params(str(run_dir), step=step)[2] == step
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in lines]
+    assert steps == sorted(steps)
+    params, _, _ = restore_params(str(run_dir))
+    exported = safetensors.numpy.load_file(str(run_dir / "model" / "model.safetensors"))
+    expected = hf.to_hf_state_dict(params)
+    assert exported.keys() <= expected.keys()
+    for key, value in exported.items():
+        np.testing.assert_array_equal(value, expected[key], err_msg=key)
+    assert [name for name in os.listdir(run_dir) if name.startswith(".model.")] == []
+
+
+def assert_same_run(run_dir, reference_dir):
+    assert metrics_of(run_dir) == metrics_of(reference_dir)
+    assert_same_params(run_dir, reference_dir)
+    assert_intact(run_dir)
+
+
+@pytest.mark.slow
+def test_a_run_killed_at_any_point_resumes_to_the_result_of_the_run_never_killed(
+        tmp_path, reference, capsys):
+    """One run killed four times, each start resuming the last: in a step, in an async save,
+    in an evaluation, in the final export; the last start finishes it."""
+    run_dir = tmp_path / "run"
+    sync = "checkpoint.async_save=false"  # the kill must find the checkpoint before it on disk
+
+    killed = run_with_fault(run_dir, "step", 6, sync)
+    assert "fault: SIGKILL at step 6" in killed.stdout, killed.stderr[-3000:]
+    assert killed.returncode == -signal.SIGKILL
+    assert finalised_steps(str(run_dir / "checkpoints")) == [4]
+
+    killed = run_with_fault(run_dir, "save", 8)
+    assert "fault: SIGKILL at save" in killed.stdout, killed.stderr[-3000:]
+    assert finalised_steps(str(run_dir / "checkpoints")) == [4]
+    assert any(name.startswith("8.orbax-checkpoint-tmp")
+               for name in os.listdir(run_dir / "checkpoints"))
+
+    killed = run_with_fault(run_dir, "eval", 3, sync)  # evaluations at 6, 10, 12
+    assert "fault: SIGKILL at eval 3" in killed.stdout, killed.stderr[-3000:]
+    assert "from its checkpoint at step 4" in killed.stdout
+    assert finalised_steps(str(run_dir / "checkpoints")) == [4, 8, 10]
+
+    killed = run_with_fault(run_dir, "export", 1, sync)
+    assert "fault: SIGKILL at export" in killed.stdout, killed.stderr[-3000:]
+    assert "from its checkpoint at step 10" in killed.stdout
+    assert not (run_dir / "model").exists()  # the worst moment: the old one moved aside
+    assert finalised_steps(str(run_dir / "checkpoints"))[-1] == 20  # the run had finished
+
+    capsys.readouterr()
+    train(compose(RUN, run_dir=run_dir))  # trains no step: only exports again
+    assert "from its checkpoint at step 20" in capsys.readouterr().out
+    assert_same_run(run_dir, reference)
+
+
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def _largest_array_file(step_dir):
+    data = os.path.join(step_dir, "state", "ocdbt.process_0", "d")
+    return max((os.path.join(data, n) for n in os.listdir(data)), key=os.path.getsize)
+
+
+def _empty(step_dir):
+    shutil.rmtree(step_dir)
+    os.mkdir(step_dir)
+
+
+def _metadata_of_another_step(step_dir):
+    shutil.rmtree(step_dir)
+    shutil.copytree(os.path.join(os.path.dirname(step_dir), "4"), step_dir)
+
+
+DAMAGE = {
+    "truncated array file": lambda step_dir: _truncate(_largest_array_file(step_dir)),
+    "missing array file": lambda step_dir: os.remove(_largest_array_file(step_dir)),
+    "missing array index": lambda step_dir: os.remove(
+        os.path.join(step_dir, "state", "manifest.ocdbt")),
+    "truncated tree metadata": lambda step_dir: _truncate(
+        os.path.join(step_dir, "state", "_METADATA")),
+    "corrupt loader json": lambda step_dir: _truncate(
+        os.path.join(step_dir, "loader", "metadata")),
+    "missing run metadata": lambda step_dir: shutil.rmtree(os.path.join(step_dir, "meta")),
+    "metadata of another step": _metadata_of_another_step,
+    "empty step folder": _empty,
+    "a file named like the step": lambda step_dir: (shutil.rmtree(step_dir),
+                                                     open(step_dir, "w").close()),
+}
+
+
+@orbax_closed_loop
+def test_a_run_whose_last_checkpoint_is_damaged_sets_it_aside_and_finishes_from_the_one_before(
+        tmp_path, reference, capsys):
+    """Issue 9, defect 3: the damaged step stayed, and saving that step again failed with
+    orbax's StepAlreadyExistsError on every retry."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    DAMAGE["truncated array file"](str(run_dir / "checkpoints" / "20"))  # the issue's repro
+    capsys.readouterr()
+    train(compose(RUN, run_dir=run_dir))
+    captured = capsys.readouterr()
+    assert "from its checkpoint at step 16" in captured.out
+    [aside] = [n for n in os.listdir(run_dir / "checkpoints") if not n.isdigit()]
+    assert aside.startswith("20.damaged-")
+    assert f"aside to {run_dir / 'checkpoints' / aside}" in captured.err
+    assert finalised_steps(str(run_dir / "checkpoints"))[-1] == 20  # saved anew
+    assert_same_run(run_dir, reference)
+
+
+@orbax_closed_loop
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_checkpoint_is_set_aside_and_its_step_can_be_saved_again(
+        tmp_path, train_state, damage, capsys):
+    """Every kind of damage: the previous checkpoint is restored, the damaged one renamed (as
+    it was, never deleted) out of orbax's sight, and the step can be saved anew."""
+    directory = tmp_path / "checkpoints"
+    save_steps(directory, train_state, [4, 8]).close()
+    DAMAGE[damage](str(directory / "8"))
+    damaged_names = sorted(os.listdir(directory / "8")) if (directory / "8").is_dir() else None
+
+    checkpointer = Checkpointer(str(directory))
+    restored = checkpointer.restore_latest(train_state)
+    assert restored.step == 4 and leaves_equal(restored.state, bumped(train_state, 4))
+    [aside] = [n for n in os.listdir(directory) if not n.isdigit()]
+    assert aside.startswith("8.damaged-")
+    err = capsys.readouterr().err
+    assert f"aside to {directory / aside}" in err
+    if damaged_names is not None:  # a folder: orbax listed it as a step, and it failed
+        assert "checkpoint step 8" in err
+        assert sorted(os.listdir(directory / aside)) == damaged_names  # moved, not changed
+    assert checkpointer.steps() == [4] and finalised_steps(str(directory)) == [4]
+
+    checkpointer.save(8, bumped(train_state, 9), {"step": 8}, {})  # the crash loop's save
+    checkpointer.close()
+    again = Checkpointer(str(directory))  # orbax's clean-up of tmp folders spares it
+    try:
+        resaved = again.restore_latest(train_state)
+    finally:
+        again.close()
+    assert resaved.step == 8 and leaves_equal(resaved.state, bumped(train_state, 9))
+    assert aside in os.listdir(directory)
+
+
+@orbax_closed_loop
+def test_when_no_checkpoint_restores_none_is_moved(tmp_path, train_state, capsys):
+    """A state that fits no checkpoint (the fault is not the checkpoints') moves nothing."""
+    directory = tmp_path / "checkpoints"
+    save_steps(directory, train_state, [4, 8]).close()
+    other_shape = jax.tree.map(lambda x: np.zeros((3, *x.shape), x.dtype), train_state)
+    checkpointer = Checkpointer(str(directory))
+    try:
+        assert checkpointer.restore_latest(other_shape) is None
+    finally:
+        checkpointer.close()
+    assert sorted(os.listdir(directory)) == ["4", "8"]
+    assert "moved" not in capsys.readouterr().err
+
+
+@orbax_closed_loop
+@pytest.mark.slow
+def test_a_full_disk_stops_the_run_with_a_message_and_it_resumes_when_there_is_room(
+        tmp_path, reference, monkeypatch):
+    """Disk full at a checkpoint (tensorstore's error, in orbax's background thread) and at a
+    metrics line (Python's OSError): each stops the run with one message naming the last
+    complete checkpoint, which the next start resumes."""
+    run_dir = tmp_path / "run"
+    full = run_with_fault(run_dir, "disk-full", 12)
+    assert full.returncode == 2, full.stderr[-3000:]
+    assert "flaxlm: error: A disk is full" in full.stderr
+    assert "last complete checkpoint, step 10, is intact" in full.stderr
+    assert "Traceback" not in full.stderr
+    assert finalised_steps(str(run_dir / "checkpoints")) == [4, 8, 10]
+
+    log = Tracker.log
+
+    def log_out_of_space(self, metrics, step):
+        if step == 14:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as a full file write does
+        log(self, metrics, step=step)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Tracker, "log", log_out_of_space)
+        with pytest.raises(FlaxlmError,
+                           match=r"disk is full.*No space left on device.*step 12, is intact"):
+            train(compose(RUN, run_dir=run_dir))
+
+    train(compose(RUN, run_dir=run_dir))
+    assert_same_run(run_dir, reference)
