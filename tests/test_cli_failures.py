@@ -161,8 +161,10 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again_with_the_same_co
     train(compose(same, run_dir))  # the same command starts again from step 0
     kept = list(run_dir.glob("metrics.jsonl.stopped-*"))
     assert [path.read_text() for path in kept] == [logged]
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [json.loads(line)["step"] for line in logged.splitlines()]
+    def steps(text: str) -> list[int]:
+        return [json.loads(line)["step"] for line in text.splitlines()]
+
+    assert steps((run_dir / "metrics.jsonl").read_text()) == steps(logged)
     assert (run_dir / "wandb_run_id").read_text() != first_wandb_id
     assert (run_dir / "checkpoints").is_dir()
 
