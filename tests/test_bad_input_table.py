@@ -129,6 +129,7 @@ ROWS = {
     "init-from-missing": Row(["model.init_from={tmp}/no-model"], ["model.init_from="]),
     "keep-last-zero": Row(["checkpoint.keep_last=0"], ["checkpoint.keep_last=0"]),
     "classify-without-data": Row(["task=classify"], ["task.dataset", "task.train_files"]),
+    "clm-with-an-encoder": Row(["model=bert-tiny"], ["model=bert-tiny", "task=clm"]),
     # --- the corpus
     "files-without-files": Row(FILES, ["language.files is empty"]),
     "missing-corpus-file": Row(corpus("nothing-*.txt"), ["language.files", "nothing-*.txt"]),

@@ -61,6 +61,14 @@ def test_a_config_hydra_cannot_compose_exits_2_with_hydras_message(tmp_path, ove
     assert hydra_says in result.stderr
 
 
+def test_the_resolved_config_prints(tmp_path):
+    result = flaxlm_train("--cfg", "job", "--resolve", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "run_dir: null" in lines  # Hydra runs no job, so there is no output directory
+    assert "  name: gpt2-tiny" in lines and any(line.startswith("cache_dir: ") for line in lines)
+
+
 @pytest.mark.slow
 def test_a_missing_accelerator_is_one_message(tmp_path):
     # JAX raises a bare AssertionError when asked for a GPU on a machine without one.

@@ -295,7 +295,9 @@ class TrainConfig:
     samples: SamplesConfig = dataclasses.field(default_factory=SamplesConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     seed: int = 0
-    run_dir: str = MISSING  # where this run writes; a new run never reuses an existing one
+    # Where this run writes; a new run never reuses an existing one. Hydra fills it in for a
+    # run (null only where Hydra runs no job, e.g. `flaxlm-train --cfg job --resolve`).
+    run_dir: Optional[str] = MISSING
     # Continue the run in this directory (its latest complete checkpoint) instead of run_dir.
     resume_from: Optional[str] = None
     cache_dir: str = "~/.cache/flaxlm"  # tokenizers and packed token blocks, shared by runs

@@ -117,6 +117,9 @@ def open_run_dir(config: TrainConfig, resolved: dict) -> RunDir:
     trainer.resume allows, the stopped run's, after checking that the config still describes
     the same run."""
     mode = ResumeMode(config.trainer.resume)
+    if not (config.resume_from or config.run_dir):
+        raise FlaxlmError("run_dir is not set, so the run has no directory to write. Run "
+                          "through flaxlm-train (Hydra sets it), or set run_dir=<directory>.")
     path = os.path.abspath(os.path.expanduser(config.resume_from or config.run_dir))
     if config.resume_from and mode == ResumeMode.never:
         raise FlaxlmError(

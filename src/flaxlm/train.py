@@ -31,8 +31,8 @@ from flaxlm.data.tokenizer import prepare_tokenizer, token_byte_lengths, with_do
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import build_lm, export_hf
 from flaxlm.generate import log_samples, settings_from_samples
-from flaxlm.models import hf, pretrained
-from flaxlm.models.gpt2 import GPT2LMHeadModel, GPT2Spec, count_params
+from flaxlm.models import build, hf, pretrained
+from flaxlm.models.gpt2 import GPT2Spec, count_params
 from flaxlm.parallel import configure_platform, make_mesh, replicated
 from flaxlm.runs import (
     CheckpointSaver,
@@ -161,7 +161,7 @@ def pretrain(config: TrainConfig, resolved: dict, run: RunDir, mesh, seq_len: in
         param_dtype=jnp.dtype(config.model.param_dtype or config.hardware.param_dtype),
     )
     init_key, dropout_key = jax.random.split(jax.random.key(config.seed))
-    model = GPT2LMHeadModel(spec, nnx.Rngs(params=init_key))
+    model = build.build_lm(spec, nnx.Rngs(params=init_key))  # init_from may name an encoder
     if checkpoint_dir and not run.resuming:  # a resumed run's weights come from its checkpoint
         report = pretrained.load_pretrained_weights(model, checkpoint_dir,
                                                     source=config.model.init_from)
@@ -282,6 +282,7 @@ def check_settings(config: TrainConfig, num_devices: int) -> int:
     else:
         seq_len = config.task.max_seq_length or config.model.n_positions
     if config.task.name == "clm":
+        build.check_lm_family(config.model)
         check_block_length(config, seq_len)
     for key, value in [
         ("hardware.per_device_batch_size", config.hardware.per_device_batch_size),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from flax import nnx
 
-from flaxlm.config import ModelFamily
+from flaxlm.config import ModelConfig, ModelFamily
 from flaxlm.errors import FlaxlmError
 from flaxlm.models.bert import BertForSequenceClassification
 from flaxlm.models.gpt2 import GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Spec
@@ -22,14 +22,20 @@ CLASSIFIER_ARCHITECTURES = {
 }
 
 
-def build_lm(spec: GPT2Spec, rngs: nnx.Rngs) -> GPT2LMHeadModel:
-    family = ModelFamily(spec.model.family)
+def check_lm_family(model: ModelConfig) -> None:
+    """task=clm needs a network with a next-token head: GPT-2's family."""
+    family = ModelFamily(model.family)
     if family is not ModelFamily.gpt2:
         raise FlaxlmError(
-            f"task=clm trains a causal language model, but model.family={family.value} "
-            "is an encoder with no next-token head. Use a gpt2-family model (e.g. model=tiny) "
-            "for task=clm, or task=classify to fine-tune this encoder."
+            f"task=clm trains a causal language model, but model={model.name} "
+            f"(model.family={family.value}) is an encoder with no next-token head. Use a "
+            "gpt2-family model for task=clm (model=gpt2-tiny, distilgpt2 or gpt2), or "
+            "task=classify to fine-tune this encoder."
         )
+
+
+def build_lm(spec: GPT2Spec, rngs: nnx.Rngs) -> GPT2LMHeadModel:
+    check_lm_family(spec.model)
     return GPT2LMHeadModel(spec, rngs)
 
 
