@@ -11,7 +11,7 @@ PYTEST_WORKERS ?= 2
 .PHONY: train test bench clean-venv
 
 # Reinstall only when the package's requirements change.
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -e .

@@ -21,6 +21,8 @@ from flaxlm.config import (
     TrainConfig,
     register_configs,
 )
+from flaxlm.errors import FlaxlmError
+from flaxlm.train import check_settings
 
 CONF = Path(CONF_DIR)
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
@@ -200,3 +202,73 @@ def test_run_dir_defaults_to_hydras_output_dir_and_cache_to_flaxlm_cache(monkeyp
         cfg = hydra_compose("train")
     assert OmegaConf.to_container(cfg, resolve=False)["run_dir"] == "${hydra:runtime.output_dir}"
     assert cfg.cache_dir == str(tmp_path)
+
+
+def schema_default(field: dataclasses.Field):
+    """A dataclass field's default (a nested dataclass for a node), or MISSING."""
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return MISSING if field.default is dataclasses.MISSING else field.default
+
+
+def disagreements(schema, values: dict, path: str = ""):
+    """Keys `values` (a YAML's own settings) sets to other than the schema's default; a field
+    without a default (MISSING) takes its value from the YAML alone."""
+    for field in dataclasses.fields(schema):
+        if field.name not in values:
+            continue
+        default, value, key = schema_default(field), values[field.name], f"{path}{field.name}"
+        if dataclasses.is_dataclass(default):
+            yield from disagreements(type(default), value, f"{key}.")
+        elif default != MISSING:
+            plain = default.value if isinstance(default, enum.Enum) else default
+            if plain != value:
+                yield f"{key}: schema {plain!r}, conf/train.yaml {value!r}"
+
+
+def test_each_default_lives_in_one_place():
+    """conf/train.yaml fills the top level and the nodes no group chooses (trainer, checkpoint,
+    tokenizer, samples): where it sets a key, the schema has no default or the same one, so a
+    config built in code and a composed run cannot silently differ. (Group options are choices
+    among values; their schema defaults are the fallback for keys an option leaves out.)"""
+    values = OmegaConf.to_container(OmegaConf.load(CONF / "train.yaml"), resolve=False)
+    assert {"trainer", "checkpoint", "tokenizer", "samples"} <= values.keys()
+    assert list(disagreements(TrainConfig, values)) == []
+
+
+def test_classify_takes_its_example_length_from_the_task_option_only():
+    """task=classify pads to conf/task/classify.yaml's max_seq_length; null there is an error
+    naming the setting, not a second default hidden in code."""
+    config = OmegaConf.to_object(compose(["experiment=glue-mrpc"]))
+    classify = OmegaConf.load(CONF / "task" / "classify.yaml")
+    assert config.task.max_seq_length == classify.max_seq_length
+    assert check_settings(config, num_devices=8) == config.task.max_seq_length
+    config.task.max_seq_length = None
+    with pytest.raises(FlaxlmError, match=r"task\.max_seq_length"):
+        check_settings(config, num_devices=8)
+
+
+def preset_base(option: str) -> list[str]:
+    """The overrides a preset composes on top of: its group choices, or the preset it extends."""
+    defaults = OmegaConf.to_container(OmegaConf.load(CONF / "experiment" / f"{option}.yaml"))
+    overrides = []
+    for entry in defaults.get("defaults", []):
+        if isinstance(entry, str):
+            if entry != "_self_":
+                overrides.append(f"experiment={entry}")
+            continue
+        overrides += [f"{key.removeprefix('override /')}={value}" for key, value in entry.items()]
+    return overrides
+
+
+PRESETS = [option for group, option in OPTIONS if group == "experiment"]
+
+
+@pytest.mark.parametrize("option", PRESETS)
+def test_experiment_presets_state_only_what_they_change(option):
+    """A preset's values differ from what its group choices (or the preset it extends) already
+    give: no copies of conf/optimizer/adamw.yaml or conf/train.yaml to drift from them."""
+    base = compose(preset_base(option))
+    values, _ = option_yaml("experiment", option)
+    repeated = [".".join(path) for path, value in leaves(values) if lookup(base, path) == value]
+    assert repeated == [], f"experiment/{option}.yaml repeats values it does not change"

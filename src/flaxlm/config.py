@@ -167,7 +167,7 @@ class TaskConfig:
 
     name: str = MISSING
     # clm: blocks of this many tokens; null → the model's context length (model.n_positions).
-    # classify: examples truncated and padded to this many tokens (null → 128).
+    # classify: examples truncated and padded to this many tokens (conf/task/classify.yaml).
     max_seq_length: Optional[int] = None
     # classify only, below. The data: a Hub dataset (e.g. nyu-mll/glue with config mrpc), or
     # local tsv / csv / jsonl / parquet files.
@@ -217,7 +217,7 @@ class ResumeMode(str, enum.Enum):
 class TrainerConfig:
     """How long to train and how often to evaluate and log."""
 
-    num_epochs: int = 10
+    num_epochs: int = 1
     max_steps: Optional[int] = None  # if set, overrides num_epochs
     # Rows per optimizer step. null → hardware.per_device_batch_size × devices ×
     # grad_accum_steps (the seed: × 1); if set, must divide evenly over devices ×
@@ -244,7 +244,7 @@ class TrainerConfig:
 class CheckpointConfig:
     """When to save the full train state to <run_dir>/checkpoints/ and how many to keep."""
 
-    every_steps: Optional[int] = 500  # null → only at epoch ends, the last step and on SIGTERM
+    every_steps: Optional[int] = 100  # null → only at epoch ends, the last step and on SIGTERM
     at_epoch_end: bool = True
     keep_last: int = 3  # the newest checkpoints kept
     keep_best: int = 1  # plus this many with the lowest eval loss (0 → none extra)
@@ -272,7 +272,7 @@ class SamplesConfig:
     metrics.jsonl and as a W&B table. Each prompt starts a document (it follows the EOS that
     separates documents); an empty prompt lets the model start its own. No prompts → none."""
 
-    prompts: list[str] = dataclasses.field(default_factory=list)
+    prompts: list[str] = dataclasses.field(default_factory=lambda: ["", "", ""])
     max_new_tokens: int = 40  # cut to what the context (model.n_positions) leaves
     temperature: float = 0.8  # 0 → greedy
     top_k: int = 50  # 0 → no cut
@@ -300,7 +300,8 @@ class TrainConfig:
     run_dir: Optional[str] = MISSING
     # Continue the run in this directory (its latest complete checkpoint) instead of run_dir.
     resume_from: Optional[str] = None
-    cache_dir: str = "~/.cache/flaxlm"  # tokenizers and packed token blocks, shared by runs
+    # Tokenizers and packed token blocks, shared by runs; conf/train.yaml sets it (FLAXLM_CACHE).
+    cache_dir: str = MISSING
 
 
 def register_configs() -> None:

@@ -8,6 +8,7 @@ SIGTERM / SIGINT after saving a checkpoint — the same overrides plus resume_fr
 
 from __future__ import annotations
 
+import importlib.resources
 import os
 import sys
 import traceback
@@ -23,7 +24,17 @@ from flaxlm.cli.sweep import SweepJob
 from flaxlm.config import register_configs
 from flaxlm.errors import FlaxlmError
 
-CONFIG_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "conf"))
+
+def config_dir() -> str:
+    """The config groups `flaxlm-train` composes: the copy a wheel ships as `flaxlm/conf`, or,
+    in a source checkout (an editable install), the repository's top-level `conf/` itself."""
+    packaged = importlib.resources.files("flaxlm") / "conf"
+    if packaged.is_dir():
+        return os.fspath(packaged)
+    return os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "conf"))
+
+
+CONFIG_DIR = config_dir()
 
 register_configs()
 

@@ -33,7 +33,6 @@ from flaxlm.data.loader import check_same_loader
 from flaxlm.errors import FlaxlmError
 from flaxlm.parallel import global_batch, process_rows
 
-DEFAULT_MAX_LENGTH = 128  # task.max_seq_length when null
 # Model inputs in every batch; `lengths` (tokens per example) only chooses the bucket.
 FEATURES = ("input_ids", "attention_mask", "token_type_ids", "labels")
 _ENCODE_CHUNK = 16384  # rows per tokenizer call: the fast tokenizer parallelises within a call
@@ -488,7 +487,14 @@ def _empty(max_length: int) -> dict[str, np.ndarray]:
 
 
 def max_length_for(task: TaskConfig) -> int:
-    return task.max_seq_length or DEFAULT_MAX_LENGTH
+    """The length every example is truncated and padded to; conf/task/classify.yaml sets it,
+    so that file is the one place its value lives."""
+    if task.max_seq_length is None:
+        raise FlaxlmError(
+            "task.max_seq_length is null, but task=classify truncates and pads every example "
+            "to one length: set it (conf/task/classify.yaml does), e.g. task.max_seq_length=256."
+        )
+    return task.max_seq_length
 
 
 def bucket_lengths(max_length: int, smallest: int = _SMALLEST_BUCKET) -> list[int]:
