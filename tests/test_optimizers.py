@@ -23,7 +23,8 @@ from flaxlm.config import OptimizerConfig, OptimizerKind, Schedule
 from flaxlm.errors import FlaxlmError
 from flaxlm.models.gpt2 import GPT2LMHeadModel, GPT2Spec
 from flaxlm.parallel import global_batch, make_mesh, replicated
-from flaxlm.train import check_settings, global_batch_size
+from flaxlm.train import check_settings
+from flaxlm.training.plan import global_batch_size
 from flaxlm.training.optimizer import decay_mask, make_optimizer, make_schedule
 from flaxlm.training.step import (
     accumulate_gradients,

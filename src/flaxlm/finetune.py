@@ -30,11 +30,11 @@ from flaxlm.models import build, hf, pretrained
 from flaxlm.models.gpt2 import GPT2Spec, count_params
 from flaxlm.parallel import replicated
 from flaxlm.runs import CheckpointSaver, RunDir, restore_run
-from flaxlm.train import global_batch_size, make_plan
 from flaxlm.training import evaluation
 from flaxlm.training.checkpoint import Checkpointer, StopRequest, key_to_json
 from flaxlm.training.loop import Throughput, fit
 from flaxlm.training.optimizer import make_optimizer, make_schedule
+from flaxlm.training.plan import global_batch_size, make_plan
 from flaxlm.training.step import CompiledSteps, compile_train_step, create_state
 
 

@@ -30,6 +30,7 @@ from flaxlm.data.streaming import StreamingLoader, process_shard
 from flaxlm.data.tokenizer import prepare_tokenizer, token_byte_lengths, with_document_start
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import build_lm, export_hf
+from flaxlm.finetune import check_task_settings, finetune
 from flaxlm.generate import log_samples, settings_from_samples
 from flaxlm.models import build, hf, pretrained
 from flaxlm.models.gpt2 import GPT2Spec, count_params
@@ -52,8 +53,9 @@ from flaxlm.training.checkpoint import (
     StopRequest,
     key_to_json,
 )
-from flaxlm.training.loop import Evaluator, Plan, Throughput, describe, fit
+from flaxlm.training.loop import Evaluator, Throughput, describe, fit
 from flaxlm.training.optimizer import check_optimizer_settings, make_optimizer, make_schedule
+from flaxlm.training.plan import global_batch_size, make_plan
 from flaxlm.training.step import compile_steps, create_state
 
 
@@ -120,8 +122,6 @@ def task_body(name: str):
     if name == "clm":
         return pretrain
     if name == "classify":
-        from flaxlm.finetune import finetune  # it builds on this module's helpers
-
         return finetune
     raise FlaxlmError(
         f"task.name={name!r} is not a task flaxlm runs. Pick task=clm (pre-train a causal "
@@ -276,8 +276,6 @@ def check_settings(config: TrainConfig, num_devices: int) -> int:
     """Settings that can be checked before any data is read; returns the sequence length
     (clm: the block length; classify: the padded example length)."""
     if config.task.name == "classify":
-        from flaxlm.finetune import check_task_settings
-
         seq_len = check_task_settings(config)  # the model's positions are checked once known
     else:
         seq_len = config.task.max_seq_length or config.model.n_positions
@@ -327,27 +325,6 @@ def check_streaming_settings(config: TrainConfig) -> None:
             raise FlaxlmError(f"{key}={value} must be at least 1.")
 
 
-def global_batch_size(config: TrainConfig, num_devices: int) -> int:
-    """Rows per optimizer step, all trainer.grad_accum_steps micro-batches together:
-    trainer.global_batch_size if set (it must split evenly into the micro-batches and each over
-    the devices), else hardware.per_device_batch_size × devices × grad_accum_steps, as in the
-    seed (which did not accumulate: × 1)."""
-    wanted = config.trainer.global_batch_size
-    accum = config.trainer.grad_accum_steps
-    if wanted is None:
-        return config.hardware.per_device_batch_size * num_devices * accum
-    split = num_devices * accum
-    if wanted < 1 or wanted % split:
-        raise FlaxlmError(
-            f"trainer.global_batch_size={wanted} does not divide evenly into "
-            f"trainer.grad_accum_steps={accum} micro-batch(es) over the {num_devices} "
-            f"devices of the mesh (hardware={config.hardware.name}). Use a multiple of "
-            f"{split}, e.g. {max(1, round(wanted / split)) * split}, or set it to null to use "
-            "hardware.per_device_batch_size × devices × trainer.grad_accum_steps."
-        )
-    return wanted
-
-
 def check_corpus_size(config: TrainConfig, train_blocks: int, eval_blocks: int, seq_len: int,
                       batch_size: int) -> None:
     check_eval_size(config, eval_blocks, seq_len)
@@ -370,21 +347,6 @@ def check_eval_size(config: TrainConfig, eval_blocks: int, seq_len: int) -> None
             "more text, a larger language.validation_fraction / max_eval_docs, or a smaller "
             "task.max_seq_length."
         )
-
-
-def make_plan(config: TrainConfig, steps_per_epoch: int) -> Plan:
-    trainer = config.trainer
-    total = trainer.max_steps or trainer.num_epochs * steps_per_epoch
-    return Plan(
-        steps_per_epoch=steps_per_epoch,
-        total_steps=total,
-        eval_every=trainer.eval_every,
-        log_every=trainer.log_every,
-        eval_before_training=trainer.eval_before_training,
-        checkpoint_every=config.checkpoint.every_steps,
-        checkpoint_at_epoch_end=config.checkpoint.at_epoch_end,
-        count_skipped=trainer.skip_nonfinite,
-    )
 
 
 def flops_per_token(config: TrainConfig, num_params: int, seq_len: int) -> float:
