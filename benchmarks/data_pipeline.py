@@ -101,7 +101,7 @@ def load(workdir: str, documents: bool = True):
     return documents, load_tokenizer(os.path.join(workdir, "tokenizer"), TokenizerConfig())
 
 
-# --- the approaches, each run in its own process ---------------------------------------------------
+# --- the approaches, each run in its own process -----------------------------------------------
 
 
 def peak_rss_mb() -> float:
@@ -260,7 +260,7 @@ def run_mmap(args) -> dict:
             "anon_before": anon_before, "anon_peak": anon_peak}
 
 
-# --- the parent: prepare, spawn, report ------------------------------------------------------------
+# --- the parent: prepare, spawn, report --------------------------------------------------------
 
 
 def spawn(approach: str, args) -> dict:
@@ -354,8 +354,8 @@ def report(args) -> None:
           f"{mmap['cpu']:7.1f} {'':8s} {'':9s} {rss(mmap)}")
     print("  seconds: wall; cpu s: CPU time of the process, all threads (steadier than wall on a "
           "shared machine).\n  peakRSS: the process's peak RSS (VmHWM) in MB; (+MB): its growth "
-          "during the timed part (the corpus and tokenizer are loaded before).\n  Mtok/s: tokens in the "
-          "floor's output, or in the blocks for (b) and (c).")
+          "during the timed part (the corpus and tokenizer are loaded before).\n  Mtok/s: tokens "
+          "in the floor's output, or in the blocks for (b) and (c).")
 
     print()
     for name in ("encode_batch", "encode_batch_fast"):

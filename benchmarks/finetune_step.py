@@ -7,7 +7,8 @@ in this process one after the other; prints examples/s of each and their ratio. 
 asserted: the machine is shared and noisy, so only the ratio of one run means something.
 
     python benchmarks/finetune_step.py                      # MiniLM, batch 16, length 128, cpu
-    python benchmarks/finetune_step.py hardware=gpu --batch 256 --checkpoint google-bert/bert-base-cased
+    python benchmarks/finetune_step.py hardware=gpu --batch 256 \
+        --checkpoint google-bert/bert-base-cased
 """
 
 from __future__ import annotations
@@ -40,20 +41,20 @@ def flax_seconds_per_step(config, checkpoint: str, arrays, warmup: int, steps: i
     import jax.numpy as jnp
     from flax import nnx
 
-    from flaxlm.finetune import compile_classifier_steps
     from flaxlm.models import pretrained
     from flaxlm.models.build import build_classifier
-    from flaxlm.models.gpt2 import GPT2Spec
+    from flaxlm.models.layers import TransformerSpec
     from flaxlm.parallel import configure_platform, global_batch, make_mesh, replicated
+    from flaxlm.tasks.classify import compile_classifier_steps
     from flaxlm.training.optimizer import make_optimizer, make_schedule
     from flaxlm.training.step import create_state
 
     configure_platform(config.hardware)
     mesh = make_mesh(config.hardware.num_devices)
     model_config = pretrained.pretrained_model_config(checkpoint, config.model)
-    spec = GPT2Spec(model_config, jnp.dtype(config.hardware.compute_dtype),
-                    jnp.dtype(config.hardware.param_dtype))
-    model = build_classifier(spec, 2, 0, nnx.Rngs(params=0))
+    spec = TransformerSpec(model_config, jnp.dtype(config.hardware.compute_dtype),
+                           jnp.dtype(config.hardware.param_dtype))
+    model = build_classifier(spec, 2, nnx.Rngs(params=0))
     pretrained.load_pretrained_weights(model, checkpoint)
     schedule = make_schedule(config.optimizer, 10_000)
     tx = make_optimizer(config.optimizer, schedule)

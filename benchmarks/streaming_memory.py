@@ -65,7 +65,8 @@ def stream_once(shards: str, tokenizer_dir: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=float, nargs="+", default=[10, 40, 160])
-    parser.add_argument("--stream", nargs=2, metavar=("SHARDS", "TOKENIZER"), help=argparse.SUPPRESS)
+    parser.add_argument("--stream", nargs=2, metavar=("SHARDS", "TOKENIZER"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.stream:
         print(json.dumps(stream_once(*args.stream)))

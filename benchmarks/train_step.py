@@ -51,7 +51,8 @@ def flax_seconds_per_step(config, tokens_np, warmup, steps) -> tuple[float, int,
     import jax.numpy as jnp
     from flax import nnx
 
-    from flaxlm.models.gpt2 import GPT2LMHeadModel, GPT2Spec, count_params
+    from flaxlm.models.gpt2 import GPT2LMHeadModel
+    from flaxlm.models.layers import TransformerSpec, count_params
     from flaxlm.parallel import configure_platform, global_batch, make_mesh, replicated
     from flaxlm.training.optimizer import make_optimizer, make_schedule
     from flaxlm.training.step import compile_steps, create_state
@@ -62,8 +63,8 @@ def flax_seconds_per_step(config, tokens_np, warmup, steps) -> tuple[float, int,
         sys.exit(f"--batch {len(tokens_np)} does not divide over {mesh.size} devices")
     schedule = make_schedule(config.optimizer, 10_000)
     tx = make_optimizer(config.optimizer, schedule)
-    spec = GPT2Spec(config.model, jnp.dtype(config.hardware.compute_dtype),
-                    jnp.dtype(config.model.param_dtype or config.hardware.param_dtype))
+    spec = TransformerSpec(config.model, jnp.dtype(config.hardware.compute_dtype),
+                           jnp.dtype(config.model.param_dtype or config.hardware.param_dtype))
     model = GPT2LMHeadModel(spec, nnx.Rngs(params=0))
     num_params = count_params(model)
     graphdef, state = create_state(model, tx)
@@ -86,10 +87,10 @@ def torch_seconds_per_step(config, tokens_np, warmup, steps) -> float:
     import torch
     import transformers
 
-    from flaxlm.models.hf import to_gpt2_config
+    from flaxlm.models.hf import to_lm_config
 
     torch.manual_seed(0)
-    gpt2_config = to_gpt2_config(config.model, bos_token_id=0, eos_token_id=2, pad_token_id=1)
+    gpt2_config = to_lm_config(config.model, bos_token_id=0, eos_token_id=2, pad_token_id=1)
     model = transformers.GPT2LMHeadModel(gpt2_config).train()
     opt = config.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=(opt.b1, opt.b2),
@@ -142,7 +143,7 @@ def main() -> None:
     cfg = compose(overrides)
     from omegaconf import OmegaConf
 
-    from flaxlm.train import flops_per_token
+    from flaxlm.tasks.clm import flops_per_token
 
     config = OmegaConf.to_object(cfg)
     tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (args.batch, args.seq))
@@ -153,7 +154,7 @@ def main() -> None:
           f"{m.resid_pdrop}/{m.embd_pdrop}/{m.attn_pdrop}")
 
     flax_s, num_params, num_devices = flax_seconds_per_step(config, tokens, args.warmup, args.steps)
-    flops = flops_per_token(config, num_params, args.seq)
+    flops = flops_per_token(config.model, num_params, args.seq)
     # Both frameworks use the whole machine: the peak of all the group's devices together.
     peak = config.hardware.peak_tflops_per_device * 1e12 * num_devices
 

@@ -2,8 +2,8 @@
 
 import os
 
-# Before JAX starts: every multi-device path runs on 8 simulated CPU devices, like the seed's
-# 8 TPU cores. Tests that want fewer devices build a smaller mesh.
+# Before JAX starts: every multi-device path runs on 8 simulated CPU devices, as on one 8-core
+# TPU host. Tests that want fewer devices build a smaller mesh.
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     + ["--xla_force_host_platform_device_count=8"]
@@ -20,6 +20,26 @@ import pytest  # noqa: E402
 def isolated_caches(tmp_path_factory, monkeypatch):
     """flaxlm's cache (tokenizers, packed blocks) in a per-session temp dir."""
     monkeypatch.setenv("FLAXLM_CACHE", str(tmp_path_factory.getbasetemp() / "flaxlm-cache"))
+
+
+@pytest.fixture(scope="session")
+def train_state():
+    """A small GPT-2's train state (AdamW), replicated on 2 devices: what checkpoints hold."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from flaxlm.config import ModelConfig
+    from flaxlm.models.gpt2 import GPT2LMHeadModel
+    from flaxlm.models.layers import TransformerSpec
+    from flaxlm.parallel import make_mesh, replicated
+    from flaxlm.training.step import create_state
+
+    config = ModelConfig(name="t", n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=64)
+    model = GPT2LMHeadModel(TransformerSpec(config, jnp.float32, jnp.float32), nnx.Rngs(params=0))
+    _, state = create_state(model, optax.adamw(1e-3))
+    return jax.device_put(state, replicated(make_mesh(2)))
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

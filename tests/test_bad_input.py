@@ -9,15 +9,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import REPO, TINY, compose
 from hydra.errors import ConfigCompositionException
 
-from conftest import REPO, TINY, compose
 from flaxlm.config import CorpusSource, LanguageConfig, TokenizerConfig
 from flaxlm.data.corpus import load_corpus
 from flaxlm.data.tokenizer import prepare_tokenizer
 from flaxlm.errors import FlaxlmError
+from flaxlm.job import train
 from flaxlm.runs import claim_run_dir
-from flaxlm.train import train
 
 ENGLISH = """\
 The village stood at the edge of a wide marsh, and in winter the wind came across it without

@@ -11,11 +11,10 @@ import dataclasses
 import json
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
-
 from conftest import REPO, TINY
 from test_bad_input import ENGLISH, TINY_CORPUS
 

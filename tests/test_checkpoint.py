@@ -12,13 +12,10 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
-from flaxlm.config import ModelConfig
 from flaxlm.errors import FlaxlmError
-from flaxlm.models.gpt2 import GPT2LMHeadModel, GPT2Spec
 from flaxlm.parallel import make_mesh, replicated
 from flaxlm.training.checkpoint import (
     Checkpointer,
@@ -26,17 +23,9 @@ from flaxlm.training.checkpoint import (
     key_to_json,
     restore_params,
 )
-from flaxlm.training.step import TrainState, create_state
+from flaxlm.training.step import TrainState
 
 LOADER = {"kind": "blocks", "epoch": 1, "step_in_epoch": 3, "seed": 0}
-
-
-@pytest.fixture(scope="module")
-def train_state():
-    config = ModelConfig(name="t", n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=64)
-    model = GPT2LMHeadModel(GPT2Spec(config, jnp.float32, jnp.float32), nnx.Rngs(params=0))
-    _, state = create_state(model, optax.adamw(1e-3))
-    return jax.device_put(state, replicated(make_mesh(2)))
 
 
 def bumped(state: TrainState, by: float) -> TrainState:

@@ -1,5 +1,6 @@
-"""Tests of `flaxlm.data.classify`: loading local files and Hub-layout directories, label
-handling and its errors, tokenising, and batches (shuffled training, exactly-once eval)."""
+"""Tests of classification data (`flaxlm.data.examples`, `labels`, `encoding`): loading local
+files and Hub-layout directories, label handling and its errors, tokenising, and batches
+(shuffled training, exactly-once eval)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,9 @@ import tokenizers
 import transformers
 
 from flaxlm.config import Padding, TaskConfig
-from flaxlm.data.classify import (
-    FEATURES,
-    ClassificationLoader,
-    bucket_lengths,
-    encode,
-    eval_batches,
-    load_examples,
-    num_eval_batches,
-)
+from flaxlm.data.encoding import FEATURES, bucket_lengths, encode, example_loader, example_rows
+from flaxlm.data.examples import load_examples
+from flaxlm.data.loader import eval_batches, num_eval_batches
 from flaxlm.errors import FlaxlmError
 from flaxlm.parallel import make_mesh
 
@@ -351,7 +346,7 @@ def first_tokens(batch) -> np.ndarray:
 
 def test_training_epochs_are_seeded_permutations_and_resume_mid_epoch():
     mesh = make_mesh(None)
-    loader = ClassificationLoader(toy_arrays(70), global_batch_size=16, mesh=mesh, seed=3)
+    loader = example_loader(toy_arrays(70), global_batch_size=16, mesh=mesh, seed=3)
     assert loader.steps_per_epoch == 4  # 70 // 16: the incomplete batch is dropped
     epochs = [[first_tokens(b) for b in loader.epoch(e)] for e in range(2)]
     for batches in epochs:
@@ -367,27 +362,27 @@ def test_training_epochs_are_seeded_permutations_and_resume_mid_epoch():
 
 def test_loader_state_names_what_fixes_the_batch_order():
     mesh = make_mesh(None)
-    loader = ClassificationLoader(toy_arrays(40), 16, mesh, seed=1, padding=Padding.buckets)
+    loader = example_loader(toy_arrays(40), 16, mesh, seed=1, padding=Padding.buckets)
     assert loader.state_dict() == {"kind": "classify", "seed": 1, "num_examples": 40,
                                    "global_batch_size": 16, "padding": "buckets"}
-    same = ClassificationLoader(toy_arrays(40), 16, mesh, seed=1, padding=Padding.buckets)
+    same = example_loader(toy_arrays(40), 16, mesh, seed=1, padding=Padding.buckets)
     same.load_state_dict(loader.state_dict())
-    other = ClassificationLoader(toy_arrays(40), 16, mesh, seed=2, padding=Padding.buckets)
+    other = example_loader(toy_arrays(40), 16, mesh, seed=2, padding=Padding.buckets)
     with pytest.raises(FlaxlmError, match=r"seed: 1 → 2"):
         other.load_state_dict(loader.state_dict())
-    assert ClassificationLoader(toy_arrays(5), 16, mesh, seed=0).steps_per_epoch == 0
+    assert example_loader(toy_arrays(5), 16, mesh, seed=0).steps_per_epoch == 0
 
 
 @pytest.mark.parametrize("n", [1, 7, 32, 33, 99])
 def test_eval_batches_hold_every_example_once_in_order(n):
     mesh = make_mesh(None)
-    batches = list(eval_batches(toy_arrays(n), global_batch_size=32, mesh=mesh))
+    batches = list(eval_batches(n, 32, mesh, example_rows(toy_arrays(n), 32, mesh)))
     assert len(batches) == num_eval_batches(n, 32)
-    mask = np.concatenate([np.asarray(b["mask"]) for b in batches]).astype(bool)
-    ids = np.concatenate([first_tokens(b) for b in batches])
+    mask = np.concatenate([np.asarray(m) for _, m in batches]).astype(bool)
+    ids = np.concatenate([first_tokens(b) for b, _ in batches])
     np.testing.assert_array_equal(ids[mask], np.arange(n))
     assert mask.sum() == n and not mask[n:].any()  # padding only at the end
-    labels = np.concatenate([np.asarray(b["labels"]) for b in batches])
+    labels = np.concatenate([np.asarray(b["labels"]) for b, _ in batches])
     np.testing.assert_array_equal(labels[mask], np.arange(n) % 3)
 
 
@@ -399,11 +394,12 @@ def test_buckets_trim_each_batch_to_the_bucket_that_fits():
     arrays["lengths"][:] = np.minimum(arrays["lengths"], 20)  # mostly short examples
     arrays["lengths"][150] = 50
     buckets = bucket_lengths(64)
-    batches = list(eval_batches(arrays, 8, make_mesh(None), Padding.buckets))
-    widths = [b["input_ids"].shape[1] for b in batches]
+    mesh = make_mesh(None)
+    batches = list(eval_batches(200, 8, mesh, example_rows(arrays, 8, mesh, Padding.buckets)))
+    widths = [b["input_ids"].shape[1] for b, _ in batches]
     assert set(widths) == {32, 64}  # 20 → 32, the batch holding example 150 → 64
     assert widths[150 // 8] == 64
-    loader = ClassificationLoader(arrays, 8, make_mesh(None), seed=0, padding=Padding.buckets)
+    loader = example_loader(arrays, 8, mesh, seed=0, padding=Padding.buckets)
     assert {b["attention_mask"].shape[1] for b in loader.epoch(0)} <= set(buckets)
 
 
@@ -419,7 +415,8 @@ def test_num_labels_above_the_classes_the_data_use(tmp_path):
         pytest.param([1, 1, 1], [1, 0], None, r"Every example of .*train\.jsonl'\] has the label 1",
                      id="one-class-ids"),
         pytest.param(["pos", "pos"], ["pos"], None,
-                     r"Every example of .*train\.jsonl'\] has the label 'pos'", id="one-class-names"),
+                     r"Every example of .*train\.jsonl'\] has the label 'pos'",
+                     id="one-class-names"),
         pytest.param([0, 0, 0], [0, 1], 2, r"Every example of .*train\.jsonl'\] has the label 0",
                      id="one-class-of-two"),
         pytest.param([0, 1, 0, 1, 5], [0, 1], None,

@@ -16,11 +16,11 @@ import threading
 from pathlib import Path
 
 import pytest
+from conftest import TINY, compose
 from test_bad_input import ENGLISH, SHORT, assert_names, write
 
-from conftest import TINY, compose
 from flaxlm.errors import FlaxlmError
-from flaxlm.train import train
+from flaxlm.job import train
 from flaxlm.training.checkpoint import Checkpointer
 
 

@@ -21,7 +21,7 @@ import scipy.stats
 import sklearn.metrics
 
 from flaxlm.config import Padding
-from flaxlm.data.classify import bucket_lengths, encode
+from flaxlm.data.encoding import bucket_lengths, encode
 from flaxlm.errors import FlaxlmError
 from flaxlm.parallel import make_mesh
 from flaxlm.training.evaluation import (
@@ -254,7 +254,7 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(
     import grain
     import numpy as np
     from flaxlm.config import Padding
-    from flaxlm.data.classify import ClassificationLoader
+    from flaxlm.data.encoding import example_loader
     from flaxlm.parallel import make_mesh
     from flaxlm.training.evaluation import gather_rows, predict
 
@@ -274,7 +274,7 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(
         out = predict(echo, arrays, 32, mesh, padding)
         assert np.array_equal(out[:, 0], np.arange(n)), out[:, 0]
         assert np.array_equal(out[:, 1], lengths), out[:, 1]
-    loader = ClassificationLoader(arrays, 32, mesh, seed=5, padding=Padding.buckets)
+    loader = example_loader(arrays, 32, mesh, seed=5, padding=Padding.buckets)
     shuffled = grain.MapDataset.source(np.arange(n)).shuffle(seed=5)
     for step, batch in enumerate(loader.epoch(1)):
         expected = [shuffled[n + step * 32 + i] for i in range(32)]

@@ -18,7 +18,9 @@ from flax import nnx
 from flaxlm.config import ModelConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import MARKER, export_hf
-from flaxlm.models.gpt2 import GPT2LMHeadModel, GPT2Spec
+from flaxlm.models import hf
+from flaxlm.models.gpt2 import GPT2LMHeadModel
+from flaxlm.models.layers import TransformerSpec
 
 CONFIG = ModelConfig(name="t", vocab_size=97, n_positions=32, n_embd=64, n_layer=2, n_head=4)
 TEXT = ["the cat sat on the mat", "a much longer prompt on the mat", "the dog ate the cat"] * 5
@@ -43,7 +45,8 @@ def make_tokenizer(vocab_size: int = 97) -> transformers.PreTrainedTokenizerFast
 
 
 def make_params(config=CONFIG):
-    return nnx.to_pure_dict(nnx.state(GPT2LMHeadModel(GPT2Spec(config), nnx.Rngs(0)), nnx.Param))
+    model = GPT2LMHeadModel(TransformerSpec(config), nnx.Rngs(0))
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
 def export(out, **kwargs):
@@ -78,7 +81,7 @@ def test_transformers_loads_the_export_cleanly_and_its_logits_match_ours(tmp_pat
     assert [str(w.message) for w in caught if "weight" in str(w.message).lower()] == []
 
     ids = np.random.default_rng(0).integers(0, 97, (2, 32))
-    model = GPT2LMHeadModel(GPT2Spec(CONFIG), nnx.Rngs(0))
+    model = GPT2LMHeadModel(TransformerSpec(CONFIG), nnx.Rngs(0))
     with torch.no_grad():
         theirs = torch_model.eval()(torch.from_numpy(ids)).logits.numpy()
     np.testing.assert_allclose(np.asarray(model(ids)), theirs, atol=2e-5)  # float32 reorderings
@@ -132,12 +135,10 @@ def test_export_never_overwrites_a_users_directory_but_replaces_an_earlier_expor
 
 
 def test_a_failed_export_leaves_nothing_behind(tmp_path, monkeypatch):
-    import flaxlm.export
-
     def fail(*args):
         raise OSError("disk full")
 
-    monkeypatch.setattr(flaxlm.export, "_save_weights", fail)
+    monkeypatch.setattr(hf, "save_pretrained", fail)
     with pytest.raises(OSError, match="disk full"):
         export(tmp_path / "hf")
     assert os.listdir(tmp_path) == []
@@ -149,7 +150,7 @@ def test_a_failed_export_leaves_nothing_behind(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A two-step run with W&B offline: checkpoint, model/ export and end-of-run samples."""
-    from flaxlm.train import train
+    from flaxlm.job import train
 
     directory = tmp_path_factory.mktemp("run") / "run"
     overrides = [o for o in TINY if not o.startswith("logger")]
@@ -262,7 +263,7 @@ def test_a_document_start_tokenizer_packs_and_classifies_as_before(tmp_path):
 
     from flaxlm.data.packing import tokenize_and_pack
     from flaxlm.data.tokenizer import with_document_start
-    from flaxlm.finetune import with_pair_template
+    from flaxlm.tasks.classify import with_pair_template
 
     texts = datasets.Dataset.from_dict({"text": TEXT})
     for offsets in (None, tokenizers.processors.ByteLevel(trim_offsets=False)):

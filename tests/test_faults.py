@@ -16,14 +16,14 @@ import jax
 import numpy as np
 import pytest
 import safetensors.numpy
-
 from conftest import TINY, compose
-from test_checkpoint import bumped, leaves_equal, save_steps, train_state  # noqa: F401 — fixture
+from test_checkpoint import bumped, leaves_equal, save_steps
 from test_resume import assert_same_params, metrics_of
+
 from flaxlm.errors import FlaxlmError
+from flaxlm.job import train
 from flaxlm.models import hf
 from flaxlm.tracking import Tracker
-from flaxlm.train import train
 from flaxlm.training.checkpoint import Checkpointer, finalised_steps, restore_params
 
 # 2 epochs of 10 steps: checkpoints at 4, 8, 10, 12, 16, 20 (the last 3 and the best kept),
@@ -53,8 +53,8 @@ def kill_at(n):
 
 
 if fault == "step":
-    import flaxlm.train as job
-    compile_steps = job.compile_steps
+    import flaxlm.tasks.clm as clm
+    compile_steps = clm.compile_steps
 
     def compile_killing(*args, **kwargs):
         steps = compile_steps(*args, **kwargs)
@@ -66,7 +66,7 @@ if fault == "step":
 
         return dataclasses.replace(steps, train=train)
 
-    job.compile_steps = compile_killing
+    clm.compile_steps = compile_killing
 elif fault == "save":
     from orbax.checkpoint._src.path import atomicity
     finalize = atomicity.AtomicRenameTemporaryPath.finalize

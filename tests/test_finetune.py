@@ -10,9 +10,11 @@ import sys
 import numpy as np
 import pytest
 from conftest import REPO, compose
+from omegaconf import OmegaConf
 
 from flaxlm.errors import FlaxlmError
-from flaxlm.train import train
+from flaxlm.export import load_run_model
+from flaxlm.job import train
 
 # Small enough for a few seconds on 2 cores; 8 simulated devices × 2 rows.
 TINY_CLASSIFY = [
@@ -140,7 +142,7 @@ def test_a_classify_run_exports_to_transformers_with_our_logits(pair_files, tmp_
     from flaxlm.cli.generate import run as generate
     from flaxlm.export import load_run_model
     from flaxlm.models.build import build_classifier
-    from flaxlm.models.gpt2 import GPT2Spec
+    from flaxlm.models.layers import TransformerSpec
 
     run_dir = tmp_path / "run"
     train(compose([*TINY_CLASSIFY, *files_overrides(pair_files), "trainer.max_steps=3"],
@@ -153,7 +155,7 @@ def test_a_classify_run_exports_to_transformers_with_our_logits(pair_files, tmp_
 
     run_model = load_run_model(str(run_dir))
     ours = nnx.eval_shape(lambda: build_classifier(
-        GPT2Spec(run_model.model_config), 2, run_model.tokenizer.pad_token_id, nnx.Rngs(0)))
+        TransformerSpec(run_model.model_config), 2, nnx.Rngs(0)))
     state = nnx.state(ours, nnx.Param)
     nnx.replace_by_pure_dict(state, run_model.params)
     nnx.update(ours, state)
@@ -184,3 +186,11 @@ def test_clm_continues_pre_training_from_a_runs_exported_model(tmp_path):
     records = [json.loads(line) for line in open(second_dir / "metrics.jsonl")]
     assert records[0]["step"] == 0
     assert records[0]["eval/loss"] == pytest.approx(first, abs=1e-5)
+    # The run records the shape it trained (the checkpoint's, not model=gpt2-tiny's), and
+    # reading it back builds that shape.
+    recorded = OmegaConf.load(second_dir / "model_config.yaml")
+    assert (recorded.n_layer, recorded.n_embd, recorded.name) == (1, 32, "gpt2-tiny")
+    run_model = load_run_model(str(second_dir))
+    assert run_model.model_config.n_embd == 32
+    logits = run_model.model()(np.zeros((1, 4), np.int32))
+    assert logits.shape == (1, 4, 512)

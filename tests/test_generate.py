@@ -10,7 +10,8 @@ from flax import nnx
 from flaxlm.config import ModelConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.generate import GenerationSettings, generate, generate_ids, left_pad
-from flaxlm.models.gpt2 import GPT2LMHeadModel, GPT2Spec
+from flaxlm.models.gpt2 import GPT2LMHeadModel
+from flaxlm.models.layers import TransformerSpec
 
 # Larger init than GPT-2's 0.02: a random model then prefers some tokens clearly, so greedy
 # paths differ between prompts and an off-by-one position or mask shows.
@@ -22,7 +23,7 @@ EOS = 5
 
 @pytest.fixture(scope="module")
 def model():
-    return GPT2LMHeadModel(GPT2Spec(CONFIG), nnx.Rngs(0))
+    return GPT2LMHeadModel(TransformerSpec(CONFIG), nnx.Rngs(0))
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +104,9 @@ def test_sampling_settings(model, prompts):
 
 
 def test_top_k_and_top_p_keep_only_the_likeliest_tokens():
-    from flaxlm.generate import sample
     import jax
+
+    from flaxlm.generate import sample
 
     logits_BxV = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]] * 2000))
     keys = jax.random.key(0)
@@ -141,9 +143,9 @@ def test_text_generation_with_a_tokenizer(model):
 def test_greedy_equals_transformers_generate_on_the_export(model, prompts, tmp_path):
     torch = pytest.importorskip("torch")
     import transformers
+    from test_export import make_tokenizer
 
     from flaxlm.export import export_hf
-    from test_export import make_tokenizer
 
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     out = export_hf(str(tmp_path / "hf"), params, CONFIG, make_tokenizer(vocab_size=97))

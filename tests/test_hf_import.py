@@ -14,7 +14,8 @@ from flaxlm.config import ModelConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.models import hf, pretrained
 from flaxlm.models.build import build_classifier, build_lm
-from flaxlm.models.gpt2 import GPT2LMHeadModel, GPT2Spec
+from flaxlm.models.gpt2 import GPT2LMHeadModel
+from flaxlm.models.layers import TransformerSpec
 
 BASE = ModelConfig(name="pretrained")
 VOCAB, SEQ = 99, 12
@@ -60,17 +61,17 @@ def save_torch(model, directory, **kwargs):
 def load(local_dir, build, **kwargs):
     """resolve → config → build → load, as train.py does for model.init_from."""
     local_dir = pretrained.resolve_checkpoint(str(local_dir))
-    spec = GPT2Spec(pretrained.pretrained_model_config(local_dir, BASE))
+    spec = TransformerSpec(pretrained.pretrained_model_config(local_dir, BASE))
     model = build(spec)
     return model, pretrained.load_pretrained_weights(model, local_dir, **kwargs)
 
 
 def bert_classifier(num_labels=3):
-    return lambda spec: build_classifier(spec, num_labels, 0, nnx.Rngs(0))
+    return lambda spec: build_classifier(spec, num_labels, nnx.Rngs(0))
 
 
 def gpt2_classifier(spec):
-    return build_classifier(spec, 3, 0, nnx.Rngs(0))
+    return build_classifier(spec, 3, nnx.Rngs(0))
 
 
 def gpt2_lm(spec):
@@ -201,9 +202,9 @@ def test_a_head_for_another_label_count_is_replaced(bert_dir):
 
 def test_our_clm_export_continues_pretraining_or_becomes_a_classifier(tmp_path):
     config = ModelConfig(name="t", **GPT2_SHAPE)
-    trained = GPT2LMHeadModel(GPT2Spec(config), nnx.Rngs(1))
+    trained = GPT2LMHeadModel(TransformerSpec(config), nnx.Rngs(1))
     params = nnx.to_pure_dict(nnx.state(trained, nnx.Param))
-    gpt2_config = hf.to_gpt2_config(config, bos_token_id=0, eos_token_id=2, pad_token_id=1)
+    gpt2_config = hf.to_lm_config(config, bos_token_id=0, eos_token_id=2, pad_token_id=1)
     hf.save_pretrained(str(tmp_path), params, gpt2_config)  # what task=clm leaves in run_dir/model
 
     lm, report = load(tmp_path, gpt2_lm)
@@ -223,7 +224,7 @@ def test_our_clm_export_continues_pretraining_or_becomes_a_classifier(tmp_path):
 @pytest.mark.torch
 def test_a_bert_checkpoint_into_a_gpt2_model_is_an_architecture_error(bert_dir):
     local_dir, _ = bert_dir
-    model = build_lm(GPT2Spec(ModelConfig(name="t", **GPT2_SHAPE)), nnx.Rngs(0))
+    model = build_lm(TransformerSpec(ModelConfig(name="t", **GPT2_SHAPE)), nnx.Rngs(0))
     with pytest.raises(FlaxlmError, match=r"is a bert model.*model\.family=bert"):
         pretrained.load_pretrained_weights(model, local_dir, source="my-bert")
 
@@ -238,7 +239,7 @@ def test_an_unsupported_architecture_is_named(tmp_path):
 def test_a_shape_mismatch_names_the_key_both_shapes_and_the_setting(bert_dir):
     local_dir, _ = bert_dir
     config = pretrained.pretrained_model_config(local_dir, BASE)
-    model = build_classifier(GPT2Spec(dataclasses.replace(config, vocab_size=50)), 3, 0,
+    model = build_classifier(TransformerSpec(dataclasses.replace(config, vocab_size=50)), 3,
                              nnx.Rngs(0))
     with pytest.raises(FlaxlmError, match=r"word_embeddings.weight has shape \(99, 32\).*"
                                           r"\(50, 32\).*model\.vocab_size"):
@@ -251,9 +252,10 @@ def _tiny_bert_dir(tmp_path, drop=(), extra=()):
 
     config = ModelConfig(name="t", family="bert", vocab_size=VOCAB, n_positions=16, n_embd=32,
                          n_layer=2, n_head=4)
-    model = build_classifier(GPT2Spec(config), 3, 0, nnx.Rngs(0))
+    model = build_classifier(TransformerSpec(config), 3, nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    hf.save_pretrained(str(tmp_path), params, hf.to_bert_config(config, num_labels=3))
+    hf_config = hf.to_classifier_config(config, num_labels=3, pad_token_id=0)
+    hf.save_pretrained(str(tmp_path), params, hf_config)
     path = str(tmp_path / "model.safetensors")
     tensors = {k: v for k, v in load_file(path).items() if k not in drop}
     tensors.update({key: np.zeros(3, np.float32) for key in extra})

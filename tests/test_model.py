@@ -10,13 +10,14 @@ from flax import nnx
 
 from flaxlm.config import ModelConfig
 from flaxlm.models import hf
-from flaxlm.models.gpt2 import GPT2LMHeadModel, GPT2Spec, count_params
+from flaxlm.models.gpt2 import GPT2LMHeadModel
+from flaxlm.models.layers import TransformerSpec, count_params
 
 CONFIG = ModelConfig(name="t", vocab_size=97, n_positions=32, n_embd=64, n_layer=2, n_head=4)
 
 
 def make_model(config=CONFIG, **spec_kwargs):
-    return GPT2LMHeadModel(GPT2Spec(config, **spec_kwargs), nnx.Rngs(0))
+    return GPT2LMHeadModel(TransformerSpec(config, **spec_kwargs), nnx.Rngs(0))
 
 
 def token_ids(shape=(2, 32), vocab=97, seed=0):
@@ -66,7 +67,7 @@ def test_logits_match_pytorch_gpt2(tmp_path):
 
     model = make_model()
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    config = hf.to_gpt2_config(CONFIG, bos_token_id=0, eos_token_id=2, pad_token_id=1)
+    config = hf.to_lm_config(CONFIG, bos_token_id=0, eos_token_id=2, pad_token_id=1)
     hf.save_pretrained(str(tmp_path), params, config)
     torch_model = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path)).eval()
     ids = token_ids()

@@ -14,18 +14,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import TINY, compose
 from flax import nnx
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from conftest import TINY, compose
 from flaxlm.config import OptimizerConfig, OptimizerKind, Schedule
 from flaxlm.errors import FlaxlmError
-from flaxlm.models.gpt2 import GPT2LMHeadModel, GPT2Spec
+from flaxlm.job import check_settings
+from flaxlm.models.gpt2 import GPT2LMHeadModel
+from flaxlm.models.layers import TransformerSpec
 from flaxlm.parallel import global_batch, make_mesh, replicated
-from flaxlm.train import check_settings
-from flaxlm.training.plan import global_batch_size
 from flaxlm.training.optimizer import decay_mask, make_optimizer, make_schedule
+from flaxlm.training.plan import global_batch_size
 from flaxlm.training.step import (
     accumulate_gradients,
     compile_steps,
@@ -48,7 +49,7 @@ def configs():
 @pytest.fixture(scope="module")
 def tiny(configs):
     """The TINY model's parameters, a fixed batch and its jitted loss-and-gradient."""
-    model = GPT2LMHeadModel(GPT2Spec(configs[OptimizerKind.adamw].model), nnx.Rngs(0))
+    model = GPT2LMHeadModel(TransformerSpec(configs[OptimizerKind.adamw].model), nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
     batch = jnp.asarray(np.random.default_rng(0).integers(0, 512, (8, 32)), jnp.int32)
 
@@ -273,7 +274,7 @@ def test_four_accumulated_micro_batches_equal_one_step_on_the_four_times_batch(c
     config = configs[OptimizerKind.sgd]
     schedule = make_schedule(config.optimizer, total_steps=10)  # linear from 0.1 to 0
     tx = make_optimizer(config.optimizer, schedule)
-    graphdef, start = create_state(GPT2LMHeadModel(GPT2Spec(config.model), nnx.Rngs(0)), tx)
+    graphdef, start = create_state(GPT2LMHeadModel(TransformerSpec(config.model), nnx.Rngs(0)), tx)
     mesh = make_mesh(8)
     start = jax.device_get(start)
     rows = np.random.default_rng(1).integers(0, 512, (64, 16)).astype(np.int32)

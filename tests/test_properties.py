@@ -22,9 +22,8 @@ from hypothesis import strategies as st
 
 from flaxlm.config import Padding, TokenizerConfig
 from flaxlm.data import tokenizer as tokenizer_module
-from flaxlm.data.classify import ClassificationLoader
-from flaxlm.data.loader import TrainLoader
-from flaxlm.data.loader import eval_batches as block_eval_batches
+from flaxlm.data.encoding import example_loader
+from flaxlm.data.loader import block_loader, block_rows, eval_batches
 from flaxlm.data.packing import cut_blocks, join_documents, tokenize_and_pack
 from flaxlm.data.streaming import pack_stream
 from flaxlm.data.tokenizer import DocumentEncoder, document_pieces, prepare_tokenizer
@@ -43,7 +42,8 @@ per_device = st.sampled_from([1, 2, 3])
 # Text that puts spaces of every kind, digits, punctuation, contractions and non-ASCII letters
 # next to the cuts, plus any other character now and then.
 text_chars = st.one_of(
-    st.sampled_from(list("  aeiou st'sdlm0179.,;-!?\t\n\r\x0b\x0c\x1c\x85\xa0\u2003\u3000ðæé漢字🙂—")),
+    st.sampled_from(list("  aeiou st'sdlm0179.,;-!?\t\n\r\x0b\x0c\x1c\x85\xa0\u2003\u3000"
+                         "ðæé漢字🙂—")),
     st.characters(exclude_categories=["Cs"]),
 )
 texts = st.text(text_chars, max_size=120)
@@ -177,7 +177,7 @@ def test_train_loader_reads_every_block_at_most_once_per_epoch_and_resumes_to_th
 ):
     blocks = np.arange(num_blocks, dtype=np.int32)[:, None].repeat(2, axis=1)  # row i is all i
     batch_size = devices * rows_per_device
-    check_epoch_and_resume(lambda: TrainLoader(blocks, batch_size, MESHES[devices], seed),
+    check_epoch_and_resume(lambda: block_loader(blocks, batch_size, MESHES[devices], seed=seed),
                            lambda batch: np.asarray(batch)[:, 0], num_blocks, batch_size, epoch,
                            start)
 
@@ -192,7 +192,7 @@ def test_classification_loader_reads_every_example_at_most_once_per_epoch_and_re
     arrays = classification_arrays(lengths, width=24)
     batch_size = devices * rows_per_device
     check_epoch_and_resume(
-        lambda: ClassificationLoader(arrays, batch_size, MESHES[devices], seed, padding),
+        lambda: example_loader(arrays, batch_size, MESHES[devices], seed=seed, padding=padding),
         lambda batch: np.asarray(batch["input_ids"])[:, 0], len(lengths), batch_size, epoch,
         start,
     )
@@ -217,7 +217,9 @@ def test_lm_eval_batches_hold_every_block_once_in_order(num_blocks, devices, row
     blocks = np.arange(num_blocks, dtype=np.int32)[:, None].repeat(2, axis=1)
     batch_size = devices * rows_per_device
     real = []
-    for inputs, mask in block_eval_batches(blocks, batch_size, MESHES[devices]):
+    mesh = MESHES[devices]
+    for inputs, mask in eval_batches(num_blocks, batch_size, mesh,
+                                     block_rows(blocks, batch_size, mesh)):
         inputs, mask = np.asarray(inputs), np.asarray(mask)
         assert inputs.shape == (batch_size, 2) and mask.shape == (batch_size,)
         assert (inputs[mask == 0] == 0).all()  # padding rows are zeros

@@ -18,14 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import safetensors.numpy
-
 from conftest import TINY, compose
 from wandb_records import of_type, read_wandb_records
-from flaxlm.data.loader import TrainLoader
+
+from flaxlm.data.loader import RowLoader
 from flaxlm.errors import FlaxlmError
+from flaxlm.job import train
 from flaxlm.models import hf
 from flaxlm.tracking import Tracker
-from flaxlm.train import train
 from flaxlm.training.checkpoint import PREEMPTED_EXIT_CODE, Preempted, restore_params
 
 # 2 epochs of 10 steps; a checkpoint every 4 steps and at each epoch end.
@@ -172,7 +172,7 @@ def test_resume_must_without_a_checkpoint_and_never_with_resume_from_fail(tmp_pa
 def corrupt_batch_at(monkeypatch, bad_step: int):
     """Token ids past the vocabulary in the batch of `bad_step`: the embedding lookup fills
     them with NaN, so that step's loss and gradients are NaN."""
-    epoch_of = TrainLoader.epoch
+    epoch_of = RowLoader.epoch
     seen = {"steps": 0}
 
     def epoch(self, epoch_index, start_step=0):
@@ -180,7 +180,7 @@ def corrupt_batch_at(monkeypatch, bad_step: int):
             seen["steps"] += 1
             yield batch + 100_000 if seen["steps"] == bad_step else batch
 
-    monkeypatch.setattr(TrainLoader, "epoch", epoch)
+    monkeypatch.setattr(RowLoader, "epoch", epoch)
 
 
 def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_good_checkpoint(

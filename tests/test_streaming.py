@@ -13,18 +13,18 @@ import datasets
 import huggingface_hub
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
-
 from conftest import TINY, compose
+from omegaconf import OmegaConf
+from test_presets import documents, write_hub_stand_in
+
 from flaxlm.config import TokenizerConfig
 from flaxlm.data.corpus import load_corpus_stream
 from flaxlm.data.packing import cut_blocks, join_documents
 from flaxlm.data.streaming import Prefetcher, StreamingLoader, process_shard
 from flaxlm.data.tokenizer import train_bpe
 from flaxlm.errors import FlaxlmError
+from flaxlm.job import train
 from flaxlm.parallel import make_mesh
-from flaxlm.train import train
-from test_presets import documents, write_hub_stand_in
 
 SEQ = 16
 

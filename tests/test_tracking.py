@@ -9,7 +9,6 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from wandb_records import items, of_type, read_wandb_records
 
 from flaxlm.config import LoggerConfig

@@ -12,7 +12,7 @@ import transformers
 from conftest import TINY, compose
 from wandb_records import items, of_type, read_wandb_records
 
-from flaxlm.train import train
+from flaxlm.job import train
 
 SHORT_RUN = [
     *TINY,

@@ -12,7 +12,6 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, TINY
 
 # What a wheel is not built from; copying the rest keeps the build's `build/` and

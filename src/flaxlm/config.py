@@ -44,8 +44,9 @@ class LanguageConfig:
     hub_config: Optional[str] = None
     hub_split: str = "train"
     hub_revision: Optional[str] = None
-    # As in the seed notebook: validation is the FIRST `validation_fraction` of the documents,
-    # train the rest; the optional caps then keep the first N documents of each.
+    # Validation is the FIRST `validation_fraction` of the documents (a fixed, reproducible
+    # split that needs no shuffle of the corpus), train the rest; the optional caps then keep
+    # the first N documents of each.
     validation_fraction: float = 0.05
     max_train_docs: Optional[int] = None
     max_eval_docs: Optional[int] = None
@@ -86,8 +87,8 @@ class ModelConfig:
     attn_pdrop: float = 0.1
     layer_norm_epsilon: float = 1e-5
     initializer_range: float = 0.02
-    # null → hardware.param_dtype (float32 master weights by default). bfloat16 reproduces the
-    # seed notebook, which initialised its parameters (and so AdamW's moments) in bfloat16.
+    # null → hardware.param_dtype (float32 master weights by default). bfloat16 keeps the
+    # parameters (and so AdamW's moments) in bfloat16: half the memory, less precise updates.
     param_dtype: Optional[str] = None
     type_vocab_size: int = 2  # bert: segment (token type) embeddings
     classifier_dropout: Optional[float] = None  # classify: null → resid_pdrop, as in HF
@@ -100,14 +101,14 @@ class ModelConfig:
 class OptimizerKind(str, enum.Enum):
     """Which optax optimizer; `name` is only the option's label (conf/optimizer/<name>.yaml)."""
 
-    adamw = "adamw"  # optax.adamw: Adam with decoupled weight decay (the seed's)
+    adamw = "adamw"  # optax.adamw: Adam with decoupled weight decay
     adafactor = "adafactor"  # optax.adafactor: factored second moments, relative step sizes
     lion = "lion"  # optax.lion: sign of an interpolated momentum (Chen et al. 2023)
     sgd = "sgd"  # optax.sgd: plain, heavy-ball or Nesterov momentum
 
 
 class Schedule(str, enum.Enum):
-    linear = "linear"  # warmup, then linear decay to end_lr (the seed's schedule)
+    linear = "linear"  # warmup, then linear decay to end_lr
     cosine = "cosine"  # warmup, then cosine decay to end_lr
     constant = "constant"  # warmup, then flat
     wsd = "wsd"  # warmup, flat, then linear decay to end_lr over the last decay_fraction of steps
@@ -135,7 +136,7 @@ class OptimizerConfig:
     warmup_steps: int = 0
     end_lr: float = 0.0
     decay_fraction: float = 0.1  # wsd: the last fraction of all steps, spent decaying
-    max_grad_norm: Optional[float] = None  # None → no clipping, as in the seed
+    max_grad_norm: Optional[float] = None  # None → no clipping
 
 
 @dataclasses.dataclass
@@ -220,7 +221,7 @@ class TrainerConfig:
     num_epochs: int = 1
     max_steps: Optional[int] = None  # if set, overrides num_epochs
     # Rows per optimizer step. null → hardware.per_device_batch_size × devices ×
-    # grad_accum_steps (the seed: × 1); if set, must divide evenly over devices ×
+    # grad_accum_steps; if set, must divide evenly over devices ×
     # grad_accum_steps. Fixing it keeps a run's recipe the same on different hardware.
     global_batch_size: Optional[int] = None
     # Micro-batches per optimizer step: their gradients are averaged inside one jitted step
@@ -284,7 +285,7 @@ class SamplesConfig:
 class TrainConfig:
     """The whole composed config of `flaxlm-train`."""
 
-    language: LanguageConfig = MISSING
+    language: Optional[LanguageConfig] = None  # task=classify: none (its data is in task)
     model: ModelConfig = MISSING
     optimizer: OptimizerConfig = MISSING
     hardware: HardwareConfig = MISSING

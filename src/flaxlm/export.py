@@ -3,8 +3,8 @@
 `export_hf` writes what `transformers.AutoModelForCausalLM.from_pretrained(out)` and
 `AutoTokenizer.from_pretrained(out)` load (PyTorch, no missing or unused weights):
 
-    config.json             GPT2Config (`hf.to_gpt2_config`), or any HF config passed in
-    model.safetensors       float32 weights under HF's PyTorch names (`hf.to_hf_state_dict`)
+    config.json             the LM's HF config (`hf.to_lm_config`), or the HF config passed in
+    model.safetensors       float32 weights under HF's PyTorch names (`hf.save_pretrained`)
     tokenizer files         tokenizer.json, tokenizer_config.json, ...
     generation_config.json  bos / eos / pad ids and the sampling defaults (LM only)
     README.md               a model card: the run's eval figures and its resolved config
@@ -20,8 +20,8 @@ A language model's tokenizer is exported with `with_document_start`: it reads a 
 start of a document, as flaxlm-generate does, so transformers generates what flaxlm does.
 
 A classifier export (BERT or GPT-2) differs only in the HF config (`hf.to_classifier_config`,
-whose `architectures[0]` picks the parameter mapping) and in having no generation config: pass
-`hf_config=` and `generation=None`.
+whose `architectures[0]` picks the row of `hf.ARCHITECTURES`, and so the parameter mapping) and
+in having no generation config: pass `hf_config=` and `generation=None`.
 
 `load_run_model` is the way back: a run directory (its latest or a given checkpoint, or, for a
 run without checkpoints, its exported `model/`) as a model ready to generate with.
@@ -41,18 +41,18 @@ import transformers
 from flax import nnx
 from omegaconf import OmegaConf
 
+from flaxlm import layout
 from flaxlm.config import ModelConfig
 from flaxlm.data.tokenizer import with_document_start
 from flaxlm.errors import FlaxlmError
 from flaxlm.generate import GenerationSettings
+from flaxlm.layout import CHECKPOINT_SUBDIR, MODEL_SUBDIR, RUN_FILES, run_path
 from flaxlm.models import hf, pretrained
-from flaxlm.models.build import build_classifier
-from flaxlm.models.gpt2 import GPT2LMHeadModel, GPT2Spec
-from flaxlm.training.checkpoint import CHECKPOINT_SUBDIR
+from flaxlm.models.build import build_classifier, build_lm, lm_from_params
+from flaxlm.models.layers import TransformerSpec
+from flaxlm.training.checkpoint import restore_params
 
 MARKER = "flaxlm_export.json"
-MODEL_SUBDIR = "model"  # a run's own export, written at the end of training
-RUN_FILES = ("metrics.jsonl", "config.yaml", ".lock")  # beside checkpoints/ in every run dir
 
 # The model card's evaluation table: metric key → label, format.
 _CARD_FIGURES = [
@@ -69,16 +69,19 @@ _CARD_FIGURES = [
 ]
 
 
+DEFAULT_GENERATION = GenerationSettings()  # frozen, so one instance serves every call
+
+
 def export_hf(out_dir: str, params: dict, model_config: ModelConfig, tokenizer, *,
               run_config: dict | None = None, eval_metrics: dict | None = None,
-              generation: GenerationSettings | None = GenerationSettings(),
+              generation: GenerationSettings | None = DEFAULT_GENERATION,
               hf_config: transformers.PretrainedConfig | None = None,
               source: str | None = None, overwrite: bool = False,
               run_dir: str | None = None) -> str:
     """Write `params` (a nested dict, as `nnx.to_pure_dict` gives) as an HF model directory at
     `out_dir`; returns its absolute path.
 
-    `hf_config` defaults to the GPT2LMHeadModel config of `model_config` with the tokenizer's
+    `hf_config` defaults to the language-model config of `model_config` with the tokenizer's
     special ids. `run_config` (the resolved config) and `eval_metrics` (eval/loss,
     eval/perplexity, eval/bits_per_byte, steps, tokens_seen) go into the model card;
     `generation` becomes generation_config.json (None: none written); `source` says where the
@@ -88,22 +91,21 @@ def export_hf(out_dir: str, params: dict, model_config: ModelConfig, tokenizer, 
     out_dir = os.path.abspath(os.path.expanduser(out_dir))
     check_destination(out_dir, overwrite, run_dir)
     if hf_config is None:
-        hf_config = hf.to_gpt2_config(
+        hf_config = hf.to_lm_config(
             model_config,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
-    architecture = (hf_config.architectures or [hf.GPT2_LM])[0]
-    if architecture == hf.GPT2_LM:
+    architecture = hf_config.architectures[0]
+    if hf.architecture(architecture).is_lm:
         tokenizer = with_document_start(tokenizer)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     _remove_leftovers(out_dir)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.export-", dir=parent)
     try:
-        hf_config.save_pretrained(staging)
-        _save_weights(staging, hf.to_hf_state_dict(params, architecture))
+        hf.save_pretrained(staging, params, hf_config)
         tokenizer.save_pretrained(staging)
         if generation is not None:
             generation_config(generation, tokenizer).save_pretrained(staging)
@@ -231,11 +233,12 @@ def model_card(model_config: ModelConfig, architecture: str, run_config: dict | 
                eval_metrics: dict | None, source: str | None, num_params: int) -> str:
     """README.md: what the model is, how well it did, how to load it, how it was trained."""
     language = ((run_config or {}).get("language") or {}).get("name")
+    arch = hf.architecture(architecture)
     lines = [
         "---",
         "library_name: transformers",
-        f"pipeline_tag: {'text-generation' if architecture == hf.GPT2_LM else 'text-classification'}",
-        "tags: [flaxlm, jax, flax, " + ("gpt2" if "GPT2" in architecture else "bert") + "]",
+        f"pipeline_tag: {'text-generation' if arch.is_lm else 'text-classification'}",
+        f"tags: [flaxlm, jax, flax, {arch.family.value}]",
         "---",
         "",
         f"# {model_config.name}" + (f" on {language}" if language else ""),
@@ -255,14 +258,14 @@ def model_card(model_config: ModelConfig, architecture: str, run_config: dict | 
         lines += ["| | |", "|---|---|", *(f"| {label} | {value} |" for label, value in figures)]
     else:
         lines.append("No evaluation was recorded for these weights.")
-    auto_class = ("AutoModelForCausalLM" if architecture == hf.GPT2_LM
+    auto_class = ("AutoModelForCausalLM" if arch.is_lm
                   else "AutoModelForSequenceClassification")
     lines += ["", "## Use", "", "```python",
               f"from transformers import {auto_class}, AutoTokenizer", "",
               f'model = {auto_class}.from_pretrained("<this directory>")',
               'tokenizer = AutoTokenizer.from_pretrained("<this directory>")',
               "```", ""]
-    if architecture == hf.GPT2_LM:
+    if arch.is_lm:
         lines += ["Training packed documents into one stream separated by the EOS token "
                   f"`{_eos_text(run_config)}`, so the model reads a text as the start of a "
                   "document after it: the tokenizer puts it in front of every text it encodes, "
@@ -283,14 +286,6 @@ def run_generation_settings(run_config: dict | None) -> GenerationSettings:
 
 def _eos_text(run_config: dict | None) -> str:
     return ((run_config or {}).get("tokenizer") or {}).get("eos_token") or "</s>"
-
-
-def _save_weights(directory: str, state_dict: dict[str, np.ndarray]) -> None:
-    from safetensors.numpy import save_file
-
-    # A transposed kernel (nn.Linear heads) is a strided view, which safetensors rejects.
-    tensors = {key: np.ascontiguousarray(value) for key, value in state_dict.items()}
-    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
 
 
 def _give_default_modes(directory: str) -> None:
@@ -321,7 +316,8 @@ def _move_into_place(staging: str, out_dir: str) -> None:
     if not os.path.lexists(out_dir):
         os.rename(staging, out_dir)
         return
-    old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=os.path.dirname(out_dir))
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-",
+                           dir=os.path.dirname(out_dir))
     os.rmdir(old)  # only its unique name is wanted
     os.rename(out_dir, old)
     try:
@@ -364,37 +360,33 @@ class RunModel(NamedTuple):
     source: str  # e.g. "/runs/x checkpoint step 200", for messages and the model card
     hf_config: Any = None  # a task=classify run's HF classifier config; None for an LM
 
-    def model(self) -> GPT2LMHeadModel:
+    def model(self) -> nnx.Module:
         if self.hf_config is not None:
             raise FlaxlmError(
                 f"{self.source} is a classifier ({self.hf_config.architectures[0]}, from a "
                 "task=classify run), not a language model, so it cannot generate text. Point "
                 "run_dir at a task=clm run."
             )
-        return build_lm(self.model_config, self.params)
+        return lm_from_params(self.model_config, self.params)
 
 
 def load_run_model(run_dir: str, step: int | None = None) -> RunModel:
     """The parameters of `run_dir`'s latest complete checkpoint (or of `step`), with the run's
     config and its tokenizer (from `run_dir/model/`). A run without checkpoints falls back to
     the HF model it exported at its end, `run_dir/model/` (then `step` must be unset)."""
-    from flaxlm.training.checkpoint import CHECKPOINT_SUBDIR, restore_params
-
     run_dir = os.path.abspath(os.path.expanduser(run_dir))
     if not os.path.isdir(run_dir):
         raise FlaxlmError(
             f"run_dir={run_dir} does not exist. Pass the directory of a flaxlm-train run, e.g. "
             "run_dir=outputs/clm/runs/<timestamp>."
         )
-    model_dir = os.path.join(run_dir, MODEL_SUBDIR)
+    model_dir = run_path(run_dir, MODEL_SUBDIR)
     tokenizer = _load_tokenizer(model_dir, run_dir)
-    if os.path.isdir(os.path.join(run_dir, CHECKPOINT_SUBDIR)):
+    if os.path.isdir(run_path(run_dir, CHECKPOINT_SUBDIR)):
         params, run_config, step = restore_params(run_dir, step)
-        model_config = _model_config(run_config, run_dir)
+        model_config = _trained_model_config(run_dir, run_config)
         hf_config = None
         if _is_classifier_run(run_config):
-            # Its shape may come from model.init_from's config.json: model/ holds the real one.
-            model_config = pretrained.pretrained_model_config(model_dir, model_config)
             hf_config = transformers.AutoConfig.from_pretrained(model_dir)
         return RunModel(params, model_config, tokenizer, run_config, step,
                         f"{run_dir} checkpoint step {step}", hf_config)
@@ -407,23 +399,6 @@ def load_run_model(run_dir: str, step: int | None = None) -> RunModel:
     return _from_export(model_dir, run_dir, tokenizer)
 
 
-def build_lm(model_config: ModelConfig, params: dict) -> GPT2LMHeadModel:
-    """A GPT2LMHeadModel of `model_config`'s shape holding `params` (no random init runs)."""
-    model = nnx.eval_shape(lambda: GPT2LMHeadModel(GPT2Spec(model_config), nnx.Rngs(0)))
-    state = nnx.state(model, nnx.Param)
-    nnx.replace_by_pure_dict(state, _with_int_layer_keys(params))
-    nnx.update(model, state)
-    return model
-
-
-def _with_int_layer_keys(params):
-    """nnx.List children are keyed by int; a dict read back from disk may hold '0', '1', ..."""
-    if not isinstance(params, dict):
-        return params
-    return {int(k) if isinstance(k, str) and k.isdigit() else k: _with_int_layer_keys(v)
-            for k, v in params.items()}
-
-
 def _load_tokenizer(model_dir: str, run_dir: str):
     if not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
         raise FlaxlmError(
@@ -434,14 +409,30 @@ def _load_tokenizer(model_dir: str, run_dir: str):
     return transformers.AutoTokenizer.from_pretrained(model_dir)
 
 
+def _trained_model_config(run_dir: str, run_config: dict) -> ModelConfig:
+    """The shape the run trained, as it recorded it when it started. A run that predates that
+    record has it in its config, or (model.init_from's shape) in its model/config.json."""
+    recorded = run_path(run_dir, layout.MODEL_CONFIG_FILE)
+    if os.path.isfile(recorded):
+        return _as_model_config(OmegaConf.load(recorded))
+    model_config = _model_config(run_config, run_dir)
+    if model_config.init_from:
+        model_config = pretrained.pretrained_model_config(run_path(run_dir, MODEL_SUBDIR),
+                                                          model_config)
+    return model_config
+
+
+def _as_model_config(values) -> ModelConfig:
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), values))
+
+
 def _model_config(run_config: dict, run_dir: str) -> ModelConfig:
     if "model" not in run_config:
         raise FlaxlmError(
             f"The checkpoint of {run_dir} has no model config in its metadata, so it was not "
             "written by flaxlm-train. Point run_dir at a flaxlm-train run directory."
         )
-    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), run_config["model"])
-    return OmegaConf.to_object(merged)
+    return _as_model_config(run_config["model"])
 
 
 def _from_export(model_dir: str, run_dir: str, tokenizer) -> RunModel:
@@ -452,16 +443,19 @@ def _from_export(model_dir: str, run_dir: str, tokenizer) -> RunModel:
             "Point run_dir at a run that finished or saved a checkpoint."
         )
     run_config = _saved_run_config(run_dir)
-    base = _model_config(run_config, run_dir) if "model" in run_config else ModelConfig(
-        name=os.path.basename(run_dir))
-    model_config = pretrained.pretrained_model_config(model_dir, base)
+    if os.path.isfile(run_path(run_dir, layout.MODEL_CONFIG_FILE)):
+        model_config = _trained_model_config(run_dir, run_config)
+    else:  # the export's own config.json gives the shape
+        base = _model_config(run_config, run_dir) if "model" in run_config else ModelConfig(
+            name=os.path.basename(run_dir))
+        model_config = pretrained.pretrained_model_config(model_dir, base)
     hf_config = None
     if _is_classifier_run(run_config):
         hf_config = transformers.AutoConfig.from_pretrained(model_dir)
         model = nnx.eval_shape(lambda: build_classifier(
-            GPT2Spec(model_config), hf_config.num_labels, tokenizer.pad_token_id, nnx.Rngs(0)))
+            TransformerSpec(model_config), hf_config.num_labels, nnx.Rngs(0)))
     else:
-        model = nnx.eval_shape(lambda: GPT2LMHeadModel(GPT2Spec(model_config), nnx.Rngs(0)))
+        model = nnx.eval_shape(lambda: build_lm(TransformerSpec(model_config), nnx.Rngs(0)))
     # Raises if any weight is missing.
     pretrained.load_pretrained_weights(model, model_dir, source=model_dir)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -476,7 +470,7 @@ def _is_classifier_run(run_config: dict) -> bool:
 
 
 def _saved_run_config(run_dir: str) -> dict:
-    path = os.path.join(run_dir, "config.yaml")
+    path = run_path(run_dir, layout.CONFIG_FILE)
     if not os.path.isfile(path):
         return {}
     return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
@@ -494,7 +488,7 @@ def eval_metrics_at(run_dir: str, step: int | None) -> dict:
     """The eval figures metrics.jsonl recorded at `step` (none if no eval ran then), plus
     `steps`; for the model card of an export from a checkpoint."""
     figures: dict = {} if step is None else {"steps": step}
-    path = os.path.join(run_dir, "metrics.jsonl")
+    path = run_path(run_dir, layout.METRICS_FILE)
     if step is None or not os.path.isfile(path):
         return figures
     with open(path) as f:

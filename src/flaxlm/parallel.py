@@ -1,7 +1,7 @@
 """Devices, the data mesh and shardings.
 
-Data parallelism as the seed's pmapped loop did it (each device gets `per_device_batch_size`
-examples, gradients averaged over all devices), written with the maintained API: the batch is
+Data parallelism (each device gets `per_device_batch_size` examples, gradients averaged over
+all devices), written with `jax.jit` over a mesh rather than `pmap`: the batch is
 one global `jax.Array` sharded on the mesh's `data` axis, the parameters are replicated, and
 `jax.jit` inserts the cross-device mean of the gradients. Multi-host: every process loads only
 its own rows and `jax.make_array_from_process_local_data` stitches them into the global batch.

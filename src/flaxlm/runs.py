@@ -22,8 +22,15 @@ from omegaconf import OmegaConf
 
 from flaxlm.config import CheckpointConfig, ResumeMode, TrainConfig
 from flaxlm.errors import FlaxlmError
-from flaxlm.training.checkpoint import (
+from flaxlm.layout import (
     CHECKPOINT_SUBDIR,
+    CONFIG_FILE,
+    LOCK_FILE,
+    METRICS_FILE,
+    WANDB_ID_FILE,
+    run_path,
+)
+from flaxlm.training.checkpoint import (
     Checkpointer,
     disk_full_cause,
     finalised_steps,
@@ -44,7 +51,7 @@ def claim_run_dir(run_dir: str) -> str:
     os.makedirs(run_dir, exist_ok=True)
     try:
         flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY
-        os.close(os.open(os.path.join(run_dir, "metrics.jsonl"), flags, 0o644))
+        os.close(os.open(run_path(run_dir, METRICS_FILE), flags, 0o644))
     except FileExistsError:
         if not _failed_start(run_dir):
             raise FlaxlmError(
@@ -56,15 +63,15 @@ def claim_run_dir(run_dir: str) -> str:
         print(f"flaxlm: run_dir={run_dir} holds a start that failed before its first step "
               "(empty metrics.jsonl, no checkpoint); this run starts afresh in it", flush=True)
         with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(run_dir, WANDB_ID_FILE))
+            os.remove(run_path(run_dir, WANDB_ID_FILE))
     return run_dir
 
 
 def _failed_start(run_dir: str) -> bool:
     """A run that stopped before logging a metric or starting a checkpoint: nothing in it is
     worth keeping (config.yaml and model/ are rewritten by the next start)."""
-    checkpoints = os.path.join(run_dir, CHECKPOINT_SUBDIR)
-    return (os.path.getsize(os.path.join(run_dir, "metrics.jsonl")) == 0
+    checkpoints = run_path(run_dir, CHECKPOINT_SUBDIR)
+    return (os.path.getsize(run_path(run_dir, METRICS_FILE)) == 0
             and not (os.path.isdir(checkpoints) and os.listdir(checkpoints)))
 
 
@@ -94,7 +101,6 @@ RESUMABLE_CHANGES = (
     "hardware.per_device_batch_size", "hardware.per_device_eval_batch_size",
     "hardware.peak_tflops_per_device",
 )
-WANDB_ID_FILE = "wandb_run_id"
 
 
 @dataclasses.dataclass
@@ -138,12 +144,12 @@ def open_run_dir(config: TrainConfig, resolved: dict) -> RunDir:
     lock = _lock(path)
     try:
         if resuming:
-            check_resumable(os.path.join(path, "config.yaml"), resolved)
+            check_resumable(run_path(path, CONFIG_FILE), resolved)
         else:
             if mode != ResumeMode.never:
                 _set_aside_start_without_checkpoint(path, resolved)
             claim_run_dir(path)
-            OmegaConf.save(OmegaConf.create(resolved), os.path.join(path, "config.yaml"))
+            OmegaConf.save(OmegaConf.create(resolved), run_path(path, CONFIG_FILE))
         return RunDir(path, resuming, _wandb_run_id(path), lock)
     except BaseException:
         os.close(lock)
@@ -156,21 +162,21 @@ def _set_aside_start_without_checkpoint(run_dir: str, resolved: dict) -> None:
     that requeues the same command expects. Its metrics.jsonl is kept under another name, and
     the new start gets a W&B run of its own. A directory with another config is left alone
     (`claim_run_dir` refuses it)."""
-    metrics = os.path.join(run_dir, "metrics.jsonl")
+    metrics = run_path(run_dir, METRICS_FILE)
     if (not os.path.isfile(metrics) or os.path.getsize(metrics) == 0 or has_checkpoint(run_dir)
-            or _config_changes(os.path.join(run_dir, "config.yaml"), resolved) != []):
+            or _config_changes(run_path(run_dir, CONFIG_FILE), resolved) != []):
         return
     kept = f"{metrics}.stopped-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     os.replace(metrics, kept)
     with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(run_dir, WANDB_ID_FILE))
+        os.remove(run_path(run_dir, WANDB_ID_FILE))
     print(f"flaxlm: run_dir={run_dir} holds this run stopped before its first checkpoint, so "
           f"it starts again from step 0; the metrics it had logged are kept in {kept}",
           flush=True)
 
 
 def _nothing_to_resume(path: str, resume_from: str | None, mode: ResumeMode) -> str:
-    checkpoints = os.path.join(path, CHECKPOINT_SUBDIR)
+    checkpoints = run_path(path, CHECKPOINT_SUBDIR)
     missing = "" if os.path.isdir(path) else f" ({path} does not exist)"
     if resume_from:
         return (f"resume_from={resume_from} has no complete checkpoint to resume in "
@@ -183,7 +189,7 @@ def _nothing_to_resume(path: str, resume_from: str | None, mode: ResumeMode) -> 
 
 
 def has_checkpoint(run_dir: str) -> bool:
-    return bool(finalised_steps(os.path.join(run_dir, CHECKPOINT_SUBDIR)))
+    return bool(finalised_steps(run_path(run_dir, CHECKPOINT_SUBDIR)))
 
 
 def check_resumable(saved_config_path: str, resolved: dict) -> None:
@@ -229,7 +235,7 @@ def _flatten(tree, prefix: str = "") -> dict:
 
 def _lock(run_dir: str) -> int:
     """One process at a time in a run directory: two resumes of one run would interleave."""
-    descriptor = os.open(os.path.join(run_dir, ".lock"), os.O_CREAT | os.O_RDWR, 0o644)
+    descriptor = os.open(run_path(run_dir, LOCK_FILE), os.O_CREAT | os.O_RDWR, 0o644)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -244,7 +250,7 @@ def _lock(run_dir: str) -> int:
 def _wandb_run_id(run_dir: str) -> str:
     """The W&B run id of this run directory, made once and kept in the directory, so that a
     resumed run continues the same W&B run."""
-    path = os.path.join(run_dir, WANDB_ID_FILE)
+    path = run_path(run_dir, WANDB_ID_FILE)
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             return f.read().strip()
@@ -313,7 +319,7 @@ def make_checkpointer(run_dir: str, settings: CheckpointConfig) -> Checkpointer:
     if settings.every_steps is not None and settings.every_steps < 1:
         raise FlaxlmError(f"checkpoint.every_steps={settings.every_steps} must be at least 1 "
                           "(or null: only at epoch ends, the last step and on SIGTERM).")
-    return Checkpointer(os.path.join(run_dir, CHECKPOINT_SUBDIR), keep_last=settings.keep_last,
+    return Checkpointer(run_path(run_dir, CHECKPOINT_SUBDIR), keep_last=settings.keep_last,
                         keep_best=settings.keep_best, async_save=settings.async_save)
 
 
@@ -338,7 +344,7 @@ def disk_full_error(err: BaseException, run_dir: str) -> FlaxlmError | None:
     text = str(cause).strip().splitlines()[0]
     if len(text) > 400:  # tensorstore's text: the file and the reason come last
         text = "…" + text[-400:]
-    steps = finalised_steps(os.path.join(run_dir, CHECKPOINT_SUBDIR))
+    steps = finalised_steps(run_path(run_dir, CHECKPOINT_SUBDIR))
     kept = (f"Its last complete checkpoint, step {steps[-1]}, is intact: free some space and "
             "run the same command to resume."
             if steps else "It had saved no checkpoint yet: free some space and run the same "

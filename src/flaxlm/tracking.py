@@ -12,11 +12,13 @@ import json
 import netrc
 import os
 import time
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 from urllib.parse import urlparse
 
 from flaxlm.config import LoggerConfig
 from flaxlm.errors import FlaxlmError
+from flaxlm.layout import METRICS_FILE, run_path
 
 _MODES = ("auto", "online", "offline", "disabled")
 
@@ -26,7 +28,7 @@ class Tracker:
 
     def __init__(self, run_dir: str, wandb_run=None):
         self.wandb_run = wandb_run
-        self._path = os.path.join(run_dir, "metrics.jsonl")
+        self._path = run_path(run_dir, METRICS_FILE)
         self._jsonl = open(self._path, "a", buffering=1)
 
     def rewind(self, step: int) -> int:

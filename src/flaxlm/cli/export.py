@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import yaml
 
@@ -61,7 +62,8 @@ def parse_settings(argv: Sequence[str], settings: dict[str, Setting], program: s
     missing = [key for key, s in settings.items() if s.required and key not in values]
     if missing:
         raise FlaxlmError(
-            f"{program} needs {' and '.join(f'{key}=…' for key in missing)}. {usage.splitlines()[0]}"
+            f"{program} needs {' and '.join(f'{key}=…' for key in missing)}. "
+            f"{usage.splitlines()[0]}"
         )
     return {key: values.get(key, s.default) for key, s in settings.items()}
 

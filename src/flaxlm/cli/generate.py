@@ -12,7 +12,7 @@ status 2.
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from flaxlm.cli.export import Setting, boolean, optional_int, parse_settings, run_command
 

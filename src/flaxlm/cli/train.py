@@ -1,5 +1,5 @@
 """`flaxlm-train`: the Hydra entrypoint. It only composes the config and hands it to
-`flaxlm.train.train`; a user's mistake is printed as one paragraph, without a traceback.
+`flaxlm.job.train`; a user's mistake is printed as one paragraph, without a traceback.
 
 Exit codes: 0 done; 1 failed (a multirun: one of its jobs failed, the others still ran); 2 a
 configuration or input error (FlaxlmError, or a config Hydra cannot compose); 75 stopped by
@@ -41,7 +41,7 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def train_job(cfg: DictConfig) -> float:
-    from flaxlm.train import train  # after Hydra: JAX starts only once the config is known
+    from flaxlm.job import train  # after Hydra: JAX starts only once the config is known
     from flaxlm.training.checkpoint import PREEMPTED_EXIT_CODE, Preempted
 
     hydra_cfg = HydraConfig.get()
@@ -53,7 +53,8 @@ def train_job(cfg: DictConfig) -> float:
     try:
         eval_loss = train(
             cfg,
-            choices={k: v for k, v in hydra_cfg.runtime.choices.items() if not k.startswith("hydra")},
+            choices={k: v for k, v in hydra_cfg.runtime.choices.items()
+                     if not k.startswith("hydra")},
             run_name=",".join(overrides) or None,
             run_group=os.path.basename(hydra_cfg.sweep.dir) if multirun else None,
         )

@@ -7,7 +7,7 @@ Three sources, all ending as a `datasets.Dataset` with one column, "text":
 * `files`: local .txt / .jsonl / .json / .parquet / .csv files, given as paths or glob patterns;
 * `hub`: `datasets.load_dataset` on a Hugging Face Hub dataset (or a local directory of data files).
 
-Blank documents are dropped, then, as in the seed notebook, validation is the FIRST
+Blank documents are dropped, then validation is the FIRST
 `validation_fraction` of the documents and train the rest; the optional caps keep the first N of
 each. Every problem the user can fix is raised as a `FlaxlmError` naming the setting or file.
 """
@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import ast
 import codecs
-import contextlib
 import dataclasses
 import functools
-import glob
 import hashlib
 import math
 import os
@@ -34,6 +32,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from flaxlm.config import CorpusSource, LanguageConfig, TextSplitting
+from flaxlm.data.files import check_file_type, expand_patterns, quiet_datasets_logs, root_cause
 from flaxlm.errors import FlaxlmError
 
 # Standard-library directories whose docstrings are not prose about Python (tests, GUI, vendored
@@ -178,41 +177,11 @@ def _expand(patterns: list[str]) -> list[Path]:
     return expand_patterns(patterns, "language.files")
 
 
-def expand_patterns(patterns: list[str], setting: str) -> list[Path]:
-    """Files matched by each path or glob of `setting`, sorted per pattern, in pattern order,
-    without repeats; a pattern that matches nothing is an error naming it."""
-    paths: dict[Path, None] = {}  # an ordered set
-    for pattern in patterns:
-        matches = sorted(
-            p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p)
-        )
-        if not matches:
-            raise FlaxlmError(
-                f"{setting}: the pattern {pattern!r} matches no file (relative paths are "
-                f"resolved from the working directory {os.getcwd()!r}). Fix the path or glob, "
-                "or use an absolute path."
-            )
-        paths.update((Path(m).resolve(), None) for m in matches)
-    return list(paths)
-
-
 def _check_file(path: Path) -> None:
     """Fail on what `datasets` would report badly or not at all: wrong type, empty, bad UTF-8."""
     check_file_type(path, "language.files", _BUILDERS)
     if path.suffix.lower() != ".parquet":
         _check_utf8(path)
-
-
-def check_file_type(path: Path, setting: str, supported) -> None:
-    """A file of `setting` must have one of the `supported` extensions and not be empty."""
-    if path.suffix.lower() not in supported:
-        raise FlaxlmError(
-            f"{setting}: {str(path)!r} has the unsupported extension {path.suffix!r}. "
-            f"Supported: {', '.join(supported)}; convert the file, or rename it if it already is "
-            "one of these."
-        )
-    if path.stat().st_size == 0:
-        raise FlaxlmError(f"{setting}: {str(path)!r} is empty. Remove it from {setting}.")
 
 
 def _check_utf8(path: Path) -> None:
@@ -316,26 +285,6 @@ def _open_hub(language: LanguageConfig, streaming: bool):
 
 
 # --- common --------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def quiet_datasets_logs():
-    """`datasets` logs why a data file does not parse on stderr, then raises; the FlaxlmError
-    made of that exception says it again, so the log line would only push it off the first
-    line of stderr."""
-    verbosity = datasets.logging.get_verbosity()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
-    try:
-        yield
-    finally:
-        datasets.logging.set_verbosity(verbosity)
-
-
-def root_cause(err: BaseException) -> str:
-    """The innermost explicitly chained error: `datasets` wraps the useful message."""
-    while err.__cause__ is not None:
-        err = err.__cause__
-    return f"{type(err).__name__}: {err}".rstrip(": .")  # the caller adds its own punctuation
 
 
 def _text_column(table: datasets.Dataset, column: str, where: str) -> datasets.Dataset:
@@ -509,8 +458,7 @@ def _file_documents(paths: list[str], column: str, splitting: str):
             yield from ({"text": text} for text in texts)
             continue
         rows = datasets.load_dataset(builder, data_files=[name], split="train", streaming=True)
-        for row in _stream_text_column(rows, column, where=repr(name)):
-            yield row
+        yield from _stream_text_column(rows, column, where=repr(name))
 
 
 def _stream_text_column(

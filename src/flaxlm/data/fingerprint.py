@@ -8,7 +8,6 @@ from typing import Any
 
 import datasets
 
-
 _TEXT_HASHES: dict[str, str] = {}  # datasets' own fingerprint of a dataset → its text hash
 
 

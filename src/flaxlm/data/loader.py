@@ -1,18 +1,24 @@
-"""Batches of token blocks as global, sharded `jax.Array`s.
+"""Batches of rows as global, sharded `jax.Array`s: one training loader and one evaluation
+batching for every kind of data.
 
-Training: a seeded shuffle per epoch (indexing grain's shuffled `MapDataset` past its length
-draws a fresh permutation for every pass, so epoch e is indices [e*N, (e+1)*N)), the
-incomplete final batch dropped, and each process reading only its own rows.
-A position in the stream is just (epoch, step), which makes resuming exact.
+Both count rows 0..N-1 and hand the indices of each global batch to a `RowGather`, which turns
+them into this process's part of the batch: packed token blocks here (`block_rows`), encoded
+examples in data/encoding.py. Each process reads only the rows of its own devices.
 
-Evaluation: every block exactly once, in order; the last batch is padded with zero rows and a
-row mask says which rows are real.
+Training (`RowLoader`): a seeded shuffle per epoch (indexing grain's shuffled `MapDataset` past
+its length draws a fresh permutation for every pass, so epoch e is indices [e*N, (e+1)*N)), the
+incomplete final batch dropped. A position in the data is just (epoch, step), which makes
+resuming exact.
+
+Evaluation (`eval_batches`): every row exactly once, in order; the last batch is padded with
+zero rows and a row mask says which rows are real.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import grain
 import jax
@@ -22,54 +28,113 @@ from jax.sharding import Mesh
 from flaxlm.errors import FlaxlmError
 from flaxlm.parallel import global_batch, process_rows
 
+Batch = jax.Array | dict[str, jax.Array]  # packed blocks, or named arrays (examples)
+
+# The global batch whose rows are the given indices, as this process's part of global arrays.
+# Fewer indices than the batch size (only evaluation's last batch) are filled up with zero rows.
+RowGather = Callable[[np.ndarray], Batch]
+
+
+class BatchSource(Protocol):
+    """What the training loop reads: epochs of global batches, and a state that a checkpoint
+    keeps so that a resumed run reads on exactly where it stopped."""
+
+    @property
+    def steps_per_epoch(self) -> int: ...
+
+    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
+        """The global batches of `epoch`, from `start_step` on."""
+        ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, saved: dict) -> None: ...
+
 
 @dataclasses.dataclass
-class TrainLoader:
-    blocks: np.ndarray  # (num_blocks, max_seq_length)
+class RowLoader:
+    """Training batches over rows 0..num_rows-1: a seeded shuffle per epoch, the incomplete
+    last batch dropped."""
+
+    num_rows: int
     global_batch_size: int
-    mesh: Mesh
     seed: int
+    gather: RowGather
+    kind: str  # names the data in the state dict: "blocks", "classify"
+    rows_key: str  # the state dict's name for num_rows
+    settings: dict = dataclasses.field(default_factory=dict)  # the rest that fixes the batches
 
     @property
     def steps_per_epoch(self) -> int:
-        return len(self.blocks) // self.global_batch_size
+        return self.num_rows // self.global_batch_size  # 0 when N < one batch
 
     def state_dict(self) -> dict:
         """What fixes the order of batches: with (epoch, step in epoch), which the training
         loop saves alongside, the loader's whole position for a checkpoint."""
-        return {"kind": "blocks", "seed": self.seed, "num_blocks": len(self.blocks),
-                "global_batch_size": self.global_batch_size}
+        return {"kind": self.kind, "seed": self.seed, self.rows_key: self.num_rows,
+                "global_batch_size": self.global_batch_size, **self.settings}
 
     def load_state_dict(self, saved: dict) -> None:
         """Check that a checkpoint's loader would yield the batches this one yields."""
         check_same_loader(saved, self.state_dict())
 
-    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[jax.Array]:
+    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
         """The global batches of `epoch`, from `start_step` on."""
-        num_blocks, rows = len(self.blocks), self.global_batch_size
-        first_row, local_rows = process_rows(rows, self.mesh)
-        shuffled = grain.MapDataset.source(self.blocks).shuffle(seed=self.seed)
+        rows = self.global_batch_size
+        shuffled = grain.MapDataset.source(np.arange(self.num_rows)).shuffle(seed=self.seed)
         for step in range(start_step, self.steps_per_epoch):
-            start = epoch * num_blocks + step * rows + first_row
-            local = np.stack([shuffled[i] for i in range(start, start + local_rows)])
-            yield global_batch(local, self.mesh)
+            start = epoch * self.num_rows + step * rows
+            batch_rows = np.fromiter(
+                (shuffled[i] for i in range(start, start + rows)), np.int64, count=rows
+            )
+            yield self.gather(batch_rows)
 
 
 def eval_batches(
-    blocks: np.ndarray, global_batch_size: int, mesh: Mesh
-) -> Iterator[tuple[jax.Array, jax.Array]]:
-    """(inputs_BxL, row_mask_B) over all `blocks`; padding rows carry mask 0."""
-    first_row, local_rows = process_rows(global_batch_size, mesh)
-    for start in range(0, len(blocks), global_batch_size):
-        rows = blocks[start + first_row : start + first_row + local_rows]
-        pad = local_rows - len(rows)
-        mask = np.concatenate([np.ones(len(rows), np.int32), np.zeros(pad, np.int32)])
-        rows = np.concatenate([rows, np.zeros((pad, blocks.shape[1]), blocks.dtype)])
-        yield global_batch(rows, mesh), global_batch(mask, mesh)
+    num_rows: int, global_batch_size: int, mesh: Mesh, gather: RowGather
+) -> Iterator[tuple[Batch, jax.Array]]:
+    """(batch, row_mask_B) over rows 0..num_rows-1, each exactly once and in order: batch b
+    holds rows [b*G, (b+1)*G). A process takes the rows of its own devices, so the zero rows
+    that fill the last batch (mask 0) always sit at its end, after the real rows (mask 1)."""
+    real = np.ones(num_rows, np.int32)
+    for start in range(0, num_rows, global_batch_size):
+        batch_rows = np.arange(start, min(start + global_batch_size, num_rows))
+        yield gather(batch_rows), local_part(real, batch_rows, global_batch_size, mesh)
 
 
-def num_eval_batches(num_blocks: int, global_batch_size: int) -> int:
-    return -(-num_blocks // global_batch_size)
+def num_eval_batches(num_rows: int, global_batch_size: int) -> int:
+    return -(-num_rows // global_batch_size)
+
+
+def local_part(
+    array: np.ndarray, batch_rows: np.ndarray, global_batch_size: int, mesh: Mesh
+) -> jax.Array:
+    """This process's rows of `array` among a global batch's `batch_rows`, as its part of one
+    global array; a batch short of `global_batch_size` rows is filled up with zero rows."""
+    first, count = process_rows(global_batch_size, mesh)
+    values = array[batch_rows[first : first + count]]
+    pad = count - len(values)
+    if pad:
+        values = np.concatenate([values, np.zeros((pad, *values.shape[1:]), values.dtype)])
+    return global_batch(values, mesh)
+
+
+def block_rows(blocks: np.ndarray, global_batch_size: int, mesh: Mesh) -> RowGather:
+    """Gathers packed token blocks (num_blocks, max_seq_length): a batch is one (B, L) array."""
+
+    def gather(batch_rows: np.ndarray) -> jax.Array:
+        return local_part(blocks, batch_rows, global_batch_size, mesh)
+
+    return gather
+
+
+def block_loader(
+    blocks: np.ndarray, global_batch_size: int, mesh: Mesh, *, seed: int
+) -> RowLoader:
+    """The training loader of packed token blocks (num_blocks, max_seq_length)."""
+    return RowLoader(len(blocks), global_batch_size, seed,
+                     block_rows(blocks, global_batch_size, mesh),
+                     kind="blocks", rows_key="num_blocks")
 
 
 def check_same_loader(saved: dict, current: dict) -> None:

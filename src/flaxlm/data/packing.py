@@ -1,9 +1,9 @@
 """Packing: tokenise every document, join them with EOS, cut the stream into equal blocks.
 
-Blocks are exactly `max_seq_length` tokens and cross document boundaries, as in the seed's
-`group_texts`; only the remainder at the very end of the stream is dropped. The seed
-concatenated Python lists with `sum(lists, [])`, which is quadratic; here each batch of
-documents becomes one numpy array, appended to a scratch file: linear time, bounded memory.
+Blocks are exactly `max_seq_length` tokens and cross document boundaries (HF's `group_texts`
+layout); only the remainder at the very end of the stream is dropped. Each batch of documents
+becomes one numpy array, appended to a scratch file: linear time, bounded memory (joining
+Python lists with `sum(lists, [])` would be quadratic).
 A long document is tokenised in pieces (`DocumentEncoder`), so one huge line costs memory in
 proportion to its int32 ids, not the tokenizer's far larger working set for one string.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import datasets
 import numpy as np

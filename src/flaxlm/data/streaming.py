@@ -25,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
-from typing import Iterable, Iterator, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
 import datasets
 import jax
@@ -212,7 +213,7 @@ class Prefetcher:
 
 
 class StreamingLoader:
-    """`TrainLoader`'s interface over a stream: one epoch of `max_steps` global batches.
+    """A `BatchSource` over a stream: one epoch of `max_steps` global batches.
 
     `state()` is the position after the last batch yielded; a loader built with
     `start_from=state` yields the batch that would have come next.

@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import datasets
 import numpy as np
@@ -90,7 +90,7 @@ def _shaping_settings(settings: TokenizerConfig) -> dict:
 def train_bpe(
     settings: TokenizerConfig, texts: datasets.Dataset, vocab_size: int
 ) -> transformers.PreTrainedTokenizerFast:
-    """A byte-level BPE as in the seed notebook: every byte is in the alphabet, so no text is
+    """A byte-level BPE: every byte is in the alphabet, so no text is
     ever unknown, and merges need `min_frequency` occurrences."""
     bpe = tokenizers.ByteLevelBPETokenizer()
     documents = (text for i in range(0, len(texts), 1000) for text in texts[i : i + 1000]["text"])

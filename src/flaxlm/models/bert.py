@@ -8,8 +8,8 @@ checkpoint maps one to one (see `flaxlm.models.hf`). Unlike GPT-2's Conv1D, HF's
 kernel.
 
 The shape comes from `ModelConfig` under GPT-2's field names (hidden_size = n_embd,
-num_hidden_layers = n_layer, intermediate_size = n_inner, ...; see its docstring), and the
-dtypes from the same `GPT2Spec` the decoder uses.
+num_hidden_layers = n_layer, intermediate_size = n_inner, ...; see its docstring and `HF_NAMES`
+below), and the dtypes from the `TransformerSpec` every family uses.
 
 Shapes are in the names: B batch, L sequence length, D model width, N heads, H head width,
 F MLP width, I a projection's input width (D or F), C classes (1 for regression).
@@ -19,38 +19,30 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import transformers
 from flax import nnx
 
-from flaxlm.models.gpt2 import (
+from flaxlm.models.layers import (
     ACTIVATIONS,
-    GPT2Spec,
-    _dense,
-    _embedding,
-    _layer_norm,
-    attention_with_dropout,
+    HFNames,
+    TransformerSpec,
+    attention,
+    check_shape,
+    dense,
+    embedding,
+    layer_norm,
 )
-
-
-def _check_shape(spec: GPT2Spec) -> None:
-    cfg = spec.model
-    if cfg.n_embd % cfg.n_head:
-        raise ValueError(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
-    if cfg.activation_function not in ACTIVATIONS:
-        raise ValueError(
-            f"model.activation_function={cfg.activation_function!r} is not one of "
-            f"{sorted(ACTIVATIONS)}"
-        )
 
 
 class BertEmbeddings(nnx.Module):
     """Word + position + segment embeddings, then LayerNorm and dropout."""
 
-    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
+    def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         cfg = spec.model
-        self.word_embeddings = _embedding(cfg.vocab_size, spec, rngs)
-        self.position_embeddings = _embedding(cfg.n_positions, spec, rngs)
-        self.token_type_embeddings = _embedding(cfg.type_vocab_size, spec, rngs)
-        self.LayerNorm = _layer_norm(spec, rngs)
+        self.word_embeddings = embedding(cfg.vocab_size, spec, rngs)
+        self.position_embeddings = embedding(cfg.n_positions, spec, rngs)
+        self.token_type_embeddings = embedding(cfg.type_vocab_size, spec, rngs)
+        self.LayerNorm = layer_norm(spec, rngs)
         self.dropout = nnx.Dropout(cfg.resid_pdrop)
 
     def __call__(self, input_ids_BxL, token_type_ids_BxL, rngs: nnx.Rngs | None) -> jax.Array:
@@ -66,14 +58,14 @@ class BertEmbeddings(nnx.Module):
 class BertSelfAttention(nnx.Module):
     """Bidirectional multi-head attention whose keys skip the padding (attention_mask == 0)."""
 
-    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
+    def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         cfg = spec.model
         self.num_heads = cfg.n_head
         self.attn_pdrop = cfg.attn_pdrop
         std = cfg.initializer_range
-        self.query = _dense(cfg.n_embd, cfg.n_embd, spec, rngs, std)
-        self.key = _dense(cfg.n_embd, cfg.n_embd, spec, rngs, std)
-        self.value = _dense(cfg.n_embd, cfg.n_embd, spec, rngs, std)
+        self.query = dense(cfg.n_embd, cfg.n_embd, spec, rngs, std)
+        self.key = dense(cfg.n_embd, cfg.n_embd, spec, rngs, std)
+        self.value = dense(cfg.n_embd, cfg.n_embd, spec, rngs, std)
 
     def __call__(self, x_BxLxD, key_mask_BxL, rngs: nnx.Rngs | None) -> jax.Array:
         B, L, D = x_BxLxD.shape
@@ -81,15 +73,9 @@ class BertSelfAttention(nnx.Module):
             projection(x_BxLxD).reshape(B, L, self.num_heads, D // self.num_heads)
             for projection in (self.query, self.key, self.value)
         )
-        mask_Bx1x1xL = key_mask_BxL[:, None, None, :]
-        if rngs is not None and self.attn_pdrop > 0:
-            out_BxLxNxH = attention_with_dropout(
-                q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, mask_Bx1x1xL, self.attn_pdrop, rngs.dropout()
-            )
-        else:
-            out_BxLxNxH = jax.nn.dot_product_attention(
-                q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, mask=mask_Bx1x1xL
-            )
+        out_BxLxNxH = attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH,
+                                mask=key_mask_BxL[:, None, None, :],
+                                dropout_rate=self.attn_pdrop, rngs=rngs)
         return out_BxLxNxH.reshape(B, L, D)
 
 
@@ -97,10 +83,10 @@ class BertOutput(nnx.Module):
     """Project back to the model width, then Post-LayerNorm around the residual: HF's
     BertSelfOutput (after attention, from width D) and BertOutput (after the MLP, from F)."""
 
-    def __init__(self, spec: GPT2Spec, in_features: int, rngs: nnx.Rngs):
+    def __init__(self, spec: TransformerSpec, in_features: int, rngs: nnx.Rngs):
         cfg = spec.model
-        self.dense = _dense(in_features, cfg.n_embd, spec, rngs, cfg.initializer_range)
-        self.LayerNorm = _layer_norm(spec, rngs)
+        self.dense = dense(in_features, cfg.n_embd, spec, rngs, cfg.initializer_range)
+        self.LayerNorm = layer_norm(spec, rngs)
         self.dropout = nnx.Dropout(cfg.resid_pdrop)
 
     def __call__(self, h_BxLxI, residual_BxLxD, rngs: nnx.Rngs | None) -> jax.Array:
@@ -109,7 +95,7 @@ class BertOutput(nnx.Module):
 
 
 class BertAttention(nnx.Module):
-    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
+    def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         self.self = BertSelfAttention(spec, rngs)  # HF's name, so the keys map one to one
         self.output = BertOutput(spec, spec.model.n_embd, rngs)
 
@@ -118,9 +104,9 @@ class BertAttention(nnx.Module):
 
 
 class BertIntermediate(nnx.Module):
-    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
+    def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         cfg = spec.model
-        self.dense = _dense(cfg.n_embd, spec.mlp_width, spec, rngs, cfg.initializer_range)
+        self.dense = dense(cfg.n_embd, spec.mlp_width, spec, rngs, cfg.initializer_range)
         self.activation = ACTIVATIONS[cfg.activation_function]
 
     def __call__(self, x_BxLxD) -> jax.Array:
@@ -130,7 +116,7 @@ class BertIntermediate(nnx.Module):
 class BertLayer(nnx.Module):
     """Post-LayerNorm block: x = LN(x + attn(x)), then LN(x + mlp(x))."""
 
-    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
+    def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         self.attention = BertAttention(spec, rngs)
         self.intermediate = BertIntermediate(spec, rngs)
         self.output = BertOutput(spec, spec.mlp_width, rngs)
@@ -141,7 +127,7 @@ class BertLayer(nnx.Module):
 
 
 class BertEncoder(nnx.Module):
-    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
+    def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         self.layer = nnx.List([BertLayer(spec, rngs) for _ in range(spec.model.n_layer)])
 
     def __call__(self, x_BxLxD, key_mask_BxL, rngs: nnx.Rngs | None) -> jax.Array:
@@ -153,9 +139,9 @@ class BertEncoder(nnx.Module):
 class BertPooler(nnx.Module):
     """The first ([CLS]) position through a dense layer and tanh: the sentence vector."""
 
-    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
+    def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         cfg = spec.model
-        self.dense = _dense(cfg.n_embd, cfg.n_embd, spec, rngs, cfg.initializer_range)
+        self.dense = dense(cfg.n_embd, cfg.n_embd, spec, rngs, cfg.initializer_range)
 
     def __call__(self, x_BxLxD) -> jax.Array:
         return jnp.tanh(self.dense(x_BxLxD[:, 0]))
@@ -164,8 +150,8 @@ class BertPooler(nnx.Module):
 class BertModel(nnx.Module):
     """The encoder: embeddings, post-LN layers and the pooler, as HF's `BertModel`."""
 
-    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
-        _check_shape(spec)
+    def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
+        check_shape(spec)
         self.embeddings = BertEmbeddings(spec, rngs)
         self.encoder = BertEncoder(spec, rngs)
         self.pooler = BertPooler(spec, rngs)
@@ -186,15 +172,65 @@ class BertForSequenceClassification(nnx.Module):
     (dropout on), None to evaluate.
     """
 
-    def __init__(self, spec: GPT2Spec, num_labels: int, rngs: nnx.Rngs):
+    def __init__(self, spec: TransformerSpec, num_labels: int, rngs: nnx.Rngs):
         cfg = spec.model
         self.bert = BertModel(spec, rngs)
         dropout = cfg.classifier_dropout if cfg.classifier_dropout is not None else cfg.resid_pdrop
         self.dropout = nnx.Dropout(dropout)
-        self.classifier = _dense(cfg.n_embd, num_labels, spec, rngs, cfg.initializer_range)
+        self.classifier = dense(cfg.n_embd, num_labels, spec, rngs, cfg.initializer_range)
 
     def __call__(self, input_ids_BxL, attention_mask_BxL, token_type_ids_BxL,
                  rngs: nnx.Rngs | None = None) -> jax.Array:
         _, pooled_BxD = self.bert(input_ids_BxL, attention_mask_BxL, token_type_ids_BxL, rngs)
         pooled_BxD = self.dropout(pooled_BxD, deterministic=rngs is None, rngs=rngs)
         return self.classifier(pooled_BxD)
+
+
+# ---------------------------------------------------------------- Hugging Face names
+
+
+def _unsupported_variant(raw: dict) -> str | None:
+    position_type = raw.get("position_embedding_type", "absolute")
+    if position_type != "absolute" or raw.get("is_decoder", False):
+        # flaxlm's BERT is the encoder with absolute positions.
+        return f"position_embedding_type={position_type!r} / is_decoder={raw.get('is_decoder')}"
+    return None
+
+
+HF_NAMES = HFNames(
+    model_type="bert",
+    config_class=transformers.BertConfig,
+    shape_fields={
+        "vocab_size": "vocab_size",
+        "max_position_embeddings": "n_positions",
+        "hidden_size": "n_embd",
+        "num_hidden_layers": "n_layer",
+        "num_attention_heads": "n_head",
+        "intermediate_size": "n_inner",
+        "hidden_act": "activation_function",
+        "layer_norm_eps": "layer_norm_epsilon",
+        "initializer_range": "initializer_range",
+        "type_vocab_size": "type_vocab_size",
+    },
+    dropout_fields={
+        "hidden_dropout_prob": "resid_pdrop",
+        "attention_probs_dropout_prob": "attn_pdrop",
+        "classifier_dropout": "classifier_dropout",
+    },
+    special_tokens=("pad_token_id",),
+    mlp_width_required=True,
+    body_prefix="bert.",
+    body_modules=("embeddings", "encoder", "pooler"),
+    linear_modules=("bert", "classifier"),  # nn.Linear everywhere
+    optional_modules=("pooler",),  # a BertModel saved without one (add_pooling_layer=False)
+    buffer_suffixes=("position_ids", "token_type_ids"),
+    shape_settings=(
+        ("attention.", "model.n_embd"),  # before output.dense: attention.output.dense is D×D
+        ("word_embeddings", "model.vocab_size"),
+        ("position_embeddings", "model.n_positions"),
+        ("token_type_embeddings", "model.type_vocab_size"),
+        ("intermediate", "model.n_inner"),
+        ("output.dense", "model.n_inner"),
+    ),
+    unsupported=_unsupported_variant,
+)

@@ -1,9 +1,9 @@
-"""Which network to build, chosen by `model.family` and the task.
+"""Which network to build, chosen by `model.family` and the task, from the architecture table of
+`flaxlm.models.hf`.
 
-task=clm builds a language model (GPT-2 only: an encoder has no next-token head); task=classify
-builds a sequence classifier with the common signature
+task=clm builds a language model (a family with a next-token head); task=classify builds a
+sequence classifier with the common signature
 `model(input_ids_BxL, attention_mask_BxL, token_type_ids_BxL, rngs=None) -> logits_BxC`.
-The HF architecture name of each is what `flaxlm.models.hf` maps parameters and configs for.
 """
 
 from __future__ import annotations
@@ -12,42 +12,46 @@ from flax import nnx
 
 from flaxlm.config import ModelConfig, ModelFamily
 from flaxlm.errors import FlaxlmError
-from flaxlm.models.bert import BertForSequenceClassification
-from flaxlm.models.gpt2 import GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Spec
-
-LM_ARCHITECTURE = "GPT2LMHeadModel"
-CLASSIFIER_ARCHITECTURES = {
-    ModelFamily.gpt2: "GPT2ForSequenceClassification",
-    ModelFamily.bert: "BertForSequenceClassification",
-}
+from flaxlm.models import hf
+from flaxlm.models.layers import TransformerSpec
 
 
 def check_lm_family(model: ModelConfig) -> None:
-    """task=clm needs a network with a next-token head: GPT-2's family."""
+    """task=clm needs a network with a next-token head."""
     family = ModelFamily(model.family)
-    if family is not ModelFamily.gpt2:
+    if hf.lm_architecture(family) is None:
+        lm_families = sorted({a.family.value for a in hf.ARCHITECTURES.values() if a.is_lm})
         raise FlaxlmError(
             f"task=clm trains a causal language model, but model={model.name} "
             f"(model.family={family.value}) is an encoder with no next-token head. Use a "
-            "gpt2-family model for task=clm (model=gpt2-tiny, distilgpt2 or gpt2), or "
-            "task=classify to fine-tune this encoder."
+            f"{' or '.join(lm_families)}-family model for task=clm (model=gpt2-tiny, "
+            "distilgpt2 or gpt2), or task=classify to fine-tune this encoder."
         )
 
 
-def build_lm(spec: GPT2Spec, rngs: nnx.Rngs) -> GPT2LMHeadModel:
+def build_lm(spec: TransformerSpec, rngs: nnx.Rngs) -> nnx.Module:
+    """A freshly initialised language model of `spec`'s family and shape."""
     check_lm_family(spec.model)
-    return GPT2LMHeadModel(spec, rngs)
+    return hf.lm_architecture(spec.model.family).model_class(spec, rngs)
 
 
-def build_classifier(
-    spec: GPT2Spec, num_labels: int, pad_token_id: int, rngs: nnx.Rngs
-) -> BertForSequenceClassification | GPT2ForSequenceClassification:
+def build_classifier(spec: TransformerSpec, num_labels: int, rngs: nnx.Rngs) -> nnx.Module:
     """A classifier with `num_labels` outputs (1 → regression) for `spec.model.family`."""
-    if ModelFamily(spec.model.family) is ModelFamily.bert:
-        return BertForSequenceClassification(spec, num_labels, rngs)
-    return GPT2ForSequenceClassification(spec, num_labels, pad_token_id, rngs)
+    return hf.classifier_architecture(spec.model.family).model_class(spec, num_labels, rngs)
 
 
-def classifier_architecture(family: ModelFamily | str) -> str:
-    """The HF class name of the classifier built for `family`."""
-    return CLASSIFIER_ARCHITECTURES[ModelFamily(family)]
+def lm_from_params(model_config: ModelConfig, params: dict) -> nnx.Module:
+    """The language model of `model_config`'s shape holding `params` (no random init runs)."""
+    model = nnx.eval_shape(lambda: build_lm(TransformerSpec(model_config), nnx.Rngs(0)))
+    state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, _with_int_layer_keys(params))
+    nnx.update(model, state)
+    return model
+
+
+def _with_int_layer_keys(params):
+    """nnx.List children are keyed by int; a dict read back from disk may hold '0', '1', ..."""
+    if not isinstance(params, dict):
+        return params
+    return {int(k) if isinstance(k, str) and k.isdigit() else k: _with_int_layer_keys(v)
+            for k, v in params.items()}

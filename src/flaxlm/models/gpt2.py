@@ -15,92 +15,40 @@ F MLP width, V vocabulary, S cache slots (prompt + new tokens).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
+import transformers
 from flax import nnx, struct
 from jax import lax
 
-from flaxlm.config import ModelConfig
-
-ACTIVATIONS = {
-    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),  # GPT-2's tanh approximation
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "relu": jax.nn.relu,
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class GPT2Spec:
-    """Everything the network needs to know: the model config plus the dtypes it runs in."""
-
-    model: ModelConfig
-    compute_dtype: jnp.dtype = jnp.float32
-    param_dtype: jnp.dtype = jnp.float32
-
-    @property
-    def mlp_width(self) -> int:
-        return self.model.n_inner or 4 * self.model.n_embd
-
-
-def _dense(in_features: int, out_features: int, spec: GPT2Spec, rngs: nnx.Rngs, std: float):
-    return nnx.Linear(
-        in_features,
-        out_features,
-        dtype=spec.compute_dtype,
-        param_dtype=spec.param_dtype,
-        kernel_init=nnx.initializers.normal(std),
-        rngs=rngs,
-    )
-
-
-def _embedding(num_embeddings: int, spec: GPT2Spec, rngs: nnx.Rngs):
-    return nnx.Embed(
-        num_embeddings,
-        spec.model.n_embd,
-        dtype=spec.compute_dtype,
-        param_dtype=spec.param_dtype,
-        embedding_init=nnx.initializers.normal(spec.model.initializer_range),
-        rngs=rngs,
-    )
-
-
-def _layer_norm(spec: GPT2Spec, rngs: nnx.Rngs):
-    return nnx.LayerNorm(
-        spec.model.n_embd,
-        epsilon=spec.model.layer_norm_epsilon,
-        dtype=spec.compute_dtype,
-        param_dtype=spec.param_dtype,
-        rngs=rngs,
-    )
+from flaxlm.models.layers import (
+    ACTIVATIONS,
+    HFNames,
+    TransformerSpec,
+    attention,
+    check_shape,
+    dense,
+    embedding,
+    layer_norm,
+)
 
 
 class Attention(nnx.Module):
-    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
+    def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         cfg = spec.model
-        if cfg.n_embd % cfg.n_head:
-            raise ValueError(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
         self.num_heads = cfg.n_head
         self.attn_pdrop = cfg.attn_pdrop
         # GPT-2 scales the init of every projection into the residual stream by 1/sqrt(2 layers).
         residual_std = cfg.initializer_range / (2 * cfg.n_layer) ** 0.5
-        self.c_attn = _dense(cfg.n_embd, 3 * cfg.n_embd, spec, rngs, cfg.initializer_range)
-        self.c_proj = _dense(cfg.n_embd, cfg.n_embd, spec, rngs, residual_std)
+        self.c_attn = dense(cfg.n_embd, 3 * cfg.n_embd, spec, rngs, cfg.initializer_range)
+        self.c_proj = dense(cfg.n_embd, cfg.n_embd, spec, rngs, residual_std)
         self.resid_dropout = nnx.Dropout(cfg.resid_pdrop)
 
     def __call__(self, x_BxLxD: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:
         B, L, D = x_BxLxD.shape
         q_BxLxNxH, k_BxLxNxH, v_BxLxNxH = self._heads(x_BxLxD)
-        if rngs is not None and self.attn_pdrop > 0:
-            causal_LxL = jnp.tril(jnp.ones((L, L), dtype=bool))
-            out_BxLxNxH = attention_with_dropout(
-                q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, causal_LxL, self.attn_pdrop, rngs.dropout()
-            )
-        else:
-            out_BxLxNxH = jax.nn.dot_product_attention(
-                q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, is_causal=True
-            )
+        out_BxLxNxH = attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, is_causal=True,
+                                dropout_rate=self.attn_pdrop, rngs=rngs)
         out_BxLxD = self.c_proj(out_BxLxNxH.reshape(B, L, D))
         return self.resid_dropout(out_BxLxD, deterministic=rngs is None, rngs=rngs)
 
@@ -130,32 +78,12 @@ class Attention(nnx.Module):
         )
 
 
-def attention_with_dropout(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, mask, rate: float,
-                           key: jax.Array):
-    """Attention with dropout on the attention probabilities, as HF's GPT-2 and BERT train.
-
-    The fused `jax.nn.dot_product_attention` has no dropout, so training with attn_pdrop > 0
-    spells the same computation out; evaluation always takes the fused path. `mask`
-    (broadcastable to B×N×L×L) says which keys each query sees: causal for GPT-2, the padding
-    for BERT. A large finite negative (not -inf) keeps a row that sees no key at all (a filler
-    row of the last eval batch) finite, as the fused path does.
-    """
-    H = q_BxLxNxH.shape[-1]
-    scores_BxNxLxL = jnp.einsum("bqnh,bknh->bnqk", q_BxLxNxH, k_BxLxNxH) / jnp.sqrt(H)
-    scores_BxNxLxL = jnp.where(mask, scores_BxNxLxL.astype(jnp.float32),
-                               jnp.finfo(jnp.float32).min)
-    probs_BxNxLxL = jax.nn.softmax(scores_BxNxLxL, axis=-1)
-    keep_BxNxLxL = jax.random.bernoulli(key, 1.0 - rate, probs_BxNxLxL.shape)
-    probs_BxNxLxL = jnp.where(keep_BxNxLxL, probs_BxNxLxL / (1.0 - rate), 0.0)
-    return jnp.einsum("bnqk,bknh->bqnh", probs_BxNxLxL.astype(v_BxLxNxH.dtype), v_BxLxNxH)
-
-
 class MLP(nnx.Module):
-    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
+    def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         cfg = spec.model
         residual_std = cfg.initializer_range / (2 * cfg.n_layer) ** 0.5
-        self.c_fc = _dense(cfg.n_embd, spec.mlp_width, spec, rngs, cfg.initializer_range)
-        self.c_proj = _dense(spec.mlp_width, cfg.n_embd, spec, rngs, residual_std)
+        self.c_fc = dense(cfg.n_embd, spec.mlp_width, spec, rngs, cfg.initializer_range)
+        self.c_proj = dense(spec.mlp_width, cfg.n_embd, spec, rngs, residual_std)
         self.activation = ACTIVATIONS[cfg.activation_function]
         self.dropout = nnx.Dropout(cfg.resid_pdrop)
 
@@ -167,10 +95,10 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x))."""
 
-    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
-        self.ln_1 = _layer_norm(spec, rngs)
+    def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
+        self.ln_1 = layer_norm(spec, rngs)
         self.attn = Attention(spec, rngs)
-        self.ln_2 = _layer_norm(spec, rngs)
+        self.ln_2 = layer_norm(spec, rngs)
         self.mlp = MLP(spec, rngs)
 
     def __call__(self, x_BxLxD: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:
@@ -204,18 +132,14 @@ class KVCache:
 class GPT2LMHeadModel(nnx.Module):
     """Token ids in, next-token logits out. Pass `rngs` to train (dropout on), None to evaluate."""
 
-    def __init__(self, spec: GPT2Spec, rngs: nnx.Rngs):
+    def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
+        check_shape(spec)
         cfg = spec.model
-        if cfg.activation_function not in ACTIVATIONS:
-            raise ValueError(
-                f"model.activation_function={cfg.activation_function!r} is not one of "
-                f"{sorted(ACTIVATIONS)}"
-            )
-        self.wte = _embedding(cfg.vocab_size, spec, rngs)
-        self.wpe = _embedding(cfg.n_positions, spec, rngs)
+        self.wte = embedding(cfg.vocab_size, spec, rngs)
+        self.wpe = embedding(cfg.n_positions, spec, rngs)
         self.drop = nnx.Dropout(cfg.embd_pdrop)
         self.h = nnx.List([Block(spec, rngs) for _ in range(cfg.n_layer)])
-        self.ln_f = _layer_norm(spec, rngs)
+        self.ln_f = layer_norm(spec, rngs)
 
     def __call__(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
         # Tied head: logits against the token embeddings, in the compute dtype.
@@ -279,10 +203,6 @@ class GPT2LMHeadModel(nnx.Module):
         return logits_BxLxV, KVCache(tuple(keys), tuple(values), filled_BxS, cache.index + L)
 
 
-def count_params(model: nnx.Module) -> int:
-    return sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
-
-
 class GPT2ForSequenceClassification(nnx.Module):
     """GPT-2 as a classifier, as HF's class of that name: the hidden state of each row's last
     non-padding token through `score` (no bias) gives the logits (B, C); C = 1 is regression.
@@ -293,19 +213,11 @@ class GPT2ForSequenceClassification(nnx.Module):
     `token_type_ids_BxL` is accepted for a common signature with BERT and ignored.
     """
 
-    def __init__(self, spec: GPT2Spec, num_labels: int, pad_token_id: int, rngs: nnx.Rngs):
+    def __init__(self, spec: TransformerSpec, num_labels: int, rngs: nnx.Rngs):
         cfg = spec.model
-        self.pad_token_id = pad_token_id  # kept for the exported config.json
         self.transformer = GPT2LMHeadModel(spec, rngs)
-        self.score = nnx.Linear(
-            cfg.n_embd,
-            num_labels,
-            use_bias=False,
-            dtype=spec.compute_dtype,
-            param_dtype=spec.param_dtype,
-            kernel_init=nnx.initializers.normal(cfg.initializer_range),
-            rngs=rngs,
-        )
+        self.score = dense(cfg.n_embd, num_labels, spec, rngs, cfg.initializer_range,
+                           use_bias=False)
 
     def __call__(self, input_ids_BxL, attention_mask_BxL, token_type_ids_BxL=None,
                  rngs: nnx.Rngs | None = None) -> jax.Array:
@@ -314,3 +226,33 @@ class GPT2ForSequenceClassification(nnx.Module):
         last_B = jnp.maximum(attention_mask_BxL.sum(axis=-1) - 1, 0)
         last_BxD = jnp.take_along_axis(x_BxLxD, last_B[:, None, None], axis=1)[:, 0]
         return self.score(last_BxD)
+
+
+# ---------------------------------------------------------------- Hugging Face names
+
+
+def _unsupported_variant(raw: dict) -> str | None:
+    if raw.get("scale_attn_by_inverse_layer_idx") or raw.get("add_cross_attention"):
+        return "scale_attn_by_inverse_layer_idx or cross-attention"
+    return None
+
+
+_SAME_NAMES = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner",
+               "activation_function", "layer_norm_epsilon", "initializer_range")
+
+HF_NAMES = HFNames(
+    model_type="gpt2",
+    config_class=transformers.GPT2Config,
+    shape_fields={name: name for name in _SAME_NAMES},  # ModelConfig uses GPT2Config's names
+    dropout_fields={name: name for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop")},
+    special_tokens=("bos_token_id", "eos_token_id", "pad_token_id"),
+    config_extras={"tie_word_embeddings": True},
+    body_prefix="transformer.",
+    body_modules=("wte", "wpe", "h", "ln_f"),
+    linear_modules=("score",),  # the body is Conv1D, stored (in, out) like our kernels
+    tied_keys=("lm_head.weight",),
+    buffer_suffixes=(".attn.bias", ".attn.masked_bias"),
+    shape_settings=(("wte", "model.vocab_size"), ("wpe", "model.n_positions"),
+                    ("c_fc", "model.n_inner"), ("mlp.c_proj", "model.n_inner")),
+    unsupported=_unsupported_variant,
+)

@@ -1,4 +1,5 @@
-"""Interop with Hugging Face: configs and the parameter-name mapping, both ways.
+"""Interop with Hugging Face: the table of HF architectures we mirror, their configs and the
+parameter-name mapping, both ways, and the one writer of HF weights.
 
 Our modules carry HF's PyTorch names, so an NNX parameter path becomes a `state_dict()` key by
 joining it with dots and renaming the leaf (`kernel`/`scale`/`embedding` → `weight`):
@@ -14,13 +15,16 @@ joining it with dots and renaming the leaf (`kernel`/`scale`/`embedding` → `we
                                             ↔ bert.encoder.layer.<i>.attention.self.query.weight
         classifier.kernel                   ↔ classifier.weight                 (transposed)
 
-HF's GPT-2 body uses Conv1D, whose weight is stored (in, out) like our kernels; every other HF
-projection here is `nn.Linear`, stored (out, in), so its kernel is transposed both ways.
-Importing a checkpoint (`model.init_from`) is `flaxlm.models.pretrained`.
+HF's `nn.Linear` stores its weight (out, in), so such a kernel is transposed both ways; GPT-2's
+Conv1D is (in, out) already. What differs between families (config field names, prefixes, which
+modules are nn.Linear) is each family module's `HF_NAMES`; a family's classes are rows of
+`ARCHITECTURES`. Importing a checkpoint (`model.init_from`) is `flaxlm.models.pretrained`;
+exporting a run is `flaxlm.export`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -28,87 +32,123 @@ import transformers
 from flax import nnx
 
 from flaxlm.config import ModelConfig, ModelFamily
+from flaxlm.models import bert, gpt2
+from flaxlm.models.layers import HFNames, TransformerSpec
 
-GPT2_LM = "GPT2LMHeadModel"
-GPT2_CLASSIFIER = "GPT2ForSequenceClassification"
-BERT_CLASSIFIER = "BertForSequenceClassification"
-ARCHITECTURES = (GPT2_LM, GPT2_CLASSIFIER, BERT_CLASSIFIER)
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """One HF model class that one of our modules mirrors, under the same class name."""
+
+    model_class: type[nnx.Module]
+    family: ModelFamily
+    names: HFNames
+    is_lm: bool = False  # a causal language model (task=clm); else a sequence classifier
+    path_prefix: str = ""  # what HF's keys have in front of our parameter paths
+
+    @property
+    def name(self) -> str:
+        """HF's class name: config.json's `architectures[0]`."""
+        return self.model_class.__name__
+
+
+ARCHITECTURES = {arch.name: arch for arch in (
+    Architecture(gpt2.GPT2LMHeadModel, ModelFamily.gpt2, gpt2.HF_NAMES, is_lm=True,
+                 path_prefix="transformer."),  # our LM is the body HF nests under it
+    Architecture(gpt2.GPT2ForSequenceClassification, ModelFamily.gpt2, gpt2.HF_NAMES),
+    Architecture(bert.BertForSequenceClassification, ModelFamily.bert, bert.HF_NAMES),
+)}
+GPT2_LM = gpt2.GPT2LMHeadModel.__name__
+FAMILY_NAMES = {arch.family: arch.names for arch in ARCHITECTURES.values()}
 
 _LEAF_NAMES = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bias": "bias"}
 
 
-# ---------------------------------------------------------------- configs (export)
+def architecture(name: str) -> Architecture:
+    """The row of HF class `name`."""
+    if name not in ARCHITECTURES:
+        raise ValueError(f"{name} has no flaxlm counterpart; known: {', '.join(ARCHITECTURES)}")
+    return ARCHITECTURES[name]
 
 
-def to_gpt2_config(model: ModelConfig, *, bos_token_id: int, eos_token_id: int,
-                   pad_token_id: int, num_labels: int | None = None,
-                   label_names: list[str] | None = None):
-    """GPT2Config for a `GPT2LMHeadModel`, or, with `num_labels`, a
-    `GPT2ForSequenceClassification`."""
-    config = transformers.GPT2Config(
-        vocab_size=model.vocab_size,
-        n_positions=model.n_positions,
-        n_embd=model.n_embd,
-        n_layer=model.n_layer,
-        n_head=model.n_head,
-        n_inner=model.n_inner,
-        activation_function=model.activation_function,
-        resid_pdrop=model.resid_pdrop,
-        embd_pdrop=model.embd_pdrop,
-        attn_pdrop=model.attn_pdrop,
-        layer_norm_epsilon=model.layer_norm_epsilon,
-        initializer_range=model.initializer_range,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        tie_word_embeddings=True,
-        architectures=[GPT2_LM],
-    )
-    if num_labels is not None:
-        _make_classifier_config(config, GPT2_CLASSIFIER, num_labels, label_names)
+def architecture_of(model: nnx.Module) -> Architecture:
+    """The HF architecture our module mirrors (by its class)."""
+    return architecture(type(model).__name__)
+
+
+def lm_architecture(family: ModelFamily | str) -> Architecture | None:
+    """The language model of `family`; None for an encoder, which has no next-token head."""
+    family = ModelFamily(family)
+    return next((a for a in ARCHITECTURES.values() if a.family is family and a.is_lm), None)
+
+
+def classifier_architecture(family: ModelFamily | str) -> Architecture:
+    """The sequence classifier of `family`."""
+    family = ModelFamily(family)
+    return next(a for a in ARCHITECTURES.values() if a.family is family and not a.is_lm)
+
+
+def family_of_model_type(model_type: str | None) -> ModelFamily | None:
+    """The family of a config.json `model_type`; None if no family reads it."""
+    return next((family for family, names in FAMILY_NAMES.items()
+                 if names.model_type == model_type), None)
+
+
+# ---------------------------------------------------------------- configs
+
+
+def to_hf_config(arch: Architecture, model: ModelConfig, *, bos_token_id: int | None = None,
+                 eos_token_id: int | None = None, pad_token_id: int | None = None,
+                 num_labels: int | None = None, label_names: list[str] | None = None):
+    """The HF config of `arch` with `model`'s shape and dropout, the special token ids its
+    family carries and, for a classifier, the labels."""
+    names = arch.names
+    values = {hf: getattr(model, ours)
+              for hf, ours in {**names.shape_fields, **names.dropout_fields}.items()}
+    if names.mlp_width_required:
+        mlp_field = next(hf for hf, ours in names.shape_fields.items() if ours == "n_inner")
+        values[mlp_field] = TransformerSpec(model).mlp_width
+    ids = dict(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    values.update({key: ids[key] for key in names.special_tokens})
+    config = names.config_class(**values, **names.config_extras)
+    config.architectures = [arch.name]
+    if not arch.is_lm:
+        _make_classifier_config(config, num_labels, label_names)
     return config
 
 
-def to_bert_config(model: ModelConfig, *, num_labels: int, pad_token_id: int = 0,
-                   label_names: list[str] | None = None):
-    """BertConfig for a `BertForSequenceClassification` of `model`'s shape."""
-    config = transformers.BertConfig(
-        vocab_size=model.vocab_size,
-        hidden_size=model.n_embd,
-        num_hidden_layers=model.n_layer,
-        num_attention_heads=model.n_head,
-        intermediate_size=model.n_inner or 4 * model.n_embd,
-        hidden_act=model.activation_function,
-        hidden_dropout_prob=model.resid_pdrop,
-        attention_probs_dropout_prob=model.attn_pdrop,
-        max_position_embeddings=model.n_positions,
-        type_vocab_size=model.type_vocab_size,
-        initializer_range=model.initializer_range,
-        layer_norm_eps=model.layer_norm_epsilon,
-        classifier_dropout=model.classifier_dropout,
-        pad_token_id=pad_token_id,
-    )
-    return _make_classifier_config(config, BERT_CLASSIFIER, num_labels, label_names)
+def to_lm_config(model: ModelConfig, *, bos_token_id: int, eos_token_id: int,
+                 pad_token_id: int):
+    """The HF config of the language model `build_lm` makes for `model.family`."""
+    arch = lm_architecture(model.family)
+    if arch is None:
+        raise ValueError(f"model.family={ModelFamily(model.family).value} has no language model")
+    return to_hf_config(arch, model, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                        pad_token_id=pad_token_id)
 
 
 def to_classifier_config(model: ModelConfig, *, num_labels: int, pad_token_id: int,
                          bos_token_id: int | None = None, eos_token_id: int | None = None,
                          label_names: list[str] | None = None):
     """The HF config of the classifier `build_classifier` makes for `model.family`."""
-    if ModelFamily(model.family) is ModelFamily.bert:
-        return to_bert_config(model, num_labels=num_labels, pad_token_id=pad_token_id,
-                              label_names=label_names)
-    return to_gpt2_config(model, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-                          pad_token_id=pad_token_id, num_labels=num_labels,
-                          label_names=label_names)
+    return to_hf_config(classifier_architecture(model.family), model, bos_token_id=bos_token_id,
+                        eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                        num_labels=num_labels, label_names=label_names)
 
 
-def _make_classifier_config(config, architecture: str, num_labels: int,
-                            label_names: list[str] | None):
+def model_shape(names: HFNames, raw: dict) -> dict:
+    """ModelConfig's shape fields from a config.json of `names`' family (HF's defaults filled
+    in for what it leaves out)."""
+    config = names.config_class.from_dict(raw)
+    return {ours: getattr(config, hf) for hf, ours in names.shape_fields.items()}
+
+
+def _make_classifier_config(config, num_labels: int | None, label_names: list[str] | None):
+    if num_labels is None:
+        raise ValueError(f"{config.architectures[0]} needs num_labels")
     label_names = label_names or None  # regression has no label names
     if label_names is not None and len(label_names) != num_labels:
         raise ValueError(f"{len(label_names)} label names for num_labels={num_labels}")
-    config.architectures = [architecture]
     config.num_labels = num_labels  # also sets the default id2label: LABEL_0, LABEL_1, ...
     if label_names is not None:
         config.id2label = dict(enumerate(label_names))
@@ -118,32 +158,19 @@ def _make_classifier_config(config, architecture: str, num_labels: int,
     return config
 
 
-# ---------------------------------------------------------------- names and export
+# ---------------------------------------------------------------- parameter names
 
 
-def architecture_of(model: nnx.Module) -> str:
-    """The HF architecture our module mirrors (its class name)."""
-    name = type(model).__name__
-    if name not in ARCHITECTURES:
-        raise ValueError(f"{name} has no HF counterpart; known: {', '.join(ARCHITECTURES)}")
-    return name
-
-
-def hf_name(path: tuple, architecture: str = GPT2_LM) -> str:
+def hf_name(path: tuple, architecture_name: str = GPT2_LM) -> str:
     """Our parameter path, e.g. ('h', 0, 'attn', 'c_attn', 'kernel'), as HF's key."""
     *modules, leaf = (str(part) for part in path)
-    # Our GPT2LMHeadModel *is* the body that HF nests under `transformer`.
-    prefix = ["transformer"] if architecture == GPT2_LM else []
-    return ".".join([*prefix, *modules, _LEAF_NAMES[leaf]])
+    return architecture(architecture_name).path_prefix + ".".join([*modules, _LEAF_NAMES[leaf]])
 
 
-def is_transposed(path: tuple, architecture: str = GPT2_LM) -> bool:
+def is_transposed(path: tuple, architecture_name: str = GPT2_LM) -> bool:
     """True where HF stores the weight as nn.Linear (out, in) rather than our (in, out)."""
-    if str(path[-1]) != "kernel":
-        return False
-    if architecture == BERT_CLASSIFIER:
-        return True
-    return str(path[0]) == "score"  # the GPT-2 body is Conv1D, already (in, out)
+    linear = architecture(architecture_name).names.linear_modules
+    return str(path[-1]) == "kernel" and str(path[0]) in linear
 
 
 def flatten_params(params: dict, path: tuple = ()):
@@ -155,43 +182,25 @@ def flatten_params(params: dict, path: tuple = ()):
             yield (*path, key), child
 
 
-def to_hf_state_dict(params: dict, architecture: str = GPT2_LM) -> dict[str, np.ndarray]:
+def to_hf_state_dict(params: dict, architecture_name: str = GPT2_LM) -> dict[str, np.ndarray]:
     """Flat {HF key: float32 array} from our nested parameter dict (nnx.State.to_pure_dict())."""
     flat: dict[str, np.ndarray] = {}
     for path, leaf in flatten_params(params):
         array = np.asarray(leaf, dtype=np.float32)
-        flat[hf_name(path, architecture)] = array.T if is_transposed(path, architecture) else array
+        transposed = is_transposed(path, architecture_name)
+        flat[hf_name(path, architecture_name)] = array.T if transposed else array
     return flat
 
 
-def save_pretrained(directory: str, params: dict, config: transformers.PretrainedConfig,
-                    architecture: str | None = None) -> None:
-    """Write an HF model directory (config.json + model.safetensors) that
-    `AutoModelFor...from_pretrained(directory)` loads. The architecture defaults to the
-    config's (`config.architectures[0]`), so `to_gpt2_config` alone means GPT2LMHeadModel."""
+def save_pretrained(directory: str, params: dict, config: transformers.PretrainedConfig) -> None:
+    """Write config.json and model.safetensors (float32, under HF's names) into `directory`:
+    what `AutoModelFor...from_pretrained(directory)` loads. `config.architectures[0]` picks
+    the mapping. Writing a whole directory safely is the caller's (`flaxlm.export`)."""
     from safetensors.numpy import save_file
 
-    architecture = architecture or (config.architectures or [GPT2_LM])[0]
     os.makedirs(directory, exist_ok=True)
     config.save_pretrained(directory)
-    tmp = os.path.join(directory, "model.safetensors.tmp")
-    # np.ascontiguousarray: a transposed kernel is a strided view, which safetensors rejects.
-    tensors = {key: np.ascontiguousarray(value)
-               for key, value in to_hf_state_dict(params, architecture).items()}
-    save_file(tensors, tmp, metadata={"format": "pt"})
-    os.chmod(tmp, 0o644)  # an ordinary, shareable file, like config.json beside it
-    os.replace(tmp, os.path.join(directory, "model.safetensors"))
-
-
-def save_classifier(directory: str, params: dict, model: ModelConfig, tokenizer, *,
-                    num_labels: int, label_names: list[str] | None = None) -> None:
-    """A fine-tuned classifier as an HF directory: config (architecture, labels, problem type,
-    the tokenizer's special ids), weights and tokenizer, loadable by
-    `AutoModelForSequenceClassification` and by `model.init_from`."""
-    config = to_classifier_config(
-        model, num_labels=num_labels, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        label_names=label_names,
-    )
-    save_pretrained(directory, params, config)
-    tokenizer.save_pretrained(directory)
+    state_dict = to_hf_state_dict(params, config.architectures[0])
+    # A transposed kernel is a strided view, which safetensors rejects.
+    tensors = {key: np.ascontiguousarray(value) for key, value in state_dict.items()}
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})

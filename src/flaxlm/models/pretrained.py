@@ -21,18 +21,8 @@ from flax import nnx
 
 from flaxlm.config import ModelConfig, ModelFamily
 from flaxlm.errors import FlaxlmError
-from flaxlm.models.hf import (
-    BERT_CLASSIFIER,
-    GPT2_CLASSIFIER,
-    GPT2_LM,
-    architecture_of,
-    flatten_params,
-    hf_name,
-    is_transposed,
-)
-
-SUPPORTED_MODEL_TYPES = {"gpt2": ModelFamily.gpt2, "bert": ModelFamily.bert}
-
+from flaxlm.models import hf
+from flaxlm.models.layers import ACTIVATIONS, HFNames
 
 # ---------------------------------------------------------------- finding a checkpoint
 
@@ -126,13 +116,15 @@ def read_hf_config(local_dir: str) -> dict:
 def checkpoint_family(local_dir: str) -> ModelFamily:
     """The model family of the checkpoint, from config.json's `model_type`."""
     model_type = read_hf_config(local_dir).get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    family = hf.family_of_model_type(model_type)
+    if family is None:
+        supported = ", ".join(names.model_type for names in hf.FAMILY_NAMES.values())
         raise FlaxlmError(
             f"model.init_from: the checkpoint in {local_dir} is architecture {model_type!r} "
-            f"(config.json model_type), which is not supported; supported: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}. Choose a checkpoint of one of these types."
+            f"(config.json model_type), which is not supported; supported: {supported}. "
+            "Choose a checkpoint of one of these types."
         )
-    return SUPPORTED_MODEL_TYPES[model_type]
+    return family
 
 
 def pretrained_model_config(local_dir: str, base: ModelConfig) -> ModelConfig:
@@ -140,64 +132,22 @@ def pretrained_model_config(local_dir: str, base: ModelConfig) -> ModelConfig:
     checkpoint's config.json. Dropout rates stay `base`'s: they are fine-tuning choices, not
     part of the pretrained network."""
     family = checkpoint_family(local_dir)
+    names = hf.FAMILY_NAMES[family]
     raw = read_hf_config(local_dir)
-    if family is ModelFamily.gpt2:
-        shape = _gpt2_shape(transformers.GPT2Config.from_dict(raw), local_dir)
-    else:
-        shape = _bert_shape(transformers.BertConfig.from_dict(raw), raw, local_dir)
-    from flaxlm.models.gpt2 import ACTIVATIONS
-
+    variant = names.unsupported(raw)
+    if variant is not None:
+        raise FlaxlmError(
+            f"model.init_from: the {names.model_type} checkpoint in {local_dir} uses "
+            f"{variant}, which flaxlm's {names.model_type} model does not implement. Choose a "
+            f"standard {names.model_type} checkpoint."
+        )
+    shape = hf.model_shape(names, raw)
     if shape["activation_function"] not in ACTIVATIONS:
         raise FlaxlmError(
             f"model.init_from: the checkpoint in {local_dir} uses activation "
             f"{shape['activation_function']!r}; supported: {', '.join(sorted(ACTIVATIONS))}."
         )
     return dataclasses.replace(base, family=family, **shape)
-
-
-def _gpt2_shape(config, local_dir: str) -> dict:
-    if getattr(config, "scale_attn_by_inverse_layer_idx", False) or getattr(
-        config, "add_cross_attention", False
-    ):
-        raise FlaxlmError(
-            f"model.init_from: the GPT-2 checkpoint in {local_dir} uses "
-            "scale_attn_by_inverse_layer_idx or cross-attention, which flaxlm's GPT-2 does not "
-            "implement. Choose a plain GPT-2 checkpoint."
-        )
-    return dict(
-        vocab_size=config.vocab_size,
-        n_positions=config.n_positions,
-        n_embd=config.n_embd,
-        n_layer=config.n_layer,
-        n_head=config.n_head,
-        n_inner=config.n_inner,
-        activation_function=config.activation_function,
-        layer_norm_epsilon=config.layer_norm_epsilon,
-        initializer_range=config.initializer_range,
-    )
-
-
-def _bert_shape(config, raw: dict, local_dir: str) -> dict:
-    position_type = raw.get("position_embedding_type", "absolute")
-    if position_type != "absolute" or raw.get("is_decoder", False):
-        raise FlaxlmError(
-            f"model.init_from: the BERT checkpoint in {local_dir} has "
-            f"position_embedding_type={position_type!r} / is_decoder="
-            f"{raw.get('is_decoder', False)}; flaxlm's BERT is the absolute-position encoder. "
-            "Choose a standard BERT checkpoint."
-        )
-    return dict(
-        vocab_size=config.vocab_size,
-        n_positions=config.max_position_embeddings,
-        n_embd=config.hidden_size,
-        n_layer=config.num_hidden_layers,
-        n_head=config.num_attention_heads,
-        n_inner=config.intermediate_size,
-        activation_function=config.hidden_act,
-        layer_norm_epsilon=config.layer_norm_eps,
-        initializer_range=config.initializer_range,
-        type_vocab_size=config.type_vocab_size,
-    )
 
 
 # ---------------------------------------------------------------- weights
@@ -229,21 +179,11 @@ class LoadReport:
         return line
 
 
-# Keys a checkpoint may hold that are not parameters: buffers (causal masks, position ids).
-_BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", "position_ids", "token_type_ids")
 # Heads our model may lack: pretraining heads (BERT's MLM/NSP `cls`, GPT-2's `lm_head`) and the
 # task head of another fine-tune; unused, reported, never an error.
 _UNUSED_HEAD_PREFIXES = ("cls.", "lm_head.", "score.", "classifier.")
 # Heads our model has that a checkpoint may lack: they start from their fresh initialisation.
 _FRESH_HEAD_PREFIXES = ("classifier.", "score.")
-# The body of each family, as a bare HF base model (BertModel, GPT2Model) names it.
-_BODY = {
-    BERT_CLASSIFIER: ("bert.", ("embeddings", "encoder", "pooler")),
-    GPT2_CLASSIFIER: ("transformer.", ("wte", "wpe", "h", "ln_f")),
-    GPT2_LM: ("transformer.", ("wte", "wpe", "h", "ln_f")),
-}
-_FAMILY = {GPT2_LM: ModelFamily.gpt2, GPT2_CLASSIFIER: ModelFamily.gpt2,
-           BERT_CLASSIFIER: ModelFamily.bert}
 
 
 def load_pretrained_weights(model: nnx.Module, local_dir: str, *, source: str | None = None,
@@ -257,28 +197,27 @@ def load_pretrained_weights(model: nnx.Module, local_dir: str, *, source: str | 
     `model.init_from` value, for messages.
     """
     setting = f"model.init_from={source or local_dir}"
-    architecture = architecture_of(model)
-    _check_family(local_dir, architecture, setting)
-    checkpoint = _canonical_keys(read_checkpoint(local_dir, setting), architecture)
+    arch = hf.architecture_of(model)
+    _check_family(local_dir, arch, setting)
+    checkpoint = _canonical_keys(read_checkpoint(local_dir, setting), arch.names)
 
     state = nnx.state(model, nnx.Param)
     params = nnx.to_pure_dict(state)
-    targets = {hf_name(path, architecture): path for path, _ in flatten_params(params)}
-    pooler_fresh = architecture == BERT_CLASSIFIER and not any(
-        key.startswith("bert.pooler.") for key in checkpoint
-    )
+    targets = {hf.hf_name(path, arch.name): path for path, _ in hf.flatten_params(params)}
+    # A body module the checkpoint has none of at all (a BertModel saved without its pooler).
+    absent = tuple(prefix for prefix in (f"{arch.names.body_prefix}{module}."
+                                         for module in arch.names.optional_modules)
+                   if not any(key.startswith(prefix) for key in checkpoint))
 
     def is_fresh_head(key: str) -> bool:
-        return key.startswith(_FRESH_HEAD_PREFIXES) or (
-            pooler_fresh and key.startswith("bert.pooler.")
-        )
+        return key.startswith(_FRESH_HEAD_PREFIXES + absent)
 
     loaded, missing, reshaped, wrong_shape = [], [], {}, []
     for key, path in targets.items():
         if key not in checkpoint:
             missing.append(key)
             continue
-        array = checkpoint[key].T if is_transposed(path, architecture) else checkpoint[key]
+        array = checkpoint[key].T if hf.is_transposed(path, arch.name) else checkpoint[key]
         target = _get(params, path)
         if array.shape != target.shape:
             if is_fresh_head(key):  # e.g. an MNLI head (3 labels) fine-tuned again for 2
@@ -290,12 +229,12 @@ def load_pretrained_weights(model: nnx.Module, local_dir: str, *, source: str | 
         loaded.append(key)
 
     if wrong_shape:
-        raise FlaxlmError(_shape_message(setting, local_dir, wrong_shape, architecture))
+        raise FlaxlmError(_shape_message(setting, local_dir, wrong_shape, arch))
     not_fresh = [key for key in missing if not is_fresh_head(key)]
     if not_fresh:
         raise FlaxlmError(
             f"{setting}: the checkpoint in {local_dir} lacks {len(not_fresh)} parameters of "
-            f"{architecture} that are not a task head: {_some(not_fresh)}. It is incomplete or "
+            f"{arch.name} that are not a task head: {_some(not_fresh)}. It is incomplete or "
             "another architecture; point model.init_from at a full checkpoint of this model."
         )
     unexpected = [key for key in checkpoint if key not in targets]
@@ -303,7 +242,7 @@ def load_pretrained_weights(model: nnx.Module, local_dir: str, *, source: str | 
     if surprising and not allow_unexpected:
         raise FlaxlmError(
             f"{setting}: the checkpoint in {local_dir} has {len(surprising)} tensors "
-            f"{architecture} has no place for: {_some(surprising)}. It is probably a different "
+            f"{arch.name} has no place for: {_some(surprising)}. It is probably a different "
             "architecture or variant than its config.json says; point model.init_from at a "
             "standard checkpoint (or load with allow_unexpected=True to ignore them)."
         )
@@ -312,62 +251,48 @@ def load_pretrained_weights(model: nnx.Module, local_dir: str, *, source: str | 
     return LoadReport(loaded, missing + list(reshaped), unexpected, reshaped)
 
 
-def _check_family(local_dir: str, architecture: str, setting: str) -> None:
+def _check_family(local_dir: str, arch: hf.Architecture, setting: str) -> None:
     if not os.path.isfile(os.path.join(local_dir, "config.json")):
         return  # weights alone: the key mapping and shape checks still guard the load
     family = checkpoint_family(local_dir)
-    if family is not _FAMILY[architecture]:
+    if family is not arch.family:
         raise FlaxlmError(
             f"{setting}: the checkpoint in {local_dir} is a {family.value} model but the model "
-            f"being built is {architecture} (model.family={_FAMILY[architecture].value}). Set "
+            f"being built is {arch.name} (model.family={arch.family.value}). Set "
             f"model.family={family.value} (pretrained_model_config does so from config.json)."
         )
 
 
-def _canonical_keys(checkpoint: dict, architecture: str) -> dict:
-    """The checkpoint under our model's HF names: buffers dropped, old LayerNorm names
-    (gamma/beta) renamed, and a bare base model's keys (BertModel, GPT2Model) prefixed."""
-    prefix, body = _BODY[architecture]
+def _canonical_keys(checkpoint: dict, names: HFNames) -> dict:
+    """The checkpoint under our model's HF names: buffers and tied copies dropped, old
+    LayerNorm names (gamma/beta) renamed, and a bare base model's keys (BertModel, GPT2Model)
+    prefixed."""
     renamed = {}
     for key, array in checkpoint.items():
-        if key.endswith(_BUFFER_SUFFIXES):
+        if key.endswith(names.buffer_suffixes) or key in names.tied_keys:
             continue
-        if key == "lm_head.weight" and architecture != BERT_CLASSIFIER:
-            continue  # tied to wte: the same tensor again
         if key.endswith(".gamma"):
             key = key[: -len("gamma")] + "weight"
         elif key.endswith(".beta"):
             key = key[: -len("beta")] + "bias"
-        if key.split(".", 1)[0] in body:
-            key = prefix + key
+        if key.split(".", 1)[0] in names.body_modules:
+            key = names.body_prefix + key
         renamed[key] = array
     return renamed
 
 
-def _shape_message(setting: str, local_dir: str, wrong_shape: list, architecture: str) -> str:
+def _shape_message(setting: str, local_dir: str, wrong_shape: list,
+                   arch: hf.Architecture) -> str:
     key, ckpt_shape, our_shape = wrong_shape[0]  # both in our (in, out) layout
     more = f" (and {len(wrong_shape) - 1} more)" if len(wrong_shape) > 1 else ""
+    size_setting = next((name for fragment, name in arch.names.shape_settings
+                         if fragment in key), "model.n_embd")
     return (
         f"{setting}: parameter {key} has shape {tuple(ckpt_shape)} in the checkpoint in "
-        f"{local_dir} but {tuple(our_shape)} in the {architecture} being built{more}. The model "
-        f"was built with a different {_shape_setting(key)} than the checkpoint; build it from "
+        f"{local_dir} but {tuple(our_shape)} in the {arch.name} being built{more}. The model "
+        f"was built with a different {size_setting} than the checkpoint; build it from "
         "the checkpoint's config.json (pretrained_model_config) or fix that setting to match."
     )
-
-
-def _shape_setting(key: str) -> str:
-    """The ModelConfig field that sets this parameter's shape, for error messages."""
-    for fragment, setting in (
-        ("attention.", "model.n_embd"),
-        ("word_embeddings", "model.vocab_size"), ("wte", "model.vocab_size"),
-        ("position_embeddings", "model.n_positions"), ("wpe", "model.n_positions"),
-        ("token_type_embeddings", "model.type_vocab_size"),
-        ("intermediate", "model.n_inner"), ("c_fc", "model.n_inner"),
-        ("mlp.c_proj", "model.n_inner"), ("output.dense", "model.n_inner"),
-    ):
-        if fragment in key:
-            return setting
-    return "model.n_embd"
 
 
 def _some(keys: list[str], limit: int = 10) -> str:

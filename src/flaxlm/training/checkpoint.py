@@ -40,7 +40,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -49,8 +50,8 @@ from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
 from flaxlm.errors import FlaxlmError
+from flaxlm.layout import CHECKPOINT_SUBDIR
 
-CHECKPOINT_SUBDIR = "checkpoints"
 BEST_METRIC = "eval/loss"  # lower is better
 SET_ASIDE_TIMEOUT_S = 300  # how long other processes wait for process 0 to set a step aside
 
@@ -307,7 +308,7 @@ class StopRequest:
         return self.signal_name is not None
 
     @contextlib.contextmanager
-    def catching_signals(self) -> Iterator["StopRequest"]:
+    def catching_signals(self) -> Iterator[StopRequest]:
         if threading.current_thread() is not threading.main_thread():
             yield self  # signal handlers can only be set from the main thread
             return

@@ -1,12 +1,11 @@
 """Distributed evaluation of a classifier that counts every example exactly once.
 
-Known ways to get this wrong, all seen in the wild: dropping the incomplete last batch (the Flax
-GLUE example), or padding it by repeating examples and forgetting to remove the repeats
-(accelerate #575, #952, #1674, #3013). Here the eval batches are padded with zero rows and a
-mask (data/classify.py), each batch's outputs are gathered to every process in global row
-order (batch order, then mesh device order: exactly the dataset order), the padded rows are
-dropped by the mask, and the metrics are computed once, on exactly the N real examples, by
-scikit-learn and scipy.
+Two common ways to get this wrong: dropping the incomplete last batch, or padding it by
+repeating examples and forgetting to remove the repeats. Here the eval batches are padded with
+zero rows and a mask (data/loader.py), each batch's outputs are gathered to every process in
+global row order (batch order, then mesh device order: exactly the dataset order), the padded
+rows are dropped by the mask, and the metrics are computed once, on exactly the N real
+examples, by scikit-learn and scipy.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import math
 import os
 import tempfile
 import warnings
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -26,7 +25,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from flaxlm.config import Padding
-from flaxlm.data.classify import eval_batches
+from flaxlm.data.encoding import example_rows
+from flaxlm.data.loader import eval_batches
 from flaxlm.errors import FlaxlmError
 from flaxlm.training.inflight import ready_in_order
 
@@ -52,8 +52,9 @@ def predict(
     the devices run one, and only a couple of programs are ever queued (see `inflight`).
     """
     num_examples = len(arrays["labels"])
-    dispatched = ((apply_fn(batch), batch["mask"])
-                  for batch in eval_batches(arrays, global_batch_size, mesh, padding))
+    gather = example_rows(arrays, global_batch_size, mesh, padding)
+    dispatched = ((apply_fn(batch), mask)
+                  for batch, mask in eval_batches(num_examples, global_batch_size, mesh, gather))
     outputs = [_real_rows(gather_rows(out), gather_rows(mask))
                for out, mask in ready_in_order(dispatched)]
     outputs_NxC = np.concatenate(outputs) if outputs else np.zeros((0, 1), np.float32)

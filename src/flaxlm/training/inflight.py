@@ -16,7 +16,8 @@ programs deep on any backend, and the devices still compute while the host build
 from __future__ import annotations
 
 import collections
-from typing import Iterable, Iterator, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
 import jax
 

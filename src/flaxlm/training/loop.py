@@ -9,14 +9,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from flaxlm.data.loader import TrainLoader, eval_batches, num_eval_batches
+from flaxlm.data.loader import BatchSource, block_rows, eval_batches, num_eval_batches
 from flaxlm.errors import FlaxlmError
 from flaxlm.tracking import Tracker
 from flaxlm.training.checkpoint import Preempted, StopRequest
@@ -58,7 +58,7 @@ class LoopState:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict) -> "LoopState":
+    def from_json(cls, data: dict) -> LoopState:
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
 
 
@@ -90,7 +90,8 @@ class Evaluator:
         programs are ever queued (see `inflight` for why that matters), and are added up on
         the host in float64.
         """
-        batches = eval_batches(self.blocks, self.global_batch_size, self.mesh)
+        gather = block_rows(self.blocks, self.global_batch_size, self.mesh)
+        batches = eval_batches(len(self.blocks), self.global_batch_size, self.mesh, gather)
         dispatched = (self.steps.eval(params, inputs, mask, self.token_bytes)
                       for inputs, mask in batches)
         total = num_eval_batches(len(self.blocks), self.global_batch_size)
@@ -109,7 +110,7 @@ class Evaluator:
 def fit(
     state: TrainState,
     steps: CompiledSteps,
-    loader: TrainLoader,
+    loader: BatchSource,
     evaluate: Evaluator,
     plan: Plan,
     throughput: Throughput,

@@ -4,7 +4,7 @@ warmup + decay learning-rate schedule, with optional global-norm clipping in fro
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import optax
@@ -15,7 +15,7 @@ from flaxlm.errors import FlaxlmError
 
 def make_schedule(opt: OptimizerConfig, total_steps: int) -> optax.Schedule:
     """Linear warmup from 0 to `lr` over `warmup_steps`, then the chosen shape down to `end_lr`
-    at `total_steps` (the seed: no warmup, linear to 0 over all training steps)."""
+    at `total_steps`."""
     if not 0 <= opt.warmup_steps <= total_steps:
         raise FlaxlmError(
             f"optimizer.warmup_steps={opt.warmup_steps} must be between 0 and the run's "

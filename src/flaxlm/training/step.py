@@ -1,7 +1,8 @@
 """The training and evaluation steps: pure functions of arrays, jitted with explicit shardings.
 
 The batch is sharded over the mesh's `data` axis and the state is replicated, so the gradient
-of the mean loss is the mean over all devices, exactly what the seed's pmap + `lax.pmean` did.
+of the mean loss is the mean over all devices: pmap + `lax.pmean`'s data parallelism, as one
+program.
 With gradient accumulation one train step takes `grad_accum_steps` micro-batches and makes one
 optimizer update from their mean gradient.
 """
@@ -9,7 +10,8 @@ optimizer update from their mean gradient.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +32,8 @@ class TrainState:
 def create_state(model: nnx.Module, tx: optax.GradientTransformation) -> tuple[Any, TrainState]:
     """Split the model into its static graph and its parameters; start the optimizer."""
     graphdef, params = nnx.split(model, nnx.Param)
-    return graphdef, TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    return graphdef, TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                                opt_state=tx.init(params))
 
 
 def next_token_losses(logits_BxLxV: jax.Array, inputs_BxL: jax.Array) -> jax.Array:
@@ -52,7 +55,7 @@ def lm_loss(model, inputs_BxL: jax.Array, rngs: nnx.Rngs) -> jax.Array:
 def train_step(state: TrainState, batch_K, dropout_key: jax.Array, *, graphdef,
                tx: optax.GradientTransformation, schedule: optax.Schedule,
                loss_fn: Callable = lm_loss, skip_nonfinite: bool = False):
-    """One optimizer step on the mean gradient of K micro-batches of B rows (K = 1: the seed).
+    """One optimizer step on the mean gradient of K micro-batches of B rows.
 
     `batch_K` is an array or a pytree of arrays (e.g. a dict of input ids, masks and labels),
     each leaf shaped (K, B, ...); `loss_fn(model, micro_batch, rngs)` gives a micro-batch's
@@ -109,7 +112,7 @@ def accumulate_gradients(loss_fn: Callable, params, batch_K,
     Only one micro-batch's activations are alive at a time; the sums are kept in float32 whatever
     the parameter dtype. The run's m-th micro-batch draws its dropout from
     `fold_in(dropout_key, m)`: fresh masks for every micro-batch, and without accumulation
-    (m = step) the seed's key for every step.
+    (m = step) one key per step.
     """
     num_micro = jax.tree.leaves(batch_K)[0].shape[0]
 

@@ -1,0 +1,64 @@
+"""Local data files named by a setting (language.files, task.train_files, ...): matching the
+patterns, checking each file before `datasets` reads it, and turning `datasets`' failures into
+one readable line."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+from pathlib import Path
+
+import datasets
+
+from flaxlm.errors import FlaxlmError
+
+
+def expand_patterns(patterns: list[str], setting: str) -> list[Path]:
+    """Files matched by each path or glob of `setting`, sorted per pattern, in pattern order,
+    without repeats; a pattern that matches nothing is an error naming it."""
+    paths: dict[Path, None] = {}  # an ordered set
+    for pattern in patterns:
+        matches = sorted(
+            p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p)
+        )
+        if not matches:
+            raise FlaxlmError(
+                f"{setting}: the pattern {pattern!r} matches no file (relative paths are "
+                f"resolved from the working directory {os.getcwd()!r}). Fix the path or glob, "
+                "or use an absolute path."
+            )
+        paths.update((Path(m).resolve(), None) for m in matches)
+    return list(paths)
+
+
+def check_file_type(path: Path, setting: str, supported) -> None:
+    """A file of `setting` must have one of the `supported` extensions and not be empty."""
+    if path.suffix.lower() not in supported:
+        raise FlaxlmError(
+            f"{setting}: {str(path)!r} has the unsupported extension {path.suffix!r}. "
+            f"Supported: {', '.join(supported)}; convert the file, or rename it if it already is "
+            "one of these."
+        )
+    if path.stat().st_size == 0:
+        raise FlaxlmError(f"{setting}: {str(path)!r} is empty. Remove it from {setting}.")
+
+
+@contextlib.contextmanager
+def quiet_datasets_logs():
+    """`datasets` logs why a data file does not parse on stderr, then raises; the FlaxlmError
+    made of that exception says it again, so the log line would only push it off the first
+    line of stderr."""
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+
+
+def root_cause(err: BaseException) -> str:
+    """The innermost explicitly chained error: `datasets` wraps the useful message."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return f"{type(err).__name__}: {err}".rstrip(": .")  # the caller adds its own punctuation

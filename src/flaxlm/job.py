@@ -1,0 +1,129 @@
+"""`train(cfg)`: one job, from a composed config to a trained model, for any task.
+
+The job owns what every run needs whatever it trains: the platform and the device mesh, the
+compilation cache, the run directory (fresh, or a stopped run resumed), the tracker (W&B and
+metrics.jsonl), the checkpointer, and the SIGTERM / SIGINT handler. It hands these to the task
+named by `task.name` (`flaxlm.tasks`) as a `JobContext`. This is the config edge: the composed
+config becomes typed objects here.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import jax
+from omegaconf import DictConfig, OmegaConf
+
+from flaxlm.config import TrainConfig
+from flaxlm.errors import FlaxlmError
+from flaxlm.parallel import configure_platform, make_mesh
+from flaxlm.runs import (
+    close_quietly,
+    disk_full_error,
+    make_checkpointer,
+    open_run_dir,
+    writable_dir,
+)
+from flaxlm.tasks import JobContext, task_named
+from flaxlm.tracking import start_tracker
+from flaxlm.training.checkpoint import PREEMPTED_EXIT_CODE, Preempted, StopRequest
+from flaxlm.training.loop import describe
+from flaxlm.training.optimizer import check_optimizer_settings
+from flaxlm.training.plan import global_batch_size
+
+
+def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
+          run_name: str | None = None, run_group: str | None = None) -> float:
+    """Run one training job; return the final eval loss (what a sweeper minimises).
+
+    `choices` (the option picked in each config group), `run_name` and `run_group` label the
+    W&B run; the Hydra entrypoint fills them in. A run directory with a checkpoint is resumed
+    (trainer.resume). SIGTERM / SIGINT save a checkpoint and raise `Preempted`, whose exit code
+    is `PREEMPTED_EXIT_CODE`.
+    """
+    config: TrainConfig = OmegaConf.to_object(cfg)
+    started = time.perf_counter()
+    configure_platform(config.hardware)
+    writable_dir(config.cache_dir, "cache_dir", "Set cache_dir (or the FLAXLM_CACHE environment "
+                 "variable) to a directory you can write to: tokenizers, packed data and "
+                 "compiled steps are kept there.")
+    enable_compilation_cache(config.cache_dir)
+    mesh = make_mesh(config.hardware.num_devices)
+    task = task_named(config.task.name)
+    seq_len = check_settings(config, mesh.size)  # before claiming run_dir: a retry can reuse it
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    run = open_run_dir(config, resolved)
+    tracker_config = {**resolved, "choices": choices or {}}
+    checkpointer = tracker = None
+    try:
+        tracker = start_tracker(config.logger, run.path, tracker_config, name=run_name,
+                                group=run_group, run_id=run.wandb_run_id)
+        checkpointer = make_checkpointer(run.path, config.checkpoint)
+        stop = StopRequest()
+        job = JobContext(config, resolved, run, mesh, tracker, checkpointer, stop)
+        with stop.catching_signals():
+            final = task.run(job, seq_len)
+        checkpointer.close()
+        final["wall_time_s"] = time.perf_counter() - started
+        tracker.summary(final)
+        _print_summary(final, run.path)
+    except Preempted as stopped:
+        stopped.run_dir = run.path
+        close_quietly(checkpointer)  # the preemption checkpoint must be on disk before exit
+        if tracker is not None:
+            tracker.finish(exit_code=PREEMPTED_EXIT_CODE, preempted=True)
+        print(f"flaxlm: {stopped}; to continue, run the same overrides plus "
+              f"resume_from={run.path} (or the same command, if it set run_dir or "
+              f"hydra.run.dir); exit code {PREEMPTED_EXIT_CODE}", file=sys.stderr, flush=True)
+        raise
+    except BaseException as err:
+        close_quietly(checkpointer)  # let good checkpoints already started finish writing
+        if tracker is not None:
+            tracker.finish(exit_code=1)
+        full = disk_full_error(err, run.path)
+        if full is not None:
+            raise full from err
+        raise
+    finally:
+        run.release()
+    tracker.finish()
+    return final["eval/loss"]
+
+
+def check_settings(config: TrainConfig, num_devices: int) -> int:
+    """Settings that can be checked before any data is read, the task's own first; returns
+    the task's sequence length."""
+    seq_len = task_named(config.task.name).check_settings(config)
+    for key, value in [
+        ("hardware.per_device_batch_size", config.hardware.per_device_batch_size),
+        ("trainer.num_epochs", config.trainer.num_epochs),
+        ("trainer.log_every", config.trainer.log_every),
+        ("trainer.grad_accum_steps", config.trainer.grad_accum_steps),
+    ]:
+        if value < 1:
+            raise FlaxlmError(f"{key}={value} must be at least 1.")
+    for key, value in [("trainer.max_steps", config.trainer.max_steps),
+                       ("trainer.eval_every", config.trainer.eval_every),
+                       ("hardware.per_device_eval_batch_size",
+                        config.hardware.per_device_eval_batch_size)]:
+        if value is not None and value < 1:
+            raise FlaxlmError(f"{key}={value} must be at least 1 (or null).")
+    global_batch_size(config, num_devices)
+    check_optimizer_settings(config.optimizer)
+    return seq_len
+
+
+def enable_compilation_cache(cache_dir: str) -> None:
+    """Keep compiled steps in `<cache_dir>/xla`: a second run of the same shapes skips XLA
+    compilation, the largest part of its start-up."""
+    jax.config.update("jax_compilation_cache_dir",
+                      os.path.join(os.path.expanduser(cache_dir), "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def _print_summary(final: dict, run_dir: str) -> None:
+    tokens = f", {final['tokens_seen']:,} tokens" if "tokens_seen" in final else ""
+    print(f"flaxlm: done in {final['wall_time_s']:.0f}s | {final['steps']} steps{tokens} | "
+          f"final {describe(final)} | run dir {run_dir}")

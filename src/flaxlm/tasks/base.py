@@ -1,0 +1,222 @@
+"""What every task shares: the interface the job calls, the context it hands a task, and the
+skeleton both task bodies follow.
+
+A task turns the job's context into final metrics. Between the task's own first part (its
+data and its model's head) and its own last part (samples, predictions), every task does the
+same thing, written once here: the optimizer and its schedule, the model initialised (or
+loaded from `model.init_from`), the train state on the mesh, a stopped run restored, the run's
+model/ directory started, the banner, the loop with its checkpoints, and the final export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+from omegaconf import OmegaConf
+
+from flaxlm import layout
+from flaxlm.config import ModelConfig, TrainConfig
+from flaxlm.export import export_hf
+from flaxlm.models import pretrained
+from flaxlm.models.layers import TransformerSpec, count_params
+from flaxlm.parallel import replicated
+from flaxlm.runs import CheckpointSaver, RunDir, restore_run
+from flaxlm.tracking import Tracker
+from flaxlm.training.checkpoint import Checkpointer, StopRequest, key_to_json
+from flaxlm.training.loop import LoopState, Plan, Throughput, fit
+from flaxlm.training.optimizer import make_optimizer, make_schedule
+from flaxlm.training.plan import make_plan
+from flaxlm.training.step import CompiledSteps, TrainState, create_state
+
+
+@dataclasses.dataclass
+class JobContext:
+    """What the job hands a task: the typed config and the run's resources."""
+
+    config: TrainConfig
+    resolved: dict  # the resolved config as plain containers: saved with the run and its model
+    run: RunDir
+    mesh: Mesh
+    tracker: Tracker
+    checkpointer: Checkpointer
+    stop: StopRequest
+
+    @property
+    def writes_files(self) -> bool:
+        """Every process computes the same parameters and predictions; one writes them."""
+        return jax.process_index() == 0
+
+    def write(self, write_fn: Callable[..., Any], *args, **kwargs) -> None:
+        """Run `write_fn`, a write of a file of this run, on process 0 only: every file a task
+        writes goes through here."""
+        if self.writes_files:
+            write_fn(*args, **kwargs)
+
+    def path(self, name: str) -> str:
+        """`name` (a `flaxlm.layout` constant) inside the run directory."""
+        return layout.run_path(self.run.path, name)
+
+
+class Task(Protocol):
+    """One objective flaxlm trains for; `flaxlm.tasks.TASKS` registers each by name."""
+
+    def check_settings(self, config: TrainConfig) -> int:
+        """Check what can be checked before any data is read (raising FlaxlmError); return the
+        sequence length the task trains on."""
+
+    def run(self, job: JobContext, seq_len: int) -> dict[str, float]:
+        """Train; return the final metrics (`eval/loss` and `steps` among them)."""
+
+
+# ------------------------------------------------------------------ the model a run starts from
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """Where the weights come from: `model.init_from`'s checkpoint directory (None: a random
+    init) and the model config of the run, with the checkpoint's shape when there is one."""
+
+    checkpoint_dir: str | None
+    model: ModelConfig
+
+
+def model_start(config: TrainConfig) -> Start:
+    if not config.model.init_from:
+        return Start(None, config.model)
+    checkpoint_dir = pretrained.resolve_checkpoint(config.model.init_from)
+    return Start(checkpoint_dir, pretrained.pretrained_model_config(checkpoint_dir, config.model))
+
+
+def tokenizer_sha256(tokenizer) -> str:
+    """What a checkpoint records of the tokenizer: a resumed run must read the same ids."""
+    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------- the shared skeleton
+
+
+@dataclasses.dataclass
+class Training:
+    """A run ready to loop: the train state on the mesh, the compiled steps, the plan, and
+    what a checkpoint records beside the state."""
+
+    state: TrainState
+    steps: CompiledSteps
+    plan: Plan
+    dropout_key: jax.Array
+    metadata: dict
+    num_params: int
+    resume: LoopState | None
+
+
+def prepare_training(
+    job: JobContext,
+    start: Start,
+    build_model: Callable[[TransformerSpec, nnx.Rngs], nnx.Module],
+    compile_steps: Callable[..., CompiledSteps],
+    loader,
+    tokenizer,
+) -> Training:
+    """Optimizer, model, train state and compiled steps; a resumed run's state, dropout key
+    and data position restored from its latest checkpoint.
+
+    `build_model(spec, rngs)` makes the task's model; `compile_steps(mesh, graphdef, tx,
+    schedule)` its jitted steps.
+    """
+    config = job.config
+    plan = make_plan(config, loader.steps_per_epoch)
+    schedule = make_schedule(config.optimizer, plan.total_steps)
+    tx = make_optimizer(config.optimizer, schedule)
+    spec = TransformerSpec(
+        start.model,
+        compute_dtype=jnp.dtype(config.hardware.compute_dtype),
+        param_dtype=jnp.dtype(start.model.param_dtype or config.hardware.param_dtype),
+    )
+    init_key, dropout_key = jax.random.split(jax.random.key(config.seed))
+    model = build_model(spec, nnx.Rngs(params=init_key))
+    if start.checkpoint_dir and not job.run.resuming:  # else the weights come from the run's
+        report = pretrained.load_pretrained_weights(model, start.checkpoint_dir,  # checkpoint
+                                                    source=config.model.init_from)
+        print(f"flaxlm: model.init_from={config.model.init_from}: {report}")
+    graphdef, state = create_state(model, tx)
+    state = jax.device_put(state, replicated(job.mesh))
+    steps = compile_steps(job.mesh, graphdef, tx, schedule)
+    tokenizer_hash = tokenizer_sha256(tokenizer)
+    metadata = {"config": job.resolved, "tokenizer_sha256": tokenizer_hash,
+                "dropout_key": key_to_json(dropout_key), "wandb_run_id": job.run.wandb_run_id}
+    resume = None
+    if job.run.resuming:  # before model/ is written: a resume that is refused changes nothing
+        state, dropout_key, resume = restore_run(job.checkpointer, state, dropout_key, loader,
+                                                 tokenizer_hash, job.tracker, job.run.path)
+    return Training(state, steps, plan, dropout_key, metadata, count_params(model), resume)
+
+
+def start_model_dir(job: JobContext, model: ModelConfig, tokenizer, hf_config) -> None:
+    """model/ gets the tokenizer and HF config now, so that flaxlm-export can turn any
+    checkpoint of the run into an HF directory while it trains (the end of the run completes
+    it); model_config.yaml records the shape the run trains, whatever model.init_from gave."""
+    job.write(tokenizer.save_pretrained, job.path(layout.MODEL_SUBDIR))
+    job.write(hf_config.save_pretrained, job.path(layout.MODEL_SUBDIR))
+    job.write(OmegaConf.save, OmegaConf.structured(model), job.path(layout.MODEL_CONFIG_FILE))
+
+
+def throughput(job: JobContext, tokens_per_step: int, flops_per_token: float) -> Throughput:
+    peak = job.config.hardware.peak_tflops_per_device * 1e12 * job.mesh.size
+    return Throughput(tokens_per_step, flops_per_token, peak)
+
+
+def eval_batch_size(job: JobContext) -> int:
+    """Rows per evaluation batch over the whole mesh."""
+    hardware = job.config.hardware
+    per_device = hardware.per_device_eval_batch_size or hardware.per_device_batch_size
+    return per_device * job.mesh.size
+
+
+def training_flops_per_token(model: ModelConfig, matmul_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per weight that multiplies (embedding lookups excluded)
+    plus attention's 12·layers·width·length (PaLM, appendix B)."""
+    return 6 * matmul_params + 12 * model.n_layer * model.n_embd * seq_len
+
+
+def banner(job: JobContext, training: Training, model: ModelConfig, what: str,
+           data: str) -> str:
+    """The line that says what the run is about to do; `what` adds to the parameter count
+    (e.g. "2 labels"), `data` describes the data and the batch."""
+    extra = f", {what}" if what else ""
+    return (f"flaxlm: {model.name} ({training.num_params / 1e6:.2f}M params{extra}) on "
+            f"{job.mesh.size} {jax.default_backend()} device(s) | {data} | "
+            f"{training.plan.total_steps} steps ({training.plan.steps_per_epoch}/epoch) | "
+            f"run dir {job.run.path}")
+
+
+def run_loop(job: JobContext, training: Training, loader, evaluate,
+             throughput: Throughput) -> tuple[TrainState, dict[str, float]]:
+    """The loop, checkpointing with the run's metadata; the final state and last evaluation."""
+    saver = CheckpointSaver(job.checkpointer, loader, training.metadata)
+    state, last_eval = fit(training.state, training.steps, loader, evaluate, training.plan,
+                           throughput, job.tracker, training.dropout_key, save=saver,
+                           resume=training.resume, stop=job.stop)
+    print(f"flaxlm: {saver.describe()}")
+    return state, last_eval
+
+
+def export_model(job: JobContext, params: dict, model: ModelConfig, tokenizer,
+                 final: dict, **export_options) -> None:
+    """The run's model/ completed: weights, model card and (for an LM) generation settings.
+    model/ is the run's own, so what `start_model_dir` wrote there is replaced."""
+    job.write(export_hf, job.path(layout.MODEL_SUBDIR), params, model, tokenizer,
+              run_config=job.resolved, eval_metrics=final,
+              source=f"{job.run.path}, step {final['steps']}", overwrite=True,
+              **export_options)
+
+
+def host_params(state: TrainState) -> dict:
+    """The parameters as a nested dict of host arrays (as `nnx.to_pure_dict` gives)."""
+    return jax.device_get(nnx.to_pure_dict(state.params))

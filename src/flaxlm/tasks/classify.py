@@ -1,0 +1,226 @@
+"""task=classify: fine-tune a sequence (or sentence-pair) classifier, or a regressor.
+
+examples (Hub or local files) → the checkpoint's tokenizer (or a BPE trained on the examples)
+→ fixed-shape token arrays → an encoder or GPT-2 with a classification head, from pretrained
+weights when model.init_from names them → the same jitted, data-parallel steps and loop as
+pre-training → evaluation that scores every example exactly once → predictions.jsonl and an
+HF-loadable model/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import datasets
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tokenizers
+from flax import nnx
+
+from flaxlm import layout
+from flaxlm.config import ModelConfig, ModelFamily, Padding, TrainConfig
+from flaxlm.data.encoding import encode, example_loader, max_length_for
+from flaxlm.data.examples import load_examples
+from flaxlm.data.tokenizer import has_document_start, prepare_tokenizer, set_post_processor
+from flaxlm.errors import FlaxlmError
+from flaxlm.models import build, hf, pretrained
+from flaxlm.parallel import replicated
+from flaxlm.tasks import base
+from flaxlm.tasks.base import JobContext, Start
+from flaxlm.training import evaluation
+from flaxlm.training.plan import global_batch_size
+from flaxlm.training.step import CompiledSteps, compile_train_step
+
+
+class Classification:
+    """The classification task: `check_settings` → the padded example length, `run` → the
+    final metrics."""
+
+    def check_settings(self, config: TrainConfig) -> int:
+        task = config.task
+        if config.language is not None:
+            raise FlaxlmError(
+                f"task=classify reads its examples from task.dataset or task.train_files, so "
+                f"language={config.language.name} (a corpus for task=clm) would be ignored. "
+                "Drop the language override."
+            )
+        if task.dataset is None and not task.train_files:
+            raise FlaxlmError(
+                "task=classify needs examples: set task.dataset (a Hub dataset, e.g. "
+                "task.dataset=nyu-mll/glue task.dataset_config=mrpc, or experiment=glue-mrpc) "
+                "or local files with task.train_files=[...] and task.eval_files=[...]."
+            )
+        if task.dataset is None and not task.eval_files:
+            raise FlaxlmError(
+                "task.train_files is set but task.eval_files is empty: fine-tuning evaluates "
+                "on held-out examples. Give task.eval_files=[...] (e.g. a validation.tsv)."
+            )
+        return max_length_for(task)  # the model's positions are checked once known
+
+    def run(self, job: JobContext, max_length: int) -> dict[str, float]:
+        config = job.config
+        start = base.model_start(config)
+        check_max_length(max_length, start.model)
+        examples = load_examples(config.task)
+        metrics = config.task.metrics or evaluation.default_metrics(examples.num_labels,
+                                                                    examples.is_regression)
+        evaluation.check_metrics(metrics, examples.is_regression)
+        tokenizer = _tokenizer(config, start, examples.train)
+        train_arrays = encode(examples.train, tokenizer, max_length)
+        eval_arrays = encode(examples.eval, tokenizer, max_length)
+
+        batch_size = global_batch_size(config, job.mesh.size)
+        loader = example_loader(train_arrays, batch_size, job.mesh, seed=config.seed,
+                                padding=config.task.padding)
+        if loader.steps_per_epoch == 0:
+            raise FlaxlmError(
+                f"The training split has {len(examples.train)} example(s), fewer than one "
+                f"global batch of {batch_size} (per-device batch × devices × "
+                "trainer.grad_accum_steps). Use more examples, or lower "
+                "hardware.per_device_batch_size or trainer.grad_accum_steps."
+            )
+        build_model = functools.partial(_build_classifier, num_labels=examples.num_labels)
+        compile_fn = functools.partial(compile_classifier_steps,
+                                       is_regression=examples.is_regression,
+                                       grad_accum_steps=config.trainer.grad_accum_steps,
+                                       skip_nonfinite=config.trainer.skip_nonfinite)
+        training = base.prepare_training(job, start, build_model, compile_fn, loader, tokenizer)
+        hf_config = hf.to_classifier_config(
+            start.model, num_labels=examples.num_labels, pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            label_names=examples.label_names,
+        )
+        base.start_model_dir(job, start.model, tokenizer, hf_config)
+
+        evaluator = ClassifierEvaluator(
+            training.steps, eval_arrays, base.eval_batch_size(job), job.mesh, metrics,
+            examples.is_regression, examples.num_labels, config.task.padding,
+        )
+        speed = base.throughput(job, batch_size * max_length,
+                           flops_per_token(start.model, training.num_params, max_length))
+        labels = ("regression" if examples.is_regression
+                  else f"{examples.num_labels} labels")
+        print(base.banner(job, training, start.model, labels,
+                     f"{len(examples.train)} train / {len(examples.eval)} eval examples of "
+                     f"≤ {max_length} tokens | global batch {batch_size}"))
+        state, last_eval = base.run_loop(job, training, loader, evaluator, speed)
+        if evaluator.last_predictions is None:  # resumed after the last eval: score once more
+            last_eval = evaluator(state.params)
+        final = {**last_eval, "steps": int(state.step)}
+        job.write(evaluation.write_predictions, job.path(layout.PREDICTIONS_FILE),
+                  evaluator.last_predictions, eval_arrays["labels"], examples.label_names)
+        base.export_model(job, base.host_params(state), start.model, tokenizer, final,
+                     hf_config=hf_config, generation=None)
+        return final
+
+
+def _build_classifier(spec, rngs, *, num_labels: int):
+    return build.build_classifier(spec, num_labels, rngs)
+
+
+def flops_per_token(model: ModelConfig, num_params: int, seq_len: int) -> float:
+    """Training FLOPs per token of a classifier: embedding tables are lookups, and it leaves
+    GPT-2's tied LM head unused."""
+    tables = model.vocab_size + model.n_positions
+    if model.family == ModelFamily.bert:
+        tables += model.type_vocab_size
+    return base.training_flops_per_token(model, num_params - tables * model.n_embd, seq_len)
+
+
+def _tokenizer(config: TrainConfig, start: Start, train: datasets.Dataset):
+    """The checkpoint's own tokenizer (its ids are what the embeddings learnt), else
+    tokenizer.path, else a byte-level BPE trained on the training examples."""
+    if start.checkpoint_dir and config.tokenizer.path is None:
+        tokenizer = pretrained.load_pretrained_tokenizer(start.checkpoint_dir)
+    else:
+        columns = [c for c in ("text", "text_pair") if c in train.column_names]
+        texts = datasets.Dataset.from_dict(
+            {"text": [t for column in columns for t in train[column]]}
+        )
+        tokenizer = prepare_tokenizer(config.tokenizer, texts, start.model.vocab_size,
+                                      config.cache_dir)
+    return with_pair_template(tokenizer)
+
+
+def with_pair_template(tokenizer):
+    """A tokenizer without a post-processor (our byte-level BPEs: packing adds the EOS itself)
+    would glue a sentence pair together with nothing between the halves. Give it BERT's
+    layout with EOS as the separator: `A </s>` and `A </s> B </s>`, B's tokens of type 1, so
+    the halves stay apart and GPT-2's classifier reads a fixed end-of-input token. A language
+    model's document start (`</s> A`, from a flaxlm export) gives way to it likewise."""
+    processor = tokenizer.backend_tokenizer.post_processor
+    if tokenizer.eos_token is None or not (
+            processor is None or isinstance(processor, tokenizers.processors.ByteLevel)
+            or has_document_start(tokenizer)):
+        return tokenizer  # it has its own layout (e.g. BERT's [CLS] A [SEP] B [SEP])
+    eos = tokenizer.eos_token
+    set_post_processor(tokenizer, tokenizers.processors.TemplateProcessing(
+        single=f"$A:0 {eos}:0",
+        pair=f"$A:0 {eos}:0 $B:1 {eos}:1",
+        special_tokens=[(eos, tokenizer.eos_token_id)],
+    ))
+    return tokenizer
+
+
+def check_max_length(length: int, model: ModelConfig) -> None:
+    if not 2 <= length <= model.n_positions:
+        raise FlaxlmError(
+            f"task.max_seq_length={length} must be between 2 and the model's "
+            f"{model.n_positions} positions ({model.name}). Lower task.max_seq_length."
+        )
+
+
+def classification_losses(logits_BxC: jax.Array, labels_B: jax.Array,
+                          is_regression: bool) -> jax.Array:
+    """Per-example loss in float32: cross-entropy on integer labels, or squared error for
+    regression (one output), as HF's *ForSequenceClassification computes it."""
+    logits_BxC = logits_BxC.astype(jnp.float32)
+    if is_regression:
+        return jnp.square(logits_BxC[:, 0] - labels_B.astype(jnp.float32))
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BxC, labels_B)
+
+
+def compile_classifier_steps(mesh, graphdef, tx, schedule, is_regression: bool,
+                             grad_accum_steps: int = 1,
+                             skip_nonfinite: bool = False) -> CompiledSteps:
+    """The shared jitted train step with a classification loss; `eval` returns the logits of
+    every row (replicated, so every process holds the whole batch in device order)."""
+    def loss_fn(model, batch, rngs):
+        logits_BxC = model(batch["input_ids"], batch["attention_mask"],
+                           batch["token_type_ids"], rngs=rngs)
+        return classification_losses(logits_BxC, batch["labels"], is_regression).mean()
+
+    def logits(params, batch):
+        model = nnx.merge(graphdef, params)
+        return model(batch["input_ids"], batch["attention_mask"],
+                     batch["token_type_ids"]).astype(jnp.float32)
+
+    train = compile_train_step(mesh, graphdef, tx, schedule, loss_fn, grad_accum_steps,
+                               skip_nonfinite)
+    return CompiledSteps(train=train, eval=jax.jit(logits, out_shardings=replicated(mesh)))
+
+
+@dataclasses.dataclass
+class ClassifierEvaluator:
+    """Loss and the task's metrics over every eval example exactly once; keeps the last
+    predictions for predictions.jsonl."""
+
+    steps: CompiledSteps
+    arrays: dict[str, np.ndarray]
+    global_batch_size: int
+    mesh: object
+    metrics: list[str]
+    is_regression: bool
+    num_labels: int
+    padding: Padding
+    last_predictions: np.ndarray | None = None
+
+    def __call__(self, params) -> dict[str, float]:
+        results, self.last_predictions = evaluation.evaluate(
+            lambda batch: self.steps.eval(params, batch), self.arrays, self.global_batch_size,
+            self.mesh, self.metrics, self.is_regression, self.num_labels, self.padding,
+        )
+        return results

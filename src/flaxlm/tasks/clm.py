@@ -1,0 +1,196 @@
+"""task=clm: pre-train (or continue pre-training) a causal language model.
+
+corpus → tokenizer (trained byte-level BPE, a given one, or model.init_from's) → packed blocks
+(cached; or packed on the fly from a stream) → jitted data-parallel steps → evaluation (loss,
+perplexity, bits per byte over every validation token once) → an HF-loadable model/ with text
+samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import datasets
+import jax
+import jax.numpy as jnp
+
+from flaxlm.config import ModelConfig, TrainConfig
+from flaxlm.data.corpus import load_corpus, load_corpus_stream
+from flaxlm.data.loader import block_loader
+from flaxlm.data.packing import tokenize_and_pack
+from flaxlm.data.streaming import StreamingLoader, process_shard
+from flaxlm.data.tokenizer import prepare_tokenizer, token_byte_lengths, with_document_start
+from flaxlm.errors import FlaxlmError
+from flaxlm.generate import log_samples, settings_from_samples
+from flaxlm.models import build, hf, pretrained
+from flaxlm.models.build import lm_from_params
+from flaxlm.parallel import replicated
+from flaxlm.tasks import base
+from flaxlm.tasks.base import JobContext
+from flaxlm.training.loop import Evaluator
+from flaxlm.training.plan import global_batch_size
+from flaxlm.training.step import compile_steps
+
+
+class CausalLM:
+    """The causal-LM task: `check_settings` → the block length, `run` → the final metrics."""
+
+    def check_settings(self, config: TrainConfig) -> int:
+        build.check_lm_family(config.model)
+        if config.language is None:
+            raise FlaxlmError(
+                "task=clm needs a corpus, and language is null. Pick one, e.g. "
+                "language=en-builtin (offline English) or language=files "
+                "'language.files=[data/*.txt]'."
+            )
+        seq_len = config.task.max_seq_length or config.model.n_positions
+        check_block_length(config, seq_len)
+        if config.language.streaming:
+            check_streaming_settings(config)
+        return seq_len
+
+    def run(self, job: JobContext, seq_len: int) -> dict[str, float]:
+        config = job.config
+        start = base.model_start(config)
+        if start.checkpoint_dir:  # the checkpoint's shape decides the default block length
+            config = dataclasses.replace(config, model=start.model)
+            seq_len = config.task.max_seq_length or config.model.n_positions
+            check_block_length(config, seq_len)
+        batch_size = global_batch_size(config, job.mesh.size)
+        fixed_tokenizer = (pretrained.load_pretrained_tokenizer(start.checkpoint_dir)
+                           if start.checkpoint_dir and config.tokenizer.path is None else None)
+        prepare = _streamed_data if config.language.streaming else _packed_data
+        tokenizer, loader, eval_blocks, train_size = prepare(config, job.mesh, seq_len,
+                                                             batch_size, fixed_tokenizer)
+        sample_settings = settings_from_samples(config.samples)  # a bad setting fails now
+        skip_nonfinite = config.trainer.skip_nonfinite
+
+        def compile_lm_steps(mesh, graphdef, tx, schedule):
+            return compile_steps(mesh, graphdef, tx, schedule, config.trainer.grad_accum_steps,
+                                 skip_nonfinite=skip_nonfinite)
+
+        training = base.prepare_training(job, start, build.build_lm, compile_lm_steps, loader,
+                                    tokenizer)
+        hf_config = hf.to_lm_config(
+            config.model,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        base.start_model_dir(job, config.model, with_document_start(tokenizer), hf_config)
+
+        token_bytes = jax.device_put(jnp.asarray(token_byte_lengths(tokenizer)),
+                                     replicated(job.mesh))
+        evaluator = Evaluator(training.steps, eval_blocks, base.eval_batch_size(job), job.mesh,
+                              token_bytes)
+        speed = base.throughput(job, batch_size * seq_len,
+                           flops_per_token(config.model, training.num_params, seq_len))
+        print(base.banner(job, training, config.model, "",
+                     f"{train_size} train / {len(eval_blocks)} eval blocks of {seq_len} tokens "
+                     f"| global batch {batch_size} ({batch_size * seq_len} tokens/step)"))
+        state, last_eval = base.run_loop(job, training, loader, evaluator, speed)
+        final = {**last_eval, "tokens_seen": int(state.step) * batch_size * seq_len,
+                 "steps": int(state.step)}
+        params = base.host_params(state)
+        base.export_model(job, params, config.model, tokenizer, final, generation=sample_settings)
+        log_samples(lm_from_params(config.model, params), tokenizer, config.samples.prompts,
+                    sample_settings, job.tracker, step=final["steps"])
+        return final
+
+
+def flops_per_token(model: ModelConfig, num_params: int, seq_len: int) -> float:
+    """Training FLOPs per token of a GPT-2 LM: the position table is a lookup, and the tied
+    token table counts once, as the LM head."""
+    return base.training_flops_per_token(model, num_params - model.n_positions * model.n_embd,
+                                    seq_len)
+
+
+def _packed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, tokenizer=None):
+    """The whole corpus tokenised (by `tokenizer`, or one prepared from the config) and packed
+    (cached), shuffled per epoch."""
+    corpus = load_corpus(config.language)
+    tokenizer = tokenizer or prepare_tokenizer(
+        config.tokenizer, corpus.train, config.model.vocab_size, config.cache_dir
+    )
+    train_blocks = tokenize_and_pack(corpus.train, tokenizer, seq_len, config.cache_dir,
+                                     "tokenize train")
+    eval_blocks = tokenize_and_pack(
+        corpus.validation, tokenizer, seq_len, config.cache_dir, "tokenize validation"
+    )
+    check_corpus_size(config, len(train_blocks), len(eval_blocks), seq_len, batch_size)
+    loader = block_loader(train_blocks, batch_size, mesh, seed=config.seed)
+    return tokenizer, loader, eval_blocks, len(train_blocks)
+
+
+def _streamed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, tokenizer=None):
+    """language.streaming: a small validation head packed like above; training packed on the
+    fly from this process's shard of the rest of the stream."""
+    validation, train_stream = load_corpus_stream(config.language)
+    if tokenizer is None:
+        sample = datasets.Dataset.from_dict(
+            {"text": [row["text"] for row in train_stream.take(config.tokenizer.train_docs)]},
+            features=datasets.Features({"text": datasets.Value("string")}),
+        )
+        tokenizer = prepare_tokenizer(
+            config.tokenizer, sample, config.model.vocab_size, config.cache_dir
+        )
+    eval_blocks = tokenize_and_pack(
+        validation, tokenizer, seq_len, config.cache_dir, "tokenize validation"
+    )
+    check_eval_size(config, len(eval_blocks), seq_len)
+    loader = StreamingLoader(
+        process_shard(train_stream, jax.process_index(), jax.process_count()),
+        tokenizer,
+        seq_len,
+        batch_size,
+        mesh,
+        seed=config.seed,
+        shuffle_buffer=config.language.shuffle_buffer,
+        max_steps=config.trainer.max_steps,
+    )
+    return tokenizer, loader, eval_blocks, "streamed"
+
+
+def check_block_length(config: TrainConfig, seq_len: int) -> None:
+    if not 2 <= seq_len <= config.model.n_positions:
+        raise FlaxlmError(
+            f"task.max_seq_length={seq_len} must be between 2 and the model's context length "
+            f"model.n_positions={config.model.n_positions} ({config.model.name}). Lower "
+            "task.max_seq_length, or pick a model with more positions."
+        )
+
+
+def check_streaming_settings(config: TrainConfig) -> None:
+    if config.trainer.max_steps is None:
+        raise FlaxlmError(
+            "language.streaming=true needs trainer.max_steps: a streamed corpus has no known "
+            "length, so trainer.num_epochs cannot say how long to train. Set "
+            "trainer.max_steps, e.g. trainer.max_steps=10000."
+        )
+    for key, value in [("language.shuffle_buffer", config.language.shuffle_buffer),
+                       ("tokenizer.train_docs", config.tokenizer.train_docs)]:
+        if value < 1:
+            raise FlaxlmError(f"{key}={value} must be at least 1.")
+
+
+def check_corpus_size(config: TrainConfig, train_blocks: int, eval_blocks: int, seq_len: int,
+                      batch_size: int) -> None:
+    check_eval_size(config, eval_blocks, seq_len)
+    if train_blocks < batch_size:
+        raise FlaxlmError(
+            f"The training split of language={config.language.name} makes {train_blocks} "
+            f"block(s) of {seq_len} tokens, fewer than one global batch of {batch_size} "
+            "(per-device batch × devices × trainer.grad_accum_steps). Use more text (or a "
+            "larger language.max_train_docs), or lower hardware.per_device_batch_size, "
+            "trainer.grad_accum_steps or task.max_seq_length."
+        )
+
+
+def check_eval_size(config: TrainConfig, eval_blocks: int, seq_len: int) -> None:
+    if eval_blocks == 0:
+        raise FlaxlmError(
+            f"The validation split of language={config.language.name} is shorter than one block "
+            f"of task.max_seq_length={seq_len} tokens, so there is nothing to evaluate on. Use "
+            "more text, a larger language.validation_fraction / max_eval_docs, or a smaller "
+            "task.max_seq_length."
+        )
