@@ -151,7 +151,13 @@ def test_a_classify_run_exports_to_transformers_with_our_logits(pair_files, tmp_
     torch_model, info = transformers.AutoModelForSequenceClassification.from_pretrained(
         out, output_loading_info=True)
     assert not any(info.values()), info
-    assert "eval accuracy" in open(os.path.join(out, "README.md")).read()
+    card = open(os.path.join(out, "README.md")).read()
+    assert "eval accuracy" in card
+    # A classifier trains on its examples, not a corpus: neither the run's config (which W&B
+    # gets too) nor the model card's title names one.
+    assert OmegaConf.load(run_dir / "config.yaml").language is None
+    title = next(line for line in card.splitlines() if line.startswith("# "))
+    assert " on " not in title, title
 
     run_model = load_run_model(str(run_dir))
     ours = nnx.eval_shape(lambda: build_classifier(
