@@ -65,6 +65,14 @@ class ModelFamily(str, enum.Enum):
     bert = "bert"  # encoder: BertForSequenceClassification (task=classify)
 
 
+class Remat(str, enum.Enum):
+    """What the backward pass recomputes instead of keeping from the forward pass."""
+
+    none = "none"  # keep every activation: fastest, most memory
+    block = "block"  # keep only each block's input; recompute inside the block
+    full = "full"  # keep nothing that can be recomputed, matmul outputs included
+
+
 @dataclasses.dataclass
 class ModelConfig:
     """WHICH network, with GPT2Config's names for the shape; a BERT encoder reads them as
@@ -96,6 +104,7 @@ class ModelConfig:
     # (a checkpoint shipped inside an installed Python package). Its config.json then fixes
     # family and shape (the fields above are overwritten from it), and its tokenizer is used.
     init_from: Optional[str] = None
+    remat: Remat = Remat.none  # trade compute for activation memory (gradients are the same)
 
 
 class OptimizerKind(str, enum.Enum):
@@ -139,6 +148,35 @@ class OptimizerConfig:
     max_grad_norm: Optional[float] = None  # None → no clipping
 
 
+class DistributedMode(str, enum.Enum):
+    off = "off"  # one process: one host, whatever its devices
+    auto = "auto"  # jax.distributed.initialize() from the cluster JAX detects (TPU pod slice,
+    # SLURM, Open MPI, Kubernetes); one process when none is detected
+    explicit = "explicit"  # the coordinator, process count and process id given below
+
+
+@dataclasses.dataclass
+class DistributedConfig:
+    """Several processes (hosts) training one model on JAX's multi-controller runtime."""
+
+    mode: DistributedMode = DistributedMode.off
+    coordinator_address: Optional[str] = None  # explicit: process 0's host:port
+    num_processes: Optional[int] = None  # explicit
+    process_id: Optional[int] = None  # explicit: this process, 0 … num_processes - 1
+    # Seconds any process waits for the others (start-up, a barrier) before it stops with an
+    # error instead of hanging: a peer that died never answers.
+    timeout_s: int = 300
+
+
+@dataclasses.dataclass
+class MeshConfig:
+    """The device mesh's axes and their sizes; -1: the devices the other axes leave."""
+
+    data: int = -1  # the batch only; parameters replicated along it
+    fsdp: int = 1  # the batch, and parameters + optimizer state split along it (ZeRO-3)
+    tensor: int = 1  # attention heads and MLP width split along it (Megatron style)
+
+
 @dataclasses.dataclass
 class HardwareConfig:
     """WHERE: platform, devices, per-device batch and dtypes."""
@@ -154,6 +192,8 @@ class HardwareConfig:
     compute_dtype: str = "float32"  # activations and matmuls
     param_dtype: str = "float32"  # parameters and optimizer state
     peak_tflops_per_device: float = 0.1  # denominator of MFU
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
 
 class Padding(str, enum.Enum):
