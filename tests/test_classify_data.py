@@ -19,7 +19,7 @@ from flaxlm.data.encoding import FEATURES, bucket_lengths, encode, example_loade
 from flaxlm.data.examples import load_examples
 from flaxlm.data.loader import eval_batches, num_eval_batches
 from flaxlm.errors import FlaxlmError
-from flaxlm.parallel import make_mesh
+from flaxlm.parallel import BATCH_AXES, make_mesh
 
 
 @pytest.fixture(autouse=True)
@@ -357,7 +357,8 @@ def test_training_epochs_are_seeded_permutations_and_resume_mid_epoch():
     np.testing.assert_array_equal(np.concatenate(resumed), np.concatenate(epochs[1][2:]))
     batch = next(loader.epoch(0))
     assert set(batch) == set(FEATURES)
-    assert batch["input_ids"].sharding.spec[0] == "data" and batch["input_ids"].shape == (16, 64)
+    assert batch["input_ids"].sharding.spec[0] == BATCH_AXES
+    assert batch["input_ids"].shape == (16, 64)
 
 
 def test_loader_state_names_what_fixes_the_batch_order():

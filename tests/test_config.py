@@ -88,6 +88,9 @@ def test_every_option_composes_into_the_typed_schema(group, option):
         if isinstance(entry, str):  # another preset of the group (glue-cola uses glue-mrpc)
             continue
         for key, picked in entry.items():  # `override /language@_global_.language: null`
+            if key.startswith("override /hydra/"):  # launcher=slurm picks Hydra's launcher
+                assert cfg.hydra.runtime.choices[key.removeprefix("override /")] == picked
+                continue
             chosen = cfg[key.removeprefix("override /").split("@")[0]]
             assert chosen is None if picked is None else chosen.name == picked
 
@@ -156,10 +159,11 @@ def test_the_default_run_steps_as_adamw_with_linear_decay_to_zero():
         params = optax.apply_updates(params, mine)
 
 
-@pytest.mark.parametrize(("option", "num_params"), [("distilgpt2", 81_912_576),
-                                                     ("gpt2", 124_439_808)])
+@pytest.mark.parametrize(("option", "num_params"), [
+    ("distilgpt2", 81_912_576), ("gpt2", 124_439_808), ("gpt2-medium", 354_823_168),
+    ("gpt2-large", 774_030_080), ("gpt2-xl", 1_557_611_200)])
 def test_the_gpt2_options_build_the_published_networks(option, num_params):
-    """The parameter counts of HF's distilgpt2 and gpt2 checkpoints (tied LM head)."""
+    """The parameter counts of HF's GPT-2 checkpoints of these names (tied LM head)."""
     from flax import nnx
 
     from flaxlm.models.build import build_lm

@@ -69,8 +69,8 @@ class Remat(str, enum.Enum):
     """What the backward pass recomputes instead of keeping from the forward pass."""
 
     none = "none"  # keep every activation: fastest, most memory
-    block = "block"  # keep only each block's input; recompute inside the block
-    full = "full"  # keep nothing that can be recomputed, matmul outputs included
+    block = "block"  # per block: keep its input and matmul outputs; recompute the rest
+    full = "full"  # per block: keep only its input; recompute everything, matmuls included
 
 
 @dataclasses.dataclass

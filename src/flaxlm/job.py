@@ -5,6 +5,10 @@ compilation cache, the run directory (fresh, or a stopped run resumed), the trac
 metrics.jsonl), the checkpointer, and the SIGTERM / SIGINT handler. It hands these to the task
 named by `task.name` (`flaxlm.tasks`) as a `JobContext`. This is the config edge: the composed
 config becomes typed objects here.
+
+On several hosts (hardware.distributed) every process runs this same job: process 0 decides
+the run directory and whether it resumes and tells the others, writes the run's files and
+its W&B run alone; a stop signal is acted on at one agreed step by every process.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 import jax
 from omegaconf import DictConfig, OmegaConf
 
+from flaxlm import distributed
 from flaxlm.config import TrainConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.parallel import configure_platform, make_mesh
@@ -23,7 +28,7 @@ from flaxlm.runs import (
     close_quietly,
     disk_full_error,
     make_checkpointer,
-    open_run_dir,
+    open_shared_run_dir,
     writable_dir,
 )
 from flaxlm.tasks import JobContext, task_named
@@ -45,23 +50,23 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     """
     config: TrainConfig = OmegaConf.to_object(cfg)
     started = time.perf_counter()
-    configure_platform(config.hardware)
+    configure_platform(config.hardware)  # and joins the other hosts (hardware.distributed)
     writable_dir(config.cache_dir, "cache_dir", "Set cache_dir (or the FLAXLM_CACHE environment "
                  "variable) to a directory you can write to: tokenizers, packed data and "
                  "compiled steps are kept there.")
     enable_compilation_cache(config.cache_dir)
-    mesh = make_mesh(config.hardware.num_devices)
+    mesh = make_mesh(config.hardware.num_devices, config.hardware.mesh)
     task = task_named(config.task.name)
     seq_len = check_settings(config, mesh.size)  # before claiming run_dir: a retry can reuse it
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    run = open_run_dir(config, resolved)
+    run = open_shared_run_dir(config, resolved)
     tracker_config = {**resolved, "choices": choices or {}}
     checkpointer = tracker = None
     try:
         tracker = start_tracker(config.logger, run.path, tracker_config, name=run_name,
                                 group=run_group, run_id=run.wandb_run_id)
         checkpointer = make_checkpointer(run.path, config.checkpoint)
-        stop = StopRequest()
+        stop = AgreedStopRequest()
         job = JobContext(config, resolved, run, mesh, tracker, checkpointer, stop)
         with stop.catching_signals():
             final = task.run(job, seq_len)
@@ -85,6 +90,9 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         full = disk_full_error(err, run.path)
         if full is not None:
             raise full from err
+        lost = lost_peer_error(err, run.path)
+        if lost is not None:
+            raise lost from err
         raise
     finally:
         run.release()
@@ -113,6 +121,67 @@ def check_settings(config: TrainConfig, num_devices: int) -> int:
     global_batch_size(config, num_devices)
     check_optimizer_settings(config.optimizer)
     return seq_len
+
+
+class AgreedStopRequest(StopRequest):
+    """A stop signal acted on by every process at the same point of the loop: a process that
+    stopped alone would leave the others waiting in a collective for it.
+
+    The loop asks `requested` at the same points on every process, so the n-th question is
+    the same moment everywhere. The first process to get a signal announces a question a few
+    ahead (`STOP_MARGIN`: the processes are never that far apart, as every step waits for the
+    previous one's collectives); every process answers yes from that one on. One process:
+    a plain `StopRequest`."""
+
+    STOP_MARGIN = 8
+
+    def __init__(self):
+        super().__init__()
+        self._asked = 0
+        self._stop_at: int | None = None
+
+    @property
+    def requested(self) -> bool:
+        if jax.process_count() == 1:
+            return self.signal_name is not None
+        self._asked += 1
+        if self._stop_at is None:
+            if self.signal_name is not None:
+                agreed = distributed.announce("stop", [self._asked + self.STOP_MARGIN,
+                                                       self.signal_name])
+            else:
+                agreed = distributed.announced("stop")
+            if agreed is not None:
+                self._stop_at, self.signal_name = agreed
+                if self._asked > self._stop_at:
+                    raise FlaxlmError(
+                        f"Process {jax.process_index()} learnt of the stop signal too late to "
+                        "stop with the others; the run stops without a new checkpoint. Rerun "
+                        "the same command to resume from its last checkpoint."
+                    )
+        return self._stop_at is not None and self._asked >= self._stop_at
+
+
+def lost_peer_error(err: BaseException, run_dir: str) -> FlaxlmError | None:
+    """A collective that failed because another process of the run is gone, as one message;
+    None for any other error."""
+    if jax.process_count() == 1 or isinstance(err, FlaxlmError):
+        return None
+    text = str(err)
+    if not any(sign in text for sign in _LOST_PEER_SIGNS):
+        return None
+    return FlaxlmError(
+        f"Process {jax.process_index()} of {jax.process_count()} lost contact with another "
+        f"process of the run in {run_dir} ({text.strip().splitlines()[0][:300]}): it stopped "
+        "or crashed; its own log says why. Rerun the same command on every host to resume from "
+        "the last checkpoint."
+    )
+
+
+# What a collective's error says when a peer process is gone: gloo's (CPU) socket errors and
+# the coordination service's verdict.
+_LOST_PEER_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Gloo",
+                    "heartbeat", "tasks are unhealthy")
 
 
 def enable_compilation_cache(cache_dir: str) -> None:

@@ -1,25 +1,50 @@
-"""Devices, the data mesh and shardings.
+"""Devices, the device mesh and shardings.
 
-Data parallelism (each device gets `per_device_batch_size` examples, gradients averaged over
-all devices), written with `jax.jit` over a mesh rather than `pmap`: the batch is
-one global `jax.Array` sharded on the mesh's `data` axis, the parameters are replicated, and
-`jax.jit` inserts the cross-device mean of the gradients. Multi-host: every process loads only
-its own rows and `jax.make_array_from_process_local_data` stitches them into the global batch.
+The mesh has three named axes: `data` (the batch only), `fsdp` (the batch, and parameters plus
+optimizer state split ZeRO-3 style: each device keeps 1/n and the step gathers them as it needs
+them) and `tensor` (attention heads and MLP width split Megatron style; the batch is replicated
+along it). Everything is written with `jax.jit` over the mesh: the batch is one global
+`jax.Array` sharded on `data` × `fsdp`, and each parameter's layout follows from the logical
+axis names it carries (`logical_axes` metadata, e.g. ("embed", "mlp")) through one table of
+rules, `LOGICAL_AXIS_RULES`, so a new model family or mesh shape needs no per-parameter code.
+With the default mesh (all devices on `data`) every parameter is replicated: plain data
+parallelism, `jax.jit` inserting the cross-device mean of the gradients. Multi-host: every
+process loads only its own rows and `jax.make_array_from_process_local_data` stitches them into
+the global batch.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 from jax._src import xla_bridge
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flaxlm.config import HardwareConfig
+from flaxlm import distributed
+from flaxlm.config import HardwareConfig, MeshConfig
 from flaxlm.errors import FlaxlmError
 
-DATA_AXIS = "data"
+DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = (DATA_AXIS, FSDP_AXIS)  # the batch's rows are split over both
+
+# Logical axis name (what a parameter dimension means) → the mesh axes that may split it, in
+# order of preference; () never. A dimension takes the first of them that has more than one
+# device, divides it evenly and splits no earlier dimension of the same array; else it stays
+# whole. So a matrix is split over fsdp on its model width and over tensor on its heads or MLP
+# width, and a bias of heads or MLP width falls back to fsdp when there is no tensor axis.
+LOGICAL_AXIS_RULES: dict[str, tuple[str, ...]] = {
+    "embed": (FSDP_AXIS,),  # the model width: ZeRO-3 keeps 1/fsdp of every matrix per device
+    "vocab": (TENSOR_AXIS,),  # token embeddings (and the tied LM head) by vocabulary rows
+    "heads": (TENSOR_AXIS, FSDP_AXIS),  # attention projections' per-head columns / rows
+    "mlp": (TENSOR_AXIS, FSDP_AXIS),  # the MLP's hidden width
+    "positions": (),  # position and segment tables: small, looked up by every row
+    "classes": (),  # a classifier's outputs: a handful
+}
 _JAX_PLATFORM_NAMES = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 
 
@@ -41,6 +66,8 @@ def configure_platform(hardware: HardwareConfig) -> None:
             flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
             flags.append(f"--xla_force_host_platform_device_count={count}")
             os.environ["XLA_FLAGS"] = " ".join(flags)
+    # Joining the other hosts reads XLA_FLAGS, and must come before the backend starts.
+    distributed.initialize(hardware)
     try:
         backend = jax.default_backend()
     except Exception as err:  # noqa: BLE001 — JAX raises AssertionError when it finds no GPU
@@ -60,8 +87,9 @@ def configure_platform(hardware: HardwareConfig) -> None:
         )
 
 
-def make_mesh(num_devices: int | None) -> Mesh:
-    """A 1-D mesh over the first `num_devices` devices (all when None), axis `data`."""
+def make_mesh(num_devices: int | None, mesh: MeshConfig | None = None) -> Mesh:
+    """The (data, fsdp, tensor) mesh over the first `num_devices` devices (all when None), with
+    `mesh`'s axis sizes (default: every device on `data`)."""
     devices = jax.devices()
     if num_devices is not None:
         if not 1 <= num_devices <= len(devices):
@@ -75,7 +103,29 @@ def make_mesh(num_devices: int | None) -> Mesh:
                 "hardware.num_devices must be null (all devices) when training on several hosts."
             )
         devices = devices[:num_devices]
-    return Mesh(np.asarray(devices), (DATA_AXIS,))
+    shape = mesh_shape(mesh or MeshConfig(), len(devices))
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int]:
+    """hardware.mesh's (data, fsdp, tensor) sizes for `num_devices` devices; one -1 takes the
+    devices the other axes leave."""
+    sizes = {axis: getattr(mesh, axis) for axis in MESH_AXES}
+    settings = ", ".join(f"hardware.mesh.{axis}={size}" for axis, size in sizes.items())
+    wildcards = [axis for axis, size in sizes.items() if size == -1]
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    valid = len(wildcards) <= 1 and all(size >= 1 or size == -1 for size in sizes.values())
+    if valid and wildcards and num_devices % fixed == 0:
+        sizes[wildcards[0]] = num_devices // fixed
+    if not valid or math.prod(sizes.values()) != num_devices:
+        raise FlaxlmError(
+            f"{settings} does not fit {num_devices} device(s): the axis sizes must be positive "
+            f"and multiply to the device count, with at most one -1 (the devices the others "
+            f"leave). For {num_devices} devices, e.g. hardware.mesh.data=-1 "
+            f"hardware.mesh.fsdp={num_devices} hardware.mesh.tensor=1 (all of them on fsdp); "
+            "or change hardware.num_devices."
+        )
+    return sizes[DATA_AXIS], sizes[FSDP_AXIS], sizes[TENSOR_AXIS]
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -83,22 +133,76 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharded(mesh: Mesh) -> NamedSharding:
-    """Leading (batch) axis split over the `data` axis, the rest whole."""
-    return NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+    """Leading (batch) axis split over `data` × `fsdp` (replicated over `tensor`), the rest
+    whole."""
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+
+
+def logical_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
+    """The mesh layout of an array whose dimensions mean `names` (LOGICAL_AXIS_RULES)."""
+    if len(names) != len(shape):  # e.g. Adafactor's factored moments: smaller than the param
+        return PartitionSpec()
+    spec, used = [], set()
+    for name, size in zip(names, shape):
+        if name is not None and name not in LOGICAL_AXIS_RULES:
+            raise FlaxlmError(
+                f"logical axis {name!r} has no sharding rule; the rules name "
+                f"{sorted(LOGICAL_AXIS_RULES)} (flaxlm.parallel.LOGICAL_AXIS_RULES)."
+            )
+        candidates = LOGICAL_AXIS_RULES[name] if name is not None else ()
+        axis = next((axis for axis in candidates if axis not in used
+                     and mesh.shape[axis] > 1 and size % mesh.shape[axis] == 0), None)
+        spec.append(axis)
+        if axis is not None:
+            used.add(axis)
+    while spec and spec[-1] is None:  # P() and P(None, None) are one layout but not equal
+        spec.pop()
+    return PartitionSpec(*spec)
+
+
+def state_shardings(tree, mesh: Mesh):
+    """`tree` (parameters, optimizer state, gradients, a whole train state) with each array
+    replaced by its sharding: an `nnx.Variable` by its `logical_axes`, anything else
+    replicated. Works on abstract arrays too (inside `jax.jit`, or from `jax.eval_shape`)."""
+
+    def sharding_of(leaf):
+        if isinstance(leaf, nnx.Variable):
+            names = leaf.get_metadata().get("logical_axes", ())
+            return leaf.replace(NamedSharding(mesh, logical_spec(names, leaf.shape, mesh)))
+        return replicated(mesh)
+
+    return jax.tree.map(sharding_of, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def place_state(tree, mesh: Mesh):
+    """`tree` laid out on `mesh` by its logical axes (see `state_shardings`)."""
+    return jax.device_put(tree, state_shardings(tree, mesh))
+
+
+def constrain_state(tree, mesh: Mesh):
+    """Inside `jax.jit`: keep `tree` laid out by its logical axes."""
+    return jax.lax.with_sharding_constraint(tree, state_shardings(tree, mesh))
 
 
 def process_rows(global_rows: int, mesh: Mesh) -> tuple[int, int]:
     """(first, count) of the global batch rows this process feeds, for a batch of `global_rows`.
 
-    Rows are split evenly over the devices in mesh order, so a process owns the contiguous rows
-    of its own devices.
+    Rows are split evenly over the `data` × `fsdp` positions in mesh order (each part held by
+    every `tensor` device of its position), so a process owns the contiguous rows of its own
+    devices' parts.
     """
-    devices = list(mesh.devices.flat)
-    rows_per_device = global_rows // len(devices)
-    mine = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
-    return mine[0] * rows_per_device, len(mine) * rows_per_device
+    parts = batch_sharded(mesh).addressable_devices_indices_map((global_rows,)).values()
+    starts = sorted({part[0].indices(global_rows)[0] for part in parts})
+    stops = sorted({part[0].indices(global_rows)[1] for part in parts})
+    if any(stop != start for stop, start in zip(stops, starts[1:])):
+        raise FlaxlmError(
+            f"This process's devices hold rows {list(zip(starts, stops))} of the batch, which "
+            "are not contiguous; the mesh must give each host a contiguous run of the data and "
+            "fsdp axes (hardware.mesh)."
+        )
+    return starts[0], stops[-1] - starts[0]
 
 
 def global_batch(local_rows: np.ndarray, mesh: Mesh) -> jax.Array:
-    """This process's rows as its part of one global array sharded on `data`."""
+    """This process's rows as its part of one global array sharded on `data` × `fsdp`."""
     return jax.make_array_from_process_local_data(batch_sharded(mesh), local_rows)

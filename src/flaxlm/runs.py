@@ -4,7 +4,8 @@ id, and the glue between the train loop and the checkpointer (what a checkpoint 
 the train state, and restoring it all).
 
 A new run never writes into another run's directory; a resumed run continues its own, under a
-lock, so two processes never interleave in one run.
+lock, so two runs never interleave in one directory. On several hosts process 0 opens the
+directory (claim, lock, config.yaml, W&B run id, the resume decision) and the others follow it.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ import dataclasses
 import fcntl
 import os
 import secrets
+import shutil
 import sys
 import tempfile
 import time
 
+import jax
 from omegaconf import OmegaConf
 
+from flaxlm import distributed
 from flaxlm.config import CheckpointConfig, ResumeMode, TrainConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.layout import (
@@ -89,17 +93,17 @@ def writable_dir(path: str, setting: str, advice: str) -> str:
     return path
 
 
-# Settings a resumed run may change: how often it logs, evaluates and checkpoints, how long
-# it trains, where it logs (and the text samples it logs), and how the same global batch is
-# spread over devices. Anything else (model, tokenizer, data, optimizer, seed, ...) would make
-# it another run.
+# Settings a resumed run may change: how often it logs, evaluates and checkpoints, how long it
+# trains, where it logs (and the text samples it logs), and how the same global batch is spread
+# over devices, hosts and the mesh, and what it recomputes (a run may move between slice sizes).
+# Anything else (model, tokenizer, data, optimizer, seed, ...) would make it another run.
 RESUMABLE_CHANGES = (
     "run_dir", "resume_from", "cache_dir", "logger.", "checkpoint.", "samples.",
     "trainer.log_every", "trainer.eval_every", "trainer.max_steps", "trainer.num_epochs",
     "trainer.eval_before_training", "trainer.resume", "trainer.skip_nonfinite",
     "hardware.name", "hardware.cpu_devices", "hardware.num_devices",
     "hardware.per_device_batch_size", "hardware.per_device_eval_batch_size",
-    "hardware.peak_tflops_per_device",
+    "hardware.peak_tflops_per_device", "hardware.distributed.", "hardware.mesh.", "model.remat",
 )
 
 
@@ -154,6 +158,37 @@ def open_run_dir(config: TrainConfig, resolved: dict) -> RunDir:
     except BaseException:
         os.close(lock)
         raise
+
+
+def open_shared_run_dir(config: TrainConfig, resolved: dict) -> RunDir:
+    """`open_run_dir` on process 0; every other process gets its outcome (the directory,
+    whether it resumes, the W&B run id), since `${now:}` in Hydra's run dir differs per host,
+    and holds no lock of its own."""
+    if jax.process_count() == 1:
+        return open_run_dir(config, resolved)
+    opened: list[RunDir] = []
+
+    def open_on_primary() -> list:
+        opened.append(open_run_dir(config, resolved))
+        return [opened[0].path, opened[0].resuming, opened[0].wandb_run_id]
+
+    path, resuming, run_id = distributed.from_primary("opening the run directory",
+                                                      open_on_primary)
+    if opened:
+        return opened[0]
+    if config.run_dir and not config.resume_from:
+        _remove_own_hydra_dir(config.run_dir, path)
+    return RunDir(path, resuming, run_id)
+
+
+def _remove_own_hydra_dir(own: str, shared: str) -> None:
+    """The folder Hydra made for this process alone (its own timestamp), when it holds only
+    Hydra's files: the run's files are in `shared`."""
+    own = os.path.abspath(os.path.expanduser(own))
+    if own == shared or not os.path.isdir(own):
+        return
+    if all(name == ".hydra" or name.endswith(".log") for name in os.listdir(own)):
+        shutil.rmtree(own, ignore_errors=True)
 
 
 def _set_aside_start_without_checkpoint(run_dir: str, resolved: dict) -> None:
@@ -282,7 +317,7 @@ def restore_run(checkpointer: Checkpointer, state, dropout_key, loader, tokenize
             "words. Resume with the run's tokenizer settings (tokenizer.*, language.*), or "
             "start a new run (trainer.resume=never with a new run_dir)."
         )
-    loader.load_state_dict(restored.loader_state)
+    loader.load_state_dict(own_loader_state(restored.loader_state, run_dir))
     dropout_key = key_from_json(restored.metadata["dropout_key"], dropout_key)
     resume = LoopState.from_json(restored.metadata["loop"])
     dropped = tracker.rewind(restored.step)
@@ -292,9 +327,31 @@ def restore_run(checkpointer: Checkpointer, state, dropout_key, loader, tokenize
     return restored.state, dropout_key, resume
 
 
+# A multi-process checkpoint's loader state holds every process's own position under this key
+# (by process index), beside process 0's: orbax writes JSON items from process 0 only.
+PER_PROCESS_KEY = "per_process"
+
+
+def own_loader_state(saved: dict, run_dir: str) -> dict:
+    """This process's loader position in a checkpoint's loader state. A stream's position
+    belongs to the process that read it: a run that changed its number of processes cannot
+    continue it (packed blocks are read by (epoch, step), the same on every process)."""
+    per_process = saved.get(PER_PROCESS_KEY, {"0": saved})
+    mine = per_process.get(str(jax.process_index()))
+    if saved.get("kind") == "stream" and (mine is None
+                                           or len(per_process) != jax.process_count()):
+        raise FlaxlmError(
+            f"The checkpoint in run_dir={run_dir} holds the stream positions of "
+            f"{len(per_process)} process(es), and this run has {jax.process_count()}: each "
+            "process reads its own share of a streamed corpus, so the shares would change. "
+            "Resume on as many processes (hosts) as the run was saved with, or start a new run."
+        )
+    return {k: v for k, v in (mine or saved).items() if k != PER_PROCESS_KEY}
+
+
 class CheckpointSaver:
-    """The loop's `save`: adds the loader's position and the run's metadata to each
-    checkpoint, and times how long the loop waits for each save."""
+    """The loop's `save`: adds the loader's position (every process's, on several hosts) and
+    the run's metadata to each checkpoint, and times how long the loop waits for each save."""
 
     def __init__(self, checkpointer: Checkpointer, loader, metadata: dict):
         self.checkpointer, self.loader, self.metadata = checkpointer, loader, metadata
@@ -304,6 +361,11 @@ class CheckpointSaver:
         began = time.perf_counter()
         loader_state = {**self.loader.state_dict(), "epoch": loop_state.epoch,
                         "step_in_epoch": loop_state.step_in_epoch}
+        if jax.process_count() > 1:
+            positions = distributed.all_gather(f"the loader positions at step {step}",
+                                               loader_state)
+            loader_state = {**positions[0], PER_PROCESS_KEY: {
+                str(index): position for index, position in enumerate(positions)}}
         self.checkpointer.save(step, state, loader_state,
                                {**self.metadata, "loop": loop_state.to_json()}, metrics)
         self.seconds.append(time.perf_counter() - began)

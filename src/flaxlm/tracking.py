@@ -1,5 +1,6 @@
 """Experiment tracking behind one small interface: every metric goes to `metrics.jsonl` in the
-run directory and, with `logger=wandb`, to a W&B run.
+run directory and, with `logger=wandb`, to a W&B run. On several hosts only process 0 tracks;
+the others' tracker does nothing, so the run has one metrics.jsonl and one W&B run.
 
 W&B runs online when the user is logged in (WANDB_API_KEY or `wandb login`), otherwise offline
 inside the run directory, with one line on how to upload it later. Tests use a real offline run
@@ -16,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
+from flaxlm import distributed
 from flaxlm.config import LoggerConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.layout import METRICS_FILE, run_path
@@ -24,18 +26,21 @@ _MODES = ("auto", "online", "offline", "disabled")
 
 
 class Tracker:
-    """Appends metrics to `<run_dir>/metrics.jsonl` and, if given, to a W&B run."""
+    """Appends metrics to `<run_dir>/metrics.jsonl` and, if given, to a W&B run; with
+    run_dir None (a process other than 0) it records nothing."""
 
-    def __init__(self, run_dir: str, wandb_run=None):
+    def __init__(self, run_dir: str | None, wandb_run=None):
         self.wandb_run = wandb_run
-        self._path = run_path(run_dir, METRICS_FILE)
-        self._jsonl = open(self._path, "a", buffering=1)
+        self._path = run_path(run_dir, METRICS_FILE) if run_dir is not None else None
+        self._jsonl = open(self._path, "a", buffering=1) if self._path is not None else None
 
     def rewind(self, step: int) -> int:
         """Drop the metrics.jsonl lines after `step` (those of a run that was killed after its
         last checkpoint, and a half-written last line): a resumed run then continues the file
         exactly as the uninterrupted run wrote it. Returns how many lines were dropped. (A W&B
         run keeps what it was sent; it ignores steps logged again.)"""
+        if self._jsonl is None:
+            return 0
         self._jsonl.close()
         kept, dropped = [], 0
         with open(self._path, encoding="utf-8") as f:
@@ -56,6 +61,8 @@ class Tracker:
         return dropped
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        if self._jsonl is None:
+            return
         record = {k: _plain(v) for k, v in metrics.items()}
         self._jsonl.write(json.dumps({"step": step, "time": time.time(), **record}) + "\n")
         if self.wandb_run is not None:
@@ -65,6 +72,8 @@ class Tracker:
                   step: int) -> None:
         """A small table (e.g. generated samples): one metrics.jsonl record whose `key` holds
         the rows as {column: value} dicts, and a `wandb.Table` in the W&B run."""
+        if self._jsonl is None:
+            return
         records = [{c: _plain(v) for c, v in zip(columns, row)} for row in rows]
         self._jsonl.write(json.dumps({"step": step, "time": time.time(), key: records}) + "\n")
         if self.wandb_run is not None:
@@ -82,7 +91,8 @@ class Tracker:
         one (stopped by a signal after saving a checkpoint) as preempting, so W&B shows it as
         resumable. Always call this, so that the next job of a multirun does not log into this
         job's W&B run."""
-        self._jsonl.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
         if self.wandb_run is not None:
             if preempted:
                 self.wandb_run.mark_preempting()
@@ -100,7 +110,10 @@ def start_tracker(
     run_id: str | None = None,
 ) -> Tracker:
     """`run_id` names the W&B run: the same id continues the same run (a resumed training
-    run passes the id it stored in its run directory)."""
+    run passes the id it stored in its run directory). On a process other than 0: a tracker
+    that records nothing."""
+    if not distributed.is_primary():
+        return Tracker(None)
     if not logger.wandb:
         return Tracker(run_dir)
     import wandb

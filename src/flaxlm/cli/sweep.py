@@ -48,6 +48,10 @@ class SweepJob:
         print_summary(self.sweep_dir, stopped_after=self.number)
 
     def _record(self, status: str, reason: str) -> None:
+        from flaxlm.distributed import is_primary  # JAX is imported once a job runs, not before
+
+        if not is_primary():  # every host of a multi-host job runs it; one records it
+            return
         lines = reason.strip().splitlines() or [""]
         record = {"job": self.number, "status": status, "reason": _shorten(lines[0]),
                   "overrides": self.overrides, "run_dir": self.run_dir}

@@ -7,10 +7,11 @@ Python lists with `sum(lists, [])` would be quadratic).
 A long document is tokenised in pieces (`DocumentEncoder`), so one huge line costs memory in
 proportion to its int32 ids, not the tokenizer's far larger working set for one string.
 
-Packed blocks are cached as `.npy` under `<cache_dir>/blocks/`, keyed by the text, the
-tokenizer, its EOS id and the block length, written in a temporary directory then renamed into
-place, and read back memory-mapped. Packing holds one batch of documents in memory at a time,
-so corpora far larger than RAM pack too.
+Packed blocks are cached as `.npy` under `<cache_dir>/blocks/`, keyed by the text, the tokenizer,
+its EOS id and the block length, written in a temporary directory then renamed into place, and read
+back memory-mapped. On several hosts process 0 packs while the others wait, then all read the file
+(a host without the shared cache packs its own copy). Packing holds one batch of documents in memory
+at a time, so corpora far larger than RAM pack too.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 import transformers
 from tqdm.auto import tqdm
 
+from flaxlm import distributed
 from flaxlm.data.fingerprint import settings_fingerprint, text_fingerprint
 from flaxlm.data.tokenizer import DocumentEncoder
 
@@ -57,9 +59,13 @@ def tokenize_and_pack(
         max_seq_length,
     )
     path = os.path.join(os.path.expanduser(cache_dir), "blocks", f"{key[:24]}.npy")
-    if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        _pack(texts, tokenizer, max_seq_length, desc, path)
+
+    def build() -> None:
+        if not os.path.exists(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            _pack(texts, tokenizer, max_seq_length, desc, path)
+
+    distributed.primary_first("packing the token blocks", build)
     return np.load(path, mmap_mode="r")
 
 

@@ -4,10 +4,11 @@ Text reaches the tokenizer in bounded pieces (`document_pieces`), whatever a doc
 while `tokenizers` encodes one string it holds alignments, offsets and token strings for every
 character, many times the string's size, so a one-line file of tens of MB would need gigabytes.
 
-A trained tokenizer is cached under `<cache_dir>/tokenizers/<hash>/`, the hash covering the
-training text and every setting that shapes the result, so a second run on the same corpus
-reuses it and any change retrains. It is saved as a transformers tokenizer directory
-(`tokenizer.json` + `tokenizer_config.json`), loadable with `AutoTokenizer.from_pretrained`.
+A trained tokenizer is cached under `<cache_dir>/tokenizers/<hash>/`, the hash covering the training
+text and every setting that shapes the result, so a second run on the same corpus reuses it and any
+change retrains. On several hosts process 0 trains it while the others wait. It is saved as a
+transformers tokenizer directory (`tokenizer.json` + `tokenizer_config.json`), loadable with
+`AutoTokenizer.from_pretrained`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 import tokenizers
 import transformers
 
+from flaxlm import distributed
 from flaxlm.config import TokenizerConfig
 from flaxlm.data.fingerprint import settings_fingerprint, text_fingerprint
 from flaxlm.errors import FlaxlmError
@@ -55,8 +57,12 @@ def prepare_tokenizer(
             tokenizers.__version__, transformers.__version__, text_fingerprint(train_texts),
         )
         directory = os.path.join(os.path.expanduser(cache_dir), "tokenizers", key[:20])
-        if not os.path.exists(os.path.join(directory, "tokenizer.json")):
-            _save_atomically(train_bpe(settings, train_texts, vocab_size), directory)
+
+        def build() -> None:
+            if not os.path.exists(os.path.join(directory, "tokenizer.json")):
+                _save_atomically(train_bpe(settings, train_texts, vocab_size), directory)
+
+        distributed.primary_first("training the tokenizer", build)
         tokenizer = load_tokenizer(directory, settings)
     check_fits_model(tokenizer, model_vocab_size, settings)
     return tokenizer

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import transformers
 from flax import nnx
 
+from flaxlm.config import Remat
 from flaxlm.models.layers import (
     ACTIVATIONS,
     HFNames,
@@ -31,6 +32,7 @@ from flaxlm.models.layers import (
     dense,
     embedding,
     layer_norm,
+    run_block,
 )
 
 
@@ -39,7 +41,7 @@ class BertEmbeddings(nnx.Module):
 
     def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         cfg = spec.model
-        self.word_embeddings = embedding(cfg.vocab_size, spec, rngs)
+        self.word_embeddings = embedding(cfg.vocab_size, spec, rngs, rows="vocab")
         self.position_embeddings = embedding(cfg.n_positions, spec, rngs)
         self.token_type_embeddings = embedding(cfg.type_vocab_size, spec, rngs)
         self.LayerNorm = layer_norm(spec, rngs)
@@ -63,9 +65,10 @@ class BertSelfAttention(nnx.Module):
         self.num_heads = cfg.n_head
         self.attn_pdrop = cfg.attn_pdrop
         std = cfg.initializer_range
-        self.query = dense(cfg.n_embd, cfg.n_embd, spec, rngs, std)
-        self.key = dense(cfg.n_embd, cfg.n_embd, spec, rngs, std)
-        self.value = dense(cfg.n_embd, cfg.n_embd, spec, rngs, std)
+        self.query, self.key, self.value = (
+            dense(cfg.n_embd, cfg.n_embd, spec, rngs, std, logical_axes=("embed", "heads"))
+            for _ in range(3)
+        )
 
     def __call__(self, x_BxLxD, key_mask_BxL, rngs: nnx.Rngs | None) -> jax.Array:
         B, L, D = x_BxLxD.shape
@@ -83,9 +86,10 @@ class BertOutput(nnx.Module):
     """Project back to the model width, then Post-LayerNorm around the residual: HF's
     BertSelfOutput (after attention, from width D) and BertOutput (after the MLP, from F)."""
 
-    def __init__(self, spec: TransformerSpec, in_features: int, rngs: nnx.Rngs):
+    def __init__(self, spec: TransformerSpec, in_features: int, in_axis: str, rngs: nnx.Rngs):
         cfg = spec.model
-        self.dense = dense(in_features, cfg.n_embd, spec, rngs, cfg.initializer_range)
+        self.dense = dense(in_features, cfg.n_embd, spec, rngs, cfg.initializer_range,
+                           logical_axes=(in_axis, "embed"))
         self.LayerNorm = layer_norm(spec, rngs)
         self.dropout = nnx.Dropout(cfg.resid_pdrop)
 
@@ -97,7 +101,7 @@ class BertOutput(nnx.Module):
 class BertAttention(nnx.Module):
     def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         self.self = BertSelfAttention(spec, rngs)  # HF's name, so the keys map one to one
-        self.output = BertOutput(spec, spec.model.n_embd, rngs)
+        self.output = BertOutput(spec, spec.model.n_embd, "heads", rngs)
 
     def __call__(self, x_BxLxD, key_mask_BxL, rngs: nnx.Rngs | None) -> jax.Array:
         return self.output(self.self(x_BxLxD, key_mask_BxL, rngs), x_BxLxD, rngs)
@@ -106,7 +110,8 @@ class BertAttention(nnx.Module):
 class BertIntermediate(nnx.Module):
     def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         cfg = spec.model
-        self.dense = dense(cfg.n_embd, spec.mlp_width, spec, rngs, cfg.initializer_range)
+        self.dense = dense(cfg.n_embd, spec.mlp_width, spec, rngs, cfg.initializer_range,
+                           logical_axes=("embed", "mlp"))
         self.activation = ACTIVATIONS[cfg.activation_function]
 
     def __call__(self, x_BxLxD) -> jax.Array:
@@ -119,7 +124,7 @@ class BertLayer(nnx.Module):
     def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         self.attention = BertAttention(spec, rngs)
         self.intermediate = BertIntermediate(spec, rngs)
-        self.output = BertOutput(spec, spec.mlp_width, rngs)
+        self.output = BertOutput(spec, spec.mlp_width, "mlp", rngs)
 
     def __call__(self, x_BxLxD, key_mask_BxL, rngs: nnx.Rngs | None) -> jax.Array:
         x_BxLxD = self.attention(x_BxLxD, key_mask_BxL, rngs)
@@ -129,10 +134,11 @@ class BertLayer(nnx.Module):
 class BertEncoder(nnx.Module):
     def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         self.layer = nnx.List([BertLayer(spec, rngs) for _ in range(spec.model.n_layer)])
+        self.remat = Remat(spec.model.remat)
 
     def __call__(self, x_BxLxD, key_mask_BxL, rngs: nnx.Rngs | None) -> jax.Array:
         for layer in self.layer:
-            x_BxLxD = layer(x_BxLxD, key_mask_BxL, rngs)
+            x_BxLxD = run_block(layer, self.remat, x_BxLxD, key_mask_BxL, rngs)
         return x_BxLxD
 
 
@@ -141,7 +147,9 @@ class BertPooler(nnx.Module):
 
     def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         cfg = spec.model
-        self.dense = dense(cfg.n_embd, cfg.n_embd, spec, rngs, cfg.initializer_range)
+        # Both sides are the model width; one rule may split only one of them.
+        self.dense = dense(cfg.n_embd, cfg.n_embd, spec, rngs, cfg.initializer_range,
+                           logical_axes=("embed", None))
 
     def __call__(self, x_BxLxD) -> jax.Array:
         return jnp.tanh(self.dense(x_BxLxD[:, 0]))
@@ -177,7 +185,8 @@ class BertForSequenceClassification(nnx.Module):
         self.bert = BertModel(spec, rngs)
         dropout = cfg.classifier_dropout if cfg.classifier_dropout is not None else cfg.resid_pdrop
         self.dropout = nnx.Dropout(dropout)
-        self.classifier = dense(cfg.n_embd, num_labels, spec, rngs, cfg.initializer_range)
+        self.classifier = dense(cfg.n_embd, num_labels, spec, rngs, cfg.initializer_range,
+                                logical_axes=("embed", "classes"))
 
     def __call__(self, input_ids_BxL, attention_mask_BxL, token_type_ids_BxL,
                  rngs: nnx.Rngs | None = None) -> jax.Array:

@@ -21,6 +21,7 @@ import transformers
 from flax import nnx, struct
 from jax import lax
 
+from flaxlm.config import Remat
 from flaxlm.models.layers import (
     ACTIVATIONS,
     HFNames,
@@ -30,6 +31,7 @@ from flaxlm.models.layers import (
     dense,
     embedding,
     layer_norm,
+    run_block,
 )
 
 
@@ -40,8 +42,12 @@ class Attention(nnx.Module):
         self.attn_pdrop = cfg.attn_pdrop
         # GPT-2 scales the init of every projection into the residual stream by 1/sqrt(2 layers).
         residual_std = cfg.initializer_range / (2 * cfg.n_layer) ** 0.5
-        self.c_attn = dense(cfg.n_embd, 3 * cfg.n_embd, spec, rngs, cfg.initializer_range)
-        self.c_proj = dense(cfg.n_embd, cfg.n_embd, spec, rngs, residual_std)
+        # c_attn's columns are q | k | v, each head by head: "heads" splits them in whole
+        # blocks only where 3 × n_embd divides evenly; any split computes the same result.
+        self.c_attn = dense(cfg.n_embd, 3 * cfg.n_embd, spec, rngs, cfg.initializer_range,
+                            logical_axes=("embed", "heads"))
+        self.c_proj = dense(cfg.n_embd, cfg.n_embd, spec, rngs, residual_std,
+                            logical_axes=("heads", "embed"))
         self.resid_dropout = nnx.Dropout(cfg.resid_pdrop)
 
     def __call__(self, x_BxLxD: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:
@@ -82,8 +88,10 @@ class MLP(nnx.Module):
     def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         cfg = spec.model
         residual_std = cfg.initializer_range / (2 * cfg.n_layer) ** 0.5
-        self.c_fc = dense(cfg.n_embd, spec.mlp_width, spec, rngs, cfg.initializer_range)
-        self.c_proj = dense(spec.mlp_width, cfg.n_embd, spec, rngs, residual_std)
+        self.c_fc = dense(cfg.n_embd, spec.mlp_width, spec, rngs, cfg.initializer_range,
+                          logical_axes=("embed", "mlp"))
+        self.c_proj = dense(spec.mlp_width, cfg.n_embd, spec, rngs, residual_std,
+                            logical_axes=("mlp", "embed"))
         self.activation = ACTIVATIONS[cfg.activation_function]
         self.dropout = nnx.Dropout(cfg.resid_pdrop)
 
@@ -135,11 +143,12 @@ class GPT2LMHeadModel(nnx.Module):
     def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         check_shape(spec)
         cfg = spec.model
-        self.wte = embedding(cfg.vocab_size, spec, rngs)
+        self.wte = embedding(cfg.vocab_size, spec, rngs, rows="vocab")
         self.wpe = embedding(cfg.n_positions, spec, rngs)
         self.drop = nnx.Dropout(cfg.embd_pdrop)
         self.h = nnx.List([Block(spec, rngs) for _ in range(cfg.n_layer)])
         self.ln_f = layer_norm(spec, rngs)
+        self.remat = Remat(cfg.remat)
 
     def __call__(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
         # Tied head: logits against the token embeddings, in the compute dtype.
@@ -151,7 +160,7 @@ class GPT2LMHeadModel(nnx.Module):
         x_BxLxD = self.wte(input_ids_BxL) + self.wpe(positions_L)[None]
         x_BxLxD = self.drop(x_BxLxD, deterministic=rngs is None, rngs=rngs)
         for block in self.h:
-            x_BxLxD = block(x_BxLxD, rngs)
+            x_BxLxD = run_block(block, self.remat, x_BxLxD, rngs)
         return self.ln_f(x_BxLxD)
 
     def init_cache(self, batch_size: int, num_slots: int) -> KVCache:
@@ -217,7 +226,7 @@ class GPT2ForSequenceClassification(nnx.Module):
         cfg = spec.model
         self.transformer = GPT2LMHeadModel(spec, rngs)
         self.score = dense(cfg.n_embd, num_labels, spec, rngs, cfg.initializer_range,
-                           use_bias=False)
+                           use_bias=False, logical_axes=("embed", "classes"))
 
     def __call__(self, input_ids_BxL, attention_mask_BxL, token_type_ids_BxL=None,
                  rngs: nnx.Rngs | None = None) -> jax.Array:

@@ -1,7 +1,11 @@
 """What every model family is built from: the spec (model config plus dtypes), the Flax layers
-with their initialisers, attention (fused, or spelled out when it trains with dropout), and the
-record of how Hugging Face names a family (`HFNames`, one per family module, read by
-`flaxlm.models.hf`).
+with their initialisers and logical axis names, attention (fused, or spelled out when it trains
+with dropout), rematerialisation of a block, and the record of how Hugging Face names a family
+(`HFNames`, one per family module, read by `flaxlm.models.hf`).
+
+Every parameter carries `logical_axes` metadata, one name per dimension ("embed", "vocab",
+"heads", "mlp", ...): what the dimension means, from which `flaxlm.parallel.LOGICAL_AXIS_RULES`
+decides how the device mesh splits it. Models name their axes and never mention a mesh.
 
 Shapes are in the names: B batch, L query length, K key length, N heads, H head width.
 """
@@ -15,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flaxlm.config import ModelConfig
+from flaxlm.config import ModelConfig, Remat
 
 ACTIVATIONS = {
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),  # GPT-2's tanh approximation
@@ -49,8 +53,15 @@ def check_shape(spec: TransformerSpec) -> None:
         )
 
 
+def axes(*names: str | None) -> dict:
+    """A parameter's metadata naming its dimensions' logical axes (None: never split)."""
+    return {"logical_axes": names}
+
+
 def dense(in_features: int, out_features: int, spec: TransformerSpec, rngs: nnx.Rngs,
-          std: float, use_bias: bool = True) -> nnx.Linear:
+          std: float, use_bias: bool = True, *,
+          logical_axes: tuple[str | None, str | None]) -> nnx.Linear:
+    """A Linear layer; `logical_axes` names its (input, output) dimensions."""
     return nnx.Linear(
         in_features,
         out_features,
@@ -58,17 +69,23 @@ def dense(in_features: int, out_features: int, spec: TransformerSpec, rngs: nnx.
         dtype=spec.compute_dtype,
         param_dtype=spec.param_dtype,
         kernel_init=nnx.initializers.normal(std),
+        kernel_metadata=axes(*logical_axes),
+        bias_metadata=axes(logical_axes[1]),
         rngs=rngs,
     )
 
 
-def embedding(num_embeddings: int, spec: TransformerSpec, rngs: nnx.Rngs) -> nnx.Embed:
+def embedding(num_embeddings: int, spec: TransformerSpec, rngs: nnx.Rngs,
+              rows: str = "positions") -> nnx.Embed:
+    """A table of `num_embeddings` rows of the model width; `rows` names the row axis
+    ("vocab" for token tables)."""
     return nnx.Embed(
         num_embeddings,
         spec.model.n_embd,
         dtype=spec.compute_dtype,
         param_dtype=spec.param_dtype,
         embedding_init=nnx.initializers.normal(spec.model.initializer_range),
+        embedding_metadata=axes(rows, "embed"),
         rngs=rngs,
     )
 
@@ -79,8 +96,27 @@ def layer_norm(spec: TransformerSpec, rngs: nnx.Rngs) -> nnx.LayerNorm:
         epsilon=spec.model.layer_norm_epsilon,
         dtype=spec.compute_dtype,
         param_dtype=spec.param_dtype,
+        scale_metadata=axes("embed"),
+        bias_metadata=axes("embed"),
         rngs=rngs,
     )
+
+
+# What the backward pass may keep from a block's forward pass, by model.remat: `block` keeps
+# the matmul outputs (recomputing norms, activations and attention scores, which are cheap
+# per byte), `full` keeps nothing but the block's input.
+_REMAT_POLICIES = {
+    Remat.block: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    Remat.full: jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def run_block(block: nnx.Module, remat: Remat, *args):
+    """`block(*args)`, rematerialised in the backward pass as `remat` says."""
+    if Remat(remat) is Remat.none:
+        return block(*args)
+    return nnx.remat(lambda block, *args: block(*args), policy=_REMAT_POLICIES[Remat(remat)])(
+        block, *args)
 
 
 def attention(q_BxLxNxH: jax.Array, k_BxKxNxH: jax.Array, v_BxKxNxH: jax.Array, *,

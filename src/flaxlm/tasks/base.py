@@ -26,7 +26,6 @@ from flaxlm.config import ModelConfig, TrainConfig
 from flaxlm.export import export_hf
 from flaxlm.models import pretrained
 from flaxlm.models.layers import TransformerSpec, count_params
-from flaxlm.parallel import replicated
 from flaxlm.runs import CheckpointSaver, RunDir, restore_run
 from flaxlm.tracking import Tracker
 from flaxlm.training.checkpoint import Checkpointer, StopRequest, key_to_json
@@ -145,8 +144,7 @@ def prepare_training(
         report = pretrained.load_pretrained_weights(model, start.checkpoint_dir,  # checkpoint
                                                     source=config.model.init_from)
         print(f"flaxlm: model.init_from={config.model.init_from}: {report}")
-    graphdef, state = create_state(model, tx)
-    state = jax.device_put(state, replicated(job.mesh))
+    graphdef, state = create_state(model, tx, job.mesh)  # split by its logical axes
     steps = compile_steps(job.mesh, graphdef, tx, schedule)
     tokenizer_hash = tokenizer_sha256(tokenizer)
     metadata = {"config": job.resolved, "tokenizer_sha256": tokenizer_hash,

@@ -137,7 +137,9 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state) -> Restored:
         """The checkpoint at `step`, arrays laid out (shape, dtype, sharding) as
-        `abstract_state` (a pytree of arrays or `jax.ShapeDtypeStruct`s)."""
+        `abstract_state` (a pytree of arrays or `jax.ShapeDtypeStruct`s). The shardings are
+        the reader's, not the writer's: a checkpoint saved on one mesh (say data=8) restores
+        onto another (fsdp=8, or fewer devices), each process reading only its own shards."""
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
         restored = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target),

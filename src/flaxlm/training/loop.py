@@ -1,12 +1,14 @@
 """The training loop: epochs of jitted steps, evaluation, logging and progress bars.
 
-The loop is the only place that waits for the device. It dispatches step t, then fetches the
+The loop is the only place that waits for the device. On several hosts only process 0 shows
+progress bars. It dispatches step t, then fetches the
 metrics of step t-1, which are long done by then, so the host never stalls the accelerator.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 import time
 from collections.abc import Callable
@@ -16,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
+from flaxlm import distributed
 from flaxlm.data.loader import BatchSource, block_rows, eval_batches, num_eval_batches
 from flaxlm.errors import FlaxlmError
 from flaxlm.tracking import Tracker
@@ -96,7 +99,8 @@ class Evaluator:
                       for inputs, mask in batches)
         total = num_eval_batches(len(self.blocks), self.global_batch_size)
         totals = dict.fromkeys(("loss_sum", "tokens", "bytes"), 0.0)
-        for sums in tqdm(ready_in_order(dispatched), total=total, desc="eval", leave=False):
+        for sums in tqdm(ready_in_order(dispatched), total=total, desc="eval", leave=False,
+                         file=_progress_file()):
             for key, value in jax.device_get(sums).items():
                 totals[key] += float(value)
         loss = totals["loss_sum"] / totals["tokens"]
@@ -159,14 +163,15 @@ def fit(
 
     pending = None  # (step, metrics) of the previous step, still on the device
     first_epoch = step // plan.steps_per_epoch
-    epochs = tqdm(total=plan.num_epochs, desc="epoch", position=0, initial=first_epoch)
+    epochs = tqdm(total=plan.num_epochs, desc="epoch", position=0, initial=first_epoch,
+                  file=_progress_file())
     for epoch in range(first_epoch, plan.num_epochs):
         if step >= plan.total_steps:
             break
         start_step = step - epoch * plan.steps_per_epoch
         epoch_steps = min(plan.steps_per_epoch, plan.total_steps - epoch * plan.steps_per_epoch)
         bar = tqdm(total=epoch_steps, initial=start_step, desc=f"train (epoch {epoch + 1})",
-                   position=1, leave=False)
+                   position=1, leave=False, file=_progress_file())
         for inputs in loader.epoch(epoch, start_step):
             if step == plan.total_steps:
                 break
@@ -219,6 +224,17 @@ def fit(
         epochs.update()
     epochs.close()
     return state, last_eval
+
+
+class _Discard(io.TextIOBase):
+    def write(self, text: str) -> int:
+        return len(text)
+
+
+def _progress_file() -> io.TextIOBase | None:
+    """Where a progress bar prints: stderr (None) on process 0, nowhere on the others. Not
+    tqdm's `disable`: a disabled bar stops counting, and the loop reads its count."""
+    return None if distributed.is_primary() else _Discard()
 
 
 class _Window:

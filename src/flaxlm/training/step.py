@@ -1,8 +1,10 @@
 """The training and evaluation steps: pure functions of arrays, jitted with explicit shardings.
 
-The batch is sharded over the mesh's `data` axis and the state is replicated, so the gradient
-of the mean loss is the mean over all devices: pmap + `lax.pmean`'s data parallelism, as one
-program.
+The batch is sharded over the mesh's `data` × `fsdp` axes and the state is laid out by its
+parameters' logical axes (`flaxlm.parallel`): replicated on the default all-`data` mesh, so the
+gradient of the mean loss is the mean over all devices (pmap + `lax.pmean`'s data parallelism,
+as one program); split over `fsdp` / `tensor` otherwise, the compiler gathering each weight
+where it is used and reduce-scattering its gradient.
 With gradient accumulation one train step takes `grad_accum_steps` micro-batches and makes one
 optimizer update from their mean gradient.
 """
@@ -19,7 +21,14 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flaxlm.parallel import DATA_AXIS, batch_sharded, replicated
+from flaxlm.parallel import (
+    BATCH_AXES,
+    batch_sharded,
+    constrain_state,
+    place_state,
+    replicated,
+    state_shardings,
+)
 
 
 @struct.dataclass
@@ -29,11 +38,19 @@ class TrainState:
     opt_state: optax.OptState
 
 
-def create_state(model: nnx.Module, tx: optax.GradientTransformation) -> tuple[Any, TrainState]:
-    """Split the model into its static graph and its parameters; start the optimizer."""
+def create_state(model: nnx.Module, tx: optax.GradientTransformation,
+                 mesh: Mesh | None = None) -> tuple[Any, TrainState]:
+    """Split the model into its static graph and its parameters; start the optimizer. With a
+    `mesh`, the state is laid out on it by its logical axes (`flaxlm.parallel`), the optimizer
+    state made there directly: it is never whole on one device."""
     graphdef, params = nnx.split(model, nnx.Param)
-    return graphdef, TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                                opt_state=tx.init(params))
+    step = jnp.zeros((), jnp.int32)
+    if mesh is None:
+        return graphdef, TrainState(step=step, params=params, opt_state=tx.init(params))
+    params = place_state(params, mesh)
+    opt_state_sharding = state_shardings(jax.eval_shape(tx.init, params), mesh)
+    opt_state = jax.jit(tx.init, out_shardings=opt_state_sharding)(params)
+    return graphdef, place_state(TrainState(step=step, params=params, opt_state=opt_state), mesh)
 
 
 def next_token_losses(logits_BxLxV: jax.Array, inputs_BxL: jax.Array) -> jax.Array:
@@ -54,7 +71,8 @@ def lm_loss(model, inputs_BxL: jax.Array, rngs: nnx.Rngs) -> jax.Array:
 
 def train_step(state: TrainState, batch_K, dropout_key: jax.Array, *, graphdef,
                tx: optax.GradientTransformation, schedule: optax.Schedule,
-               loss_fn: Callable = lm_loss, skip_nonfinite: bool = False):
+               loss_fn: Callable = lm_loss, skip_nonfinite: bool = False,
+               layout: Callable = lambda tree: tree):
     """One optimizer step on the mean gradient of K micro-batches of B rows.
 
     `batch_K` is an array or a pytree of arrays (e.g. a dict of input ids, masks and labels),
@@ -65,6 +83,9 @@ def train_step(state: TrainState, batch_K, dropout_key: jax.Array, *, graphdef,
     finite; the loop checks it before it lets a state be checkpointed. With `skip_nonfinite`
     a non-finite step keeps the old parameters and optimizer state (the step still counts, so
     the data and the schedule move on) and reports `skipped` = 1.
+
+    `layout(tree)` pins a tree shaped like the state (gradients, the new state) to the state's
+    sharding; the identity outside a mesh.
     """
 
     def micro_batch_loss(params, micro_batch, key):
@@ -72,7 +93,7 @@ def train_step(state: TrainState, batch_K, dropout_key: jax.Array, *, graphdef,
 
     first_micro_batch = state.step * jax.tree.leaves(batch_K)[0].shape[0]
     loss, grads = accumulate_gradients(
-        micro_batch_loss, state.params, batch_K, dropout_key, first_micro_batch
+        micro_batch_loss, state.params, batch_K, dropout_key, first_micro_batch, layout
     )
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -84,7 +105,7 @@ def train_step(state: TrainState, batch_K, dropout_key: jax.Array, *, graphdef,
         keep_old = lambda new, old: jnp.where(skipped, old, new)  # noqa: E731
         params = jax.tree.map(keep_old, params, state.params)
         opt_state = jax.tree.map(keep_old, opt_state, state.opt_state)
-    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+    new_state = layout(TrainState(step=state.step + 1, params=params, opt_state=opt_state))
     metrics = {
         "loss": loss,
         "grad_norm": grad_norm,
@@ -102,8 +123,8 @@ def all_finite(tree) -> jax.Array:
     return jnp.stack(leaves).all() if leaves else jnp.ones((), jnp.bool_)
 
 
-def accumulate_gradients(loss_fn: Callable, params, batch_K,
-                         dropout_key: jax.Array, first_micro_batch: jax.Array):
+def accumulate_gradients(loss_fn: Callable, params, batch_K, dropout_key: jax.Array,
+                         first_micro_batch: jax.Array, layout: Callable = lambda tree: tree):
     """Mean loss and mean gradient over the K micro-batches, one micro-batch at a time.
 
     A `lax.scan` inside the jitted step rather than `optax.MultiSteps`: one dispatch per
@@ -112,7 +133,7 @@ def accumulate_gradients(loss_fn: Callable, params, batch_K,
     Only one micro-batch's activations are alive at a time; the sums are kept in float32 whatever
     the parameter dtype. The run's m-th micro-batch draws its dropout from
     `fold_in(dropout_key, m)`: fresh masks for every micro-batch, and without accumulation
-    (m = step) one key per step.
+    (m = step) one key per step. `layout` keeps the sums sharded as the parameters are.
     """
     num_micro = jax.tree.leaves(batch_K)[0].shape[0]
 
@@ -121,11 +142,12 @@ def accumulate_gradients(loss_fn: Callable, params, batch_K,
         key = jax.random.fold_in(dropout_key, first_micro_batch + index)
         loss, grads = jax.value_and_grad(loss_fn)(params, micro_batch, key)
         loss_sum, grad_sums = sums
-        grad_sums = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sums, grads)
+        grad_sums = layout(jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sums,
+                                        grads))
         return (loss_sum + loss, grad_sums), None
 
     zeros = (jnp.zeros((), jnp.float32),
-             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+             layout(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)))
     (loss_sum, grad_sums), _ = jax.lax.scan(
         add_micro_batch, zeros, (jnp.arange(num_micro), batch_K)
     )
@@ -173,18 +195,21 @@ class CompiledSteps:
 def compile_train_step(mesh: Mesh, graphdef, tx, schedule, loss_fn: Callable = lm_loss,
                        grad_accum_steps: int = 1, skip_nonfinite: bool = False) -> Callable:
     """`train(state, batch, dropout_key) -> (state, metrics)`, jitted: the batch (an array or
-    a pytree of arrays with `grad_accum_steps` micro-batches' rows) sharded over the data axis,
-    the state replicated and donated (updated in place). `loss_fn(model, micro_batch, rngs)`."""
+    a pytree of arrays with `grad_accum_steps` micro-batches' rows) sharded over `data` ×
+    `fsdp`, the state donated (updated in place). The state comes in as `create_state` laid it
+    out on the mesh (its sharding is the argument's own) and goes out the same way, by its
+    logical axes.
+    `loss_fn(model, micro_batch, rngs)`."""
     rep, data = replicated(mesh), batch_sharded(mesh)
-    micro_batches = NamedSharding(mesh, PartitionSpec(None, DATA_AXIS))
+    micro_batches = NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))
     return jax.jit(
         lambda state, batch, key: train_step(
             state, split_micro_batches(batch, grad_accum_steps, micro_batches), key,
             graphdef=graphdef, tx=tx, schedule=schedule, loss_fn=loss_fn,
-            skip_nonfinite=skip_nonfinite,
+            skip_nonfinite=skip_nonfinite, layout=lambda tree: constrain_state(tree, mesh),
         ),
-        in_shardings=(rep, data, rep),
-        out_shardings=(rep, rep),
+        in_shardings=(None, data, rep),
+        out_shardings=(None, rep),
         donate_argnums=0,
     )
 
@@ -199,7 +224,7 @@ def compile_steps(mesh: Mesh, graphdef, tx, schedule, grad_accum_steps: int = 1,
         lambda params, inputs, mask, token_bytes: eval_step(
             params, inputs, mask, token_bytes, graphdef=graphdef
         ),
-        in_shardings=(rep, data, data, rep),
+        in_shardings=(None, data, data, rep),  # the parameters as the train state holds them
         out_shardings=rep,
     )
     return CompiledSteps(train=train, eval=evaluate)

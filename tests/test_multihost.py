@@ -1,0 +1,284 @@
+"""Several hosts, simulated: two real `flaxlm-train` processes of 4 CPU devices each, joined by
+jax.distributed on localhost (explicit mode, gloo collectives), train like one process with
+8 devices; they share one run directory in which only process 0 writes; SIGTERM stops both at
+one step with a checkpoint and exit 75, and the same commands resume both; a process killed
+with SIGKILL makes the other stop with an error instead of hanging. Below them, the settings'
+checks and the per-process loader positions, in this process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import TINY, compose
+
+from flaxlm import distributed
+from flaxlm.config import DistributedConfig, HardwareConfig
+from flaxlm.errors import FlaxlmError
+from flaxlm.job import train
+from flaxlm.runs import PER_PROCESS_KEY, own_loader_state
+from flaxlm.training.checkpoint import PREEMPTED_EXIT_CODE, restore_params
+
+# 3 epochs of 10 steps; a checkpoint every 4 steps and at each epoch end.
+RUN = [*TINY, "language.max_train_docs=12", "language.max_eval_docs=2", "trainer.num_epochs=3",
+       "trainer.log_every=2", "checkpoint.every_steps=4", "optimizer.warmup_steps=2"]
+TIMEOUT_S = 60  # hardware.distributed.timeout_s of the runs that should succeed
+VOLATILE = {"time", "train/tokens_per_second", "train/mfu"}  # wall-clock dependent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def two_hosts(port: int, timeout_s: int = TIMEOUT_S) -> list[list[str]]:
+    """The two processes' `flaxlm-train` commands: the same, but for the process id."""
+    shared = [sys.executable, "-m", "flaxlm.cli.train", *RUN, "hardware.cpu_devices=4",
+              "hardware.num_devices=null", "hardware.distributed.mode=explicit",
+              f"hardware.distributed.coordinator_address=localhost:{port}",
+              "hardware.distributed.num_processes=2",
+              f"hardware.distributed.timeout_s={timeout_s}"]
+    return [[*shared, f"hardware.distributed.process_id={i}"] for i in range(2)]
+
+
+def start(commands, extra, env) -> list[subprocess.Popen]:
+    return [subprocess.Popen([*command, *extra], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for command in commands]
+
+
+def finish(processes, timeout=600) -> list[str]:
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=timeout)[0])
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    return outputs
+
+
+def metric_lines(run_dir) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [{k: v for k, v in json.loads(line).items() if k not in VOLATILE}
+                for line in f if line.endswith("\n")]
+
+
+def assert_close_metrics(got: list[dict], expected: list[dict]) -> None:
+    assert [sorted(r) for r in got] == [sorted(r) for r in expected]
+    for record, reference in zip(got, expected):
+        for key, value in reference.items():
+            if isinstance(value, float):
+                np.testing.assert_allclose(record[key], value, rtol=1e-4, atol=1e-6, err_msg=key)
+            else:
+                assert record[key] == value, key
+
+
+def assert_close_params(run_dir, reference_dir) -> None:
+    params, _, step = restore_params(str(run_dir))
+    expected, _, expected_step = restore_params(str(reference_dir))
+    assert step == expected_step
+    leaves, expected_leaves = flat(params), flat(expected)
+    assert [path for path, _ in leaves] == [path for path, _ in expected_leaves]
+    for (path, leaf), (_, other) in zip(leaves, expected_leaves):
+        np.testing.assert_allclose(leaf, other, rtol=1e-4, atol=1e-5, err_msg=str(path))
+
+
+def flat(tree, path=()) -> list:
+    if isinstance(tree, dict):
+        return [item for key in sorted(tree, key=str) for item in flat(tree[key], (*path, key))]
+    return [(path, tree)]
+
+
+def wait_for_step(run_dir, processes, step: int, timeout=300) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(r.get("step", 0) >= step and "train/loss" in r for r in metric_lines(run_dir)):
+        if any(p.poll() is not None for p in processes) or time.monotonic() > deadline:
+            outputs = finish(processes, timeout=30)
+            pytest.fail(f"a process ended before step {step}:\n" + "\n".join(
+                o[-2000:] for o in outputs))
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The same run on one process with 8 devices."""
+    run_dir = tmp_path_factory.mktemp("one-process") / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FLAXLM_CACHE", str(tmp_path_factory.getbasetemp() / "flaxlm-cache"))
+        train(compose(RUN, run_dir=run_dir))
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_train_like_one_with_eight_devices(tmp_path, one_process):
+    outputs_dir = tmp_path / "outputs"
+    # Each host's Hydra picks its own timestamp, as on a real cluster; a fresh cache makes
+    # process 0 train the tokenizer and pack the blocks while process 1 waits.
+    env = {**os.environ, "FLAXLM_CACHE": str(tmp_path / "cache")}
+    processes = start(two_hosts(free_port()),
+                      [f"hydra.run.dir={outputs_dir}/" + "${now:%H-%M-%S_%f}", "logger=wandb"],
+                      env)
+    outputs = finish(processes)
+    for process, output in zip(processes, outputs):
+        assert process.returncode == 0, output[-3000:]
+    [run_name] = os.listdir(outputs_dir)  # one run directory: process 1's own was removed
+    run_dir = outputs_dir / run_name
+    lines = metric_lines(run_dir)
+    assert len({json.dumps(line, sort_keys=True) for line in lines}) == len(lines)
+    assert_close_metrics(lines, metric_lines(one_process))
+    assert_close_params(run_dir, one_process)
+    assert (run_dir / "model" / "model.safetensors").exists()
+    assert "process 1 of 2 joined" in outputs[1]
+    # process 0 packed the blocks; process 1 waited, then read its file
+    assert "tokenize train" in outputs[0] and "tokenize train" not in outputs[1]
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1  # one W&B run
+    assert "train (epoch" in outputs[0] and "train (epoch" not in outputs[1]  # progress bars
+    with open(run_dir / "checkpoints" / "30" / "loader" / "metadata") as f:
+        loader = json.load(f)
+    assert sorted(loader["per_process"]) == ["0", "1"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sigterm_stops_both_with_a_checkpoint_and_the_same_commands_resume(tmp_path,
+                                                                            one_process):
+    run_dir = tmp_path / "run"
+    port = free_port()
+    env = dict(os.environ)
+    processes = start(two_hosts(port), [f"hydra.run.dir={run_dir}"], env)
+    wait_for_step(run_dir, processes, 2)
+    for process in processes:
+        process.send_signal(signal.SIGTERM)
+    outputs = finish(processes)
+    for process, output in zip(processes, outputs):
+        assert process.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
+    steps = [int(line.split("stopped by SIGTERM after step ")[1].split(";")[0])
+             for output in outputs for line in output.splitlines() if "stopped by SIGTERM" in line]
+    assert len(steps) == 2 and steps[0] == steps[1] < 30  # one step, saved by both
+    assert (run_dir / "checkpoints" / str(steps[0])).is_dir()
+
+    again = start(two_hosts(port), [f"hydra.run.dir={run_dir}"], env)
+    outputs = finish(again)
+    for process, output in zip(again, outputs):
+        assert process.returncode == 0, output[-3000:]
+        assert f"from its checkpoint at step {steps[0]}" in output
+    assert_close_metrics(metric_lines(run_dir), metric_lines(one_process))
+    assert_close_params(run_dir, one_process)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_killed_process_makes_the_other_stop_with_an_error_not_hang(tmp_path):
+    run_dir = tmp_path / "run"
+    timeout_s = 15
+    processes = start(two_hosts(free_port(), timeout_s), [f"hydra.run.dir={run_dir}"],
+                      dict(os.environ))
+    wait_for_step(run_dir, processes, 2)
+    processes[1].send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    [output] = finish(processes[:1], timeout=timeout_s + 60)
+    finish(processes[1:])
+    assert processes[0].returncode != 0
+    assert time.monotonic() - killed_at < timeout_s + 60
+    # flaxlm's message when a collective fails, or JAX's when its heartbeat check ends the
+    # process first; either names the cause.
+    assert ("lost contact with another process" in output or "another task died" in output), (
+        output[-3000:])
+
+
+MESSAGES_SCRIPT = """
+import sys, time
+from flaxlm import distributed
+from flaxlm.config import DistributedConfig, HardwareConfig
+from flaxlm.errors import FlaxlmError
+from flaxlm.parallel import configure_platform
+pid, port = int(sys.argv[1]), sys.argv[2]
+configure_platform(HardwareConfig(name="cpu", cpu_devices=1, distributed=DistributedConfig(
+    "explicit", f"localhost:{port}", 2, pid, timeout_s=3)))
+assert distributed.from_primary("deciding", lambda: ["run", pid]) == ["run", 0]
+assert distributed.all_gather("gathering", pid * 10) == [0, 10]
+distributed.primary_first("building a cache", lambda: pid == 0 and time.sleep(4))
+def fail():
+    raise FlaxlmError("the corpus is empty")
+try:
+    distributed.from_primary("loading the corpus", fail)
+except FlaxlmError as err:
+    print(f"process {pid}: {err}", flush=True)
+if pid == 1:  # process 0 has left
+    distributed.all_gather("the next checkpoint", 1)
+"""
+
+
+@pytest.mark.multiprocess
+def test_messages_between_processes_carry_errors_and_time_out(tmp_path):
+    """Process 0's decision and its failure reach the others; a cache build longer than the
+    timeout is waited for; a process that never comes is an error after the timeout."""
+    script = tmp_path / "messages.py"
+    script.write_text(MESSAGES_SCRIPT)
+    port = free_port()
+    processes = [subprocess.Popen([sys.executable, str(script), str(i), str(port)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for i in range(2)]
+    first, second = finish(processes, timeout=120)
+    assert processes[0].returncode == 0, first[-3000:]
+    assert "process 0: the corpus is empty" in first
+    assert "has waited 3s for process 0 to finish building a cache" in second
+    assert "process 1: Process 0 failed while loading the corpus" in second
+    assert processes[1].returncode != 0
+    assert ("waited hardware.distributed.timeout_s=3s for process 0 to reach the next "
+            "checkpoint, in vain") in second, second[-3000:]
+
+
+# --- in this process ------------------------------------------------------------------------
+
+
+def test_explicit_mode_names_the_settings_it_misses():
+    hardware = HardwareConfig(name="cpu-8", distributed=DistributedConfig(
+        mode="explicit", coordinator_address="localhost:1234"))
+    with pytest.raises(FlaxlmError, match=r"num_processes, hardware\.distributed\.process_id"):
+        distributed.initialize(hardware)
+    hardware.distributed.num_processes, hardware.distributed.process_id = 2, 2
+    with pytest.raises(FlaxlmError, match=r"process_id=2 must be between 0 and"):
+        distributed.initialize(hardware)
+    hardware.distributed.timeout_s = 0
+    with pytest.raises(FlaxlmError, match=r"timeout_s=0 must be at least 1"):
+        distributed.initialize(hardware)
+
+
+def test_auto_mode_without_a_cluster_trains_as_one_process(capsys, monkeypatch):
+    for name in ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri"):
+        monkeypatch.delenv(name, raising=False)
+    distributed.initialize(HardwareConfig(name="cpu-8", distributed=DistributedConfig("auto")))
+    assert "found no cluster" in capsys.readouterr().out
+    assert distributed.from_primary("deciding", lambda: [1, "a"]) == [1, "a"]
+    assert distributed.all_gather("gathering", {"x": 1}) == [{"x": 1}]
+
+
+def test_each_process_resumes_its_own_stream_position(monkeypatch):
+    positions = [{"kind": "stream", "seed": 0, "stream": {"documents": d}} for d in (5, 9)]
+    saved = {**positions[0], PER_PROCESS_KEY: {"0": positions[0], "1": positions[1]}}
+    monkeypatch.setattr("jax.process_count", lambda: 2)
+    monkeypatch.setattr("jax.process_index", lambda: 1)
+    assert own_loader_state(saved, "run") == positions[1]
+    monkeypatch.setattr("jax.process_count", lambda: 4)  # the run moved to more hosts
+    with pytest.raises(FlaxlmError, match=r"stream positions of 2 process\(es\), and this run "
+                                          r"has 4"):
+        own_loader_state(saved, "run")
+    blocks = {"kind": "blocks", "seed": 0, "num_blocks": 8}  # one position for every process
+    assert own_loader_state({**blocks, PER_PROCESS_KEY: {"0": blocks}}, "run") == blocks
+    monkeypatch.setattr("jax.process_count", lambda: 1)
+    monkeypatch.setattr("jax.process_index", lambda: 0)
+    assert own_loader_state(positions[0], "run") == positions[0]  # a one-process checkpoint
