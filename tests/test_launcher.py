@@ -7,7 +7,6 @@ the user gave. The cluster hardware presets join their hosts and fit their meshe
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import os
 import re
@@ -24,9 +23,8 @@ from flaxlm.config import DistributedMode
 from flaxlm.parallel import mesh_shape
 
 TRAIN = [sys.executable, "-m", "flaxlm.cli.train"]
-needs_plugin = pytest.mark.skipif(
-    importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
-    reason="needs the `slurm` extra (hydra-submitit-launcher)")
+# Needs the `slurm` extra (hydra-submitit-launcher), which the `test` extra installs.
+needs_plugin = pytest.mark.slurm
 
 
 def flaxlm_train(*args, env=None, timeout=600):
