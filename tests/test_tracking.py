@@ -1,5 +1,5 @@
-"""Tests of `flaxlm.tracking`: metrics.jsonl, the W&B mode, and a real offline W&B run read back
-from its transaction log."""
+"""Tests of `flaxlm.tracking`: metrics.jsonl, the W&B mode, a real offline W&B run read back
+from its transaction log, and TensorBoard event files read back with TensorBoard's own reader."""
 
 from __future__ import annotations
 
@@ -9,9 +9,14 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import compose
+from omegaconf import OmegaConf
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import metadata as hparams_metadata
+from tensorboard.plugins.hparams.api_pb2 import Status
 from wandb_records import items, of_type, read_wandb_records
 
-from flaxlm.config import LoggerConfig
+from flaxlm.config import LoggerConfig, TrainConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.tracking import Tracker, resolve_mode, start_tracker
 
@@ -24,7 +29,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def test_tracker_without_wandb_appends_one_json_line_per_log(tmp_path):
     tracker = start_tracker(LoggerConfig(name="none"), str(tmp_path), {}, name=None, group=None)
-    assert tracker.wandb_run is None
+    assert tracker.wandb_run is None and tracker.tensorboard is None
     tracker.log({"train/loss": np.float32(2.5), "lr": jnp.asarray(1e-3)}, step=1)
     tracker.log({"eval/loss": jnp.float32(1.25), "tokens": np.int64(4096), "note": "x"}, step=7)
     tracker.summary({"ignored": 1.0})
@@ -37,7 +42,7 @@ def test_tracker_without_wandb_appends_one_json_line_per_log(tmp_path):
                       "note": "x"}
     assert type(second["tokens"]) is int and type(second["eval/loss"]) is float
     assert first["time"] <= second["time"]
-    assert not (tmp_path / "wandb").exists()
+    assert not (tmp_path / "wandb").exists() and not (tmp_path / "tensorboard").exists()
 
 
 def test_tracker_appends_to_an_existing_metrics_file(tmp_path):
@@ -121,19 +126,24 @@ def test_unknown_mode_names_the_setting():
 # --- a real offline W&B run -----------------------------------------------------------------------
 
 CONFIG = {"model": {"name": "gpt2-tiny", "n_layer": 2, "n_embd": 64},
-          "optimizer": {"lr": 3e-4, "schedule": "linear"}, "seed": 7}
+          "optimizer": {"lr": 3e-4, "schedule": "linear"}, "seed": 7, "task": {"name": "clm"},
+          "choices": {"model": "gpt2-tiny", "optimizer": "adamw", "experiment": None}}
 LOGGED = [(0, {"train/loss": np.float32(4.5), "train/lr": 0.0}),
           (10, {"train/loss": jnp.float32(3.25), "train/lr": 1e-4}),
           (20, {"train/loss": 2.0, "train/lr": 2e-4, "eval/loss": np.float64(2.5)})]
 
 
-def offline_run(run_dir: Path, monkeypatch, exit_code: int | None) -> list:
+def offline_wandb_env(run_dir: Path, monkeypatch) -> None:
     monkeypatch.setenv("WANDB_DIR", str(run_dir))
     # wandb-core writes its own logs under the user cache dir (XDG_CACHE_HOME).
     for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "XDG_CACHE_HOME"):
         monkeypatch.setenv(name, str(run_dir.parent / name.lower()))
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+def offline_run(run_dir: Path, monkeypatch, exit_code: int | None) -> list:
+    offline_wandb_env(run_dir, monkeypatch)
     run_dir.mkdir()
     logger = LoggerConfig(name="wandb", wandb=True, mode="offline", tags=["test"])
     tracker = start_tracker(logger, str(run_dir), CONFIG, name="tiny-run", group="sweep-1")
@@ -176,7 +186,18 @@ def test_offline_run_records_config_name_group_and_tags(failed_run):
     assert {k: config[k] for k in CONFIG} == CONFIG
     assert config["model"]["n_layer"] == 2  # nested, not flattened
     assert (run.display_name, run.run_group, run.project) == ("tiny-run", "sweep-1", "flaxlm")
-    assert list(run.tags) == ["test"]
+    assert run.job_type == "clm"
+    assert list(run.tags) == ["test", "model=gpt2-tiny", "optimizer=adamw"]
+
+
+def test_offline_run_plots_every_metric_against_the_training_step(failed_run):
+    _, records = failed_run
+    metrics = {(m.name or m.glob_name): m.step_metric for m in of_type(records, "metric")}
+    assert {k: metrics[k] for k in ("train/*", "eval/*")} == {"train/*": "step",
+                                                               "eval/*": "step"}
+    assert "step" in metrics and "tokens_seen" in metrics
+    rows = [items(h.item) for h in of_type(records, "history")]
+    assert [row["step"] for row in rows] == [step for step, _ in LOGGED]
 
 
 def test_offline_run_summary_holds_the_final_values(failed_run):
@@ -199,3 +220,107 @@ def test_finish_records_the_exit_code(tmp_path, monkeypatch, failed_run, exit_co
     records = failed_run[1] if exit_code == 1 else offline_run(tmp_path / "run", monkeypatch, None)
     [exit_record] = of_type(records, "exit")
     assert exit_record.exit_code == (exit_code or 0)
+
+
+# --- TensorBoard ----------------------------------------------------------------------------------
+
+SAMPLES = [("Once upon", "a time | there"), ("", "The end.")]
+
+
+def tensorboard_run(run_dir: Path, logger: LoggerConfig, exit_code: int = 0):
+    tracker = start_tracker(logger, str(run_dir), CONFIG, name="tiny-run", group="sweep-1")
+    for step, metrics in LOGGED:
+        tracker.log({**metrics, "note": "not a scalar"}, step=step)
+    tracker.log_table("samples", ["prompt", "completion"], SAMPLES, step=20)
+    tracker.finish(exit_code=exit_code)
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    return tracker, events.Reload()
+
+
+
+
+def test_tensorboard_holds_the_scalars_at_their_steps(tmp_path):
+    _, events = tensorboard_run(tmp_path, LoggerConfig(name="tensorboard", tensorboard=True))
+    assert sorted(events.Tags()["scalars"]) == ["eval/loss", "train/loss", "train/lr"]
+    for key in ("train/loss", "train/lr", "eval/loss"):
+        logged = [(step, pytest.approx(float(m[key]))) for step, m in LOGGED if key in m]
+        assert [(e.step, e.value) for e in events.Scalars(key)] == logged
+    assert read_jsonl(tmp_path / "metrics.jsonl")[0]["note"] == "not a scalar"
+
+
+def test_tensorboard_holds_the_config_and_samples_as_text(tmp_path):
+    _, events = tensorboard_run(tmp_path, LoggerConfig(name="tensorboard", tensorboard=True))
+
+    def text(tag: str) -> tuple[int, str]:
+        [event] = events.Tensors(f"{tag}/text_summary")
+        return event.step, event.tensor_proto.string_val[0].decode()
+
+    step, config = text("config")
+    assert step == 0
+    assert OmegaConf.create("\n".join(line[4:] for line in config.splitlines())) == CONFIG
+    step, samples = text("samples")
+    assert step == 20
+    assert samples.splitlines() == ["| prompt | completion |", "| --- | --- |",
+                                    "| Once upon | a time \\| there |", "|  | The end. |"]
+
+
+@pytest.mark.parametrize(("exit_code", "status"), [(0, Status.STATUS_SUCCESS),
+                                                   (1, Status.STATUS_FAILURE)])
+def test_tensorboard_records_the_hyperparameters_and_how_the_run_ended(tmp_path, exit_code,
+                                                                       status):
+    _, events = tensorboard_run(tmp_path, LoggerConfig(name="tensorboard", tensorboard=True),
+                                exit_code)
+    content = events.PluginTagToContent("hparams")
+    start = hparams_metadata.parse_session_start_info_plugin_data(
+        content[hparams_metadata.SESSION_START_INFO_TAG])
+    values = {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind"))
+              for k, v in start.hparams.items()}
+    assert values["optimizer.lr"] == pytest.approx(3e-4)
+    assert values["model.n_layer"] == 2 and values["seed"] == 7
+    assert values["model.name"] == "gpt2-tiny" and values["choices.optimizer"] == "adamw"
+    assert "choices.experiment" not in values  # unset
+    end = hparams_metadata.parse_session_end_info_plugin_data(
+        content[hparams_metadata.SESSION_END_INFO_TAG])
+    assert end.status == status
+
+
+def test_tensorboard_rewind_hides_what_came_after_the_checkpoint(tmp_path):
+    tracker = start_tracker(LoggerConfig(name="tensorboard", tensorboard=True), str(tmp_path),
+                            CONFIG, name=None, group=None)
+    for step in (1, 2, 3):
+        tracker.log({"train/loss": float(step)}, step=step)
+    tracker.rewind(1)
+    tracker.log({"train/loss": 20.0}, step=2)
+    tracker.finish()
+    events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 20.0)]
+
+
+def test_wandb_and_tensorboard_together_from_the_composed_logger_list(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    offline_wandb_env(run_dir, monkeypatch)
+    run_dir.mkdir()
+    logger = OmegaConf.to_object(compose(["logger=[wandb,tensorboard]"])).logger
+    assert (logger.wandb, logger.tensorboard) == (True, True)
+    tracker, events = tensorboard_run(run_dir, logger)
+    assert tracker.wandb_run is None  # finished
+    assert [e.step for e in events.Scalars("train/loss")] == [step for step, _ in LOGGED]
+    [log] = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    history = of_type(read_wandb_records(log), "history")
+    assert [h.step.num for h in history] == [step for step, _ in LOGGED]
+    # the table joins step 20's row
+    assert any(key.startswith("samples") for key in items(history[-1].item))
+
+
+@pytest.mark.parametrize(("option", "wandb", "tensorboard"), [
+    ("logger=none", False, False), ("logger=tensorboard", False, True),
+    ("logger=wandb", True, False), ("logger=[tensorboard,wandb]", True, True)])
+def test_logger_options_compose_into_flags(option, wandb, tensorboard):
+    config = OmegaConf.to_object(compose([option]))
+    assert isinstance(config, TrainConfig)
+    assert (config.logger.wandb, config.logger.tensorboard) == (wandb, tensorboard)
+
+
+def test_default_logger_is_wandb_alone():
+    logger = OmegaConf.to_object(compose()).logger
+    assert (logger.wandb, logger.tensorboard, logger.mode) == (True, False, "auto")

@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 import zlib
 from pathlib import Path
 
 from wandb.proto import wandb_internal_pb2
 
 
-def read_wandb_records(path: Path) -> list:
+def read_wandb_records(path: Path, wait_s: float = 30.0) -> list:
+    """The records of a finished run's transaction log, once its exit record is on disk:
+    `run.finish()` can return while wandb's service is still writing the file's tail."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = _read_records(path)
+        if of_type(records, "exit") or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
+def _read_records(path: Path) -> list:
     """The records of a W&B transaction log (`run-*.wandb`): LevelDB log framing, i.e. a 7-byte
     file header, then 32 KiB blocks of chunks (crc32 4, length 2, type 1, data), each
     record one FULL chunk or FIRST, MIDDLE..., LAST, the block's tail zero-padded."""

@@ -254,6 +254,16 @@ class ResumeMode(str, enum.Enum):
     must = "must"  # there must be a checkpoint to continue
 
 
+class ObjectiveMode(str, enum.Enum):
+    min = "min"  # lower is better (losses)
+    max = "max"  # higher is better (accuracy, f1, correlations)
+
+
+class ObjectiveValue(str, enum.Enum):
+    best = "best"  # the best over the run's evaluations
+    last = "last"  # the last evaluation's
+
+
 @dataclasses.dataclass
 class TrainerConfig:
     """How long to train and how often to evaluate and log."""
@@ -279,6 +289,12 @@ class TrainerConfig:
     # step; true → skip its update (parameters and optimizer state unchanged) and go on; the
     # skipped steps are counted in train/skipped_steps.
     skip_nonfinite: bool = False
+    # What the run returns to a sweeper: an eval metric it logs, e.g. eval/loss or eval/f1.
+    # null → the task's main metric: eval/loss for clm; for classify f1 if task.metrics has
+    # it, else the first of task.metrics (or of the defaults its num_labels gives).
+    objective: Optional[str] = None
+    objective_mode: Optional[ObjectiveMode] = None  # null → min for losses, max otherwise
+    objective_value: ObjectiveValue = ObjectiveValue.best
 
 
 @dataclasses.dataclass
@@ -295,10 +311,13 @@ class CheckpointConfig:
 
 @dataclasses.dataclass
 class LoggerConfig:
-    """Experiment tracking. Every run also writes metrics.jsonl; `wandb` adds a W&B run."""
+    """Experiment tracking. Every run writes metrics.jsonl; the `logger` group is a list of
+    options merged into this one node (`logger=[wandb,tensorboard]`), each switching its flag
+    on: `wandb` adds a W&B run, `tensorboard` event files in the run directory."""
 
-    name: str = MISSING
+    name: str = "none"  # the option merged last; the flags below decide what runs
     wandb: bool = False
+    tensorboard: bool = False
     project: str = "flaxlm"
     entity: Optional[str] = None
     # auto → online when logged in to W&B, otherwise offline (sync later with `wandb sync`)
@@ -349,3 +368,15 @@ def register_configs() -> None:
     """Make the schema known to Hydra as `train_schema`, the first entry of conf/train.yaml's
     defaults list: every group file and override is then merged onto a typed node."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def dotted(tree: dict, prefix: str = "") -> dict:
+    """A nested (resolved) config as {"optimizer.lr": 3e-4, ...}: its leaves by their dotted
+    keys, what resume checks, reports and dashboards compare."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(dotted(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

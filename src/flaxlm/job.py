@@ -13,6 +13,9 @@ its W&B run alone; a stop signal is acted on at one agreed step by every process
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 import os
 import sys
 import time
@@ -21,8 +24,9 @@ import jax
 from omegaconf import DictConfig, OmegaConf
 
 from flaxlm import distributed
-from flaxlm.config import TrainConfig
+from flaxlm.config import ObjectiveMode, ObjectiveValue, TrainConfig
 from flaxlm.errors import FlaxlmError
+from flaxlm.layout import METRICS_FILE, run_path
 from flaxlm.parallel import configure_platform, make_mesh
 from flaxlm.runs import (
     close_quietly,
@@ -34,6 +38,7 @@ from flaxlm.runs import (
 from flaxlm.tasks import JobContext, task_named
 from flaxlm.tracking import start_tracker
 from flaxlm.training.checkpoint import PREEMPTED_EXIT_CODE, Preempted, StopRequest
+from flaxlm.training.evaluation import default_metrics
 from flaxlm.training.loop import describe
 from flaxlm.training.optimizer import check_optimizer_settings
 from flaxlm.training.plan import global_batch_size
@@ -41,7 +46,8 @@ from flaxlm.training.plan import global_batch_size
 
 def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
           run_name: str | None = None, run_group: str | None = None) -> float:
-    """Run one training job; return the final eval loss (what a sweeper minimises).
+    """Run one training job; return its objective (trainer.objective: what a sweeper
+    optimises), the best or the last of the run's evaluations.
 
     `choices` (the option picked in each config group), `run_name` and `run_group` label the
     W&B run; the Hydra entrypoint fills them in. A run directory with a checkpoint is resumed
@@ -97,7 +103,7 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     finally:
         run.release()
     tracker.finish()
-    return final["eval/loss"]
+    return objective_result(choose_objective(config), run.path, final)
 
 
 def check_settings(config: TrainConfig, num_devices: int) -> int:
@@ -120,7 +126,75 @@ def check_settings(config: TrainConfig, num_devices: int) -> int:
             raise FlaxlmError(f"{key}={value} must be at least 1 (or null).")
     global_batch_size(config, num_devices)
     check_optimizer_settings(config.optimizer)
+    choose_objective(config)
     return seq_len
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """The eval metric a run returns to a sweeper, which way is better, and which value."""
+
+    name: str
+    mode: ObjectiveMode
+    value: ObjectiveValue
+
+
+# Eval metrics that are better lower; every other one is better higher.
+_LOSSES = ("eval/loss", "eval/perplexity", "eval/bits_per_byte")
+
+
+def choose_objective(config: TrainConfig) -> Objective:
+    """trainer.objective and its mode, checked against the eval metrics this run will log."""
+    logged, main = _eval_metrics(config)
+    name = config.trainer.objective or main
+    if name not in logged:
+        raise FlaxlmError(
+            f"trainer.objective={name} is not a metric this run logs: task={config.task.name} "
+            f"evaluates {list(logged)}. Pick one of those (or null for {main}); a classify "
+            "metric must be in task.metrics (or, with none listed, among the defaults "
+            "task.num_labels gives)."
+        )
+    mode = config.trainer.objective_mode
+    if mode is None:
+        mode = ObjectiveMode.min if name in _LOSSES else ObjectiveMode.max
+    return Objective(name, mode, config.trainer.objective_value)
+
+
+def _eval_metrics(config: TrainConfig) -> tuple[tuple[str, ...], str]:
+    """The eval metrics the task logs, and its main one."""
+    if config.task.name != "classify":
+        return _LOSSES, "eval/loss"
+    num_labels = config.task.num_labels
+    names = config.task.metrics
+    if not names and num_labels is not None:
+        names = default_metrics(num_labels, is_regression=num_labels == 1)
+    if not names:  # the defaults depend on labels only the data will tell
+        return ("eval/loss",), "eval/loss"
+    main = "f1" if "f1" in names else names[0]  # f1: GLUE's headline metric where it applies
+    return ("eval/loss", *(f"eval/{n}" for n in names)), f"eval/{main}"
+
+
+def objective_result(objective: Objective, run_dir: str, final: dict) -> float:
+    """The objective's best or last value over the run's evaluations, read back from its
+    metrics.jsonl (a resumed run's earlier evaluations included); a process without that file
+    (not process 0) returns the final evaluation's."""
+    values = []
+    path = run_path(run_dir, METRICS_FILE)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a killed run
+                if isinstance(record.get(objective.name), (int, float)):
+                    values.append(float(record[objective.name]))
+    if not values:
+        return float(final.get(objective.name, math.nan))
+    if objective.value == ObjectiveValue.last:
+        return values[-1]
+    finite = [v for v in values if math.isfinite(v)] or values
+    return min(finite) if objective.mode == ObjectiveMode.min else max(finite)
 
 
 class AgreedStopRequest(StopRequest):

@@ -5,6 +5,7 @@
       model_config.yaml   the model's shape as trained (after model.init_from, if set)
       metrics.jsonl       one JSON object per logged step
       wandb_run_id        the W&B run a resumed run continues
+      tensorboard/        TensorBoard event files (logger=tensorboard)
       .lock               held while a process trains in the directory
       checkpoints/<step>/ orbax checkpoints (a damaged one set aside as <step>.damaged-<time>)
       model/              the run's Hugging Face export: tokenizer and config from the start,
@@ -24,6 +25,7 @@ LOCK_FILE = ".lock"
 CHECKPOINT_SUBDIR = "checkpoints"
 MODEL_SUBDIR = "model"
 PREDICTIONS_FILE = "predictions.jsonl"
+TENSORBOARD_SUBDIR = "tensorboard"
 
 RUN_FILES = (METRICS_FILE, CONFIG_FILE, LOCK_FILE)  # every run directory has these
 

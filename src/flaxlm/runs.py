@@ -24,7 +24,7 @@ import jax
 from omegaconf import OmegaConf
 
 from flaxlm import distributed
-from flaxlm.config import CheckpointConfig, ResumeMode, TrainConfig
+from flaxlm.config import CheckpointConfig, ResumeMode, TrainConfig, dotted
 from flaxlm.errors import FlaxlmError
 from flaxlm.layout import (
     CHECKPOINT_SUBDIR,
@@ -248,8 +248,8 @@ def _config_changes(saved_config_path: str, resolved: dict) -> list[str] | None:
     "key: old → new"; None when there is no saved config."""
     if not os.path.exists(saved_config_path):
         return None
-    saved = _flatten(OmegaConf.to_container(OmegaConf.load(saved_config_path), resolve=True))
-    current = _flatten(resolved)
+    saved = dotted(OmegaConf.to_container(OmegaConf.load(saved_config_path), resolve=True))
+    current = dotted(resolved)
     # Keys only one side has are settings added (or removed) by a flaxlm upgrade in between:
     # the run did not use them, so they do not make it another run.
     return [
@@ -257,15 +257,6 @@ def _config_changes(saved_config_path: str, resolved: dict) -> list[str] | None:
         for key in sorted(set(saved) & set(current))
         if saved[key] != current[key] and not key.startswith(RESUMABLE_CHANGES)
     ]
-
-
-def _flatten(tree, prefix: str = "") -> dict:
-    if isinstance(tree, dict):
-        flat = {}
-        for key, value in tree.items():
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        return flat
-    return {prefix[:-1]: tree}
 
 
 def _lock(run_dir: str) -> int:

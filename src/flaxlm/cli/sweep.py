@@ -4,7 +4,7 @@ cannot be written, and, for a multirun, one status file per job and a summary at
 A job of a multirun that fails records why and the sweep goes on with the next job; the
 summary then lists every job (ok / failed with the reason / preempted) with its run directory,
 and the command exits 1 if any failed. The statuses are files in the sweep directory
-(`<sweep dir>/job-status/<job number>.json`), not state in this process, so a launcher that
+(`<sweep dir>/job-status/<job folder>.json`), not state in this process, so a launcher that
 runs jobs elsewhere (submitit) reports the same way. A preempted job stops the sweep: the
 machine is being taken away, so the jobs after it are not started.
 """
@@ -34,30 +34,36 @@ class SweepJob:
         self.sweep_dir, self.number = sweep_dir, number
         self.overrides, self.run_dir = overrides, run_dir
 
-    def done(self, eval_loss: float) -> float:
-        self._record("ok", f"eval/loss {eval_loss:.4f}")
-        return eval_loss
+    def done(self, objective: str, value: float) -> float | None:
+        """Record the job's objective (trainer.objective) and return it to the sweeper; one
+        that is not a number (e.g. a correlation of constant predictions) as None, as for a
+        failed job."""
+        self._record("ok", f"{objective} {value:.4f}", objective=objective,
+                     objective_value=value)
+        return value if math.isfinite(value) else None
 
-    def failed(self, reason: str) -> float:
-        """Record the failure; the job's value for the sweeper is NaN (a failed trial)."""
+    def failed(self, reason: str) -> None:
+        """Record the failure. The job's value for the sweeper is None, not a number: Optuna's
+        sweeper then records a failed trial and goes on (a NaN would stop it)."""
         self._record("failed", reason)
-        return math.nan
 
     def preempted(self, reason: str) -> None:
         self._record("preempted", reason)
         print_summary(self.sweep_dir, stopped_after=self.number)
 
-    def _record(self, status: str, reason: str) -> None:
+    def _record(self, status: str, reason: str, **extra: Any) -> None:
         from flaxlm.distributed import is_primary  # JAX is imported once a job runs, not before
 
         if not is_primary():  # every host of a multi-host job runs it; one records it
             return
         lines = reason.strip().splitlines() or [""]
         record = {"job": self.number, "status": status, "reason": _shorten(lines[0]),
-                  "overrides": self.overrides, "run_dir": self.run_dir}
+                  "overrides": self.overrides, "run_dir": self.run_dir, **extra}
         directory = os.path.join(self.sweep_dir, STATUS_SUBDIR)
         os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"{self.number}.json")
+        # Named by the job's folder: a continued Optuna study numbers its new jobs from 0 again.
+        name = os.path.basename(os.path.normpath(self.run_dir)) or str(self.number)
+        path = os.path.join(directory, f"{name}.json")
         with open(f"{path}.tmp", "w", encoding="utf-8") as f:
             json.dump(record, f)
         os.replace(f"{path}.tmp", path)

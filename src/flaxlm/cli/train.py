@@ -17,7 +17,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from flaxlm.cli.sweep import SweepJob
@@ -40,8 +40,9 @@ register_configs()
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
-def train_job(cfg: DictConfig) -> float:
-    from flaxlm.job import train  # after Hydra: JAX starts only once the config is known
+def train_job(cfg: DictConfig) -> float | None:
+    # After Hydra: JAX starts only once the config is known.
+    from flaxlm.job import choose_objective, train
     from flaxlm.training.checkpoint import PREEMPTED_EXIT_CODE, Preempted
 
     hydra_cfg = HydraConfig.get()
@@ -51,7 +52,7 @@ def train_job(cfg: DictConfig) -> float:
     job = (SweepJob(os.path.abspath(hydra_cfg.sweep.dir), hydra_cfg.job.num, overrides,
                     hydra_cfg.runtime.output_dir) if multirun else None)
     try:
-        eval_loss = train(
+        value = train(
             cfg,
             choices={k: v for k, v in hydra_cfg.runtime.choices.items()
                      if not k.startswith("hydra")},
@@ -74,7 +75,9 @@ def train_job(cfg: DictConfig) -> float:
             raise
         traceback.print_exc()  # not the user's mistake: the details are needed
         return job.failed(f"{type(err).__name__}: {err}")
-    return eval_loss if job is None else job.done(eval_loss)
+    if job is None:
+        return value
+    return job.done(choose_objective(OmegaConf.to_object(cfg)).name, value)
 
 
 def main() -> None:

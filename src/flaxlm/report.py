@@ -1,0 +1,343 @@
+"""A sweep's runs side by side, from what their run directories hold: each run's saved config
+(`config.yaml`) and its `metrics.jsonl`. Nothing here needs the network, JAX or W&B, so a report
+can be made on any machine that holds a copy of the directories.
+
+A report is a table (one row per run: the settings that differ between the runs, the final and
+best evaluation metrics, steps, tokens, wall time, status) sorted by an objective, and PNG plots:
+the loss curves of every run, and the objective against each numeric setting that differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import yaml
+
+from flaxlm.config import dotted
+from flaxlm.errors import FlaxlmError
+from flaxlm.layout import CONFIG_FILE, METRICS_FILE, run_path
+
+# Metrics where lower is better; every other eval metric (accuracy, F1, correlations) is better
+# higher. Perplexity and bits per byte are the loss again in other units, so the table skips them.
+LOWER_IS_BETTER = ("eval/loss", "eval/perplexity", "eval/bits_per_byte")
+DERIVED_FROM_LOSS = ("eval/perplexity", "eval/bits_per_byte")
+# Settings every run has its own value of, whatever the sweep changed.
+PER_RUN_KEYS = ("run_dir", "resume_from")
+# A sweep job's status file (written by flaxlm-train's multirun callbacks) → the report's word.
+STATUS_WORDS = {"ok": "finished", "failed": "failed", "preempted": "preempted"}
+CURVES_FILE = "curves.png"
+REPORT_FILE = "report.md"
+
+
+@dataclasses.dataclass
+class Run:
+    """One run directory as read back: its flattened config, its metric records, its status."""
+
+    path: str
+    name: str
+    config: dict[str, Any]
+    records: list[dict[str, Any]]
+    status: str = "unknown"
+
+    def series(self, key: str) -> list[tuple[int, float]]:
+        """(step, value) for every record that logged `key` as a number."""
+        return [(r["step"], float(r[key])) for r in self.records if _is_number(r.get(key))]
+
+    def last(self, key: str) -> float | None:
+        values = self.series(key)
+        return values[-1][1] if values else None
+
+    def best(self, key: str, maximize: bool) -> float | None:
+        values = [v for _, v in self.series(key) if not math.isnan(v)]
+        if not values:
+            return None
+        return max(values) if maximize else min(values)
+
+    @property
+    def steps(self) -> int | None:
+        return max((r["step"] for r in self.records if "step" in r), default=None)
+
+    @property
+    def wall_time_s(self) -> float | None:
+        times = [r["time"] for r in self.records if _is_number(r.get("time"))]
+        return times[-1] - times[0] if len(times) > 1 else None
+
+
+StatusReader = Callable[[str], list[dict[str, Any]]]
+
+
+def collect_runs(paths: Sequence[str], job_statuses: StatusReader) -> list[Run]:
+    """The runs named by `paths`: each a run directory, or a multirun directory whose numbered
+    job folders are runs (their status read with `job_statuses(multirun_dir)`)."""
+    runs: list[Run] = []
+    for path in paths:
+        if is_run_dir(path):
+            runs.append(read_run(path, os.path.basename(os.path.normpath(path))))
+        elif _job_dirs(path):
+            runs.extend(_read_multirun(path, job_statuses(path)))
+        else:
+            what = "does not exist" if not os.path.exists(path) else (
+                f"is neither a run directory (no {CONFIG_FILE} and {METRICS_FILE}) nor a "
+                "multirun directory (numbered job folders)")
+            raise FlaxlmError(
+                f"{path} {what}. Give flaxlm-report run directories (outputs/<task>/runs/<time>) "
+                "or multirun directories (outputs/<task>/multiruns/<time>)."
+            )
+    if not runs:
+        raise FlaxlmError(f"{', '.join(paths)} holds no runs to report on.")
+    return runs
+
+
+def is_run_dir(path: str) -> bool:
+    return all(os.path.isfile(run_path(path, name)) for name in (CONFIG_FILE, METRICS_FILE))
+
+
+def read_run(path: str, name: str, must_have_metrics: bool = True) -> Run:
+    """A run directory read back; one without metrics is an error unless `must_have_metrics` is
+    false (a sweep's job that failed before it logged anything)."""
+    records = _read_metrics(run_path(path, METRICS_FILE))
+    if not records and must_have_metrics:
+        raise FlaxlmError(
+            f"{run_path(path, METRICS_FILE)} holds no metrics: the run stopped before its first "
+            "log line. Leave it out of the report, or train it first."
+        )
+    config = _read_config(run_path(path, CONFIG_FILE))
+    run = Run(path, name, config, records)
+    max_steps = config.get("trainer.max_steps")
+    if _is_number(max_steps) and run.steps is not None and run.steps >= max_steps:
+        run.status = "finished"
+    return run
+
+
+def _read_multirun(sweep_dir: str, statuses: list[dict[str, Any]]) -> list[Run]:
+    # A status names its job's run directory; a job folder's number alone can repeat (a
+    # continued Optuna study numbers its new trials from 0 again, in new folders).
+    by_dir = {os.path.abspath(record.get("run_dir") or ""): record for record in statuses}
+    by_job = {str(record["job"]): record for record in statuses}
+    runs = []
+    for job in _job_dirs(sweep_dir):
+        path = os.path.join(sweep_dir, job)
+        run = read_run(path, f"{os.path.basename(os.path.normpath(sweep_dir))}/{job}",
+                       must_have_metrics=False)
+        record = by_dir.get(os.path.abspath(path)) or by_job.get(job)
+        if record is not None:
+            run.status = STATUS_WORDS.get(record["status"], record["status"])
+        runs.append(run)
+    return runs
+
+
+def _job_dirs(path: str) -> list[str]:
+    """A multirun's job folders, in job order: named by the job number (`3`), or by the
+    number and a time (`3_09-01-22_206152`, as the Optuna preset names them)."""
+    if not os.path.isdir(path):
+        return []
+    jobs = [(int(match.group(1)), name) for name in os.listdir(path)
+            if (match := _JOB_FOLDER.fullmatch(name)) and os.path.isdir(os.path.join(path, name))]
+    return [name for _, name in sorted(jobs)]
+
+
+_JOB_FOLDER = re.compile(r"(\d+)(?:_.+)?")
+
+
+def _read_metrics(path: str) -> list[dict[str, Any]]:
+    if not os.path.isfile(path):
+        return []
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise FlaxlmError(
+                    f"{path}, line {number}, is not JSON: this file is not a flaxlm "
+                    "metrics.jsonl, or it was cut off mid-line."
+                ) from None
+    return records
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        try:
+            tree = yaml.safe_load(f)
+        except yaml.YAMLError as err:
+            raise FlaxlmError(f"{path} is not a YAML config: {err}") from None
+    return dotted(tree) if isinstance(tree, dict) else {}
+
+
+def differing_keys(runs: Sequence[Run]) -> list[str]:
+    """The config keys whose values are not the same in every run (that has a config)."""
+    configs = [run.config for run in runs if run.config]
+    keys = sorted(set().union(*configs)) if configs else []
+    return [key for key in keys if key not in PER_RUN_KEYS
+            and len({repr(config.get(key)) for config in configs}) > 1]
+
+
+def metric_keys(runs: Sequence[Run], objective: str) -> list[str]:
+    """The objective first, then the other eval metrics any run logged."""
+    logged = {key for run in runs for record in run.records for key, value in record.items()
+              if key.startswith("eval/") and _is_number(value)}
+    others = sorted(logged - {objective} - set(DERIVED_FROM_LOSS),
+                    key=lambda key: (key != "eval/loss", key))
+    return [objective, *others]
+
+
+def sort_runs(runs: Sequence[Run], objective: str, maximize: bool) -> list[Run]:
+    """Best objective first; runs that never logged it last, in the given order. An objective
+    that no run logged is an error."""
+    if all(run.best(objective, maximize) is None for run in runs):
+        logged = sorted({key for run in runs for record in run.records for key in record
+                         if key.startswith("eval/")})
+        raise FlaxlmError(
+            f"No run logged {objective}, so the runs cannot be sorted by it. Choose --objective "
+            f"from the metrics they logged: {', '.join(logged) or 'none'}."
+        )
+    def key(run: Run) -> tuple[bool, float]:
+        best = run.best(objective, maximize)
+        if best is None:
+            return (True, 0.0)
+        return (False, -best if maximize else best)
+
+    return sorted(runs, key=key)
+
+
+@dataclasses.dataclass
+class Table:
+    header: list[str]
+    rows: list[list[str]]
+
+    def text(self) -> str:
+        """Aligned columns for the terminal."""
+        widths = [max(len(cell) for cell in column) for column in zip(self.header, *self.rows)]
+        lines = [self.header, ["-" * width for width in widths], *self.rows]
+        return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip()
+                         for line in lines)
+
+    def markdown(self) -> str:
+        lines = [self.header, ["---"] * len(self.header), *self.rows]
+        return "\n".join("| " + " | ".join(cell.replace("|", "\\|") for cell in line) + " |"
+                         for line in lines)
+
+
+def build_table(runs: Sequence[Run], objective: str, maximize: bool) -> Table:
+    """One row per run, in the order given (sort first with `sort_runs`)."""
+    settings = differing_keys(runs)
+    metrics = metric_keys(runs, objective)
+    with_tokens = any(run.last("train/tokens_seen") is not None for run in runs)
+    with_time = any(run.wall_time_s is not None for run in runs)
+    header = ["run", *settings]
+    for key in metrics:
+        header += [f"final {key}", f"best {key}"]
+    header += ["steps"] + (["tokens"] if with_tokens else []) + (["wall"] if with_time else [])
+    header.append("status")
+    rows = []
+    for run in runs:
+        row = [run.name, *(_cell(run.config.get(key)) if run.config else "-" for key in settings)]
+        for key in metrics:
+            direction = maximize if key == objective else key not in LOWER_IS_BETTER
+            row += [_number(run.last(key)), _number(run.best(key, direction))]
+        row.append("-" if run.steps is None else str(run.steps))
+        if with_tokens:
+            tokens = run.last("train/tokens_seen")
+            row.append("-" if tokens is None else f"{int(tokens):,}")
+        if with_time:
+            row.append(_duration(run.wall_time_s))
+        row.append(run.status)
+        rows.append(row)
+    return Table(header, rows)
+
+
+def numeric_settings(runs: Sequence[Run]) -> list[str]:
+    """The differing settings whose values are numbers in every run that has a config."""
+    configs = [run.config for run in runs if run.config]
+    return [key for key in differing_keys(runs)
+            if all(_is_number(config.get(key)) for config in configs)]
+
+
+def write_plots(runs: Sequence[Run], out_dir: str, objective: str,
+                maximize: bool) -> list[str]:
+    """The loss curves of every run, and the objective against each numeric setting that
+    differs; returns the PNG file names (in `out_dir`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display is needed or wanted
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key in zip(axes, ("train/loss", "eval/loss")):
+        for run in runs:
+            points = run.series(key)
+            if points:
+                ax.plot(*zip(*points), marker="." if key.startswith("eval/") else None,
+                        label=run.name)
+        ax.set(title=key, xlabel="step", ylabel="loss")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(os.path.join(out_dir, CURVES_FILE), dpi=100)
+    plt.close(figure)
+    files = [CURVES_FILE]
+    for key in numeric_settings(runs):
+        points = [(run.config[key], run.best(objective, maximize)) for run in runs
+                  if run.config and run.best(objective, maximize) is not None]
+        figure, ax = plt.subplots(figsize=(4.5, 3.5))
+        if points:
+            ax.scatter(*zip(*points))
+        values = [value for value, _ in points]
+        if values and min(values) > 0 and max(values) >= 10 * min(values):
+            ax.set_xscale("log")
+        ax.set(xlabel=key, ylabel=f"best {objective}", title=f"{objective} against {key}")
+        ax.grid(alpha=0.3)
+        figure.tight_layout()
+        name = f"{_file_stem(objective)}_vs_{_file_stem(key)}.png"
+        figure.savefig(os.path.join(out_dir, name), dpi=100)
+        plt.close(figure)
+        files.append(name)
+    return files
+
+
+def write_markdown(table: Table, plots: Iterable[str], out_dir: str, objective: str,
+                   maximize: bool) -> str:
+    """`report.md` in `out_dir`: the table and the plots; returns its path."""
+    direction = "highest" if maximize else "lowest"
+    lines = [f"# flaxlm report\n\nRuns sorted by `{objective}` ({direction} first).\n",
+             table.markdown(), "", "## Plots", ""]
+    lines += [f"![{name}]({name})" for name in plots]
+    path = os.path.join(out_dir, REPORT_FILE)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _cell(value: Any) -> str:
+    return "null" if value is None else str(value)
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def _file_stem(key: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", key).strip("_")

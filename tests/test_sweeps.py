@@ -1,0 +1,176 @@
+"""Sweeps: the objective a job returns to a sweeper (trainer.objective), and Optuna searches
+through `hparams_search=optuna-lr-wd`: trials with their own run dirs, a study continued by
+the same command, and a failed trial recorded while the others run."""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import TINY, compose
+from omegaconf import OmegaConf
+
+from flaxlm.cli.sweep import SweepJob
+from flaxlm.config import ObjectiveMode, ObjectiveValue
+from flaxlm.errors import FlaxlmError
+from flaxlm.job import Objective, check_settings, choose_objective, objective_result
+
+
+def objective_of(*overrides: str) -> Objective:
+    return choose_objective(OmegaConf.to_object(compose([*TINY, *overrides])))
+
+
+# --- the objective ---------------------------------------------------------------------------
+
+
+def test_clm_minimises_the_best_eval_loss_by_default():
+    assert objective_of() == Objective("eval/loss", ObjectiveMode.min, ObjectiveValue.best)
+    assert objective_of("trainer.objective=eval/bits_per_byte",
+                        "trainer.objective_value=last") == Objective(
+        "eval/bits_per_byte", ObjectiveMode.min, ObjectiveValue.last)
+
+
+@pytest.mark.parametrize("overrides, name", [
+    (["experiment=glue-mrpc"], "eval/f1"),  # metrics [accuracy, f1]: f1 is GLUE's headline
+    (["experiment=glue-cola"], "eval/matthews"),
+    (["task=classify", "task.num_labels=2"], "eval/f1"),  # the defaults: accuracy and f1
+    (["task=classify", "task.num_labels=3"], "eval/accuracy"),
+    (["task=classify", "task.num_labels=1"], "eval/pearson"),  # regression
+    (["task=classify"], "eval/loss"),  # the labels, and so the metrics, come from the data
+])
+def test_classify_maximises_its_main_metric(overrides, name):
+    objective = objective_of(*overrides)
+    assert objective.name == name
+    assert objective.mode == (ObjectiveMode.min if name == "eval/loss" else ObjectiveMode.max)
+
+
+def test_an_explicit_mode_wins():
+    assert objective_of("trainer.objective=eval/loss",
+                        "trainer.objective_mode=max").mode == ObjectiveMode.max
+
+
+@pytest.mark.parametrize("overrides, logged", [
+    (["trainer.objective=eval/f1"], "['eval/loss', 'eval/perplexity', 'eval/bits_per_byte']"),
+    (["trainer.objective=loss"], "['eval/loss', 'eval/perplexity', 'eval/bits_per_byte']"),
+    (["experiment=glue-mrpc", "trainer.objective=eval/matthews"],
+     "['eval/loss', 'eval/accuracy', 'eval/f1']"),
+    (["experiment=glue-mrpc", "task.metrics=[]", "trainer.objective=eval/accuracy"],
+     "['eval/loss']"),  # the labels, and so the default metrics, come from the data
+])
+def test_a_metric_the_run_never_logs_fails_before_any_data_is_read(overrides, logged):
+    config = OmegaConf.to_object(compose([*TINY, *overrides]))
+    with pytest.raises(FlaxlmError) as error:
+        check_settings(config, 8)
+    message = str(error.value)
+    assert f"trainer.objective={config.trainer.objective} is not a metric" in message
+    assert f"evaluates {logged}" in message
+
+
+def test_the_objective_value_is_read_back_from_the_runs_metrics(tmp_path):
+    records = [{"step": 0, "eval/loss": 3.0, "eval/f1": 0.5}, {"step": 5, "train/loss": 2.0},
+               {"step": 10, "eval/loss": 2.0, "eval/f1": 0.8},
+               {"step": 20, "eval/loss": 2.5, "eval/f1": 0.7}]
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in records) + '{"step": 30, "eval/lo')  # cut short
+    best, last = ObjectiveValue.best, ObjectiveValue.last
+    assert objective_result(Objective("eval/loss", ObjectiveMode.min, best), tmp_path, {}) == 2.0
+    assert objective_result(Objective("eval/f1", ObjectiveMode.max, best), tmp_path, {}) == 0.8
+    assert objective_result(Objective("eval/loss", ObjectiveMode.min, last), tmp_path, {}) == 2.5
+    # A process without the file (not process 0) returns the final evaluation's value.
+    elsewhere = tmp_path / "elsewhere"
+    final = {"eval/loss": 2.5}
+    assert objective_result(Objective("eval/loss", ObjectiveMode.min, best), elsewhere,
+                            final) == 2.5
+    assert math.isnan(objective_result(Objective("eval/f1", ObjectiveMode.max, best), elsewhere,
+                                       final))
+
+
+# --- Optuna ----------------------------------------------------------------------------------
+
+SMALL = [*TINY, "trainer.max_steps=2", "trainer.eval_before_training=false",
+         "language.max_train_docs=40", "language.max_eval_docs=10", "samples.prompts=[]"]
+
+
+def optuna_sweep(sweep_dir, *overrides: str) -> subprocess.CompletedProcess:
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")  # the `optuna` extra
+    return subprocess.run(
+        [sys.executable, "-m", "flaxlm.cli.train", "-m", "hparams_search=optuna-lr-wd",
+         *SMALL, *overrides, f"hydra.sweep.dir={sweep_dir}"],
+        capture_output=True, text=True, timeout=600,
+    )
+
+
+def trial_states(sweep_dir) -> list[str]:
+    import optuna
+
+    study = optuna.load_study(study_name="flaxlm-lr-wd",
+                              storage=f"sqlite:///{sweep_dir}/optuna.db")
+    return [trial.state.name for trial in study.trials]
+
+
+def statuses(sweep_dir) -> list[dict]:
+    paths = glob.glob(os.path.join(sweep_dir, "job-status", "*.json"))
+    records = [json.loads(Path(path).read_text()) for path in paths]
+    return sorted(records, key=lambda r: r["job"])
+
+
+@pytest.mark.slow
+def test_an_optuna_search_names_its_best_trial_and_the_same_command_continues_it(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    result = optuna_sweep(sweep_dir, "hydra.sweeper.n_trials=3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    jobs = statuses(sweep_dir)
+    assert [job["status"] for job in jobs] == ["ok"] * 3
+    # Each trial trained in its own run dir, with the learning rate Optuna chose for it.
+    run_dirs = {job["run_dir"] for job in jobs}
+    assert len(run_dirs) == 3 and all(d.startswith(str(sweep_dir)) for d in run_dirs)
+    for job in jobs:
+        config = OmegaConf.load(os.path.join(job["run_dir"], "config.yaml"))
+        lr = next(o for o in job["overrides"] if o.startswith("optimizer.lr="))
+        assert config.optimizer.lr == float(lr.split("=")[1])
+        assert job["objective"] == "eval/loss"
+    results = OmegaConf.load(sweep_dir / "optimization_results.yaml")
+    best = min(jobs, key=lambda job: job["objective_value"])
+    assert results.best_value == pytest.approx(best["objective_value"])
+    assert f"optimizer.lr={results.best_params['optimizer.lr']}" in best["overrides"]
+    assert trial_states(sweep_dir) == ["COMPLETE"] * 3
+
+    result = optuna_sweep(sweep_dir, "hydra.sweeper.n_trials=1")  # one more trial
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert trial_states(sweep_dir) == ["COMPLETE"] * 4
+    run_dirs |= {job["run_dir"] for job in statuses(sweep_dir)}
+    assert len(run_dirs) == 4  # the new trial did not land in (and resume) an old one's
+
+
+@pytest.mark.slow
+def test_a_failed_trial_is_recorded_and_the_search_goes_on(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    result = optuna_sweep(sweep_dir, "hydra.sweeper.n_trials=3", "optimizer.weight_decay=0.01",
+                          "optimizer.lr=choice(nan,0.001)")
+    assert result.returncode == 1, result.stderr[-3000:]
+    states = trial_states(sweep_dir)
+    assert sorted(states) == ["COMPLETE", "COMPLETE", "FAIL"]
+    jobs = statuses(sweep_dir)
+    failed = jobs[states.index("FAIL")]
+    assert failed["status"] == "failed" and "optimizer.lr=nan" in failed["reason"]
+    assert f"flaxlm: multirun in {sweep_dir}: 2 ok, 1 failed" in result.stdout
+    assert OmegaConf.load(sweep_dir / "optimization_results.yaml").best_params == {
+        "optimizer.lr": 0.001}
+
+
+def test_a_job_hands_optuna_a_number_or_none_and_records_its_objective(tmp_path):
+    """None, not NaN, is what makes Optuna's sweeper record a failed trial and go on."""
+    job = SweepJob(str(tmp_path), 0, ["optimizer.lr=1"], str(tmp_path / "0"))
+    assert job.done("eval/f1", 0.75) == 0.75
+    assert statuses(tmp_path)[0] == {
+        "job": 0, "status": "ok", "reason": "eval/f1 0.7500", "overrides": ["optimizer.lr=1"],
+        "run_dir": str(tmp_path / "0"), "objective": "eval/f1", "objective_value": 0.75}
+    assert job.done("eval/pearson", math.nan) is None
+    assert job.failed("optimizer.lr=nan is not a finite number") is None
+    assert statuses(tmp_path)[0]["status"] == "failed"
