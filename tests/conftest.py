@@ -58,6 +58,18 @@ TINY = [
 ]
 
 
+def trained_run(tmp_path_factory, name: str, overrides) -> str:
+    """A run of `overrides` trained to its end in a fresh folder, for a module-scoped fixture
+    that tests compare their runs with (the session's flaxlm cache, as every test has)."""
+    from flaxlm.job import train
+
+    run_dir = tmp_path_factory.mktemp(name) / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FLAXLM_CACHE", str(tmp_path_factory.getbasetemp() / "flaxlm-cache"))
+        train(compose(overrides, run_dir=run_dir))
+    return run_dir
+
+
 def compose(overrides=(), run_dir=None):
     """conf/train.yaml composed as `flaxlm-train` would, outside a Hydra app."""
     from hydra import compose as hydra_compose

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 import safetensors.numpy
-from conftest import TINY, compose
+from conftest import TINY, compose, trained_run
 from test_checkpoint import bumped, leaves_equal, save_steps
 from test_resume import assert_same_params, metrics_of
 
@@ -132,11 +132,7 @@ def run_with_fault(run_dir, fault: str, argument, *overrides: str):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The run that never failed."""
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("FLAXLM_CACHE", str(tmp_path_factory.getbasetemp() / "flaxlm-cache"))
-        train(compose(RUN, run_dir=run_dir))
-    return run_dir
+    return trained_run(tmp_path_factory, "reference", RUN)
 
 
 def assert_intact(run_dir):

@@ -17,12 +17,11 @@ import time
 
 import numpy as np
 import pytest
-from conftest import TINY, compose
+from conftest import TINY, trained_run
 
 from flaxlm import distributed
 from flaxlm.config import DistributedConfig, HardwareConfig
 from flaxlm.errors import FlaxlmError
-from flaxlm.job import train
 from flaxlm.runs import PER_PROCESS_KEY, own_loader_state
 from flaxlm.training.checkpoint import PREEMPTED_EXIT_CODE, restore_params
 
@@ -114,11 +113,7 @@ def wait_for_step(run_dir, processes, step: int, timeout=300) -> None:
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     """The same run on one process with 8 devices."""
-    run_dir = tmp_path_factory.mktemp("one-process") / "run"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("FLAXLM_CACHE", str(tmp_path_factory.getbasetemp() / "flaxlm-cache"))
-        train(compose(RUN, run_dir=run_dir))
-    return run_dir
+    return trained_run(tmp_path_factory, "one-process", RUN)
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import safetensors.numpy
-from conftest import TINY, compose
+from conftest import TINY, compose, trained_run
 from wandb_records import of_type, read_wandb_records
 
 from flaxlm.data.loader import RowLoader
@@ -58,11 +58,7 @@ def flat(tree, path=()):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The uninterrupted run every resumed run is compared with."""
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("FLAXLM_CACHE", str(tmp_path_factory.getbasetemp() / "flaxlm-cache"))
-        train(compose(RUN, run_dir=run_dir))
-    return run_dir
+    return trained_run(tmp_path_factory, "reference", RUN)
 
 
 def stop_at(monkeypatch, stop_step: int, sig=signal.SIGTERM):

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from flaxlm.errors import FlaxlmError
 from flaxlm.job import check_settings
-from flaxlm.tasks import TASKS, task_named
+from flaxlm.tasks.registry import TASKS, task_named
 
 
 def config_of(*overrides: str):

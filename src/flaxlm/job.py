@@ -3,8 +3,8 @@
 The job owns what every run needs whatever it trains: the platform and the device mesh, the
 compilation cache, the run directory (fresh, or a stopped run resumed), the tracker (W&B and
 metrics.jsonl), the checkpointer, and the SIGTERM / SIGINT handler. It hands these to the task
-named by `task.name` (`flaxlm.tasks`) as a `JobContext`. This is the config edge: the composed
-config becomes typed objects here.
+named by `task.name` (`flaxlm.tasks.registry`) as a `JobContext`. This is the config edge:
+the composed config becomes typed objects here.
 
 On several hosts (hardware.distributed) every process runs this same job: process 0 decides
 the run directory and whether it resumes and tells the others, writes the run's files and
@@ -35,7 +35,8 @@ from flaxlm.runs import (
     open_shared_run_dir,
     writable_dir,
 )
-from flaxlm.tasks import JobContext, task_named
+from flaxlm.tasks.base import JobContext
+from flaxlm.tasks.registry import task_named
 from flaxlm.tracking import start_tracker
 from flaxlm.training.checkpoint import PREEMPTED_EXIT_CODE, Preempted, StopRequest
 from flaxlm.training.evaluation import default_metrics

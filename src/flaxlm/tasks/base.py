@@ -64,7 +64,7 @@ class JobContext:
 
 
 class Task(Protocol):
-    """One objective flaxlm trains for; `flaxlm.tasks.TASKS` registers each by name."""
+    """One objective flaxlm trains for; `flaxlm.tasks.registry` registers each by name."""
 
     def check_settings(self, config: TrainConfig) -> int:
         """Check what can be checked before any data is read (raising FlaxlmError); return the

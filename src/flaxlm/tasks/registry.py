@@ -1,0 +1,20 @@
+"""The tasks flaxlm trains for, by the name `task.name` gives them. A new task is one module
+with a class that has the `Task` interface (tasks/base.py) and one entry here."""
+
+from __future__ import annotations
+
+from flaxlm.errors import FlaxlmError
+from flaxlm.tasks.base import Task
+from flaxlm.tasks.classify import Classification
+from flaxlm.tasks.clm import CausalLM
+
+TASKS: dict[str, Task] = {"clm": CausalLM(), "classify": Classification()}
+
+
+def task_named(name: str) -> Task:
+    if name not in TASKS:
+        raise FlaxlmError(
+            f"task.name={name!r} is not a task flaxlm runs. Pick task=clm (pre-train a causal "
+            "LM) or task=classify (fine-tune a classifier)."
+        )
+    return TASKS[name]
