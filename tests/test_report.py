@@ -3,8 +3,10 @@ one of them failed, as flaxlm-train and its sweep callbacks lay them out."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import struct
 
 import pytest
 import yaml
@@ -16,21 +18,23 @@ from flaxlm.layout import CONFIG_FILE, METRICS_FILE
 MAX_STEPS = 20
 
 
-def _write_run(run_dir, lr: float, eval_losses: list[float], last_step: int = MAX_STEPS):
+def _write_run(run_dir, lr: float, eval_losses: list[float], last_step: int = MAX_STEPS,
+               accuracies: list[float] = (), trainer: dict | None = None):
     os.makedirs(run_dir)
     config = {"run_dir": str(run_dir), "seed": 0,
               "optimizer": {"name": "adamw", "lr": lr, "weight_decay": 0.01},
-              "trainer": {"max_steps": MAX_STEPS, "eval_every": 10}}
+              "trainer": {"max_steps": MAX_STEPS, "eval_every": 10, **(trainer or {})}}
     with open(os.path.join(run_dir, CONFIG_FILE), "w") as f:
         yaml.safe_dump(config, f)
     eval_steps = [0, 10, 20][: len(eval_losses)]
     records = []
     for step in range(5, last_step + 1, 5):
         records.append({"step": step, "time": 1000.0 + step, "train/loss": 5.0 - step * lr * 10,
-                        "train/tokens_seen": step * 512})
-    for step, loss in zip(eval_steps, eval_losses):
-        records.append({"step": step, "time": 1000.0 + step, "eval/loss": loss,
-                        "eval/perplexity": 2.0 ** loss})
+                        "tokens_seen": step * 512})
+    for step, loss, accuracy in itertools.zip_longest(eval_steps, eval_losses, accuracies):
+        record = {"step": step, "time": 1000.0 + step, "tokens_seen": step * 512,
+                  "eval/loss": loss, "eval/perplexity": 2.0 ** loss}
+        records.append(record if accuracy is None else {**record, "eval/accuracy": accuracy})
     records.sort(key=lambda r: r["step"])
     records.append({"step": last_step, "time": 1000.0 + last_step,
                     "samples": [{"prompt": "a", "text": "b"}]})  # a logged table, not a metric
@@ -82,6 +86,7 @@ def test_report_table_plots_and_markdown(sweep_dir, tmp_path, capsys):
     plots = ["curves.png", "eval_loss_vs_optimizer_lr.png"]
     for name in [*plots, "report.md"]:
         assert (out / name).stat().st_size > 0
+    assert _png_height(out / "curves.png") == 800  # losses against steps, and against tokens
     assert sorted(p.name for p in out.glob("*.png")) == plots
     markdown = (out / "report.md").read_text()
     assert "| run | optimizer.lr |" in markdown
@@ -138,3 +143,28 @@ def test_a_continued_optuna_study_reports_every_trial_with_its_own_status(tmp_pa
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:4]]
     assert [(row[0], row[-1]) for row in rows] == [("study/0_09-00-00_000001", "finished"),
                                                    ("study/0_09-30-00_000001", "failed")]
+
+
+def _png_height(path) -> int:
+    """A PNG's height in pixels, from its IHDR chunk."""
+    return struct.unpack(">I", path.read_bytes()[20:24])[0]
+
+
+def test_runs_are_sorted_by_the_objective_they_were_trained_for(tmp_path, capsys):
+    """A classifier sweep saved trainer.objective=eval/accuracy (max): the report sorts by it
+    without being told, and a flag still overrides it."""
+    sweep = tmp_path / "sweep"
+    trained_for = {"objective": "eval/accuracy", "objective_mode": "max"}
+    _write_run(sweep / "0", 1e-4, [0.6, 0.5, 0.4], accuracies=[0.5, 0.6, 0.7], trainer=trained_for)
+    _write_run(sweep / "1", 1e-3, [0.6, 0.55, 0.5], accuracies=[0.55, 0.8, 0.75],
+               trainer=trained_for)
+    main([str(sweep)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[2:4] == ["final", "eval/accuracy"]
+    assert [line.split()[0] for line in lines[2:4]] == ["sweep/1", "sweep/0"]  # best 0.8, 0.7
+    main([str(sweep), "--objective", "eval/loss", "--out", str(tmp_path / "by-loss")])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[2:4]] == ["sweep/0", "sweep/1"]  # 0.4, 0.5
+    main([str(sweep), "--minimize", "--out", str(tmp_path / "worst-first")])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[2:4]] == ["sweep/0", "sweep/1"]  # 0.5, 0.55

@@ -13,13 +13,23 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import TINY, compose
 from omegaconf import OmegaConf
 
+from flaxlm.cli.report import main as report_main
 from flaxlm.cli.sweep import SweepJob
+from flaxlm.cli.train import check_sweep_direction
 from flaxlm.config import ObjectiveMode, ObjectiveValue
 from flaxlm.errors import FlaxlmError
-from flaxlm.job import Objective, check_settings, choose_objective, objective_result
+from flaxlm.job import (
+    OBJECTIVE_SUMMARY,
+    Objective,
+    check_settings,
+    choose_objective,
+    objective_result,
+)
+from flaxlm.runs import open_run_dir
 
 
 def objective_of(*overrides: str) -> Objective:
@@ -121,9 +131,10 @@ def statuses(sweep_dir) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_an_optuna_search_names_its_best_trial_and_the_same_command_continues_it(tmp_path):
+def test_an_optuna_search_names_its_best_trial_and_the_same_command_continues_it(tmp_path,
+                                                                                   capsys):
     sweep_dir = tmp_path / "sweep"
-    result = optuna_sweep(sweep_dir, "hydra.sweeper.n_trials=3")
+    result = optuna_sweep(sweep_dir, "hydra.sweeper.n_trials=3", "logger=[tensorboard]")
     assert result.returncode == 0, result.stderr[-3000:]
     jobs = statuses(sweep_dir)
     assert [job["status"] for job in jobs] == ["ok"] * 3
@@ -140,6 +151,20 @@ def test_an_optuna_search_names_its_best_trial_and_the_same_command_continues_it
     assert results.best_value == pytest.approx(best["objective_value"])
     assert f"optimizer.lr={results.best_params['optimizer.lr']}" in best["overrides"]
     assert trial_states(sweep_dir) == ["COMPLETE"] * 3
+    for job in jobs:  # a TensorBoard run of its own
+        assert glob.glob(os.path.join(job["run_dir"], "tensorboard", "events.out.tfevents.*"))
+
+    # flaxlm-report on the real sweep: every trial, best first, the swept settings as columns.
+    report_main([str(sweep_dir), "--out", str(tmp_path / "report")])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["run", "optimizer.lr", "optimizer.weight_decay"]
+    rows = [line.split() for line in lines[2:5]]
+    ranked = sorted(jobs, key=lambda job: job["objective_value"])
+    assert [row[0] for row in rows] == [f"sweep/{os.path.basename(job['run_dir'])}"
+                                        for job in ranked]
+    assert [row[-1] for row in rows] == ["finished"] * 3
+    assert sorted(p.name for p in (tmp_path / "report").glob("*.png")) == [
+        "curves.png", "eval_loss_vs_optimizer_lr.png", "eval_loss_vs_optimizer_weight_decay.png"]
 
     result = optuna_sweep(sweep_dir, "hydra.sweeper.n_trials=1")  # one more trial
     assert result.returncode == 0, result.stderr[-3000:]
@@ -174,3 +199,74 @@ def test_a_job_hands_optuna_a_number_or_none_and_records_its_objective(tmp_path)
     assert job.done("eval/pearson", math.nan) is None
     assert job.failed("optimizer.lr=nan is not a finite number") is None
     assert statuses(tmp_path)[0]["status"] == "failed"
+
+
+# --- W&B sweeps -----------------------------------------------------------------------------
+
+WANDB_SWEEP = Path(__file__).parent.parent / "examples" / "wandb-sweep.yaml"
+
+
+def _agent_commands(sweep: dict):
+    """The commands a W&B agent runs for the sweep's extreme values (every listed value, each
+    distribution's bounds), its arguments formatted by wandb's own code."""
+    from wandb.sdk.launch.sweeps.utils import create_sweep_command_args
+
+    choices = {}
+    for name, spec in sweep["parameters"].items():
+        choices[name] = (spec["values"] if "values" in spec else
+                         [spec["value"]] if "value" in spec else [spec["min"], spec["max"]])
+    longest = max(len(values) for values in choices.values())
+    for index in range(longest):
+        values = {name: options[index % len(options)] for name, options in choices.items()}
+        macros = create_sweep_command_args({"args": {k: {"value": v} for k, v in
+                                                     values.items()}})
+        macros["program"] = [sweep["program"]]
+        command = []
+        for part in sweep["command"]:
+            command += macros[part[2:-1]] if part.startswith("${") else [part]
+        yield values, command
+
+
+def test_the_wandb_sweep_example_runs_flaxlm_train_with_arguments_that_compose():
+    text = WANDB_SWEEP.read_text()
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert text in readme  # the README shows this very file
+    sweep = yaml.safe_load(text)
+    assert sweep["metric"]["name"] == OBJECTIVE_SUMMARY
+    commands = list(_agent_commands(sweep))
+    assert len(commands) == 3
+    for values, command in commands:
+        assert command[0] == "flaxlm-train" and len(command) == 1 + len(values)
+        cfg = compose([*TINY, *command[1:]])
+        for name, value in values.items():
+            assert OmegaConf.select(cfg, name) == value, name
+        check_settings(OmegaConf.to_object(cfg), 8)  # a trial would start
+
+
+def test_a_run_started_by_a_wandb_agent_belongs_to_its_sweep(tmp_path, monkeypatch):
+    """The agent assigns the W&B run id; a run under another id would not be in the sweep."""
+    config = OmegaConf.to_object(compose(TINY, run_dir=tmp_path / "alone"))
+    run = open_run_dir(config, {})
+    run.release()
+    monkeypatch.setenv("WANDB_SWEEP_ID", "sweep123")
+    monkeypatch.setenv("WANDB_RUN_ID", "agentrun")
+    config = OmegaConf.to_object(compose(TINY, run_dir=tmp_path / "trial"))
+    trial = open_run_dir(config, {})
+    trial.release()
+    assert trial.wandb_run_id == "agentrun" and run.wandb_run_id != "agentrun"
+
+
+@pytest.mark.parametrize("overrides, direction, ok", [
+    ([], "minimize", True),
+    ([], "maximize", False),
+    (["task=classify", "task.num_labels=2"], "minimize", False),  # eval/f1: higher is better
+    (["task=classify", "task.num_labels=2"], "maximize", True),
+    (["trainer.objective=eval/perplexity"], None, True),  # a grid sweep has no direction
+])
+def test_an_optuna_direction_against_the_objective_stops_the_sweep(overrides, direction, ok):
+    cfg = compose([*TINY, *overrides])
+    if ok:
+        check_sweep_direction(direction, cfg)
+    else:
+        with pytest.raises(FlaxlmError, match=r"hydra\.sweeper\.direction=.*Add hydra\.sweeper"):
+            check_sweep_direction(direction, cfg)

@@ -129,7 +129,7 @@ CONFIG = {"model": {"name": "gpt2-tiny", "n_layer": 2, "n_embd": 64},
           "optimizer": {"lr": 3e-4, "schedule": "linear"}, "seed": 7, "task": {"name": "clm"},
           "choices": {"model": "gpt2-tiny", "optimizer": "adamw", "experiment": None}}
 LOGGED = [(0, {"train/loss": np.float32(4.5), "train/lr": 0.0}),
-          (10, {"train/loss": jnp.float32(3.25), "train/lr": 1e-4}),
+          (10, {"train/loss": jnp.float32(3.25), "train/lr": 1e-4, "eval/loss": 2.25}),
           (20, {"train/loss": 2.0, "train/lr": 2e-4, "eval/loss": np.float64(2.5)})]
 
 
@@ -146,10 +146,11 @@ def offline_run(run_dir: Path, monkeypatch, exit_code: int | None) -> list:
     offline_wandb_env(run_dir, monkeypatch)
     run_dir.mkdir()
     logger = LoggerConfig(name="wandb", wandb=True, mode="offline", tags=["test"])
-    tracker = start_tracker(logger, str(run_dir), CONFIG, name="tiny-run", group="sweep-1")
+    tracker = start_tracker(logger, str(run_dir), CONFIG, name="tiny-run", group="sweep-1",
+                            objective="eval/loss", maximize=False)
     for step, metrics in LOGGED:
         tracker.log(metrics, step=step)
-    tracker.summary({"final/loss": np.float32(1.5)})
+    tracker.summary({"final/loss": np.float32(1.5), "eval/loss": 2.5})
     if exit_code is None:
         tracker.finish()
     else:
@@ -200,12 +201,16 @@ def test_offline_run_plots_every_metric_against_the_training_step(failed_run):
     assert [row["step"] for row in rows] == [step for step, _ in LOGGED]
 
 
-def test_offline_run_summary_holds_the_final_values(failed_run):
+def test_offline_run_summary_holds_the_final_values_and_the_best_objective(failed_run):
     _, records = failed_run
     summary = {}
     for update in of_type(records, "summary"):
         summary.update(items(update.update))
     assert summary["final/loss"] == 1.5
+    # The objective's summary is its best (lowest) value, 2.25 at step 10, not the last 2.5.
+    [objective] = [m for m in of_type(records, "metric") if m.name == "eval/loss"]
+    assert objective.step_metric == "step" and objective.summary.min
+    assert summary["eval/loss"] == {"min": 2.25}
 
 
 def test_offline_run_also_writes_metrics_jsonl(failed_run):

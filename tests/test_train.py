@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import transformers
 from conftest import TINY, compose
+from omegaconf import OmegaConf
 from wandb_records import items, of_type, read_wandb_records
 
 from flaxlm.job import train
@@ -46,6 +47,8 @@ def test_short_run_on_the_builtin_corpus_learns(tmp_path):
     for key in ("train/learning_rate", "train/grad_norm", "train/tokens_per_second",
                 "train/mfu", "epoch"):
         assert all(key in r for r in train_logs[1:]), key
+    tokens_per_step = 8 * 2 * 64  # TINY: 8 devices × 2 rows × 64 positions
+    assert all(r["tokens_seen"] == r["step"] * tokens_per_step for r in train_logs + evals)
 
     assert (run_dir / "config.yaml").exists()
     tokenizer = transformers.AutoTokenizer.from_pretrained(run_dir / "model")
@@ -82,6 +85,15 @@ def test_multirun_gives_each_job_its_own_run_dir_and_wandb_run(tmp_path):
         assert config["choices"]["model"] == "gpt2-tiny"
         assert any("eval/loss" in items(h.item) for h in of_type(records, "history"))
         assert [e.exit_code for e in of_type(records, "exit")] == [0]
+        # The summary: the objective's best so far, and the value the sweeper was handed.
+        summary = {}
+        for update in of_type(records, "summary"):
+            summary.update(items(update.update))
+        best = min(r["eval/loss"] for r in read_metrics(job_dir) if "eval/loss" in r)
+        assert summary["eval/loss"] == {"min": pytest.approx(best)}
+        assert summary["objective"] == pytest.approx(best)
+        assert OmegaConf.load(os.path.join(job_dir, "config.yaml")).trainer.objective == (
+            "eval/loss")
     assert [items(r.config.update)["optimizer"]["lr"] for r in runs] == [1e-3, 3e-4]
     assert runs[0].run_group == runs[1].run_group == sweep_dir.name
     assert "optimizer.lr=0.001" in runs[0].display_name

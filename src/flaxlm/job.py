@@ -44,6 +44,8 @@ from flaxlm.training.loop import describe
 from flaxlm.training.optimizer import check_optimizer_settings
 from flaxlm.training.plan import global_batch_size
 
+OBJECTIVE_SUMMARY = "objective"  # the W&B summary key of the value a sweeper is handed
+
 
 def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
           run_name: str | None = None, run_group: str | None = None) -> float:
@@ -65,13 +67,19 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     mesh = make_mesh(config.hardware.num_devices, config.hardware.mesh)
     task = task_named(config.task.name)
     seq_len = check_settings(config, mesh.size)  # before claiming run_dir: a retry can reuse it
+    objective = choose_objective(config)
     resolved = OmegaConf.to_container(cfg, resolve=True)
+    # The saved config names the objective this run was judged by, default or not, for the
+    # report and the dashboards to read back.
+    resolved["trainer"].update(objective=objective.name, objective_mode=objective.mode.value)
     run = open_shared_run_dir(config, resolved)
     tracker_config = {**resolved, "choices": choices or {}}
     checkpointer = tracker = None
     try:
         tracker = start_tracker(config.logger, run.path, tracker_config, name=run_name,
-                                group=run_group, run_id=run.wandb_run_id)
+                                group=run_group, run_id=run.wandb_run_id,
+                                objective=objective.name,
+                                maximize=objective.mode == ObjectiveMode.max)
         checkpointer = make_checkpointer(run.path, config.checkpoint)
         stop = AgreedStopRequest()
         job = JobContext(config, resolved, run, mesh, tracker, checkpointer, stop)
@@ -79,7 +87,9 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
             final = task.run(job, seq_len)
         checkpointer.close()
         final["wall_time_s"] = time.perf_counter() - started
-        tracker.summary(final)
+        # What a sweeper is handed, also as W&B's `objective`: a W&B sweep's metric.
+        result = objective_result(objective, run.path, final)
+        tracker.summary({**final, OBJECTIVE_SUMMARY: result})
         _print_summary(final, run.path)
     except Preempted as stopped:
         stopped.run_dir = run.path
@@ -104,7 +114,7 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     finally:
         run.release()
     tracker.finish()
-    return objective_result(choose_objective(config), run.path, final)
+    return result
 
 
 def check_settings(config: TrainConfig, num_devices: int) -> int:

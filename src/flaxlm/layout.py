@@ -3,7 +3,8 @@
     <run_dir>/
       config.yaml         the resolved config the run started with (checked on resume)
       model_config.yaml   the model's shape as trained (after model.init_from, if set)
-      metrics.jsonl       one JSON object per logged step
+      metrics.jsonl       one JSON object per logged step: `step`, `time`, `tokens_seen`
+                          (training tokens so far) and the metrics
       wandb_run_id        the W&B run a resumed run continues
       tensorboard/        TensorBoard event files (logger=tensorboard)
       .lock               held while a process trains in the directory
@@ -26,6 +27,9 @@ CHECKPOINT_SUBDIR = "checkpoints"
 MODEL_SUBDIR = "model"
 PREDICTIONS_FILE = "predictions.jsonl"
 TENSORBOARD_SUBDIR = "tensorboard"
+
+# metrics.jsonl's second x axis beside `step`: runs with different batch sizes compare by it.
+TOKENS_SEEN = "tokens_seen"
 
 RUN_FILES = (METRICS_FILE, CONFIG_FILE, LOCK_FILE)  # every run directory has these
 

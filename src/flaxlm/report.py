@@ -21,7 +21,7 @@ import yaml
 
 from flaxlm.config import dotted
 from flaxlm.errors import FlaxlmError
-from flaxlm.layout import CONFIG_FILE, METRICS_FILE, run_path
+from flaxlm.layout import CONFIG_FILE, METRICS_FILE, TOKENS_SEEN, run_path
 
 # Metrics where lower is better; every other eval metric (accuracy, F1, correlations) is better
 # higher. Perplexity and bits per byte are the loss again in other units, so the table skips them.
@@ -45,9 +45,11 @@ class Run:
     records: list[dict[str, Any]]
     status: str = "unknown"
 
-    def series(self, key: str) -> list[tuple[int, float]]:
-        """(step, value) for every record that logged `key` as a number."""
-        return [(r["step"], float(r[key])) for r in self.records if _is_number(r.get(key))]
+    def series(self, key: str, axis: str = "step") -> list[tuple[float, float]]:
+        """(x, value) for every record that logged `key` as a number, x being its `axis`
+        (`step`, or `tokens_seen`)."""
+        return [(r[axis], float(r[key])) for r in self.records
+                if _is_number(r.get(key)) and _is_number(r.get(axis))]
 
     def last(self, key: str) -> float | None:
         values = self.series(key)
@@ -62,6 +64,11 @@ class Run:
     @property
     def steps(self) -> int | None:
         return max((r["step"] for r in self.records if "step" in r), default=None)
+
+    @property
+    def tokens_seen(self) -> int | None:
+        values = [r[TOKENS_SEEN] for r in self.records if _is_number(r.get(TOKENS_SEEN))]
+        return int(max(values)) if values else None
 
     @property
     def wall_time_s(self) -> float | None:
@@ -191,6 +198,24 @@ def metric_keys(runs: Sequence[Run], objective: str) -> list[str]:
     return [objective, *others]
 
 
+def report_objective(runs: Sequence[Run], objective: str | None = None,
+                     maximize: bool | None = None) -> tuple[str, bool]:
+    """The metric to sort by and whether higher is better: as given, else the objective the
+    runs were trained for (their saved `trainer.objective` and mode, where they all agree), else
+    eval/loss. A direction not given is the runs' for that metric, else max for every metric
+    but a loss."""
+    recorded = {(run.config.get("trainer.objective"), run.config.get("trainer.objective_mode"))
+                for run in runs if run.config}
+    saved_name, saved_mode = recorded.pop() if len(recorded) == 1 else (None, None)
+    name = objective or saved_name or "eval/loss"
+    if maximize is None:
+        if name == saved_name and saved_mode in ("min", "max"):
+            maximize = saved_mode == "max"
+        else:
+            maximize = name not in LOWER_IS_BETTER
+    return name, maximize
+
+
 def sort_runs(runs: Sequence[Run], objective: str, maximize: bool) -> list[Run]:
     """Best objective first; runs that never logged it last, in the given order. An objective
     that no run logged is an error."""
@@ -232,7 +257,7 @@ def build_table(runs: Sequence[Run], objective: str, maximize: bool) -> Table:
     """One row per run, in the order given (sort first with `sort_runs`)."""
     settings = differing_keys(runs)
     metrics = metric_keys(runs, objective)
-    with_tokens = any(run.last("train/tokens_seen") is not None for run in runs)
+    with_tokens = any(run.tokens_seen is not None for run in runs)
     with_time = any(run.wall_time_s is not None for run in runs)
     header = ["run", *settings]
     for key in metrics:
@@ -247,8 +272,7 @@ def build_table(runs: Sequence[Run], objective: str, maximize: bool) -> Table:
             row += [_number(run.last(key)), _number(run.best(key, direction))]
         row.append("-" if run.steps is None else str(run.steps))
         if with_tokens:
-            tokens = run.last("train/tokens_seen")
-            row.append("-" if tokens is None else f"{int(tokens):,}")
+            row.append("-" if run.tokens_seen is None else f"{run.tokens_seen:,}")
         if with_time:
             row.append(_duration(run.wall_time_s))
         row.append(run.status)
@@ -273,16 +297,20 @@ def write_plots(runs: Sequence[Run], out_dir: str, objective: str,
     import matplotlib.pyplot as plt
 
     os.makedirs(out_dir, exist_ok=True)
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key in zip(axes, ("train/loss", "eval/loss")):
-        for run in runs:
-            points = run.series(key)
-            if points:
-                ax.plot(*zip(*points), marker="." if key.startswith("eval/") else None,
-                        label=run.name)
-        ax.set(title=key, xlabel="step", ylabel="loss")
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize="small")
+    # Against steps, and against tokens where the runs logged them: runs with different batch
+    # sizes or sequence lengths line up only on tokens.
+    x_axes = ["step"] + ([TOKENS_SEEN] if any(run.tokens_seen for run in runs) else [])
+    figure, grid = plt.subplots(len(x_axes), 2, figsize=(11, 4 * len(x_axes)), squeeze=False)
+    for row, axis in zip(grid, x_axes):
+        for ax, key in zip(row, ("train/loss", "eval/loss")):
+            for run in runs:
+                points = run.series(key, axis)
+                if points:
+                    ax.plot(*zip(*points), marker="." if key.startswith("eval/") else None,
+                            label=run.name)
+            ax.set(title=f"{key} against {axis}", xlabel=axis, ylabel="loss")
+            ax.grid(alpha=0.3)
+    grid[0][1].legend(fontsize="small")
     figure.tight_layout()
     figure.savefig(os.path.join(out_dir, CURVES_FILE), dpi=100)
     plt.close(figure)

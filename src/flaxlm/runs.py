@@ -101,6 +101,7 @@ RESUMABLE_CHANGES = (
     "run_dir", "resume_from", "cache_dir", "logger.", "checkpoint.", "samples.",
     "trainer.log_every", "trainer.eval_every", "trainer.max_steps", "trainer.num_epochs",
     "trainer.eval_before_training", "trainer.resume", "trainer.skip_nonfinite",
+    "trainer.objective",
     "hardware.name", "hardware.cpu_devices", "hardware.num_devices",
     "hardware.per_device_batch_size", "hardware.per_device_eval_batch_size",
     "hardware.peak_tflops_per_device", "hardware.distributed.", "hardware.mesh.", "model.remat",
@@ -275,12 +276,14 @@ def _lock(run_dir: str) -> int:
 
 def _wandb_run_id(run_dir: str) -> str:
     """The W&B run id of this run directory, made once and kept in the directory, so that a
-    resumed run continues the same W&B run."""
+    resumed run continues the same W&B run. Started by a W&B sweep agent, the run takes the id
+    the agent assigned (WANDB_RUN_ID): a run under another id would not belong to the sweep."""
     path = run_path(run_dir, WANDB_ID_FILE)
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             return f.read().strip()
-    run_id = secrets.token_hex(4)  # W&B's own ids are 8 lowercase alphanumerics
+    agent_id = os.environ.get("WANDB_RUN_ID") if os.environ.get("WANDB_SWEEP_ID") else None
+    run_id = agent_id or secrets.token_hex(4)  # W&B's own ids are 8 lowercase alphanumerics
     with open(path, "w", encoding="utf-8") as f:
         f.write(run_id + "\n")
     return run_id

@@ -22,11 +22,10 @@ from urllib.parse import urlparse
 from flaxlm import distributed
 from flaxlm.config import LoggerConfig, dotted
 from flaxlm.errors import FlaxlmError
-from flaxlm.layout import METRICS_FILE, TENSORBOARD_SUBDIR, run_path
+from flaxlm.layout import METRICS_FILE, TENSORBOARD_SUBDIR, TOKENS_SEEN, run_path
 
 _MODES = ("auto", "online", "offline", "disabled")
 STEP_AXIS = "step"  # the training step, logged with every W&B row as the charts' x axis
-TOKENS_AXIS = "tokens_seen"  # a second axis, where a task logs it
 
 
 class Tracker:
@@ -34,9 +33,10 @@ class Tracker:
     with run_dir None (a process other than 0) it records nothing."""
 
     def __init__(self, run_dir: str | None, wandb_run=None,
-                 tensorboard: TensorBoard | None = None):
+                 tensorboard: TensorBoard | None = None, objective: str | None = None):
         self.wandb_run = wandb_run
         self.tensorboard = tensorboard
+        self.objective = objective  # W&B keeps its best value as the summary; see `summary`
         self._path = run_path(run_dir, METRICS_FILE) if run_dir is not None else None
         self._jsonl = open(self._path, "a", buffering=1) if self._path is not None else None
 
@@ -96,8 +96,11 @@ class Tracker:
             self.tensorboard.text(key, _markdown_table(columns, rows), step)
 
     def summary(self, values: Mapping[str, Any]) -> None:
+        """End-of-run values for the W&B summary, all but the objective's: its summary stays
+        the best value over the run (declared at start), which sweeps compare runs by."""
         if self.wandb_run is not None:
-            self.wandb_run.summary.update({k: _plain(v) for k, v in values.items()})
+            self.wandb_run.summary.update({k: _plain(v) for k, v in values.items()
+                                           if k != self.objective})
 
     def finish(self, exit_code: int = 0, preempted: bool = False) -> None:
         """Close everything; a failed run is marked failed in W&B (exit code 1), a preempted
@@ -124,16 +127,24 @@ def start_tracker(
     name: str | None,
     group: str | None,
     run_id: str | None = None,
+    objective: str | None = None,
+    maximize: bool = False,
 ) -> Tracker:
     """`config` is the resolved config plus `choices` (the option picked in each config group).
     `run_id` names the W&B run: the same id continues the same run (a resumed training run
-    passes the id it stored in its run directory). On a process other than 0: a tracker that
-    records nothing."""
+    passes the id it stored in its run directory). `objective` (the metric a sweep optimises,
+    higher better if `maximize`) gets its best value so far as its W&B summary. On a process
+    other than 0: a tracker that records nothing."""
     if not distributed.is_primary():
         return Tracker(None)
-    wandb_run = _start_wandb(logger, run_dir, config, name, group, run_id) if logger.wandb else None
+    wandb_run = None
+    if logger.wandb:
+        wandb_run = _start_wandb(logger, run_dir, config, name, group, run_id)
+        if objective is not None:
+            wandb_run.define_metric(objective, step_metric=STEP_AXIS,
+                                    summary="max" if maximize else "min")
     tensorboard = TensorBoard(run_dir, config) if logger.tensorboard else None
-    return Tracker(run_dir, wandb_run, tensorboard)
+    return Tracker(run_dir, wandb_run, tensorboard, objective)
 
 
 def _start_wandb(logger: LoggerConfig, run_dir: str, config: dict, name: str | None,
@@ -159,7 +170,7 @@ def _start_wandb(logger: LoggerConfig, run_dir: str, config: dict, name: str | N
     # The training step as a declared x axis (logged in every row): train and eval metrics,
     # logged at different cadences, line up on it in every chart and in sweep comparisons.
     run.define_metric(STEP_AXIS)
-    run.define_metric(TOKENS_AXIS)  # an x axis to pick in the charts, where a task logs it
+    run.define_metric(TOKENS_SEEN)  # a second x axis to pick in the charts
     for pattern in ("train/*", "eval/*", "epoch"):
         run.define_metric(pattern, step_metric=STEP_AXIS)
     if mode == "offline":

@@ -51,6 +51,12 @@ def train_job(cfg: DictConfig) -> float | None:
     # In a multirun a failed job is recorded and the sweep goes on (see flaxlm.cli.sweep).
     job = (SweepJob(os.path.abspath(hydra_cfg.sweep.dir), hydra_cfg.job.num, overrides,
                     hydra_cfg.runtime.output_dir) if multirun else None)
+    if multirun:
+        try:  # every job would fail alike: the sweep stops at its first
+            check_sweep_direction(OmegaConf.select(hydra_cfg, "sweeper.direction"), cfg)
+        except FlaxlmError as err:
+            print(f"flaxlm: error: {err}", file=sys.stderr, flush=True)
+            sys.exit(2)
     try:
         value = train(
             cfg,
@@ -78,6 +84,25 @@ def train_job(cfg: DictConfig) -> float | None:
     if job is None:
         return value
     return job.done(choose_objective(OmegaConf.to_object(cfg)).name, value)
+
+
+def check_sweep_direction(direction, cfg: DictConfig) -> None:
+    """A sweeper that optimises (Optuna's `direction`) must go the objective's way: minimising
+    an F1 would search for the worst model without a word."""
+    from flaxlm.config import ObjectiveMode
+    from flaxlm.job import choose_objective
+
+    if not isinstance(direction, str):  # no such setting (grid), or several objectives
+        return
+    objective = choose_objective(OmegaConf.to_object(cfg))
+    wanted = "maximize" if objective.mode == ObjectiveMode.max else "minimize"
+    if direction.lower() != wanted:
+        raise FlaxlmError(
+            f"hydra.sweeper.direction={direction}, but trainer.objective={objective.name} is "
+            f"better {'higher' if wanted == 'maximize' else 'lower'} (objective mode "
+            f"{objective.mode.value}). Add hydra.sweeper.direction={wanted}, or choose another "
+            "trainer.objective / trainer.objective_mode."
+        )
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from flaxlm import distributed
 from flaxlm.data.loader import BatchSource, block_rows, eval_batches, num_eval_batches
 from flaxlm.errors import FlaxlmError
+from flaxlm.layout import TOKENS_SEEN
 from flaxlm.tracking import Tracker
 from flaxlm.training.checkpoint import Preempted, StopRequest
 from flaxlm.training.inflight import ready_in_order
@@ -75,7 +76,7 @@ class Throughput:
 
     tokens_per_step: int
     flops_per_token: float
-    peak_flops: float  # all devices of the mesh together
+    peak_flops: float | None  # all devices of the mesh together; None → no MFU logged
 
 
 @dataclasses.dataclass
@@ -139,10 +140,14 @@ def fit(
                      plan.count_skipped)
     stop = stop or StopRequest()
 
+    def seen(step: int) -> dict[str, int]:
+        # Token positions trained on (for classify: padded widths, as tokens/s counts them).
+        return {TOKENS_SEEN: step * throughput.tokens_per_step}
+
     def run_eval(epoch: float) -> None:
         nonlocal last_eval
         last_eval = evaluate(state.params)
-        tracker.log({**last_eval, "epoch": epoch}, step=step)
+        tracker.log({**last_eval, "epoch": epoch, **seen(step)}, step=step)
         window.restart_clock()  # evaluation time is not training throughput
 
     def checkpoint(epoch: int, step_in_epoch: int, metrics: dict[str, float] | None) -> None:
@@ -192,7 +197,7 @@ def fit(
             if log_now:
                 record = window.flush(epoch + bar.n / plan.steps_per_epoch)
                 bar.set_postfix(loss=f"{record['train/loss']:.3f}")
-                tracker.log(record, step=step)
+                tracker.log({**record, **seen(step)}, step=step)
             evaluated = bool(plan.eval_every and step % plan.eval_every == 0 and mid_epoch)
             if evaluated:
                 run_eval(epoch + bar.n / plan.steps_per_epoch)
@@ -289,9 +294,11 @@ class _Window:
         if self.timed_steps and elapsed > 0:
             tokens_per_second = self.timed_steps * self.throughput.tokens_per_step / elapsed
             record["train/tokens_per_second"] = tokens_per_second
-            record["train/mfu"] = (
-                tokens_per_second * self.throughput.flops_per_token / self.throughput.peak_flops
-            )
+            if self.throughput.peak_flops is not None:
+                record["train/mfu"] = (
+                    tokens_per_second * self.throughput.flops_per_token
+                    / self.throughput.peak_flops
+                )
         self.losses, self.skipped, self.timed_steps = [], 0, 0
         self.started = time.perf_counter()
         return record
