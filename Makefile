@@ -33,8 +33,12 @@ lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check src tests benchmarks setup.py
 	$(VENV)/bin/lint-imports
 
+# make bench [ROUNDS=3] [ARGS="model=llama-tiny"] [FINETUNE_ARGS="--batch 32"]: the training
+# step, then the fine-tuning step, against their peers (each contender in processes of its own,
+# alternating over ROUNDS rounds), and the quickstart's time to its first step.
 bench: $(VENV)/.installed-test
-	$(VENV)/bin/python benchmarks/train_step.py --quickstart $(ARGS)
+	$(VENV)/bin/python benchmarks/train_step.py --rounds $(or $(ROUNDS),3) --quickstart $(ARGS)
+	$(VENV)/bin/python benchmarks/finetune_step.py --rounds $(or $(ROUNDS),3) $(FINETUNE_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

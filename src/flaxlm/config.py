@@ -63,6 +63,7 @@ class LanguageConfig:
 class ModelFamily(str, enum.Enum):
     gpt2 = "gpt2"  # decoder: GPT2LMHeadModel (task=clm), GPT2ForSequenceClassification
     bert = "bert"  # encoder: BertForSequenceClassification (task=classify)
+    llama = "llama"  # decoder: LlamaForCausalLM (task=clm), LlamaForSequenceClassification
 
 
 class Remat(str, enum.Enum):
@@ -74,12 +75,25 @@ class Remat(str, enum.Enum):
 
 
 @dataclasses.dataclass
+class RopeScaling:
+    """How rotary positions are stretched beyond the trained context (HF's `rope_scaling`,
+    whose `rope_type` names it). Set on the command line as model.rope_scaling.type=linear
+    model.rope_scaling.factor=4, or model.rope_scaling={type: linear, factor: 4}."""
+
+    type: str = "default"  # default: positions as they are; linear: divided by `factor`
+    factor: float = 1.0
+
+
+@dataclasses.dataclass
 class ModelConfig:
     """WHICH network, with GPT2Config's names for the shape; a BERT encoder reads them as
     hidden_size = n_embd, num_hidden_layers = n_layer, num_attention_heads = n_head,
     intermediate_size = n_inner, max_position_embeddings = n_positions, hidden_act =
     activation_function, hidden_dropout_prob = resid_pdrop (= embd_pdrop),
-    attention_probs_dropout_prob = attn_pdrop, layer_norm_eps = layer_norm_epsilon."""
+    attention_probs_dropout_prob = attn_pdrop, layer_norm_eps = layer_norm_epsilon.
+    A Llama decoder reads them as LlamaConfig's hidden_size, num_hidden_layers,
+    num_attention_heads, intermediate_size, max_position_embeddings, hidden_act, rms_norm_eps
+    and attention_dropout = attn_pdrop (it has no other dropout), plus the fields below."""
 
     name: str = MISSING
     family: ModelFamily = ModelFamily.gpt2
@@ -105,6 +119,14 @@ class ModelConfig:
     # family and shape (the fields above are overwritten from it), and its tokenizer is used.
     init_from: Optional[str] = None
     remat: Remat = Remat.none  # trade compute for activation memory (gradients are the same)
+    # llama only (GPT-2 and BERT ignore them):
+    n_kv_head: Optional[int] = None  # key/value heads (grouped-query attention); null → n_head
+    rope_theta: float = 10000.0  # the base wavelength of the rotary position embeddings
+    # Not Optional: OmegaConf cannot merge a command-line dict into a null dataclass node.
+    rope_scaling: RopeScaling = dataclasses.field(default_factory=RopeScaling)
+    tie_word_embeddings: bool = True  # the LM head reuses the token embeddings (GPT-2 always)
+    attention_bias: bool = False  # biases on the q/k/v/o projections
+    mlp_bias: bool = False  # biases on the gate/up/down projections
 
 
 class OptimizerKind(str, enum.Enum):
@@ -191,7 +213,9 @@ class HardwareConfig:
     per_device_eval_batch_size: Optional[int] = None  # null → per_device_batch_size
     compute_dtype: str = "float32"  # activations and matmuls
     param_dtype: str = "float32"  # parameters and optimizer state
-    peak_tflops_per_device: float = 0.1  # denominator of MFU
+    # Denominator of MFU, per device; null → the device's known bfloat16 peak
+    # (flaxlm.hardware_peak), and no MFU at all on a device without one (a CPU).
+    peak_tflops_per_device: Optional[float] = None
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 

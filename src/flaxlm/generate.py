@@ -1,4 +1,4 @@
-"""Text generation with the GPT-2 model's KV cache: prefill the prompts once, then one token per
+"""Text generation with a language model's KV cache: prefill the prompts once, then one token per
 step inside a single jitted `lax.while_loop`.
 
 Prompts of different lengths are left-padded into one batch (right-aligned), so every row's
@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +27,21 @@ from jax import lax
 
 from flaxlm.data.tokenizer import with_document_start
 from flaxlm.errors import FlaxlmError
-from flaxlm.models.gpt2 import GPT2LMHeadModel
+from flaxlm.models.layers import KVCache
 
 MIN_PROMPT_BUCKET = 16
+
+
+class LanguageModel(Protocol):
+    """What generation needs of a model; every family's LM (GPT2LMHeadModel, LlamaForCausalLM)
+    has it."""
+
+    context_length: int  # the most positions a sequence may have (model.n_positions)
+
+    def init_cache(self, batch_size: int, num_slots: int) -> KVCache: ...
+
+    def decode(self, input_ids_BxL: jax.Array, cache: KVCache,
+               input_mask_BxL: jax.Array | None = None) -> tuple[jax.Array, KVCache]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +72,7 @@ class GenerationSettings:
         return self.greedy or self.temperature == 0
 
 
-def generate(model: GPT2LMHeadModel, tokenizer, prompts: Sequence[str],
+def generate(model: LanguageModel, tokenizer, prompts: Sequence[str],
              settings: GenerationSettings) -> list[str]:
     """Completions of `prompts` (the new text only, up to and without the first EOS).
 
@@ -79,12 +92,12 @@ def encode_prompts(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
     return [encoder(prompt)["input_ids"] for prompt in prompts]
 
 
-def generate_ids(model: GPT2LMHeadModel, prompt_ids: Sequence[Sequence[int]],
+def generate_ids(model: LanguageModel, prompt_ids: Sequence[Sequence[int]],
                  settings: GenerationSettings, *, eos_token_id: int | None,
                  pad_token_id: int | None = None) -> list[list[int]]:
     """New token ids for each prompt (a list of ids, at least one), up to and without the first
     `eos_token_id`, at most `settings.max_new_tokens`."""
-    check_prompts(settings, prompt_ids, model.wpe.num_embeddings)
+    check_prompts(settings, prompt_ids, model.context_length)
     pad = pad_token_id if pad_token_id is not None else 0
     ids_BxP, mask_BxP = left_pad(prompt_ids, pad)
     eos = -1 if eos_token_id is None else eos_token_id
@@ -201,14 +214,14 @@ def settings_from_samples(samples) -> GenerationSettings:
     )
 
 
-def log_samples(model: GPT2LMHeadModel, tokenizer, prompts: Sequence[str],
+def log_samples(model: LanguageModel, tokenizer, prompts: Sequence[str],
                 settings: GenerationSettings, tracker, step: int) -> list[str]:
     """End-of-run samples: printed, and logged through `tracker` as table `samples` (prompt,
     completion). max_new_tokens is cut to what the context leaves, so a run never fails here."""
     if not prompts:
         return []
     longest = max(len(ids) for ids in encode_prompts(tokenizer, prompts))
-    room = model.wpe.num_embeddings - longest
+    room = model.context_length - longest
     if room < 1:
         print("flaxlm: no samples: the longest sample prompt fills the whole context")
         return []

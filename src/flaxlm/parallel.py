@@ -41,6 +41,7 @@ LOGICAL_AXIS_RULES: dict[str, tuple[str, ...]] = {
     "embed": (FSDP_AXIS,),  # the model width: ZeRO-3 keeps 1/fsdp of every matrix per device
     "vocab": (TENSOR_AXIS,),  # token embeddings (and the tied LM head) by vocabulary rows
     "heads": (TENSOR_AXIS, FSDP_AXIS),  # attention projections' per-head columns / rows
+    "kv_heads": (TENSOR_AXIS, FSDP_AXIS),  # grouped-query attention's key/value projections
     "mlp": (TENSOR_AXIS, FSDP_AXIS),  # the MLP's hidden width
     "positions": (),  # position and segment tables: small, looked up by every row
     "classes": (),  # a classifier's outputs: a handful

@@ -33,6 +33,7 @@ PER_RUN_KEYS = ("run_dir", "resume_from")
 STATUS_WORDS = {"ok": "finished", "failed": "failed", "preempted": "preempted"}
 CURVES_FILE = "curves.png"
 REPORT_FILE = "report.md"
+PLOT_DPI = 80  # readable on a screen, small enough to keep beside the runs
 
 
 @dataclasses.dataclass
@@ -300,6 +301,7 @@ def write_plots(runs: Sequence[Run], out_dir: str, objective: str,
     # Against steps, and against tokens where the runs logged them: runs with different batch
     # sizes or sequence lengths line up only on tokens.
     x_axes = ["step"] + ([TOKENS_SEEN] if any(run.tokens_seen for run in runs) else [])
+    settings = differing_keys(runs)
     figure, grid = plt.subplots(len(x_axes), 2, figsize=(11, 4 * len(x_axes)), squeeze=False)
     for row, axis in zip(grid, x_axes):
         for ax, key in zip(row, ("train/loss", "eval/loss")):
@@ -307,12 +309,12 @@ def write_plots(runs: Sequence[Run], out_dir: str, objective: str,
                 points = run.series(key, axis)
                 if points:
                     ax.plot(*zip(*points), marker="." if key.startswith("eval/") else None,
-                            label=run.name)
+                            label=_legend(run, settings))
             ax.set(title=f"{key} against {axis}", xlabel=axis, ylabel="loss")
             ax.grid(alpha=0.3)
     grid[0][1].legend(fontsize="small")
     figure.tight_layout()
-    figure.savefig(os.path.join(out_dir, CURVES_FILE), dpi=100)
+    figure.savefig(os.path.join(out_dir, CURVES_FILE), dpi=PLOT_DPI)
     plt.close(figure)
     files = [CURVES_FILE]
     for key in numeric_settings(runs):
@@ -328,7 +330,7 @@ def write_plots(runs: Sequence[Run], out_dir: str, objective: str,
         ax.grid(alpha=0.3)
         figure.tight_layout()
         name = f"{_file_stem(objective)}_vs_{_file_stem(key)}.png"
-        figure.savefig(os.path.join(out_dir, name), dpi=100)
+        figure.savefig(os.path.join(out_dir, name), dpi=PLOT_DPI)
         plt.close(figure)
         files.append(name)
     return files
@@ -345,6 +347,12 @@ def write_markdown(table: Table, plots: Iterable[str], out_dir: str, objective: 
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
     return path
+
+
+def _legend(run: Run, settings: Sequence[str]) -> str:
+    """The run's name and its values of the settings that differ (a few at most)."""
+    values = [f"{key.rsplit('.', 1)[-1]}={_cell(run.config.get(key))}" for key in settings[:3]]
+    return f"{run.name} ({', '.join(values)})" if values and run.config else run.name
 
 
 def _is_number(value: Any) -> bool:

@@ -24,8 +24,8 @@ def check_lm_family(model: ModelConfig) -> None:
         raise FlaxlmError(
             f"task=clm trains a causal language model, but model={model.name} "
             f"(model.family={family.value}) is an encoder with no next-token head. Use a "
-            f"{' or '.join(lm_families)}-family model for task=clm (model=gpt2-tiny, "
-            "distilgpt2 or gpt2), or task=classify to fine-tune this encoder."
+            f"{' or '.join(lm_families)}-family model for task=clm (model=gpt2-tiny, gpt2, "
+            "llama-tiny or smollm-135m), or task=classify to fine-tune this encoder."
         )
 
 

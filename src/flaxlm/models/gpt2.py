@@ -5,9 +5,9 @@ checkpoint maps one to one (see `flaxlm.models.hf`): HF's `Conv1D.weight` is sto
 exactly like our `Linear.kernel`; LayerNorm `weight` is our `scale`; embedding `weight` is our
 `embedding`. The LM head is tied to `wte`, as in HF, so it has no parameters of its own.
 
-Generation runs the same modules through `decode`, against a `KVCache`: the keys and values of
-every position so far, preallocated to the full length and passed in and returned (never stored
-on a module), so a jitted decode loop keeps one shape.
+Generation runs the same modules through `decode`, against a `layers.KVCache`: the keys and
+values of every position so far, preallocated to the full length and passed in and returned
+(never stored on a module), so a jitted decode loop keeps one shape.
 
 Shapes are in the names: B batch, L sequence length, D model width, N heads, H head width,
 F MLP width, V vocabulary, S cache slots (prompt + new tokens).
@@ -18,18 +18,22 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import transformers
-from flax import nnx, struct
-from jax import lax
+from flax import nnx
 
 from flaxlm.config import Remat
 from flaxlm.models.layers import (
     ACTIVATIONS,
     HFNames,
+    KVCache,
     TransformerSpec,
     attention,
+    cached_attention,
     check_shape,
+    decode_step,
     dense,
     embedding,
+    empty_cache,
+    last_token_states,
     layer_norm,
     run_block,
 )
@@ -60,18 +64,11 @@ class Attention(nnx.Module):
 
     def decode(self, x_BxLxD: jax.Array, keys_BxSxNxH: jax.Array, values_BxSxNxH: jax.Array,
                index: jax.Array, mask_BxLxS: jax.Array):
-        """Attention of L new positions, written into the cache at slot `index`, over every
-        slot that `mask_BxLxS` allows. Returns the output and the updated keys and values."""
+        """Attention of L new positions over the cache (`layers.cached_attention`). Returns
+        the output and the updated keys and values."""
         B, L, D = x_BxLxD.shape
-        q_BxLxNxH, k_BxLxNxH, v_BxLxNxH = self._heads(x_BxLxD)
-        keys_BxSxNxH = lax.dynamic_update_slice_in_dim(
-            keys_BxSxNxH, k_BxLxNxH.astype(keys_BxSxNxH.dtype), index, axis=1
-        )
-        values_BxSxNxH = lax.dynamic_update_slice_in_dim(
-            values_BxSxNxH, v_BxLxNxH.astype(values_BxSxNxH.dtype), index, axis=1
-        )
-        out_BxLxNxH = jax.nn.dot_product_attention(
-            q_BxLxNxH, keys_BxSxNxH, values_BxSxNxH, mask=mask_BxLxS[:, None]
+        out_BxLxNxH, keys_BxSxNxH, values_BxSxNxH = cached_attention(
+            *self._heads(x_BxLxD), keys_BxSxNxH, values_BxSxNxH, index, mask_BxLxS
         )
         return self.c_proj(out_BxLxNxH.reshape(B, L, D)), keys_BxSxNxH, values_BxSxNxH
 
@@ -122,21 +119,6 @@ class Block(nnx.Module):
         return x_BxLxD + self.mlp(self.ln_2(x_BxLxD), None), keys_BxSxNxH, values_BxSxNxH
 
 
-@struct.dataclass
-class KVCache:
-    """What generation carries from step to step: every layer's keys and values, preallocated
-    to S slots (prompt + new tokens), which slots hold a real token, and the next free slot.
-
-    Prompts are left-padded (right-aligned), so every row's next token goes to the same slot;
-    `filled_BxS` keeps the padding out of attention and out of the position count.
-    """
-
-    keys_BxSxNxH: tuple[jax.Array, ...]  # one per layer
-    values_BxSxNxH: tuple[jax.Array, ...]  # one per layer
-    filled_BxS: jax.Array  # bool
-    index: jax.Array  # int32 scalar: the slot the next token is written to
-
-
 class GPT2LMHeadModel(nnx.Module):
     """Token ids in, next-token logits out. Pass `rngs` to train (dropout on), None to evaluate."""
 
@@ -163,17 +145,16 @@ class GPT2LMHeadModel(nnx.Module):
             x_BxLxD = run_block(block, self.remat, x_BxLxD, rngs)
         return self.ln_f(x_BxLxD)
 
+    @property
+    def context_length(self) -> int:
+        """The most positions a sequence may have (model.n_positions)."""
+        return self.wpe.num_embeddings
+
     def init_cache(self, batch_size: int, num_slots: int) -> KVCache:
         """An empty cache for `batch_size` rows of up to `num_slots` tokens, prompt included."""
         num_heads = self.h[0].attn.num_heads
-        shape = (batch_size, num_slots, num_heads, self.wte.features // num_heads)
-        zeros = tuple(jnp.zeros(shape, self.wte.dtype) for _ in self.h)
-        return KVCache(
-            keys_BxSxNxH=zeros,
-            values_BxSxNxH=zeros,
-            filled_BxS=jnp.zeros((batch_size, num_slots), bool),
-            index=jnp.zeros((), jnp.int32),
-        )
+        return empty_cache(batch_size, num_slots, len(self.h), num_heads,
+                           self.wte.features // num_heads, self.wte.dtype)
 
     def decode(self, input_ids_BxL: jax.Array, cache: KVCache,
                input_mask_BxL: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
@@ -182,26 +163,12 @@ class GPT2LMHeadModel(nnx.Module):
         The prompt goes in once (L = prompt length, `input_mask_BxL` False on left padding),
         then one token per step (L = 1). Evaluation mode: no dropout.
         """
-        B, L = input_ids_BxL.shape
-        if input_mask_BxL is None:
-            input_mask_BxL = jnp.ones((B, L), bool)
-        input_mask_BxL = input_mask_BxL.astype(bool)
-        # A token's position counts only the real tokens before it, so left padding shifts
-        # nothing: a padded row sees the positions it would see alone.
-        seen_Bx1 = cache.filled_BxS.sum(axis=1, keepdims=True)
-        positions_BxL = jnp.maximum(seen_Bx1 + jnp.cumsum(input_mask_BxL, axis=1) - 1, 0)
-        filled_BxS = lax.dynamic_update_slice_in_dim(
-            cache.filled_BxS, input_mask_BxL, cache.index, axis=1
-        )
-        slots_S = jnp.arange(filled_BxS.shape[1])
-        query_slots_L = cache.index + jnp.arange(L)
-        causal_LxS = slots_S[None, :] <= query_slots_L[:, None]
-        mask_BxLxS = causal_LxS[None] & filled_BxS[:, None, :]
-
+        positions_BxL, filled_BxS, mask_BxLxS = decode_step(
+            cache, input_mask_BxL, input_ids_BxL.shape[1])
         x_BxLxD = self.wte(input_ids_BxL) + self.wpe(positions_BxL)
         keys, values = [], []
         for block, keys_BxSxNxH, values_BxSxNxH in zip(
-            self.h, cache.keys_BxSxNxH, cache.values_BxSxNxH
+            self.h, cache.keys_BxSxGxH, cache.values_BxSxGxH
         ):
             x_BxLxD, keys_BxSxNxH, values_BxSxNxH = block.decode(
                 x_BxLxD, keys_BxSxNxH, values_BxSxNxH, cache.index, mask_BxLxS
@@ -209,6 +176,7 @@ class GPT2LMHeadModel(nnx.Module):
             keys.append(keys_BxSxNxH)
             values.append(values_BxSxNxH)
         logits_BxLxV = self.wte.attend(self.ln_f(x_BxLxD))
+        L = input_ids_BxL.shape[1]
         return logits_BxLxV, KVCache(tuple(keys), tuple(values), filled_BxS, cache.index + L)
 
 
@@ -217,8 +185,9 @@ class GPT2ForSequenceClassification(nnx.Module):
     non-padding token through `score` (no bias) gives the logits (B, C); C = 1 is regression.
 
     `transformer` is a whole GPT2LMHeadModel so an LM checkpoint (ours or HF's) maps one to one;
-    its tied head is simply unused. Rows are right-padded, so the last real token sits at
-    attention_mask.sum() - 1, and causal attention means it never saw the padding after it.
+    its tied head is simply unused. The last real token is the rightmost one the attention
+    mask keeps (`layers.last_token_states`); rows are right-padded, so causal attention means
+    it never saw the padding after it.
     `token_type_ids_BxL` is accepted for a common signature with BERT and ignored.
     """
 
@@ -231,10 +200,7 @@ class GPT2ForSequenceClassification(nnx.Module):
     def __call__(self, input_ids_BxL, attention_mask_BxL, token_type_ids_BxL=None,
                  rngs: nnx.Rngs | None = None) -> jax.Array:
         x_BxLxD = self.transformer.hidden_states(input_ids_BxL, rngs=rngs)
-        # A filler row with no tokens at all (last eval batch) reads position 0, not -1.
-        last_B = jnp.maximum(attention_mask_BxL.sum(axis=-1) - 1, 0)
-        last_BxD = jnp.take_along_axis(x_BxLxD, last_B[:, None, None], axis=1)[:, 0]
-        return self.score(last_BxD)
+        return self.score(last_token_states(x_BxLxD, attention_mask_BxL))
 
 
 # ---------------------------------------------------------------- Hugging Face names

@@ -14,6 +14,11 @@ joining it with dots and renaming the leaf (`kernel`/`scale`/`embedding` → `we
         bert.encoder.layer.<i>.attention.self.query.kernel
                                             ↔ bert.encoder.layer.<i>.attention.self.query.weight
         classifier.kernel                   ↔ classifier.weight                 (transposed)
+    LlamaForCausalLM, LlamaForSequenceClassification (the same paths as HF's)
+        model.layers.<i>.self_attn.q_proj.kernel
+                                            ↔ model.layers.<i>.self_attn.q_proj.weight (transposed)
+        model.norm.scale                    ↔ model.norm.weight
+        lm_head.kernel                      ↔ lm_head.weight  (absent when tied) (transposed)
 
 HF's `nn.Linear` stores its weight (out, in), so such a kernel is transposed both ways; GPT-2's
 Conv1D is (in, out) already. What differs between families (config field names, prefixes, which
@@ -32,7 +37,7 @@ import transformers
 from flax import nnx
 
 from flaxlm.config import ModelConfig, ModelFamily
-from flaxlm.models import bert, gpt2
+from flaxlm.models import bert, gpt2, llama
 from flaxlm.models.layers import HFNames, TransformerSpec
 
 
@@ -57,6 +62,8 @@ ARCHITECTURES = {arch.name: arch for arch in (
                  path_prefix="transformer."),  # our LM is the body HF nests under it
     Architecture(gpt2.GPT2ForSequenceClassification, ModelFamily.gpt2, gpt2.HF_NAMES),
     Architecture(bert.BertForSequenceClassification, ModelFamily.bert, bert.HF_NAMES),
+    Architecture(llama.LlamaForCausalLM, ModelFamily.llama, llama.HF_NAMES, is_lm=True),
+    Architecture(llama.LlamaForSequenceClassification, ModelFamily.llama, llama.HF_NAMES),
 )}
 GPT2_LM = gpt2.GPT2LMHeadModel.__name__
 FAMILY_NAMES = {arch.family: arch.names for arch in ARCHITECTURES.values()}
@@ -110,6 +117,7 @@ def to_hf_config(arch: Architecture, model: ModelConfig, *, bos_token_id: int | 
         values[mlp_field] = TransformerSpec(model).mlp_width
     ids = dict(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     values.update({key: ids[key] for key in names.special_tokens})
+    values.update(names.config_to_hf(model))
     config = names.config_class(**values, **names.config_extras)
     config.architectures = [arch.name]
     if not arch.is_lm:
@@ -140,7 +148,8 @@ def model_shape(names: HFNames, raw: dict) -> dict:
     """ModelConfig's shape fields from a config.json of `names`' family (HF's defaults filled
     in for what it leaves out)."""
     config = names.config_class.from_dict(raw)
-    return {ours: getattr(config, hf) for hf, ours in names.shape_fields.items()}
+    shape = {ours: getattr(config, hf) for hf, ours in names.shape_fields.items()}
+    return {**shape, **names.config_from_hf(config)}
 
 
 def _make_classifier_config(config, num_labels: int | None, label_names: list[str] | None):

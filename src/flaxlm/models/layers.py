@@ -17,7 +17,8 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
+from jax import lax
 
 from flaxlm.config import ModelConfig, Remat
 
@@ -25,6 +26,7 @@ ACTIVATIONS = {
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),  # GPT-2's tanh approximation
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
     "relu": jax.nn.relu,
+    "silu": jax.nn.silu,  # Llama's SwiGLU gate
 }
 
 
@@ -90,6 +92,22 @@ def embedding(num_embeddings: int, spec: TransformerSpec, rngs: nnx.Rngs,
     )
 
 
+class RMSNorm(nnx.Module):
+    """x / rms(x) × scale, as HF's LlamaRMSNorm: normalised in float32 whatever the compute
+    dtype, cast back, then scaled (a bfloat16 mean of squares loses the small components)."""
+
+    def __init__(self, spec: TransformerSpec):
+        self.epsilon = spec.model.layer_norm_epsilon
+        self.scale = nnx.Param(jnp.ones(spec.model.n_embd, spec.param_dtype), **axes("embed"))
+        self.dtype = spec.compute_dtype
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        x32_BxLxD = x_BxLxD.astype(jnp.float32)
+        mean_square_BxLx1 = jnp.mean(jnp.square(x32_BxLxD), axis=-1, keepdims=True)
+        normed_BxLxD = (x32_BxLxD * lax.rsqrt(mean_square_BxLx1 + self.epsilon)).astype(self.dtype)
+        return self.scale[...].astype(self.dtype) * normed_BxLxD
+
+
 def layer_norm(spec: TransformerSpec, rngs: nnx.Rngs) -> nnx.LayerNorm:
     return nnx.LayerNorm(
         spec.model.n_embd,
@@ -122,7 +140,8 @@ def run_block(block: nnx.Module, remat: Remat, *args):
 def attention(q_BxLxNxH: jax.Array, k_BxKxNxH: jax.Array, v_BxKxNxH: jax.Array, *,
               dropout_rate: float, rngs: nnx.Rngs | None, mask=None,
               is_causal: bool = False) -> jax.Array:
-    """Multi-head attention, (B, L, N, H). `mask` (broadcastable to B×N×L×K) says which keys
+    """Multi-head attention, (B, L, N, H); keys and values may have fewer heads, G dividing N
+    (grouped-query attention). `mask` (broadcastable to B×N×L×K) says which keys
     each query sees; `is_causal` adds the causal mask. Training (`rngs` given, rate > 0) drops
     attention probabilities out; otherwise this is the fused `jax.nn.dot_product_attention`."""
     if rngs is None or dropout_rate <= 0:
@@ -146,6 +165,10 @@ def attention_with_dropout(q_BxLxNxH, k_BxKxNxH, v_BxKxNxH, mask, rate: float,
     batch) finite, as the fused path does.
     """
     H = q_BxLxNxH.shape[-1]
+    # Grouped-query attention: each key/value head serves N / G query heads in a row.
+    group = q_BxLxNxH.shape[2] // k_BxKxNxH.shape[2]
+    k_BxKxNxH = jnp.repeat(k_BxKxNxH, group, axis=2)
+    v_BxKxNxH = jnp.repeat(v_BxKxNxH, group, axis=2)
     scores_BxNxLxK = jnp.einsum("bqnh,bknh->bnqk", q_BxLxNxH, k_BxKxNxH) / jnp.sqrt(H)
     scores_BxNxLxK = jnp.where(mask, scores_BxNxLxK.astype(jnp.float32),
                                jnp.finfo(jnp.float32).min)
@@ -153,6 +176,81 @@ def attention_with_dropout(q_BxLxNxH, k_BxKxNxH, v_BxKxNxH, mask, rate: float,
     keep_BxNxLxK = jax.random.bernoulli(key, 1.0 - rate, probs_BxNxLxK.shape)
     probs_BxNxLxK = jnp.where(keep_BxNxLxK, probs_BxNxLxK / (1.0 - rate), 0.0)
     return jnp.einsum("bnqk,bknh->bqnh", probs_BxNxLxK.astype(v_BxKxNxH.dtype), v_BxKxNxH)
+
+
+def last_token_states(x_BxLxD: jax.Array, attention_mask_BxL: jax.Array) -> jax.Array:
+    """Each row's hidden state at its last real token, the rightmost position the mask keeps
+    (HF's decoder classifiers: the rightmost token that is not padding), (B, D). A filler row
+    with no tokens at all (the last eval batch) reads position 0."""
+    kept_positions_BxL = jnp.arange(x_BxLxD.shape[1])[None] * (attention_mask_BxL > 0)
+    last_B = jnp.argmax(kept_positions_BxL, axis=-1)
+    return jnp.take_along_axis(x_BxLxD, last_B[:, None, None], axis=1)[:, 0]
+
+
+# ---------------------------------------------------------------- generation
+
+
+@struct.dataclass
+class KVCache:
+    """What generation carries from step to step: every layer's keys and values, preallocated
+    to S slots (prompt + new tokens), which slots hold a real token, and the next free slot.
+    G is the number of key/value heads (N, or fewer under grouped-query attention).
+
+    Prompts are left-padded (right-aligned), so every row's next token goes to the same slot;
+    `filled_BxS` keeps the padding out of attention and out of the position count.
+    """
+
+    keys_BxSxGxH: tuple[jax.Array, ...]  # one per layer
+    values_BxSxGxH: tuple[jax.Array, ...]  # one per layer
+    filled_BxS: jax.Array  # bool
+    index: jax.Array  # int32 scalar: the slot the next token is written to
+
+
+def empty_cache(batch_size: int, num_slots: int, num_layers: int, num_kv_heads: int,
+                head_width: int, dtype) -> KVCache:
+    """A cache for `batch_size` rows of up to `num_slots` tokens, prompt included."""
+    shape = (batch_size, num_slots, num_kv_heads, head_width)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+    return KVCache(zeros, zeros, jnp.zeros((batch_size, num_slots), bool),
+                   jnp.zeros((), jnp.int32))
+
+
+def decode_step(cache: KVCache, input_mask_BxL: jax.Array | None, L: int):
+    """Where L new tokens go: their positions (B, L), the cache's filled slots with them
+    (B, S), and which slots each may attend to (B, L, S).
+
+    A token's position counts only the real tokens before it, so left padding shifts nothing:
+    a padded row sees the positions it would see alone.
+    """
+    B = cache.filled_BxS.shape[0]
+    if input_mask_BxL is None:
+        input_mask_BxL = jnp.ones((B, L), bool)
+    input_mask_BxL = input_mask_BxL.astype(bool)
+    seen_Bx1 = cache.filled_BxS.sum(axis=1, keepdims=True)
+    positions_BxL = jnp.maximum(seen_Bx1 + jnp.cumsum(input_mask_BxL, axis=1) - 1, 0)
+    filled_BxS = lax.dynamic_update_slice_in_dim(
+        cache.filled_BxS, input_mask_BxL, cache.index, axis=1
+    )
+    slots_S = jnp.arange(filled_BxS.shape[1])
+    query_slots_L = cache.index + jnp.arange(L)
+    causal_LxS = slots_S[None, :] <= query_slots_L[:, None]
+    return positions_BxL, filled_BxS, causal_LxS[None] & filled_BxS[:, None, :]
+
+
+def cached_attention(q_BxLxNxH, k_BxLxGxH, v_BxLxGxH, keys_BxSxGxH, values_BxSxGxH,
+                     index: jax.Array, mask_BxLxS: jax.Array):
+    """Attention of L new positions, their keys and values first written into the cache at
+    slot `index`, over every slot `mask_BxLxS` allows. Returns (B, L, N, H) and the cache."""
+    keys_BxSxGxH = lax.dynamic_update_slice_in_dim(
+        keys_BxSxGxH, k_BxLxGxH.astype(keys_BxSxGxH.dtype), index, axis=1
+    )
+    values_BxSxGxH = lax.dynamic_update_slice_in_dim(
+        values_BxSxGxH, v_BxLxGxH.astype(values_BxSxGxH.dtype), index, axis=1
+    )
+    out_BxLxNxH = jax.nn.dot_product_attention(
+        q_BxLxNxH, keys_BxSxGxH, values_BxSxGxH, mask=mask_BxLxS[:, None]
+    )
+    return out_BxLxNxH, keys_BxSxGxH, values_BxSxGxH
 
 
 def count_params(model: nnx.Module) -> int:
@@ -186,3 +284,7 @@ class HFNames:
     shape_settings: tuple[tuple[str, str], ...] = ()
     # A checkpoint variant our module does not implement: config.json → what it uses, or None.
     unsupported: Callable[[dict], str | None] = lambda raw: None
+    # HF config values that are not one field each way (Llama's `rope_parameters` dict): from
+    # our ModelConfig (export), and ModelConfig fields from an HF config object (import).
+    config_to_hf: Callable[[ModelConfig], dict] = lambda model: {}
+    config_from_hf: Callable[[object], dict] = lambda config: {}

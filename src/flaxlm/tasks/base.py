@@ -21,8 +21,9 @@ from flax import nnx
 from jax.sharding import Mesh
 from omegaconf import OmegaConf
 
-from flaxlm import layout
+from flaxlm import hardware_peak, layout
 from flaxlm.config import ModelConfig, TrainConfig
+from flaxlm.errors import FlaxlmError
 from flaxlm.export import export_hf
 from flaxlm.models import pretrained
 from flaxlm.models.layers import TransformerSpec, count_params
@@ -166,7 +167,19 @@ def start_model_dir(job: JobContext, model: ModelConfig, tokenizer, hf_config) -
 
 
 def throughput(job: JobContext, tokens_per_step: int, flops_per_token: float) -> Throughput:
-    peak = job.config.hardware.peak_tflops_per_device * 1e12 * job.mesh.size
+    """Tokens and FLOPs per step, and the mesh's peak FLOP/s (None: no MFU is logged)."""
+    configured = job.config.hardware.peak_tflops_per_device
+    if configured is not None and not configured > 0:
+        raise FlaxlmError(
+            f"hardware.peak_tflops_per_device={configured}: the peak is the denominator of MFU "
+            "and must be a positive number of TFLOP/s per device, or null to take the "
+            "device's known peak (no MFU is logged on a device without one, such as a CPU)."
+        )
+    kinds = [device.device_kind for device in job.mesh.devices.flat]
+    peak = hardware_peak.peak_flops(configured, kinds)
+    if peak is None:
+        print(f"flaxlm: no MFU logged: the peak FLOP/s of {', '.join(sorted(set(kinds)))} "
+              "devices is not known (set hardware.peak_tflops_per_device to log one)")
     return Throughput(tokens_per_step, flops_per_token, peak)
 
 

@@ -123,8 +123,10 @@ def _build_classifier(spec, rngs, *, num_labels: int):
 
 def flops_per_token(model: ModelConfig, num_params: int, seq_len: int) -> float:
     """Training FLOPs per token of a classifier: embedding tables are lookups, and it leaves
-    GPT-2's tied LM head unused."""
-    tables = model.vocab_size + model.n_positions
+    GPT-2's tied LM head unused (a Llama classifier has no LM head)."""
+    tables = model.vocab_size
+    if model.family != ModelFamily.llama:  # rotary positions have no table
+        tables += model.n_positions
     if model.family == ModelFamily.bert:
         tables += model.type_vocab_size
     return base.training_flops_per_token(model, num_params - tables * model.n_embd, seq_len)

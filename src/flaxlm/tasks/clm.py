@@ -14,7 +14,7 @@ import datasets
 import jax
 import jax.numpy as jnp
 
-from flaxlm.config import ModelConfig, TrainConfig
+from flaxlm.config import ModelConfig, ModelFamily, TrainConfig
 from flaxlm.data.corpus import load_corpus, load_corpus_stream
 from flaxlm.data.loader import block_loader
 from flaxlm.data.packing import tokenize_and_pack
@@ -99,10 +99,14 @@ class CausalLM:
 
 
 def flops_per_token(model: ModelConfig, num_params: int, seq_len: int) -> float:
-    """Training FLOPs per token of a GPT-2 LM: the position table is a lookup, and the tied
+    """Training FLOPs per token of an LM. Tables that are only looked up do not multiply: GPT-2's
+    position table, and an untied token table (its LM head is a matrix of its own); a tied
     token table counts once, as the LM head."""
-    return base.training_flops_per_token(model, num_params - model.n_positions * model.n_embd,
-                                    seq_len)
+    if model.family == ModelFamily.gpt2:
+        lookups = model.n_positions
+    else:  # rotary positions have no table
+        lookups = 0 if model.tie_word_embeddings else model.vocab_size
+    return base.training_flops_per_token(model, num_params - lookups * model.n_embd, seq_len)
 
 
 def _packed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, tokenizer=None):

@@ -1,0 +1,124 @@
+"""MFU only against a known peak, and the benchmark harness's own logic: alternating rounds in
+separate processes, medians, spreads and ratios."""
+
+import os
+import sys
+import types
+
+import jax
+import pytest
+from conftest import REPO, compose
+from omegaconf import OmegaConf
+
+from flaxlm.config import HardwareConfig
+from flaxlm.errors import FlaxlmError
+from flaxlm.hardware_peak import known_peak_tflops, peak_flops
+from flaxlm.parallel import make_mesh
+from flaxlm.tasks.base import throughput
+from flaxlm.training.loop import Throughput, _Window
+
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import harness  # noqa: E402
+
+
+@pytest.mark.parametrize("kind, tflops", [
+    ("TPU v2", 22.5), ("TPU v3", 61.5), ("TPU v4", 275.0), ("TPU v5 lite", 197.0),
+    ("TPU v5e", 197.0), ("TPU v5", 459.0), ("TPU v5p", 459.0), ("TPU v6 lite", 918.0),
+    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A100 80GB PCIe", 312.0),
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H200", 989.0),
+    ("cpu", None), ("TPU v4 lite", None), ("Tesla T4", None),
+])
+def test_known_peaks_by_device_kind(kind, tflops):
+    assert known_peak_tflops(kind) == tflops
+
+
+def test_peak_is_the_configured_figure_or_every_device_known():
+    assert peak_flops(0.5, ["cpu", "cpu"]) == 1e12
+    assert peak_flops(None, ["NVIDIA H100 80GB HBM3"] * 2) == 2 * 989e12
+    assert peak_flops(None, ["cpu"] * 8) is None
+    assert peak_flops(None, ["TPU v4", "cpu"]) is None
+
+
+def _job(**hardware):
+    mesh = make_mesh(2)
+    config = types.SimpleNamespace(hardware=HardwareConfig(name="test", **hardware))
+    return types.SimpleNamespace(config=config, mesh=mesh)
+
+
+def test_no_peak_on_cpu_unless_configured(capsys):
+    assert jax.devices()[0].device_kind == "cpu"
+    assert throughput(_job(), 100, 10.0).peak_flops is None
+    assert "no MFU logged" in capsys.readouterr().out
+    assert throughput(_job(peak_tflops_per_device=0.5), 100, 10.0).peak_flops == 1e12
+    with pytest.raises(FlaxlmError, match="peak_tflops_per_device=0"):
+        throughput(_job(peak_tflops_per_device=0.0), 100, 10.0)
+
+
+@pytest.mark.parametrize("group", ["cpu", "cpu-8", "gpu", "tpu", "tpu-v3-8"])
+def test_shipped_hardware_groups_take_the_peak_from_the_table(group):
+    config = compose([f"hardware={group}"])
+    assert OmegaConf.select(config, "hardware.peak_tflops_per_device") is None
+
+
+def _window_record(peak_flops):
+    window = _Window(Throughput(tokens_per_step=1000, flops_per_token=6.0, peak_flops=peak_flops))
+    metrics = {"loss": 2.0, "grad_norm": 1.0, "learning_rate": 0.1}
+    window.add(1, metrics)
+    window.add(2, metrics)
+    return window.flush(epoch=0.5)
+
+
+def test_mfu_is_logged_only_against_a_known_peak():
+    record = _window_record(None)
+    assert record["train/tokens_per_second"] > 0
+    assert "train/mfu" not in record
+    record = _window_record(1e6)
+    assert record["train/mfu"] == pytest.approx(record["train/tokens_per_second"] * 6.0 / 1e6)
+
+
+def test_rounds_rotate_the_order():
+    names = ["a", "b", "c"]
+    assert [harness.round_order(names, r) for r in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+
+
+def test_summary_is_median_spread_and_ratio_of_medians():
+    rates = {"ours": [10.0, 30.0, 20.0], "peer": [5.0, 100.0, 40.0, 50.0], "gone": []}
+    rows = {row.name: row for row in harness.summarise(rates, {"gone": "skipped: no"}, "ours")}
+    assert rows["ours"].median == 20.0 and rows["ours"].ratio == 1.0
+    assert rows["peer"].median == 45.0 and rows["peer"].ratio == pytest.approx(2.25)
+    assert rows["gone"].median is None and rows["gone"].note == "skipped: no"
+    table = harness.format_table(list(rows.values()), "tokens/s", "ours")
+    assert "5.0–100.0" in table and "2.25×" in table and "MFU" not in table
+    assert "gone: skipped: no" in table
+    assert "50.0%" in harness.format_table([rows["ours"]], "tokens/s", "ours",
+                                           mfu=lambda rate: rate / 40)
+
+
+def _python_worker(code: str) -> tuple[str, ...]:
+    return (sys.executable, "-c", f"import sys; sys.path.insert(0, {harness.__file__!r}"
+                                  f".rsplit('/', 1)[0]); import harness; {code}")
+
+
+def test_each_contender_runs_in_its_own_process_every_round():
+    contenders = [
+        harness.Contender("fast", _python_worker("harness.emit(0.5, pid=__import__('os')"
+                                                 ".getpid())")),
+        harness.Contender("skips", _python_worker("harness.emit(skip='no compiler')")),
+        harness.Contender("breaks", _python_worker("raise SystemExit('broken here')")),
+        harness.Contender("absent", (), skip_reason="not installed"),
+    ]
+    rates, notes, info = harness.run_rounds(contenders, rounds=2, units_per_step=100)
+    assert rates["fast"] == [200.0, 200.0]
+    assert rates["skips"] == rates["breaks"] == rates["absent"] == []
+    assert notes == {"skips": "skipped: no compiler", "breaks": "failed (exit 1): broken here",
+                     "absent": "skipped: not installed"}
+    assert info["fast"]["pid"] != os.getpid()
+
+
+def test_cpu_description_names_the_model_and_matmul_flags():
+    cpuinfo = ("processor\t: 0\nmodel name\t: AMD EPYC 9654\nflags\t\t: fpu sse avx2 fma avx512f "
+               "avx512_bf16\n\nprocessor\t: 1\nmodel name\t: AMD EPYC 9654\nflags\t\t: fpu\n")
+    description = harness.cpu_description(cpuinfo)
+    assert description.startswith("AMD EPYC 9654, ")
+    assert description.endswith("flags: avx2 fma avx512f avx512_bf16")
