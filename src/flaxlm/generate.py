@@ -5,7 +5,7 @@ Prompts of different lengths are left-padded into one batch (right-aligned), so 
 next token lands in the same cache slot; the cache's `filled` mask keeps the padding out of
 attention and out of the position ids, so a padded row generates what it would alone. Prompt
 lengths are rounded up to a few buckets, so a new prompt rarely compiles anything: the loop
-compiles once per (batch size, prompt bucket, max_new_tokens, greedy or not).
+compiles once per (batch size, prompt bucket, max_new_tokens, greedy or top_k).
 
     from flaxlm.generate import GenerationSettings, generate
     texts = generate(model, tokenizer, ["Return the", "A list is"],
@@ -105,8 +105,8 @@ def generate_ids(model: LanguageModel, prompt_ids: Sequence[Sequence[int]],
     tokens_BxT = _generate_tokens(
         graphdef, params, jnp.asarray(ids_BxP), jnp.asarray(mask_BxP),
         jax.random.key(settings.seed), jnp.float32(max(settings.temperature, 1e-6)),
-        jnp.int32(settings.top_k), jnp.float32(settings.top_p),
-        max_new_tokens=settings.max_new_tokens, greedy=settings.is_greedy,
+        jnp.float32(settings.top_p), max_new_tokens=settings.max_new_tokens,
+        greedy=settings.is_greedy, top_k=settings.top_k,
         eos_token_id=eos, pad_token_id=pad,
     )
     return [_until_eos(row, eos) for row in np.asarray(tokens_BxT).tolist()]
@@ -142,11 +142,12 @@ def prompt_bucket(length: int) -> int:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "eos_token_id",
+    jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "top_k", "eos_token_id",
                               "pad_token_id")
 )
-def _generate_tokens(graphdef, params, ids_BxP, mask_BxP, key, temperature, top_k, top_p, *,
-                     max_new_tokens: int, greedy: bool, eos_token_id: int, pad_token_id: int):
+def _generate_tokens(graphdef, params, ids_BxP, mask_BxP, key, temperature, top_p, *,
+                     max_new_tokens: int, greedy: bool, top_k: int, eos_token_id: int,
+                     pad_token_id: int):
     """(B, max_new_tokens) new tokens; after a row's EOS, `pad_token_id`. The loop stops early
     once every row has emitted EOS."""
     model = nnx.merge(graphdef, params)
@@ -181,24 +182,24 @@ def _generate_tokens(graphdef, params, ids_BxP, mask_BxP, key, temperature, top_
     return lax.while_loop(keep_going, one_token, carry)[3]
 
 
-def sample(logits_BxV: jax.Array, key: jax.Array, temperature, top_k, top_p) -> jax.Array:
-    """One token per row from softmax(logits / temperature), cut to top_k, then top_p (the
-    order transformers applies them in). top_k and top_p are traced, so changing them does not
-    recompile; ties at a cut-off are all kept."""
+def sample(logits_BxV: jax.Array, key: jax.Array, temperature, top_k: int,
+           top_p) -> jax.Array:
+    """One token per row from softmax(logits / temperature), cut to the `top_k` likeliest
+    tokens, then to the fewest whose probability reaches `top_p` (the order transformers
+    applies them in; the token that crosses top_p is kept, so the likeliest always is).
+
+    `top_k` is a Python int (0: no cut), fixed per compiled program: `lax.top_k` then finds
+    the candidates without sorting the whole vocabulary, which dominates a sampling step
+    otherwise; only top_k 0 sorts everything. Ties at a cut-off are broken by token id."""
     logits_BxV = logits_BxV.astype(jnp.float32) / temperature
     V = logits_BxV.shape[-1]
-    sorted_BxV = -jnp.sort(-logits_BxV, axis=-1)  # descending
-    k = jnp.where((top_k > 0) & (top_k < V), top_k, V)
-    kth_Bx1 = lax.dynamic_slice_in_dim(sorted_BxV, k - 1, 1, axis=-1)
-    sorted_BxV = jnp.where(jnp.arange(V) < k, sorted_BxV, -jnp.inf)
-    # top_p: keep the most likely tokens until their probability reaches top_p; the token that
-    # crosses it is kept, so the most likely token always is.
-    probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
-    before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV  # probability of the likelier ones
-    last_kept_B = jnp.sum(before_BxV < top_p, axis=-1) - 1
-    cutoff_Bx1 = jnp.take_along_axis(sorted_BxV, last_kept_B[:, None], axis=-1)
-    keep_BxV = logits_BxV >= jnp.maximum(kth_Bx1, cutoff_Bx1)
-    return jax.random.categorical(key, jnp.where(keep_BxV, logits_BxV, -jnp.inf)).astype(jnp.int32)
+    K = top_k if 0 < top_k < V else V
+    candidates_BxK, ids_BxK = lax.top_k(logits_BxV, K)  # descending
+    probs_BxK = jax.nn.softmax(candidates_BxK, axis=-1)
+    before_BxK = jnp.cumsum(probs_BxK, axis=-1) - probs_BxK  # probability of the likelier ones
+    kept_BxK = jnp.where(before_BxK < top_p, candidates_BxK, -jnp.inf)
+    choice_B = jax.random.categorical(key, kept_BxK)
+    return jnp.take_along_axis(ids_BxK, choice_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
 def _until_eos(tokens: list[int], eos_token_id: int) -> list[int]:

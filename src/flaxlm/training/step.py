@@ -131,11 +131,17 @@ def accumulate_gradients(loss_fn: Callable, params, batch_K, dropout_key: jax.Ar
     optimizer step, so the loop's step, the schedule and the optimizer's counters all count
     optimizer steps unchanged, and no accumulator lives in the optimizer state between calls.
     Only one micro-batch's activations are alive at a time; the sums are kept in float32 whatever
-    the parameter dtype. The run's m-th micro-batch draws its dropout from
-    `fold_in(dropout_key, m)`: fresh masks for every micro-batch, and without accumulation
-    (m = step) one key per step. `layout` keeps the sums sharded as the parameters are.
+    the parameter dtype; one micro-batch skips the loop (the same numbers). The run's m-th
+    micro-batch draws its dropout from `fold_in(dropout_key, m)`: fresh masks for every
+    micro-batch, and without accumulation (m = step) one key per step. `layout` keeps the
+    sums sharded as the parameters are.
     """
     num_micro = jax.tree.leaves(batch_K)[0].shape[0]
+    if num_micro == 1:  # no loop: the compiler sees the whole step as one computation
+        key = jax.random.fold_in(dropout_key, first_micro_batch)
+        micro_batch = jax.tree.map(lambda leaf: leaf[0], batch_K)
+        loss, grads = jax.value_and_grad(loss_fn)(params, micro_batch, key)
+        return loss, layout(grads)
 
     def add_micro_batch(sums, index_and_batch):
         index, micro_batch = index_and_batch
