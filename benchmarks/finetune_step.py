@@ -152,7 +152,7 @@ def main() -> None:
                         set(args.only.split(",")) if args.only else None)
     print(f"{args.rounds} rounds of {len(chosen)} contenders, each in a fresh process: "
           f"{args.warmup} warm-up + {args.steps} timed steps")
-    rates, notes, _ = harness.run_rounds(chosen, args.rounds, args.batch)
+    rates, notes, _ = harness.run_rounds(chosen, args.rounds, args.batch, profile=args.profile)
     print()
     print(harness.format_table(harness.summarise(rates, notes, "flaxlm"), "examples/s",
                                "flaxlm"))

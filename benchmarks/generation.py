@@ -99,7 +99,7 @@ def main() -> None:
     script = os.path.abspath(__file__)
     chosen = [harness.Contender(name, harness.worker_command(script, sys.argv[1:], name))
               for name in workers]
-    rates, notes, _ = harness.run_rounds(chosen, args.rounds, args.new)
+    rates, notes, _ = harness.run_rounds(chosen, args.rounds, args.new, profile=args.profile)
     rows = harness.summarise(rates, notes, baseline="flaxlm")
     print()
     print(harness.format_table(rows, "new tokens/s per row", "flaxlm"))

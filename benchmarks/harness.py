@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable, Sequence
 
 RESULT_PREFIX = "BENCH-RESULT "
+PROFILE_ENV = "FLAXLM_BENCH_PROFILE"  # where a JAX worker writes its trace (--profile)
+PROFILED_STEPS = 3
 CPU_FLAGS_SHOWN = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 
 
@@ -53,7 +55,15 @@ def time_steps(step: Callable[[], None], warmup: int, steps: int) -> float:
     start = time.perf_counter()
     for _ in range(steps):
         step()
-    return (time.perf_counter() - start) / steps
+    seconds = (time.perf_counter() - start) / steps
+    trace_dir = os.environ.get(PROFILE_ENV)
+    if trace_dir and "jax" in sys.modules:  # after the timed steps, so tracing costs them nothing
+        import jax
+
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(PROFILED_STEPS):
+                step()
+    return seconds
 
 
 def emit(seconds_per_step: float | None = None, **info) -> None:
@@ -75,9 +85,10 @@ def round_order(names: Sequence[str], round_index: int) -> list[str]:
 
 
 def run_rounds(contenders: Sequence[Contender], rounds: int, units_per_step: float,
-               timeout: float = 1800):
+               timeout: float = 1800, profile: str | None = None):
     """Each runnable contender once per round in a fresh process. By name: its rates (units per
-    second), why it has none (skipped, or its worker failed), and its last worker's result."""
+    second), why it has none (skipped, or its worker failed), and its last worker's result.
+    With `profile`, JAX workers trace steps into profile/<name>/round-<n>."""
     rates: dict[str, list[float]] = {c.name: [] for c in contenders}
     info: dict[str, dict] = {}
     notes = {c.name: f"skipped: {c.skip_reason}" for c in contenders if c.skip_reason}
@@ -88,7 +99,8 @@ def run_rounds(contenders: Sequence[Contender], rounds: int, units_per_step: flo
             if name in notes:  # skipped or failed in an earlier round
                 continue
             loads.append(os.getloadavg()[0])
-            result, failure = _run_worker(by_name[name], timeout)
+            trace_dir = profile and os.path.join(profile, name, f"round-{index + 1}")
+            result, failure = _run_worker(by_name[name], timeout, trace_dir)
             if failure:
                 notes[name] = failure
                 print(f"  round {index + 1}: {name}: {failure}", flush=True)
@@ -105,8 +117,11 @@ def run_rounds(contenders: Sequence[Contender], rounds: int, units_per_step: flo
     return rates, notes, info
 
 
-def _run_worker(contender: Contender, timeout: float) -> tuple[dict | None, str | None]:
+def _run_worker(contender: Contender, timeout: float,
+                trace_dir: str | None = None) -> tuple[dict | None, str | None]:
     env = {**os.environ, **(contender.env or {})}
+    if trace_dir:
+        env[PROFILE_ENV] = os.path.abspath(trace_dir)
     try:
         done = subprocess.run(contender.command, env=env, capture_output=True, text=True,
                               timeout=timeout)
@@ -206,6 +221,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, timed_steps: bool = True,
     if choose:
         parser.add_argument("--only", default=None,
                             help="comma-separated contenders to run (default: all)")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help=f"JAX contenders also trace {PROFILED_STEPS} steps into DIR/<name>; "
+                             "summarise with benchmarks/profile_summary.py")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
 
 

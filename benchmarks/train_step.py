@@ -210,7 +210,8 @@ def main() -> None:
                         set(args.only.split(",")) if args.only else None)
     print(f"{args.rounds} rounds of {len(chosen)} contenders, each in a fresh process: "
           f"{args.warmup} warm-up + {args.steps} timed steps")
-    rates, notes, info = harness.run_rounds(chosen, args.rounds, args.batch * args.seq)
+    rates, notes, info = harness.run_rounds(chosen, args.rounds, args.batch * args.seq,
+                                            profile=args.profile)
     rows = harness.summarise(rates, notes, baseline="flaxlm")
     ours = info.get("flaxlm", {})
     mfu = None

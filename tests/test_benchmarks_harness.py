@@ -122,3 +122,23 @@ def test_cpu_description_names_the_model_and_matmul_flags():
     description = harness.cpu_description(cpuinfo)
     assert description.startswith("AMD EPYC 9654, ")
     assert description.endswith("flags: avx2 fma avx512f avx512_bf16")
+
+
+def test_profile_traces_a_jax_workers_steps_and_the_summary_names_its_operations(tmp_path):
+    """`--profile DIR`: each JAX worker traces steps after its timed ones into
+    DIR/<contender>/round-<n>; profile_summary prints time per step by operation."""
+    step = ("import jax, jax.numpy as jnp; f = jax.jit(lambda x: jnp.tanh(x @ x)); "
+            "x = jnp.ones((64, 64)); "
+            "harness.emit(harness.time_steps(lambda: f(x).block_until_ready(), 1, 2))")
+    contenders = [harness.Contender("jaxy", _python_worker(step))]
+    rates, notes, _ = harness.run_rounds(contenders, rounds=1, units_per_step=1,
+                                         profile=str(tmp_path))
+    assert len(rates["jaxy"]) == 1 and not notes
+    import profile_summary
+
+    trace_dir = tmp_path / "jaxy" / "round-1"
+    events, _ = profile_summary.load_events(str(trace_dir))
+    assert events
+    text = profile_summary.summarise(str(trace_dir), top=5)
+    assert "ms of wall time per step" in text
+    assert any(name in text for name in ("fusion", "dot", "tanh")), text

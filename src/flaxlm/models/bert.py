@@ -23,6 +23,7 @@ import transformers
 from flax import nnx
 
 from flaxlm.config import Remat
+from flaxlm.models.dropout import Dropout
 from flaxlm.models.layers import (
     ACTIVATIONS,
     HFNames,
@@ -45,7 +46,7 @@ class BertEmbeddings(nnx.Module):
         self.position_embeddings = embedding(cfg.n_positions, spec, rngs)
         self.token_type_embeddings = embedding(cfg.type_vocab_size, spec, rngs)
         self.LayerNorm = layer_norm(spec, rngs)
-        self.dropout = nnx.Dropout(cfg.resid_pdrop)
+        self.dropout = Dropout(cfg.resid_pdrop)
 
     def __call__(self, input_ids_BxL, token_type_ids_BxL, rngs: nnx.Rngs | None) -> jax.Array:
         positions_L = jnp.arange(input_ids_BxL.shape[1])
@@ -91,7 +92,7 @@ class BertOutput(nnx.Module):
         self.dense = dense(in_features, cfg.n_embd, spec, rngs, cfg.initializer_range,
                            logical_axes=(in_axis, "embed"))
         self.LayerNorm = layer_norm(spec, rngs)
-        self.dropout = nnx.Dropout(cfg.resid_pdrop)
+        self.dropout = Dropout(cfg.resid_pdrop)
 
     def __call__(self, h_BxLxI, residual_BxLxD, rngs: nnx.Rngs | None) -> jax.Array:
         h_BxLxD = self.dropout(self.dense(h_BxLxI), deterministic=rngs is None, rngs=rngs)
@@ -184,7 +185,7 @@ class BertForSequenceClassification(nnx.Module):
         cfg = spec.model
         self.bert = BertModel(spec, rngs)
         dropout = cfg.classifier_dropout if cfg.classifier_dropout is not None else cfg.resid_pdrop
-        self.dropout = nnx.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.classifier = dense(cfg.n_embd, num_labels, spec, rngs, cfg.initializer_range,
                                 logical_axes=("embed", "classes"))
 

@@ -21,6 +21,7 @@ import transformers
 from flax import nnx
 
 from flaxlm.config import Remat
+from flaxlm.models.dropout import Dropout
 from flaxlm.models.layers import (
     ACTIVATIONS,
     HFNames,
@@ -52,7 +53,7 @@ class Attention(nnx.Module):
                             logical_axes=("embed", "heads"))
         self.c_proj = dense(cfg.n_embd, cfg.n_embd, spec, rngs, residual_std,
                             logical_axes=("heads", "embed"))
-        self.resid_dropout = nnx.Dropout(cfg.resid_pdrop)
+        self.resid_dropout = Dropout(cfg.resid_pdrop)
 
     def __call__(self, x_BxLxD: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:
         B, L, D = x_BxLxD.shape
@@ -90,7 +91,7 @@ class MLP(nnx.Module):
         self.c_proj = dense(spec.mlp_width, cfg.n_embd, spec, rngs, residual_std,
                             logical_axes=("mlp", "embed"))
         self.activation = ACTIVATIONS[cfg.activation_function]
-        self.dropout = nnx.Dropout(cfg.resid_pdrop)
+        self.dropout = Dropout(cfg.resid_pdrop)
 
     def __call__(self, x_BxLxD: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:
         h_BxLxF = self.activation(self.c_fc(x_BxLxD))
@@ -127,7 +128,7 @@ class GPT2LMHeadModel(nnx.Module):
         cfg = spec.model
         self.wte = embedding(cfg.vocab_size, spec, rngs, rows="vocab")
         self.wpe = embedding(cfg.n_positions, spec, rngs)
-        self.drop = nnx.Dropout(cfg.embd_pdrop)
+        self.drop = Dropout(cfg.embd_pdrop)
         self.h = nnx.List([Block(spec, rngs) for _ in range(cfg.n_layer)])
         self.ln_f = layer_norm(spec, rngs)
         self.remat = Remat(cfg.remat)

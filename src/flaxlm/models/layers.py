@@ -21,6 +21,7 @@ from flax import nnx, struct
 from jax import lax
 
 from flaxlm.config import ModelConfig, Remat
+from flaxlm.models.dropout import dropout
 
 ACTIVATIONS = {
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),  # GPT-2's tanh approximation
@@ -173,8 +174,7 @@ def attention_with_dropout(q_BxLxNxH, k_BxKxNxH, v_BxKxNxH, mask, rate: float,
     scores_BxNxLxK = jnp.where(mask, scores_BxNxLxK.astype(jnp.float32),
                                jnp.finfo(jnp.float32).min)
     probs_BxNxLxK = jax.nn.softmax(scores_BxNxLxK, axis=-1)
-    keep_BxNxLxK = jax.random.bernoulli(key, 1.0 - rate, probs_BxNxLxK.shape)
-    probs_BxNxLxK = jnp.where(keep_BxNxLxK, probs_BxNxLxK / (1.0 - rate), 0.0)
+    probs_BxNxLxK = dropout(probs_BxNxLxK, rate, key)
     return jnp.einsum("bnqk,bknh->bqnh", probs_BxNxLxK.astype(v_BxKxNxH.dtype), v_BxKxNxH)
 
 
