@@ -57,11 +57,14 @@ def next_token_losses(logits_BxLxV: jax.Array, inputs_BxL: jax.Array) -> jax.Arr
     """Cross-entropy of predicting token t+1 from positions ≤ t, in float32: (B, L-1).
 
     Labels are the inputs shifted by one inside the loss, and stay integers: no one-hot over
-    the vocabulary.
+    the vocabulary. Every position's loss is computed and the last (which has no next token)
+    dropped afterwards: slicing the logits instead copies the whole (B, L, V) array, and its
+    gradient pads one back, each as costly as a small layer.
     """
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits_BxLxV[:, :-1].astype(jnp.float32), inputs_BxL[:, 1:]
-    )
+    labels_BxL = jnp.roll(inputs_BxL, -1, axis=1)  # the last label wraps round, then is dropped
+    losses_BxL = optax.softmax_cross_entropy_with_integer_labels(
+        logits_BxLxV.astype(jnp.float32), labels_BxL)
+    return losses_BxL[:, :-1]
 
 
 def lm_loss(model, inputs_BxL: jax.Array, rngs: nnx.Rngs) -> jax.Array:
