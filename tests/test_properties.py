@@ -246,3 +246,25 @@ def test_classification_eval_predicts_every_example_once_in_order(lengths, devic
     if lengths:
         assert outputs[:, 0].tolist() == list(range(len(lengths)))
         assert outputs[:, 1].tolist() == lengths  # bucketing never trims a real token
+
+
+# --- the next-token loss -------------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 3), length=st.integers(2, 9), vocab=st.integers(2, 17),
+       seed=st.integers(0, 2**31 - 1))
+def test_next_token_losses_are_each_position_predicting_the_next(batch, length, vocab, seed):
+    """Position t's loss is -log softmax(logits[t])[token t+1]; the last position, which has no
+    next token, has none."""
+    import jax
+    import numpy as np
+
+    from flaxlm.training.step import next_token_losses
+
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(batch, length, vocab)).astype(np.float32)
+    ids = rng.integers(0, vocab, (batch, length))
+    log_probs = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    expected = -np.take_along_axis(log_probs[:, :-1], ids[:, 1:, None], axis=-1)[..., 0]
+    np.testing.assert_allclose(next_token_losses(logits, ids), expected, rtol=1e-5, atol=1e-6)
