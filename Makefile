@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # The tests are independent: one pytest-xdist worker per core of the 2-core CI machine.
 PYTEST_WORKERS ?= 2
 
-.PHONY: train test lint bench clean-venv
+.PHONY: train test lint bench bench-accelerator clean-venv
 
 # Reinstall only when the package's requirements change.
 $(VENV)/.installed: pyproject.toml setup.py
@@ -39,6 +39,11 @@ lint: $(VENV)/.installed-test
 bench: $(VENV)/.installed-test
 	$(VENV)/bin/python benchmarks/train_step.py --rounds $(or $(ROUNDS),3) --quickstart $(ARGS)
 	$(VENV)/bin/python benchmarks/finetune_step.py --rounds $(or $(ROUNDS),3) $(FINETUNE_ARGS)
+
+# make bench-accelerator [ARGS="--models gpt2 --max-batch 256"], on a GPU or TPU machine: GPT-2
+# and distilgpt2 at sequence 1024 in bfloat16, the largest batch that fits, tokens/s and MFU.
+bench-accelerator: $(VENV)/.installed-test
+	$(VENV)/bin/python benchmarks/accelerator.py $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -84,9 +84,12 @@ def flax_worker(config, tokens_np, args) -> None:
 
     seconds = harness.time_steps(step, args.warmup, args.steps)
     kinds = [device.device_kind for device in mesh.devices.flat]
+    memory = mesh.devices.flat[0].memory_stats() or {}  # None where the platform keeps none
     harness.emit(seconds, flops_per_token=flops_per_token(config.model, num_params, args.seq),
                  peak_flops=peak_flops(config.hardware.peak_tflops_per_device, kinds),
-                 devices=f"{mesh.size} × {kinds[0]}")
+                 devices=f"{mesh.size} × {kinds[0]}", num_params=num_params,
+                 peak_bytes_in_use=memory.get("peak_bytes_in_use"),
+                 bytes_limit=memory.get("bytes_limit"))
 
 
 def torch_worker(config, tokens_np, args, compiled: bool) -> None:
