@@ -54,7 +54,7 @@ def flax_worker(config, checkpoint: str, arrays, args) -> None:
     from flaxlm.training.optimizer import make_optimizer, make_schedule
     from flaxlm.training.step import create_state
 
-    configure_platform(config.hardware)
+    configure_platform(config.hardware, config.model.remat)
     mesh = make_mesh(config.hardware.num_devices)
     model_config = pretrained.pretrained_model_config(checkpoint, config.model)
     spec = TransformerSpec(model_config, jnp.dtype(config.hardware.compute_dtype),

@@ -61,7 +61,7 @@ def flax_worker(config, tokens_np, args) -> None:
     from flaxlm.training.optimizer import make_optimizer, make_schedule
     from flaxlm.training.step import compile_steps, create_state
 
-    configure_platform(config.hardware)
+    configure_platform(config.hardware, config.model.remat)
     mesh = make_mesh(config.hardware.num_devices)
     if len(tokens_np) % mesh.size:
         sys.exit(f"--batch {len(tokens_np)} does not divide over {mesh.size} devices")

@@ -2,6 +2,10 @@
 tensor-parallel meshes train like plain data parallelism, remat gives the same gradients, and a
 checkpoint moves between meshes."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -172,6 +176,45 @@ def test_remat_gives_the_same_gradients(family_loss, remat):
     np.testing.assert_allclose(remat_loss, loss, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                  host(remat_grads), host(grads))
+
+
+REMAT_MEMORY = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from flaxlm.config import HardwareConfig, ModelConfig, Remat
+from flaxlm.models.gpt2 import GPT2LMHeadModel
+from flaxlm.models.layers import TransformerSpec
+from flaxlm.parallel import configure_platform
+from flaxlm.training.step import lm_loss
+
+configure_platform(HardwareConfig(name="cpu", cpu_devices=1), Remat(sys.argv[1]))
+ids = jnp.asarray(np.random.default_rng(0).integers(0, 512, (4, 128)), jnp.int32)
+for remat in (Remat.none, Remat.full):
+    config = ModelConfig(name="t", n_layer=8, n_embd=64, n_head=2, n_positions=128,
+                         vocab_size=512, remat=remat)
+    graphdef, params = nnx.split(GPT2LMHeadModel(TransformerSpec(config), nnx.Rngs(0)),
+                                 nnx.Param)
+    step = jax.jit(jax.grad(lambda p: lm_loss(nnx.merge(graphdef, p), ids,
+                                              nnx.Rngs(dropout=0))))
+    print(remat.value, step.lower(params).compile().memory_analysis().temp_size_in_bytes)
+"""
+
+
+@pytest.mark.parametrize("requested", [Remat.none, Remat.full])
+def test_remat_saves_memory_on_a_cpu(requested):
+    """On a CPU, XLA's default scheduler runs the recomputation early and keeps the activations
+    anyway; configure_platform picks the scheduler that frees them when the run asks for remat
+    (a fresh process: the scheduler is fixed when JAX starts)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, "-c", REMAT_MEMORY, requested.value], env=env,
+                          capture_output=True, text=True, timeout=300, check=True)
+    temp = dict(line.split() for line in done.stdout.splitlines())
+    saved = 1 - int(temp["full"]) / int(temp["none"])
+    if requested is Remat.none:  # the fast scheduler: remat recomputes and saves nothing
+        assert saved < 0.05, temp
+    else:
+        assert saved > 0.1, temp
 
 
 def test_a_checkpoint_moves_between_meshes(tmp_path, data_parallel):

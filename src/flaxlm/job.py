@@ -59,7 +59,8 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     """
     config: TrainConfig = OmegaConf.to_object(cfg)
     started = time.perf_counter()
-    configure_platform(config.hardware)  # and joins the other hosts (hardware.distributed)
+    # Joins the other hosts (hardware.distributed); on a CPU, remat needs its own scheduler.
+    configure_platform(config.hardware, config.model.remat)
     writable_dir(config.cache_dir, "cache_dir", "Set cache_dir (or the FLAXLM_CACHE environment "
                  "variable) to a directory you can write to: tokenizers, packed data and "
                  "compiled steps are kept there.")

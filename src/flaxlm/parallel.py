@@ -26,7 +26,7 @@ from jax._src import xla_bridge
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flaxlm import distributed
-from flaxlm.config import HardwareConfig, MeshConfig
+from flaxlm.config import HardwareConfig, MeshConfig, Remat
 from flaxlm.errors import FlaxlmError
 
 DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = MESH_AXES = ("data", "fsdp", "tensor")
@@ -49,8 +49,15 @@ LOGICAL_AXIS_RULES: dict[str, tuple[str, ...]] = {
 _JAX_PLATFORM_NAMES = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 
 
-def configure_platform(hardware: HardwareConfig) -> None:
-    """Point JAX at the hardware group's platform (and, on CPU, its device count).
+# XLA's CPU scheduler orders a step for concurrency and runs rematerialised activations as
+# early as it can, so `model.remat` would recompute them and keep them alive all the same; the
+# memory-minded scheduler makes remat save memory, at some speed, so it is chosen only then.
+_CPU_REMAT_SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def configure_platform(hardware: HardwareConfig, remat: Remat = Remat.none) -> None:
+    """Point JAX at the hardware group's platform (and, on CPU, its device count, and the
+    scheduler that lets `remat` save memory when the model rematerialises).
 
     Must run before JAX starts its backend; once it has (an earlier run in this process, or a
     test's conftest), the settings are fixed and only checked.
@@ -66,6 +73,9 @@ def configure_platform(hardware: HardwareConfig) -> None:
             count = hardware.cpu_devices or os.cpu_count() or 1
             flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
             flags.append(f"--xla_force_host_platform_device_count={count}")
+            if Remat(remat) is not Remat.none and not any(
+                    f.startswith(_CPU_REMAT_SCHEDULER.split("=")[0]) for f in flags):
+                flags.append(_CPU_REMAT_SCHEDULER)
             os.environ["XLA_FLAGS"] = " ".join(flags)
     # Joining the other hosts reads XLA_FLAGS, and must come before the backend starts.
     distributed.initialize(hardware)
