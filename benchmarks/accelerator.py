@@ -264,7 +264,7 @@ def main() -> None:
 
     header = ["model", "parameters", "seq", "global batch", "devices", "median tokens/s",
               "spread (min–max)", "MFU", "device memory (peak)"]
-    lines = harness._aligned([header, *rows])
+    lines = harness.aligned_columns([header, *rows])
     print()
     print("\n".join(["| " + " | ".join(cells) + " |" for cells in lines] + notes))
     if found["platform"] != "cpu" and any(cells[7] == "—" for cells in rows):

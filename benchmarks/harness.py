@@ -166,11 +166,11 @@ def format_table(rows: Sequence[Row], unit: str, baseline: str,
         if mfu:
             cells.append(f"{mfu(row.median):.1%}")
         lines.append(cells)
-    table = ["| " + " | ".join(cells) + " |" for cells in _aligned(lines)]
+    table = ["| " + " | ".join(cells) + " |" for cells in aligned_columns(lines)]
     return "\n".join([*table, *reasons])
 
 
-def _aligned(lines: list[list[str]]) -> list[list[str]]:
+def aligned_columns(lines: list[list[str]]) -> list[list[str]]:
     widths = [max(len(line[col]) for line in lines if col < len(line))
               for col in range(len(lines[0]))]
     out = [[cell.ljust(widths[col]) for col, cell in enumerate(line)] for line in lines]

@@ -2,11 +2,12 @@
 
 The contenders: flaxlm (jit on the hardware group's devices), transformers' PyTorch model of
 the same family and shape (eager, and with torch.compile), and transformers 4's Flax model with
-a pmapped step as the seed notebook ran it (in a side environment this script builds; skipped
-with the reason when it cannot). Same shape, global batch, sequence length, AdamW and dropout.
-Each contender runs in a process of its own, once per round, alternating (see harness.py); the
-table gives each one's median tokens/s, the spread, and the ratio of medians to flaxlm's. MFU
-is shown only where the device's peak is known (not on a CPU). Nothing is asserted.
+a pmapped data-parallel step, gradients averaged with pmean (in a side environment this script
+builds; skipped with the reason when it cannot). Same shape, global batch, sequence length,
+AdamW and dropout. Each contender runs in a process of its own, once per round, alternating
+(see harness.py); the table gives each one's median tokens/s, the spread, and the ratio of
+medians to flaxlm's. MFU is shown only where the device's peak is known (not on a CPU). Nothing
+is asserted.
 
     python benchmarks/train_step.py                          # gpt2-tiny on the cpu group
     python benchmarks/train_step.py model=llama-tiny         # another family: its HF peers

@@ -1,4 +1,4 @@
-"""transformers 4's Flax models as a benchmark peer, with the step the seed notebook ran: pmap
+"""transformers 4's Flax models as a benchmark peer, with a plain data-parallel step: pmap
 over the devices, gradients averaged with pmean, AdamW, dropout on.
 
 transformers 5 has no Flax models and cannot share an environment with transformers 4, so
