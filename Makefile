@@ -1,6 +1,6 @@
 # The two commands of the README. Each creates/updates the local virtual environment first.
 #   make train [ARGS="model=distilgpt2 trainer.max_steps=100"]   the offline quickstart
-#   make test  [PYTEST_ARGS="-k packing"]                          lint, then the test suite
+#   make test  [PYTEST_ARGS="-k packing"]                          lint, docs, then the test suite
 PYTHON ?= python3
 VENV ?= .venv
 ARGS ?=
@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # The tests are independent: one pytest-xdist worker per core of the 2-core CI machine.
 PYTEST_WORKERS ?= 2
 
-.PHONY: train test lint bench bench-accelerator clean-venv
+.PHONY: train test lint docs bench bench-accelerator clean-venv
 
 # Reinstall only when the package's requirements change.
 $(VENV)/.installed: pyproject.toml setup.py
@@ -24,7 +24,7 @@ $(VENV)/.installed-test: $(VENV)/.installed
 train: $(VENV)/.installed
 	$(VENV)/bin/flaxlm-train $(ARGS)
 
-test: lint
+test: lint docs
 	$(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # Style and import order (ruff), and the package's layering with no import cycles
@@ -32,6 +32,10 @@ test: lint
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check src tests benchmarks setup.py
 	$(VENV)/bin/lint-imports
+
+# The documentation site (MkDocs) into build/site; a broken link or anchor is an error.
+docs: $(VENV)/.installed-test
+	$(VENV)/bin/mkdocs build --strict --quiet
 
 # make bench [ROUNDS=3] [ARGS="model=llama-tiny"] [FINETUNE_ARGS="--batch 32"]: the training
 # step, then the fine-tuning step, against their peers (each contender in processes of its own,

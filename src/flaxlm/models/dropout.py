@@ -4,7 +4,7 @@ JAX lowers the Threefry-2x32 hash behind `jax.random` to a five-iteration loop o
 keep compiling fast), so each iteration reads and writes the whole counter array: the loop is
 memory-bound, where the same twenty rounds written out fuse into one pass. Attention dropout
 draws a mask as large as the attention probabilities in every layer, so on a CPU that loop is
-a large share of a small model's training step (benchmarks/README.md has the figures).
+a large share of a small model's training step (docs/benchmarks.md has the figures).
 
 `bernoulli` writes the rounds out and reproduces `jax.random.bernoulli` bit for bit for
 Threefry keys (JAX's default, with its default partitionable counters): a training run's
