@@ -81,7 +81,8 @@ def test_report_table_plots_and_markdown(sweep_dir, tmp_path, capsys):
     assert by_name["multirun/1"][4:6] == ["20", "10,240"]  # steps, tokens seen
     assert by_name["multirun/2"][4] == "12"
     assert by_name["multirun/1"][6] == "0m20s"  # first to last logged record
-    assert lines[5].startswith(f"flaxlm: wrote {out / 'report.md'}")
+    assert lines[5] == "  multirun/2: failed: x"  # the reason its status file gives
+    assert lines[6].startswith(f"flaxlm: wrote {out / 'report.md'}")
 
     plots = ["curves.png", "eval_loss_vs_optimizer_lr.png"]
     for name in [*plots, "report.md"]:
@@ -168,3 +169,139 @@ def test_runs_are_sorted_by_the_objective_they_were_trained_for(tmp_path, capsys
     main([str(sweep), "--minimize", "--out", str(tmp_path / "worst-first")])
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines[2:4]] == ["sweep/0", "sweep/1"]  # 0.5, 0.55
+
+
+def _cut(path, n_bytes: int) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:-n_bytes])
+
+
+def test_a_cut_off_metrics_file_in_a_sweep_of_five_loses_only_its_last_line(tmp_path, capsys):
+    sweep = tmp_path / "multirun"
+    for job in range(5):
+        _write_run(sweep / str(job), 10.0 ** -(job + 1), [4.0, 3.5 - job / 10, 3.2 - job / 10])
+        _write_status(sweep, job, "ok")
+    _cut(sweep / "2" / METRICS_FILE, 40)  # the last line (the samples table) is cut off
+    main([str(sweep), "--out", str(tmp_path / "report")])
+    captured = capsys.readouterr()
+    rows = [line.split() for line in captured.out.splitlines()[2:7]]
+    assert [row[0] for row in rows] == [f"multirun/{job}" for job in (4, 3, 2, 1, 0)]
+    assert all(row[-1] == "finished" for row in rows)
+    assert rows[2][2:4] == ["3", "3"]  # its evaluations are all there
+    assert captured.err.count("warning") == 1
+    assert f"{sweep / '2' / METRICS_FILE}, line 8 (the last), was cut off" in captured.err
+
+
+def test_a_damaged_run_is_a_row_with_the_reason_and_the_others_are_reported(tmp_path, capsys):
+    sweep = tmp_path / "multirun"
+    for job in range(3):
+        _write_run(sweep / str(job), 10.0 ** -(job + 1), [4.0, 3.5, 3.0 + job / 10])
+    metrics = sweep / "1" / METRICS_FILE
+    lines = metrics.read_text().splitlines(keepends=True)
+    lines[3] = lines[3][:20] + "\n"  # damaged in the middle: no stopped run does that
+    metrics.write_text("".join(lines))
+    (sweep / "2" / CONFIG_FILE).write_text("optimizer: {lr: [1\n")
+    main([str(sweep), "--out", str(tmp_path / "report")])
+    out = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in out[2:5]]
+    assert [(row[0], row[-1]) for row in rows] == [
+        ("multirun/0", "finished"), ("multirun/1", "damaged"), ("multirun/2", "damaged")]
+    assert rows[1][1:-1] == ["-"] * (len(rows[1]) - 2)
+    assert out[5].startswith(f"  multirun/1: damaged: {metrics}, line 4, is not a JSON object")
+    assert out[6].startswith(f"  multirun/2: damaged: {sweep / '2' / CONFIG_FILE} is not a YAML")
+    markdown = (tmp_path / "report" / "report.md").read_text()
+    assert "## Runs that did not finish" in markdown and "- multirun/1: damaged: " in markdown
+
+
+def test_a_cut_off_job_status_file_leaves_each_run_its_own_status(sweep_dir, tmp_path, capsys):
+    from flaxlm.run_records import write_status
+
+    write_status(str(sweep_dir / "2"), "failed", "FlaxlmError: the loss diverged at step 12")
+    _cut(sweep_dir / STATUS_SUBDIR / "1.json", 10)
+    main([str(sweep_dir), "--out", str(tmp_path / "report")])
+    captured = capsys.readouterr()
+    rows = [line.split() for line in captured.out.splitlines()[2:5]]
+    assert [(row[0], row[-1]) for row in rows] == [
+        ("multirun/1", "finished"), ("multirun/0", "finished"), ("multirun/2", "failed")]
+    assert "the job statuses in" in captured.err and "cannot be read" in captured.err
+    assert "  multirun/2: failed: FlaxlmError: the loss diverged at step 12" in captured.out
+
+
+def test_runs_of_which_none_can_be_read_are_one_error(tmp_path, capsys):
+    _write_run(tmp_path / "a", 1e-3, [3.0])
+    (tmp_path / "a" / METRICS_FILE).write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "a")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("flaxlm: error: a is damaged: ") and "line 2" in err
+    assert "\n" not in err
+
+
+RUN = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.n_positions=64",
+       "model.vocab_size=512", "hardware.per_device_batch_size=2", "logger=none",
+       "hardware=cpu-8", "language.max_train_docs=12", "language.max_eval_docs=2",
+       "trainer.max_steps=4", "trainer.log_every=2", "checkpoint.every_steps=2",
+       "trainer.eval_before_training=false", "samples.prompts=[]"]
+
+
+@pytest.mark.slow
+def test_preempted_failed_and_killed_runs_copied_out_of_their_sweep_keep_their_status(
+        tmp_path, monkeypatch, capsys):
+    """What each run recorded in its own directory: no sweep status files are needed."""
+    import shutil
+
+    from conftest import compose
+    from test_resume import stop_at
+
+    from flaxlm.job import train
+    from flaxlm.tracking import Tracker
+    from flaxlm.training.checkpoint import Preempted
+
+    sweep, copies = tmp_path / "multirun", tmp_path / "copied"
+    with monkeypatch.context() as patch:
+        stop_at(patch, 2)
+        with pytest.raises(Preempted):
+            train(compose(RUN, run_dir=sweep / "0"))
+    shutil.copytree(sweep / "0", copies / "preempted")
+    train(compose(RUN, run_dir=sweep / "0"))  # resumed to its end
+    shutil.copytree(sweep / "0", copies / "finished")
+    log = Tracker.log
+
+    def log_then_fail(self, metrics, step):
+        log(self, metrics, step=step)
+        if step == 2:
+            raise RuntimeError("the host lost its disk")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Tracker, "log", log_then_fail)
+        with pytest.raises(RuntimeError):
+            train(compose(RUN, run_dir=sweep / "1"))
+    shutil.copytree(sweep / "1", copies / "failed")
+    # Killed outright while it ran (kill -9 records nothing): what its start recorded is left.
+    shutil.copytree(sweep / "0", copies / "killed")
+    status = json.loads((copies / "killed" / "status.json").read_text())
+    (copies / "killed" / "status.json").write_text(json.dumps(
+        {**status, "status": "running", "pid": _a_pid_that_is_gone()}))
+
+    names = ["preempted", "finished", "failed", "killed"]
+    capsys.readouterr()
+    main([str(copies / name) for name in names] + ["--out", str(tmp_path / "report")])
+    out = capsys.readouterr().out.splitlines()
+    statuses = dict(line.split()[::len(line.split()) - 1] for line in out[2:6])
+    assert statuses == {name: name for name in names}
+    notes = {line.split(":")[0].strip(): line for line in out[6:9]}
+    assert notes["preempted"] == ("  preempted: preempted: stopped by SIGTERM after step 2; "
+                                  "checkpoint saved")
+    assert notes["failed"] == "  failed: failed: RuntimeError: the host lost its disk"
+    assert notes["killed"].startswith("  killed: killed: it stopped without recording how")
+    assert out[9].startswith("flaxlm: wrote ")
+
+
+def _a_pid_that_is_gone() -> int:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    return int(done.stdout)

@@ -50,6 +50,7 @@ from flaxlm.layout import CHECKPOINT_SUBDIR, MODEL_SUBDIR, RUN_FILES, run_path
 from flaxlm.models import hf, pretrained
 from flaxlm.models.build import build_classifier, build_lm, lm_from_params
 from flaxlm.models.layers import TransformerSpec
+from flaxlm.run_records import read_metrics
 from flaxlm.training.checkpoint import restore_params
 
 MARKER = "flaxlm_export.json"
@@ -488,13 +489,10 @@ def eval_metrics_at(run_dir: str, step: int | None) -> dict:
     """The eval figures metrics.jsonl recorded at `step` (none if no eval ran then), plus
     `steps`; for the model card of an export from a checkpoint."""
     figures: dict = {} if step is None else {"steps": step}
-    path = run_path(run_dir, layout.METRICS_FILE)
-    if step is None or not os.path.isfile(path):
+    if step is None:
         return figures
-    with open(path) as f:
-        for line in f:
-            record = json.loads(line)
-            if record.get("step") == step and "eval/loss" in record:
-                figures.update({k: v for k, v in record.items() if k.startswith("eval/")})
+    for record in read_metrics(run_path(run_dir, layout.METRICS_FILE)).records:
+        if record.get("step") == step and "eval/loss" in record:
+            figures.update({k: v for k, v in record.items() if k.startswith("eval/")})
     return figures
 

@@ -14,7 +14,6 @@ its W&B run alone; a stop signal is acted on at one agreed step by every process
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -28,6 +27,7 @@ from flaxlm.config import ObjectiveMode, ObjectiveValue, TrainConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.layout import METRICS_FILE, run_path
 from flaxlm.parallel import configure_platform, make_mesh
+from flaxlm.run_records import FAILED, FINISHED, PREEMPTED, RUNNING, read_metrics, write_status
 from flaxlm.runs import (
     close_quietly,
     disk_full_error,
@@ -77,6 +77,7 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     tracker_config = {**resolved, "choices": choices or {}}
     checkpointer = tracker = None
     try:
+        _record_status(run.path, RUNNING)
         tracker = start_tracker(config.logger, run.path, tracker_config, name=run_name,
                                 group=run_group, run_id=run.wandb_run_id,
                                 objective=objective.name,
@@ -92,9 +93,11 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         result = objective_result(objective, run.path, final)
         tracker.summary({**final, OBJECTIVE_SUMMARY: result})
         _print_summary(final, run.path)
+        _record_status(run.path, FINISHED, f"{objective.name} {result:.4f}")
     except Preempted as stopped:
         stopped.run_dir = run.path
         close_quietly(checkpointer)  # the preemption checkpoint must be on disk before exit
+        _record_status(run.path, PREEMPTED, str(stopped))
         if tracker is not None:
             tracker.finish(exit_code=PREEMPTED_EXIT_CODE, preempted=True)
         print(f"flaxlm: {stopped}; to continue, run the same overrides plus "
@@ -106,9 +109,10 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         if tracker is not None:
             tracker.finish(exit_code=1)
         full = disk_full_error(err, run.path)
+        lost = lost_peer_error(err, run.path)
+        _record_status(run.path, FAILED, _failure_reason(full or lost or err))
         if full is not None:
             raise full from err
-        lost = lost_peer_error(err, run.path)
         if lost is not None:
             raise lost from err
         raise
@@ -116,6 +120,19 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         run.release()
     tracker.finish()
     return result
+
+
+def _record_status(run_dir: str, status: str, reason: str = "") -> None:
+    """The run's state in its own directory (for flaxlm-report), written by process 0."""
+    if distributed.is_primary():
+        write_status(run_dir, status, reason)
+
+
+def _failure_reason(err: BaseException) -> str:
+    # A FlaxlmError's message says it all; anything else is named by its type.
+    if isinstance(err, FlaxlmError):
+        return str(err)
+    return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
 
 
 def check_settings(config: TrainConfig, num_devices: int) -> int:
@@ -190,17 +207,9 @@ def objective_result(objective: Objective, run_dir: str, final: dict) -> float:
     """The objective's best or last value over the run's evaluations, read back from its
     metrics.jsonl (a resumed run's earlier evaluations included); a process without that file
     (not process 0) returns the final evaluation's."""
-    values = []
-    path = run_path(run_dir, METRICS_FILE)
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut short by a killed run
-                if isinstance(record.get(objective.name), (int, float)):
-                    values.append(float(record[objective.name]))
+    values = [float(record[objective.name])
+              for record in read_metrics(run_path(run_dir, METRICS_FILE)).records
+              if isinstance(record.get(objective.name), (int, float))]
     if not values:
         return float(final.get(objective.name, math.nan))
     if objective.value == ObjectiveValue.last:

@@ -5,6 +5,8 @@
       model_config.yaml   the model's shape as trained (after model.init_from, if set)
       metrics.jsonl       one JSON object per logged step: `step`, `time`, `tokens_seen`
                           (training tokens so far) and the metrics
+      status.json         how the run ended (finished, preempted, failed, and why), or that
+                          it is running: written by process 0 (flaxlm.run_records)
       wandb_run_id        the W&B run a resumed run continues
       tensorboard/        TensorBoard event files (logger=tensorboard)
       .lock               held while a process trains in the directory
@@ -22,6 +24,7 @@ CONFIG_FILE = "config.yaml"
 MODEL_CONFIG_FILE = "model_config.yaml"
 METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_run_id"
+STATUS_FILE = "status.json"
 LOCK_FILE = ".lock"
 CHECKPOINT_SUBDIR = "checkpoints"
 MODEL_SUBDIR = "model"

@@ -1,19 +1,25 @@
 """A sweep's runs side by side, from what their run directories hold: each run's saved config
-(`config.yaml`) and its `metrics.jsonl`. Nothing here needs the network, JAX or W&B, so a report
-can be made on any machine that holds a copy of the directories.
+(`config.yaml`), its `metrics.jsonl` and its `status.json`. Nothing here needs the network, JAX
+or W&B, so a report can be made on any machine that holds a copy of the directories.
 
 A report is a table (one row per run: the settings that differ between the runs, the final and
 best evaluation metrics, steps, tokens, wall time, status) sorted by an objective, and PNG plots:
 the loss curves of every run, and the objective against each numeric setting that differs.
+
+A run's status is what its directory recorded (running, finished, preempted, failed; killed
+when it recorded running and its process is gone from this machine), else its sweep's job
+status, else `finished` when it reached trainer.max_steps, else `unknown`. A run whose files
+cannot be read is a row marked `damaged`, with the reason below the table; the other runs are
+reported as usual.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -22,6 +28,7 @@ import yaml
 from flaxlm.config import dotted
 from flaxlm.errors import FlaxlmError
 from flaxlm.layout import CONFIG_FILE, METRICS_FILE, TOKENS_SEEN, run_path
+from flaxlm.run_records import read_metrics, read_status
 
 # Metrics where lower is better; every other eval metric (accuracy, F1, correlations) is better
 # higher. Perplexity and bits per byte are the loss again in other units, so the table skips them.
@@ -31,6 +38,7 @@ DERIVED_FROM_LOSS = ("eval/perplexity", "eval/bits_per_byte")
 PER_RUN_KEYS = ("run_dir", "resume_from")
 # A sweep job's status file (written by flaxlm-train's multirun callbacks) → the report's word.
 STATUS_WORDS = {"ok": "finished", "failed": "failed", "preempted": "preempted"}
+DAMAGED = "damaged"
 CURVES_FILE = "curves.png"
 REPORT_FILE = "report.md"
 PLOT_DPI = 80  # readable on a screen, small enough to keep beside the runs
@@ -38,13 +46,15 @@ PLOT_DPI = 80  # readable on a screen, small enough to keep beside the runs
 
 @dataclasses.dataclass
 class Run:
-    """One run directory as read back: its flattened config, its metric records, its status."""
+    """One run directory as read back: its flattened config, its metric records, its status
+    (and why, where the run recorded a reason)."""
 
     path: str
     name: str
     config: dict[str, Any]
     records: list[dict[str, Any]]
     status: str = "unknown"
+    reason: str = ""
 
     def series(self, key: str, axis: str = "step") -> list[tuple[float, float]]:
         """(x, value) for every record that logged `key` as a number, x being its `axis`
@@ -82,13 +92,14 @@ StatusReader = Callable[[str], list[dict[str, Any]]]
 
 def collect_runs(paths: Sequence[str], job_statuses: StatusReader) -> list[Run]:
     """The runs named by `paths`: each a run directory, or a multirun directory whose numbered
-    job folders are runs (their status read with `job_statuses(multirun_dir)`)."""
+    job folders are runs (their status read with `job_statuses(multirun_dir)`). Damaged runs
+    are among them (status `damaged`); if no run has a metric to report, that is an error."""
     runs: list[Run] = []
     for path in paths:
         if is_run_dir(path):
             runs.append(read_run(path, os.path.basename(os.path.normpath(path))))
         elif _job_dirs(path):
-            runs.extend(_read_multirun(path, job_statuses(path)))
+            runs.extend(_read_multirun(path, _sweep_statuses(path, job_statuses)))
         else:
             what = "does not exist" if not os.path.exists(path) else (
                 f"is neither a run directory (no {CONFIG_FILE} and {METRICS_FILE}) nor a "
@@ -99,6 +110,9 @@ def collect_runs(paths: Sequence[str], job_statuses: StatusReader) -> list[Run]:
             )
     if not runs:
         raise FlaxlmError(f"{', '.join(paths)} holds no runs to report on.")
+    if not any(run.records for run in runs):
+        raise FlaxlmError(" ".join(_why_no_metrics(run) for run in runs)
+                          + " Leave these runs out of the report, or train them first.")
     return runs
 
 
@@ -106,37 +120,65 @@ def is_run_dir(path: str) -> bool:
     return all(os.path.isfile(run_path(path, name)) for name in (CONFIG_FILE, METRICS_FILE))
 
 
-def read_run(path: str, name: str, must_have_metrics: bool = True) -> Run:
-    """A run directory read back; one without metrics is an error unless `must_have_metrics` is
-    false (a sweep's job that failed before it logged anything)."""
-    records = _read_metrics(run_path(path, METRICS_FILE))
-    if not records and must_have_metrics:
-        raise FlaxlmError(
-            f"{run_path(path, METRICS_FILE)} holds no metrics: the run stopped before its first "
-            "log line. Leave it out of the report, or train it first."
-        )
-    config = _read_config(run_path(path, CONFIG_FILE))
+def read_run(path: str, name: str, job_status: dict[str, Any] | None = None) -> Run:
+    """A run directory read back, with its status (see the module's docstring; `job_status`
+    is its sweep's record of the job, if any). Files that cannot be read make it a `damaged`
+    run, with the reason."""
+    try:
+        records = read_metrics(run_path(path, METRICS_FILE)).records
+        config = _read_config(run_path(path, CONFIG_FILE))
+    except FlaxlmError as err:
+        return Run(path, name, {}, [], DAMAGED, str(err))
     run = Run(path, name, config, records)
-    max_steps = config.get("trainer.max_steps")
-    if _is_number(max_steps) and run.steps is not None and run.steps >= max_steps:
-        run.status = "finished"
+    own = read_status(path)
+    if own is not None:
+        run.status, run.reason = own["status"], str(own.get("reason") or "")
+    elif job_status is not None:
+        word = str(job_status.get("status", "unknown"))
+        run.status = STATUS_WORDS.get(word, word)
+        run.reason = str(job_status.get("reason") or "")
+    else:
+        max_steps = config.get("trainer.max_steps")
+        if _is_number(max_steps) and run.steps is not None and run.steps >= max_steps:
+            run.status = "finished"
     return run
+
+
+def _why_no_metrics(run: Run) -> str:
+    if run.status == DAMAGED:
+        return f"{run.name} is damaged: {run.reason}"
+    return (f"{run_path(run.path, METRICS_FILE)} holds no metrics: the run stopped before its "
+            "first log line.")
+
+
+def status_notes(runs: Sequence[Run]) -> list[str]:
+    """One line per run that did not finish and recorded why."""
+    return [f"{run.name}: {run.status}: {run.reason}" for run in runs
+            if run.reason and run.status != "finished"]
+
+
+def _sweep_statuses(sweep_dir: str, job_statuses: StatusReader) -> list[dict[str, Any]]:
+    """The sweep's job statuses; unreadable ones are one warning, since each run's own
+    status.json says the same."""
+    try:
+        return job_statuses(sweep_dir)
+    except (OSError, ValueError, KeyError) as err:
+        print(f"flaxlm: warning: the job statuses in {sweep_dir} cannot be read ({err}); each "
+              "run's status comes from its own directory", file=sys.stderr, flush=True)
+        return []
 
 
 def _read_multirun(sweep_dir: str, statuses: list[dict[str, Any]]) -> list[Run]:
     # A status names its job's run directory; a job folder's number alone can repeat (a
     # continued Optuna study numbers its new trials from 0 again, in new folders).
     by_dir = {os.path.abspath(record.get("run_dir") or ""): record for record in statuses}
-    by_job = {str(record["job"]): record for record in statuses}
+    by_job = {str(record.get("job")): record for record in statuses}
+    sweep_name = os.path.basename(os.path.normpath(sweep_dir))
     runs = []
     for job in _job_dirs(sweep_dir):
         path = os.path.join(sweep_dir, job)
-        run = read_run(path, f"{os.path.basename(os.path.normpath(sweep_dir))}/{job}",
-                       must_have_metrics=False)
-        record = by_dir.get(os.path.abspath(path)) or by_job.get(job)
-        if record is not None:
-            run.status = STATUS_WORDS.get(record["status"], record["status"])
-        runs.append(run)
+        job_status = by_dir.get(os.path.abspath(path)) or by_job.get(job)
+        runs.append(read_run(path, f"{sweep_name}/{job}", job_status))
     return runs
 
 
@@ -151,24 +193,6 @@ def _job_dirs(path: str) -> list[str]:
 
 
 _JOB_FOLDER = re.compile(r"(\d+)(?:_.+)?")
-
-
-def _read_metrics(path: str) -> list[dict[str, Any]]:
-    if not os.path.isfile(path):
-        return []
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise FlaxlmError(
-                    f"{path}, line {number}, is not JSON: this file is not a flaxlm "
-                    "metrics.jsonl, or it was cut off mid-line."
-                ) from None
-    return records
 
 
 def _read_config(path: str) -> dict[str, Any]:
@@ -337,11 +361,15 @@ def write_plots(runs: Sequence[Run], out_dir: str, objective: str,
 
 
 def write_markdown(table: Table, plots: Iterable[str], out_dir: str, objective: str,
-                   maximize: bool) -> str:
-    """`report.md` in `out_dir`: the table and the plots; returns its path."""
+                   maximize: bool, notes: Sequence[str] = ()) -> str:
+    """`report.md` in `out_dir`: the table, the `notes` on runs that did not finish, and the
+    plots; returns its path."""
     direction = "highest" if maximize else "lowest"
     lines = [f"# flaxlm report\n\nRuns sorted by `{objective}` ({direction} first).\n",
-             table.markdown(), "", "## Plots", ""]
+             table.markdown(), ""]
+    if notes:
+        lines += ["## Runs that did not finish", "", *(f"- {note}" for note in notes), ""]
+    lines += ["## Plots", ""]
     lines += [f"![{name}]({name})" for name in plots]
     path = os.path.join(out_dir, REPORT_FILE)
     with open(path, "w", encoding="utf-8") as f:

@@ -23,6 +23,7 @@ from flaxlm import distributed
 from flaxlm.config import LoggerConfig, dotted
 from flaxlm.errors import FlaxlmError
 from flaxlm.layout import METRICS_FILE, TENSORBOARD_SUBDIR, TOKENS_SEEN, run_path
+from flaxlm.run_records import read_metrics
 
 _MODES = ("auto", "online", "offline", "disabled")
 STEP_AXIS = "step"  # the training step, logged with every W&B row as the charts' x axis
@@ -41,24 +42,17 @@ class Tracker:
         self._jsonl = open(self._path, "a", buffering=1) if self._path is not None else None
 
     def rewind(self, step: int) -> int:
-        """Drop the metrics.jsonl lines after `step` (those of a run that was killed after its
-        last checkpoint, and a half-written last line): a resumed run then continues the file
+        """Drop the metrics.jsonl records after `step` (those of a run that was killed after
+        its last checkpoint, and a cut-off last line): a resumed run then continues the file
         exactly as the uninterrupted run wrote it. Returns how many lines were dropped. (A W&B
         run keeps what it was sent; it ignores steps logged again.)"""
         if self._jsonl is None:
             return 0
         self._jsonl.close()
-        kept, dropped = [], 0
-        with open(self._path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    record = None
-                if record is None or not line.endswith("\n") or record.get("step", 0) > step:
-                    dropped += 1
-                else:
-                    kept.append(line)
+        log = read_metrics(self._path)
+        kept = [json.dumps(record) + "\n" for record in log.records
+                if record.get("step", 0) <= step]
+        dropped = len(log.records) - len(kept) + (log.torn_line is not None)
         temporary = f"{self._path}.tmp"
         with open(temporary, "w", encoding="utf-8") as f:
             f.writelines(kept)

@@ -6,9 +6,12 @@
 
 Prints a table of the runs sorted by the objective (by default the one they were trained for,
 their saved `trainer.objective`) and writes `report.md` and PNG plots into
-`--out` (default: the first directory given). It reads only each run's config.yaml and
-metrics.jsonl, so it works offline on a copy of the run directories. A mistake is one paragraph
-on stderr and exit status 2.
+`--out` (default: the first directory given). It reads only each run's config.yaml,
+metrics.jsonl and status.json (and a sweep's job statuses), so it works offline on a copy of the
+run directories. A run whose files are damaged is a row marked `damaged`, with the reason below
+the table, and the others are reported (exit 0); a metrics.jsonl whose last line was cut off is
+read without that line, with a warning. A mistake, or runs of which none has a metric to
+report, is one paragraph on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from flaxlm.report import (
     collect_runs,
     report_objective,
     sort_runs,
+    status_notes,
     write_markdown,
     write_plots,
 )
@@ -55,9 +59,12 @@ def run(argv: Sequence[str]) -> str:
     runs = sort_runs(runs, objective, maximize)
     table = build_table(runs, objective, maximize)
     print(table.text())
+    notes = status_notes(runs)
+    for note in notes:
+        print(f"  {note}")
     out = args.out or args.dirs[0]
     plots = write_plots(runs, out, objective, maximize)
-    path = write_markdown(table, plots, out, objective, maximize)
+    path = write_markdown(table, plots, out, objective, maximize, notes)
     print(f"flaxlm: wrote {path} and {len(plots)} plot(s) in {out}")
     return path
 
