@@ -4,8 +4,14 @@
 backend. After it, every process runs the same program; what only one of them may do (claim
 the run directory, build a cache, write a file) is done by process 0, and the others learn the
 outcome through the coordination service's key-value store. Every wait on another process is
-bounded by `hardware.distributed.timeout_s` and ends in a `FlaxlmError`, never in a hang: a
+bounded by `hardware.distributed.timeout_s` and ends in a `PeerError`, never in a hang: a
 peer that died never answers.
+
+JAX's coordination client does not raise when the processes fail to join or one of them dies: it
+aborts the process from C++ (SIGABRT), where no Python `except` runs. So what can be checked
+before it starts is checked first (the coordinator answers, from every other process), and a
+command-line run (`supervise_joins`) forks as it joins: the child goes on as the run, the
+original process waits for it and turns JAX's abort into flaxlm's paragraph and exit code.
 
 The waits here are host-side messages through the coordinator, not device collectives, so they
 need no device, cost no compilation, and can time out.
@@ -17,13 +23,17 @@ import dataclasses
 import itertools
 import json
 import os
+import signal
+import socket
+import sys
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
 
 from flaxlm.config import DistributedConfig, DistributedMode, HardwareConfig
-from flaxlm.errors import FlaxlmError
+from flaxlm.errors import PEER_EXIT_CODE, FlaxlmError, PeerError
 
 T = TypeVar("T")
 _FIX = ("Check that every process runs the same command with the same hardware.distributed.* "
@@ -38,6 +48,7 @@ class _Run:
     timeout_s: int = 300
     job: int = 0  # jobs of a multirun share the processes; their messages must not mix
     messages: itertools.count = dataclasses.field(default_factory=itertools.count)
+    supervise: bool = False  # fork a supervising parent when joining (see `supervise_joins`)
 
 
 _run = _Run()
@@ -63,6 +74,9 @@ def initialize(hardware: HardwareConfig) -> None:
         # Collectives between processes on CPU devices (what the two-process tests run on).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     explicit = mode == DistributedMode.explicit
+    if explicit and settings.process_id != 0:
+        _wait_for_coordinator(settings)
+    joined = _supervise(settings, mode) if _run.supervise else lambda: None
     try:
         jax.distributed.initialize(
             settings.coordinator_address if explicit else None,
@@ -73,17 +87,144 @@ def initialize(hardware: HardwareConfig) -> None:
             shutdown_timeout_seconds=settings.timeout_s,
         )
     except Exception as err:  # noqa: BLE001 — JAX raises RuntimeError, ValueError, XlaRuntimeError
-        where = (f"coordinator {settings.coordinator_address}, process {settings.process_id} of "
-                 f"{settings.num_processes}" if explicit else "the cluster JAX detected")
-        raise FlaxlmError(
-            f"hardware.distributed.mode={mode.value} could not join the run's processes "
-            f"({where}) within hardware.distributed.timeout_s={settings.timeout_s}s: "
-            f"{_first_line(err)}. Start every process (process 0 first listens at the "
-            "coordinator address), check that the address and port are reachable from every "
-            "host, or set hardware.distributed.mode=off to train on this host alone."
-        ) from None
+        raise _join_error(settings, mode, _first_line(err)) from None
+    joined()
     print(f"flaxlm: process {jax.process_index()} of {jax.process_count()} joined "
           f"(hardware.distributed.mode={mode.value})", flush=True)
+
+
+def supervise_joins() -> None:
+    """Have `initialize` supervise the process it joins to others (see `_supervise`). For the
+    command line, whose exit code a user or a scheduler reads; a library caller (a notebook)
+    keeps its one process."""
+    _run.supervise = True
+
+
+def _join_error(settings: DistributedConfig, mode: DistributedMode, reason: str) -> PeerError:
+    where = (f"coordinator {settings.coordinator_address}, process {settings.process_id} of "
+             f"{settings.num_processes}" if mode == DistributedMode.explicit
+             else "the cluster JAX detected")
+    return PeerError(
+        f"hardware.distributed.mode={mode.value} could not join the run's processes "
+        f"({where}) within hardware.distributed.timeout_s={settings.timeout_s}s: {reason}. "
+        "Start every process (process 0 first listens at the coordinator address), check that "
+        "the address and port are reachable from every host, or set "
+        "hardware.distributed.mode=off to train on this host alone."
+    )
+
+
+def _wait_for_coordinator(settings: DistributedConfig) -> None:
+    """Connect to the coordinator until it answers or the timeout passes, before JAX's client
+    (which aborts the process when it gives up) starts."""
+    host, _, port = settings.coordinator_address.rpartition(":")
+    deadline = time.monotonic() + settings.timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=1):
+                return
+        except OSError as err:
+            failure = err
+        if time.monotonic() >= deadline:
+            raise _join_error(settings, DistributedMode.explicit,
+                              f"nothing answers at {settings.coordinator_address} "
+                              f"({failure.strerror or failure})")
+        time.sleep(0.2)
+
+
+def _supervise(settings: DistributedConfig, mode: DistributedMode) -> Callable[[], None]:
+    """Fork before JAX's client starts. The child returns and goes on as the run; this process
+    waits for it and exits as it did, except that a native abort (what JAX's client does when a
+    process never comes or a joined one dies or stops answering) becomes flaxlm's paragraph and
+    `PEER_EXIT_CODE`. Returns, in the child, what to call once the processes joined.
+
+    Forking, rather than starting the command anew, keeps what this process already composed
+    and decided (the config, the run directory, a multirun's place); JAX has started no thread
+    yet (its backend starts after the join)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    news, note = os.pipe()
+    parent = os.getpid()
+    child = os.fork()
+    if child == 0:
+        os.close(news)
+        _die_with_parent(parent)
+
+        def joined() -> None:
+            os.write(note, b"joined")
+            os.close(note)
+
+        return joined
+    os.close(note)
+    status = _wait_forwarding_signals(child)
+    os.set_blocking(news, False)
+    try:
+        has_joined = os.read(news, 16) == b"joined"
+    except BlockingIOError:  # a forked grandchild holds the pipe; nothing was written
+        has_joined = False
+    if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGABRT:
+        print(f"flaxlm: error: {_abort_message(settings, mode, has_joined)}", file=sys.stderr,
+              flush=True)
+        os._exit(PEER_EXIT_CODE)
+    if os.WIFSIGNALED(status):  # end as the child ended, for whoever reads the status
+        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+def _abort_message(settings: DistributedConfig, mode: DistributedMode, has_joined: bool) -> str:
+    ended = "JAX's coordination client ended this process (a native abort; its message is above)"
+    if not has_joined:
+        return str(_join_error(settings, mode, f"a process did not come in time, and {ended}"))
+    who = "This process" if settings.process_id is None else f"Process {settings.process_id}"
+    return (f"{who} lost contact with another process of the run: {ended}, which it does "
+            "when a process of the run stops, crashes or does not answer within "
+            f"hardware.distributed.timeout_s={settings.timeout_s}s; that process's own log "
+            "says why. Rerun the same command on every host to resume from the last "
+            "checkpoint.")
+
+
+def _die_with_parent(parent: int) -> None:
+    """The run must not outlive its supervisor (killed with SIGKILL): the scheduler that ended
+    the job would see it gone."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        return  # no prctl: another OS; the run then ends when its peers' heartbeats stop
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _wait_forwarding_signals(child: int) -> int:
+    """The child's wait status. SIGTERM and SIGINT sent to this process (a scheduler, a `kill`)
+    are passed on, but not a SIGINT typed at the terminal: the child, in the same foreground
+    process group, got it too, and a second Ctrl-C would stop it at once. Polls rather than
+    blocking in `waitpid`: a signal that lands on another thread of this process does not
+    interrupt a blocking wait, and Python runs its handler only when the main thread next runs
+    Python code."""
+    def forward(signum: int, _frame) -> None:
+        if signum == signal.SIGINT and _in_terminal_foreground():
+            return
+        os.kill(child, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    while True:
+        pid, status = os.waitpid(child, os.WNOHANG)
+        if pid:
+            return status
+        time.sleep(0.1)
+
+
+def _in_terminal_foreground() -> bool:
+    for fd in (0, 1, 2):
+        try:
+            if os.isatty(fd) and os.tcgetpgrp(fd) == os.getpgrp():
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def _check(settings: DistributedConfig) -> None:
@@ -102,6 +243,12 @@ def _check(settings: DistributedConfig) -> None:
             "hardware.distributed.coordinator_address=10.0.0.1:1234 "
             "hardware.distributed.num_processes=2 hardware.distributed.process_id=0. Or use "
             "mode=auto on a cluster JAX detects."
+        )
+    host, _, port = settings.coordinator_address.rpartition(":")
+    if not host or not port.isdigit():
+        raise FlaxlmError(
+            f"hardware.distributed.coordinator_address={settings.coordinator_address!r} must be "
+            "host:port (process 0's), e.g. 10.0.0.1:1234."
         )
     if not 0 <= settings.process_id < settings.num_processes:
         raise FlaxlmError(
@@ -217,7 +364,7 @@ def _get(key: str, waiting_for: str, patient: bool = False) -> str:
             break
         print(f"flaxlm: process {jax.process_index()} has waited {waited}s for {waiting_for}",
               flush=True)
-    raise FlaxlmError(
+    raise PeerError(
         f"Process {jax.process_index()} waited hardware.distributed.timeout_s="
         f"{_run.timeout_s}s for {waiting_for}, in vain ({_first_line(failure)}): a process "
         f"stopped or is stuck. {_FIX}"

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from flaxlm import distributed
 from flaxlm.config import ObjectiveMode, ObjectiveValue, TrainConfig
-from flaxlm.errors import FlaxlmError
+from flaxlm.errors import FlaxlmError, PeerError
 from flaxlm.layout import METRICS_FILE, run_path
 from flaxlm.parallel import configure_platform, make_mesh
 from flaxlm.run_records import FAILED, FINISHED, PREEMPTED, RUNNING, read_metrics, write_status
@@ -257,7 +257,7 @@ class AgreedStopRequest(StopRequest):
         return self._stop_at is not None and self._asked >= self._stop_at
 
 
-def lost_peer_error(err: BaseException, run_dir: str) -> FlaxlmError | None:
+def lost_peer_error(err: BaseException, run_dir: str) -> PeerError | None:
     """A collective that failed because another process of the run is gone, as one message;
     None for any other error."""
     if jax.process_count() == 1 or isinstance(err, FlaxlmError):
@@ -265,7 +265,7 @@ def lost_peer_error(err: BaseException, run_dir: str) -> FlaxlmError | None:
     text = str(err)
     if not any(sign in text for sign in _LOST_PEER_SIGNS):
         return None
-    return FlaxlmError(
+    return PeerError(
         f"Process {jax.process_index()} of {jax.process_count()} lost contact with another "
         f"process of the run in {run_dir} ({text.strip().splitlines()[0][:300]}): it stopped "
         "or crashed; its own log says why. Rerun the same command on every host to resume from "

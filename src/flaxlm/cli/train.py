@@ -2,9 +2,11 @@
 `flaxlm.job.train`; a user's mistake is printed as one paragraph, without a traceback.
 
 Exit codes: 0 done; 1 failed (a multirun: one of its jobs failed, the others still ran); 2 a
-configuration or input error (FlaxlmError, or a config Hydra cannot compose); 75 stopped by
-SIGTERM / SIGINT after saving a checkpoint — the same overrides plus resume_from=<run dir>
-(or the same command, if it named run_dir / hydra.run.dir) continue the run."""
+configuration or input error (FlaxlmError, or a config Hydra cannot compose); 69 the processes
+of a multi-host run could not join or lost one another (PeerError, or JAX's native abort turned
+into one by `flaxlm.distributed`); 75 stopped by SIGTERM / SIGINT after saving a checkpoint —
+the same overrides plus resume_from=<run dir> (or the same command, if it named run_dir /
+hydra.run.dir) continue the run."""
 
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ register_configs()
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def train_job(cfg: DictConfig) -> float | None:
     # After Hydra: JAX starts only once the config is known.
+    from flaxlm import distributed
     from flaxlm.job import choose_objective, train
     from flaxlm.training.checkpoint import PREEMPTED_EXIT_CODE, Preempted
 
@@ -57,6 +60,7 @@ def train_job(cfg: DictConfig) -> float | None:
         except FlaxlmError as err:
             print(f"flaxlm: error: {err}", file=sys.stderr, flush=True)
             sys.exit(2)
+    distributed.supervise_joins()  # a lost peer ends in flaxlm's message and exit code
     try:
         value = train(
             cfg,
@@ -68,7 +72,7 @@ def train_job(cfg: DictConfig) -> float | None:
     except FlaxlmError as err:
         print(f"flaxlm: error: {err}", file=sys.stderr, flush=True)
         if job is None:
-            sys.exit(2)
+            sys.exit(err.exit_code)
         return job.failed(str(err))
     except Preempted as stopped:
         if job is not None:
