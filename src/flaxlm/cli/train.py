@@ -57,6 +57,7 @@ def train_job(cfg: DictConfig) -> float | None:
         except FlaxlmError as err:
             print(f"flaxlm: error: {err}", file=sys.stderr, flush=True)
             sys.exit(2)
+        job.started()
     try:
         value = train(
             cfg,
