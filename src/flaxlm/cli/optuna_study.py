@@ -40,9 +40,9 @@ def continue_study(sweeper: DictConfig, alone: bool) -> None:
     done = len(study.trials)
     if isinstance(seed, int) and done:
         sweeper.sampler.seed = seed + done
-        print(f"flaxlm: continuing Optuna study {study.study_name} ({done} trials so far): "
-              f"sampler seed {seed} + {done}, so the new trials are not the earlier ones again",
-              flush=True)
+        print(f"flaxlm: continuing Optuna study {study.study_name}, which holds {done} "
+              f"trial(s): sampler seed {seed} + {done}, so the new trials are not the earlier "
+              "ones again", flush=True)
 
 
 def _stored_study(sweeper: DictConfig) -> Any:

@@ -140,8 +140,8 @@ def print_summary(sweep_dir: str, stopped_after: int | None = None,
         print(f"  #{r['job']} {r['status']:<9} {own or '(no overrides)'} | {r['reason']} | "
               f"run dir {r['run_dir']}", flush=True)
     if left_out:
-        print(f"  (and {left_out} jobs of earlier invocations in this directory: "
-              f"{os.path.join(sweep_dir, STATUS_SUBDIR)})", flush=True)
+        print(f"  (not shown: {left_out} job(s) of earlier invocations in this directory, "
+              f"see {os.path.join(sweep_dir, STATUS_SUBDIR)})", flush=True)
     if stopped_after is not None:
         print(f"flaxlm: the multirun stopped at job #{stopped_after} (preempted); the jobs after "
               "it were not started", flush=True)
