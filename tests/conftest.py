@@ -70,8 +70,9 @@ def trained_run(tmp_path_factory, name: str, overrides) -> str:
     return run_dir
 
 
-def compose(overrides=(), run_dir=None):
-    """conf/train.yaml composed as `flaxlm-train` would, outside a Hydra app."""
+def compose(overrides=(), run_dir=None, return_hydra_config=False):
+    """conf/train.yaml composed as `flaxlm-train` would, outside a Hydra app (with its `hydra`
+    node if `return_hydra_config`)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
@@ -80,4 +81,5 @@ def compose(overrides=(), run_dir=None):
     register_configs()
     extra = [f"run_dir={run_dir}"] if run_dir is not None else ["run_dir=unset"]
     with initialize_config_dir(CONF_DIR, version_base="1.3"):
-        return hydra_compose("train", overrides=[*overrides, *extra])
+        return hydra_compose("train", overrides=[*overrides, *extra],
+                             return_hydra_config=return_hydra_config)

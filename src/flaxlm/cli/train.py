@@ -60,6 +60,7 @@ def train_job(cfg: DictConfig) -> float | None:
         except FlaxlmError as err:
             print(f"flaxlm: error: {err}", file=sys.stderr, flush=True)
             sys.exit(2)
+        job.started()
     distributed.supervise_joins()  # a lost peer ends in flaxlm's message and exit code
     try:
         value = train(
