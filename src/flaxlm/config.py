@@ -309,6 +309,10 @@ class TrainerConfig:
     # one. auto: resume if there is a checkpoint, else start fresh; never: always a fresh run
     # (in a new run_dir); must: fail unless there is a checkpoint to resume.
     resume: ResumeMode = ResumeMode.auto
+    # A resume whose training or validation data differs from what the checkpoint recorded
+    # (an edited file, a new dataset version) stops with an error; true continues on the
+    # changed data and records that in metrics.jsonl (resume/changed_data).
+    resume_on_changed_data: bool = False
     # A step whose loss or gradients are not finite: false → stop with an error naming the
     # step; true → skip its update (parameters and optimizer state unchanged) and go on; the
     # skipped steps are counted in train/skipped_steps.

@@ -24,6 +24,7 @@ from flaxlm import layout
 from flaxlm.config import ModelConfig, ModelFamily, Padding, TrainConfig
 from flaxlm.data.encoding import encode, example_loader, max_length_for
 from flaxlm.data.examples import load_examples
+from flaxlm.data.fingerprint import arrays_fingerprint
 from flaxlm.data.tokenizer import has_document_start, prepare_tokenizer, set_post_processor
 from flaxlm.errors import FlaxlmError
 from flaxlm.models import build, hf, pretrained
@@ -87,7 +88,12 @@ class Classification:
                                        is_regression=examples.is_regression,
                                        grad_accum_steps=config.trainer.grad_accum_steps,
                                        skip_nonfinite=config.trainer.skip_nonfinite)
-        training = base.prepare_training(job, start, build_model, compile_fn, loader, tokenizer)
+        # Token ids and labels: the examples as the model sees them (the tokenizer is
+        # checked on its own).
+        fingerprint = {"training examples": arrays_fingerprint(train_arrays),
+                       "evaluation examples": arrays_fingerprint(eval_arrays)}
+        training = base.prepare_training(job, start, build_model, compile_fn, loader, tokenizer,
+                                         fingerprint)
         hf_config = hf.to_classifier_config(
             start.model, num_labels=examples.num_labels, pad_token_id=tokenizer.pad_token_id,
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,

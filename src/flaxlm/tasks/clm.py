@@ -9,14 +9,18 @@ samples.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import datasets
 import jax
 import jax.numpy as jnp
+import numpy as np
+import transformers
 
 from flaxlm.config import ModelConfig, ModelFamily, TrainConfig
 from flaxlm.data.corpus import load_corpus, load_corpus_stream
-from flaxlm.data.loader import block_loader
+from flaxlm.data.fingerprint import documents_fingerprint, text_fingerprint
+from flaxlm.data.loader import BatchSource, block_loader
 from flaxlm.data.packing import tokenize_and_pack
 from flaxlm.data.streaming import StreamingLoader, process_shard
 from flaxlm.data.tokenizer import prepare_tokenizer, token_byte_lengths, with_document_start
@@ -30,6 +34,9 @@ from flaxlm.tasks.base import JobContext
 from flaxlm.training.loop import Evaluator
 from flaxlm.training.plan import global_batch_size
 from flaxlm.training.step import compile_steps
+
+# Training documents of a streamed corpus that its fingerprint covers, from the stream's start.
+STREAM_CHECKED_DOCS = 1000
 
 
 class CausalLM:
@@ -60,8 +67,8 @@ class CausalLM:
         fixed_tokenizer = (pretrained.load_pretrained_tokenizer(start.checkpoint_dir)
                            if start.checkpoint_dir and config.tokenizer.path is None else None)
         prepare = _streamed_data if config.language.streaming else _packed_data
-        tokenizer, loader, eval_blocks, train_size = prepare(config, job.mesh, seq_len,
-                                                             batch_size, fixed_tokenizer)
+        data = prepare(config, job.mesh, seq_len, batch_size, fixed_tokenizer)
+        tokenizer, loader, eval_blocks = data.tokenizer, data.loader, data.eval_blocks
         sample_settings = settings_from_samples(config.samples)  # a bad setting fails now
         skip_nonfinite = config.trainer.skip_nonfinite
 
@@ -70,7 +77,7 @@ class CausalLM:
                                  skip_nonfinite=skip_nonfinite)
 
         training = base.prepare_training(job, start, build.build_lm, compile_lm_steps, loader,
-                                    tokenizer)
+                                         tokenizer, data.fingerprint)
         hf_config = hf.to_lm_config(
             config.model,
             bos_token_id=tokenizer.bos_token_id,
@@ -86,8 +93,8 @@ class CausalLM:
         speed = base.throughput(job, batch_size * seq_len,
                            flops_per_token(config.model, training.num_params, seq_len))
         print(base.banner(job, training, config.model, "",
-                     f"{train_size} train / {len(eval_blocks)} eval blocks of {seq_len} tokens "
-                     f"| global batch {batch_size} ({batch_size * seq_len} tokens/step)"))
+                     f"{data.train_size} train / {len(eval_blocks)} eval blocks of {seq_len} "
+                     f"tokens | global batch {batch_size} ({batch_size * seq_len} tokens/step)"))
         state, last_eval = base.run_loop(job, training, loader, evaluator, speed)
         final = {**last_eval, "tokens_seen": int(state.step) * batch_size * seq_len,
                  "steps": int(state.step)}
@@ -109,9 +116,21 @@ def flops_per_token(model: ModelConfig, num_params: int, seq_len: int) -> float:
     return base.training_flops_per_token(model, num_params - lookups * model.n_embd, seq_len)
 
 
-def _packed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, tokenizer=None):
+class LMData(NamedTuple):
+    """What the task trains and evaluates on."""
+
+    tokenizer: transformers.PreTrainedTokenizerFast
+    loader: BatchSource
+    eval_blocks: np.ndarray
+    train_size: int | str  # training blocks, or "streamed"
+    fingerprint: dict[str, str]  # what a checkpoint records of the data (see prepare_training)
+
+
+def _packed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int,
+                 tokenizer=None) -> LMData:
     """The whole corpus tokenised (by `tokenizer`, or one prepared from the config) and packed
-    (cached), shuffled per epoch."""
+    (cached), shuffled per epoch. Its fingerprint is the text's content hash, which keys the
+    block cache too (hashed once per process)."""
     corpus = load_corpus(config.language)
     tokenizer = tokenizer or prepare_tokenizer(
         config.tokenizer, corpus.train, config.model.vocab_size, config.cache_dir
@@ -123,12 +142,17 @@ def _packed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, token
     )
     check_corpus_size(config, len(train_blocks), len(eval_blocks), seq_len, batch_size)
     loader = block_loader(train_blocks, batch_size, mesh, seed=config.seed)
-    return tokenizer, loader, eval_blocks, len(train_blocks)
+    fingerprint = {"training data": text_fingerprint(corpus.train),
+                   "validation data": text_fingerprint(corpus.validation)}
+    return LMData(tokenizer, loader, eval_blocks, len(train_blocks), fingerprint)
 
 
-def _streamed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, tokenizer=None):
+def _streamed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int,
+                   tokenizer=None) -> LMData:
     """language.streaming: a small validation head packed like above; training packed on the
-    fly from this process's shard of the rest of the stream."""
+    fly from this process's shard of the rest of the stream. Its fingerprint: the validation
+    head's text and the first STREAM_CHECKED_DOCS training documents (reading the whole
+    stream would cost a pass over it at every start)."""
     validation, train_stream = load_corpus_stream(config.language)
     if tokenizer is None:
         sample = datasets.Dataset.from_dict(
@@ -152,7 +176,10 @@ def _streamed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, tok
         shuffle_buffer=config.language.shuffle_buffer,
         max_steps=config.trainer.max_steps,
     )
-    return tokenizer, loader, eval_blocks, "streamed"
+    head = documents_fingerprint(row["text"] for row in train_stream.take(STREAM_CHECKED_DOCS))
+    fingerprint = {f"training data (first {STREAM_CHECKED_DOCS} documents of the stream)": head,
+                   "validation data": text_fingerprint(validation)}
+    return LMData(tokenizer, loader, eval_blocks, "streamed", fingerprint)
 
 
 def check_block_length(config: TrainConfig, seq_len: int) -> None:

@@ -7,8 +7,8 @@ checkpoint at step s holds three items:
   a top-level `params` field or key, which `restore_params` reads);
 - `loader`: the data loader's position as a JSON dict (epoch, step in epoch, shuffle seed; a
   stream's `StreamState`), whatever the caller's loader needs to yield the same next batch;
-- `meta`: JSON metadata (the resolved config, the tokenizer's hash, RNG keys, the loop's
-  unfinished metric window, ...).
+- `meta`: JSON metadata (the resolved config, the tokenizer's hash, the data's fingerprint, RNG
+  keys, the loop's unfinished metric window, ...).
 
 It is generic over all three, so the pre-training loop and the fine-tuning loop share it.
 
