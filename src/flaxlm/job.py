@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from flaxlm import distributed
 from flaxlm.config import ObjectiveMode, ObjectiveValue, TrainConfig
-from flaxlm.errors import FlaxlmError
+from flaxlm.errors import FlaxlmError, writable_dir
 from flaxlm.layout import METRICS_FILE, run_path
 from flaxlm.parallel import configure_platform, make_mesh
 from flaxlm.runs import (
@@ -33,7 +33,6 @@ from flaxlm.runs import (
     disk_full_error,
     make_checkpointer,
     open_shared_run_dir,
-    writable_dir,
 )
 from flaxlm.tasks.base import JobContext
 from flaxlm.tasks.registry import task_named

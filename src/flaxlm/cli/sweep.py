@@ -21,7 +21,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from flaxlm.errors import FlaxlmError
+from flaxlm.errors import FlaxlmError, writable_dir
 
 STATUS_SUBDIR = "job-status"
 FAILED_EXIT_CODE = 1
@@ -115,8 +115,6 @@ class HydraCallbacks(Callback):
 
 
 def _check_writable(path: str, setting: str) -> str:
-    from flaxlm.runs import writable_dir  # here: the callbacks load before JAX is configured
-
     try:
         return writable_dir(path, setting, f"Set {setting} to a directory you can write to.")
     except FlaxlmError as err:
