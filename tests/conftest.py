@@ -1,6 +1,7 @@
 """Shared test set-up: 8 simulated CPU devices, and caches that never touch the user's."""
 
 import os
+from pathlib import Path
 
 # Before JAX starts: every multi-device path runs on 8 simulated CPU devices, as on one 8-core
 # TPU host. Tests that want fewer devices build a smaller mesh.
@@ -20,6 +21,17 @@ import pytest  # noqa: E402
 def isolated_caches(tmp_path_factory, monkeypatch):
     """flaxlm's cache (tokenizers, packed blocks) in a per-session temp dir."""
     monkeypatch.setenv("FLAXLM_CACHE", str(tmp_path_factory.getbasetemp() / "flaxlm-cache"))
+
+
+@pytest.fixture
+def unwritable(tmp_path):
+    """A directory this process cannot write to: read-only by its mode, or, for root (whom
+    modes do not stop), one under /sys, which is read-only on Linux."""
+    directory = tmp_path / "read-only"
+    directory.mkdir()
+    directory.chmod(0o555)
+    yield directory if not os.access(directory, os.W_OK) else Path("/sys/flaxlm-test")
+    directory.chmod(0o755)
 
 
 @pytest.fixture(scope="session")

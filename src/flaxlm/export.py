@@ -101,10 +101,7 @@ def export_hf(out_dir: str, params: dict, model_config: ModelConfig, tokenizer, 
     architecture = hf_config.architectures[0]
     if hf.architecture(architecture).is_lm:
         tokenizer = with_document_start(tokenizer)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    _remove_leftovers(out_dir)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.export-", dir=parent)
+    staging = _staging_dir(out_dir)
     try:
         hf.save_pretrained(staging, params, hf_config)
         tokenizer.save_pretrained(staging)
@@ -126,6 +123,22 @@ def export_hf(out_dir: str, params: dict, model_config: ModelConfig, tokenizer, 
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
+
+
+def _staging_dir(out_dir: str) -> str:
+    """A new folder beside `out_dir` (its parent made if missing) to write the export into;
+    a destination on a read-only disk, or in a folder of someone else's, is the user's to
+    change."""
+    parent = os.path.dirname(out_dir)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        _remove_leftovers(out_dir)
+        return tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.export-", dir=parent)
+    except OSError as err:
+        raise FlaxlmError(
+            f"Cannot export to {out_dir}: flaxlm cannot write in {parent} "
+            f"({err.strerror or err}). Choose an out= in a directory you can write to."
+        ) from None
 
 
 def check_destination(out_dir: str, overwrite: bool = False, run_dir: str | None = None) -> None:

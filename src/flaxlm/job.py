@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from flaxlm import distributed
 from flaxlm.config import ObjectiveMode, ObjectiveValue, TrainConfig
-from flaxlm.errors import FlaxlmError, PeerError
+from flaxlm.errors import FlaxlmError, PeerError, writable_dir
 from flaxlm.layout import METRICS_FILE, run_path
 from flaxlm.parallel import configure_platform, make_mesh
 from flaxlm.run_records import FAILED, FINISHED, PREEMPTED, RUNNING, read_metrics, write_status
@@ -33,7 +33,6 @@ from flaxlm.runs import (
     disk_full_error,
     make_checkpointer,
     open_shared_run_dir,
-    writable_dir,
 )
 from flaxlm.tasks.base import JobContext
 from flaxlm.tasks.registry import task_named

@@ -17,17 +17,17 @@ import os
 import secrets
 import shutil
 import sys
-import tempfile
 import time
 from typing import Any, NamedTuple
 
 import jax
+import yaml
 from omegaconf import OmegaConf
 
 from flaxlm import distributed
 from flaxlm.config import CheckpointConfig, ResumeMode, TrainConfig, dotted
 from flaxlm.data.loader import DATA_SIZE_KEYS
-from flaxlm.errors import FlaxlmError
+from flaxlm.errors import FlaxlmError, writable_dir, yaml_error_text
 from flaxlm.layout import (
     CHECKPOINT_SUBDIR,
     CONFIG_FILE,
@@ -39,6 +39,7 @@ from flaxlm.layout import (
 from flaxlm.training.checkpoint import (
     Checkpointer,
     disk_full_cause,
+    disk_full_text,
     finalised_steps,
     key_from_json,
 )
@@ -79,20 +80,6 @@ def _failed_start(run_dir: str) -> bool:
     checkpoints = run_path(run_dir, CHECKPOINT_SUBDIR)
     return (os.path.getsize(run_path(run_dir, METRICS_FILE)) == 0
             and not (os.path.isdir(checkpoints) and os.listdir(checkpoints)))
-
-
-def writable_dir(path: str, setting: str, advice: str) -> str:
-    """`path` as an absolute directory, created if missing, checked writable by creating a file
-    in it; otherwise a FlaxlmError naming `setting` and giving `advice`."""
-    path = os.path.abspath(os.path.expanduser(path))
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as err:
-        raise FlaxlmError(f"{setting}={path} is not a directory flaxlm can write to "
-                          f"({err.strerror or err}). {advice}") from None
-    return path
 
 
 # Settings a resumed run may change: how often it logs, evaluates and checkpoints, how long it
@@ -270,7 +257,14 @@ def _config_changes(saved_config_path: str, resolved: dict) -> list[str] | None:
     "key: old → new"; None when there is no saved config."""
     if not os.path.exists(saved_config_path):
         return None
-    saved = dotted(OmegaConf.to_container(OmegaConf.load(saved_config_path), resolve=True))
+    try:
+        saved = dotted(OmegaConf.to_container(OmegaConf.load(saved_config_path), resolve=True))
+    except yaml.YAMLError as err:
+        raise FlaxlmError(
+            f"Cannot resume the run in {os.path.dirname(saved_config_path)}: the config it is "
+            f"checked against is damaged ({yaml_error_text(err)}). Restore the file, or start a "
+            "new run."
+        ) from None
     current = dotted(resolved)
     # Keys only one side has are settings added (or removed) by a flaxlm upgrade in between:
     # the run did not use them, so they do not make it another run.
@@ -489,12 +483,9 @@ def disk_full_error(err: BaseException, run_dir: str) -> FlaxlmError | None:
     export, a cache), as a message saying what is kept and how to go on; None for any other
     error. orbax saves a step under a temporary name, so a save that ran out of space never
     replaces the last complete checkpoint."""
-    cause = disk_full_cause(err)
-    if cause is None:
+    text = disk_full_text(err)
+    if text is None:
         return None
-    text = str(cause).strip().splitlines()[0]
-    if len(text) > 400:  # tensorstore's text: the file and the reason come last
-        text = "…" + text[-400:]
     steps = finalised_steps(run_path(run_dir, CHECKPOINT_SUBDIR))
     kept = (f"Its last complete checkpoint, step {steps[-1]}, is intact: free some space and "
             "run the same command to resume."

@@ -34,7 +34,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from flaxlm.cli.optuna_study import continue_study, is_optuna
-from flaxlm.errors import FlaxlmError
+from flaxlm.errors import FlaxlmError, writable_dir
 
 STATUS_SUBDIR = "job-status"
 SWEEP_LOCK_FILE = ".sweep-lock"  # in the sweep directory
@@ -228,8 +228,6 @@ def _fail_interrupted_jobs(sweep_dir: str) -> None:
 
 
 def _check_writable(path: str, setting: str) -> str:
-    from flaxlm.runs import writable_dir  # here: the callbacks load before JAX is configured
-
     try:
         return writable_dir(path, setting, f"Set {setting} to a directory you can write to.")
     except FlaxlmError as err:

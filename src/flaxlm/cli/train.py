@@ -16,6 +16,7 @@ import sys
 import traceback
 
 import hydra
+import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 from hydra.types import RunMode
@@ -24,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from flaxlm.cli.sweep import SweepJob
 from flaxlm.config import register_configs
-from flaxlm.errors import FlaxlmError
+from flaxlm.errors import FlaxlmError, yaml_error_text
 
 
 def config_dir() -> str:
@@ -126,10 +127,34 @@ def main() -> None:
         message = str(err).split("\nConfig search path")[0]
         if isinstance(err.__cause__, OmegaConfBaseException):
             message += f" ({str(err.__cause__).splitlines()[0]})"
-        message = " ".join(message.split())
-        print(f"flaxlm: error: {message}. Run `flaxlm-train --help` for the config groups "
-              "and `flaxlm-train --cfg job` for the composed config.", file=sys.stderr)
-        sys.exit(2)
+        exit_with_config_error(" ".join(message.split()))
+    except (yaml.YAMLError, UnicodeDecodeError) as err:  # a file of the user's (--config-dir)
+        if full_error_asked or raised_by_the_job(err):
+            raise
+        exit_with_config_error(f"{config_file_problem(err)}. Fix the file, or choose another "
+                               "option of its config group")
+
+
+def config_file_problem(err: yaml.YAMLError | UnicodeDecodeError) -> str:
+    if isinstance(err, yaml.YAMLError):  # its text names the file
+        return f"A config file is not valid YAML: {yaml_error_text(err)}"
+    # Hydra's file source holds the file's path as `full_path` while it reads it.
+    paths = [frame.f_locals.get("full_path") for frame, _ in traceback.walk_tb(err.__traceback__)]
+    path = next((p for p in reversed(paths) if isinstance(p, str)), "(its name unknown)")
+    return (f"A config file is not UTF-8 text: {path}, byte {err.object[err.start]:#04x} at "
+            f"offset {err.start}")
+
+
+def raised_by_the_job(err: BaseException) -> bool:
+    """Whether `err` came from the job Hydra ran, not from composing its config."""
+    job = train_job.__wrapped__.__code__
+    return any(frame.f_code is job for frame, _ in traceback.walk_tb(err.__traceback__))
+
+
+def exit_with_config_error(message: str) -> None:
+    print(f"flaxlm: error: {message}. Run `flaxlm-train --help` for the config groups "
+          "and `flaxlm-train --cfg job` for the composed config.", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -111,6 +112,7 @@ class Checkpointer:
         # traceback ("cannot schedule new futures after interpreter shutdown"). Wait for it.
         self._manager._maybe_await_cleanup_tmp_directory()
         _quiet_disk_full_logs()
+        _quiet_closed_loop_callbacks()
 
     def steps(self) -> list[int]:
         """Steps of finalised checkpoints, oldest first."""
@@ -340,16 +342,30 @@ _DISK_FULL_TEXTS = tuple(os.strerror(code) for code in _DISK_FULL_ERRNOS) + tupl
 
 
 def disk_full_cause(err: BaseException | None) -> BaseException | None:
-    """The error in `err`'s chain (itself, its cause or context) that says a disk is full."""
+    """The error in `err`'s chain (itself, its cause or context) that says a disk is full. A
+    FlaxlmError's text is flaxlm's own account of it: the system's words lie further down."""
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
         if isinstance(err, OSError) and err.errno in _DISK_FULL_ERRNOS:
             return err
-        if any(text in str(err) for text in _DISK_FULL_TEXTS):
+        if not isinstance(err, FlaxlmError) and any(text in str(err)
+                                                     for text in _DISK_FULL_TEXTS):
             return err
         err = err.__cause__ or err.__context__
     return None
+
+
+def disk_full_text(err: BaseException) -> str | None:
+    """What `disk_full_cause` says, in one line short enough for a message; None when nothing
+    in `err`'s chain says a disk is full."""
+    cause = disk_full_cause(err)
+    if cause is None:
+        return None
+    text = str(cause).strip().splitlines()[0]
+    if len(text) > 400:  # tensorstore's text: the file and the reason come last
+        text = "…" + text[-400:]
+    return text
 
 
 class _DropDiskFullTracebacks(logging.Filter):
@@ -365,6 +381,35 @@ def _quiet_disk_full_logs() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropDiskFullTracebacks) for f in logger.filters):
             logger.addFilter(_DropDiskFullTracebacks())
+
+
+class _DropClosedLoopCallbacks:
+    """`sys.unraisablehook` less the noise of a failed read or write. orbax runs a checkpoint's
+    array writes (or reads) concurrently in an event loop of its own, which it closes as soon
+    as one of them fails; each one still under way calls back into that closed loop when it
+    ends, and tensorstore reports the `RuntimeError: Event loop is closed` as unraisable, one
+    traceback per array, around the failure flaxlm reports. Those alone are dropped; anything
+    else goes to the hook there was."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, unraisable) -> None:
+        if not _is_closed_loop_callback(unraisable):
+            self.previous(unraisable)
+
+
+def _is_closed_loop_callback(unraisable) -> bool:
+    if not (isinstance(unraisable.exc_value, RuntimeError) and unraisable.object is None
+            and str(unraisable.exc_value) == "Event loop is closed"):
+        return False
+    frames = [frame.f_code.co_name for frame, _ in traceback.walk_tb(unraisable.exc_traceback)]
+    return frames[:1] == ["call_soon_threadsafe"]
+
+
+def _quiet_closed_loop_callbacks() -> None:
+    if not isinstance(sys.unraisablehook, _DropClosedLoopCallbacks):
+        sys.unraisablehook = _DropClosedLoopCallbacks(sys.unraisablehook)
 
 
 def _first_line(err: BaseException) -> str:
