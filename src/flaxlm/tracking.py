@@ -40,11 +40,13 @@ class Tracker:
         self._path = run_path(run_dir, METRICS_FILE) if run_dir is not None else None
         self._jsonl = open(self._path, "a", buffering=1) if self._path is not None else None
 
-    def rewind(self, step: int) -> int:
+    def rewind(self, step: int, evaluates_again: bool = False) -> int:
         """Drop the metrics.jsonl lines after `step` (those of a run that was killed after its
         last checkpoint, and a half-written last line): a resumed run then continues the file
-        exactly as the uninterrupted run wrote it. Returns how many lines were dropped. (A W&B
-        run keeps what it was sent; it ignores steps logged again.)"""
+        exactly as the uninterrupted run wrote it. `evaluates_again`: the resumed run evaluates
+        `step` again (a stop cut that evaluation short), so an evaluation logged at `step` by
+        an earlier resume goes too. Returns how many lines were dropped. (A W&B run keeps what
+        it was sent; it ignores steps logged again.)"""
         if self._jsonl is None:
             return 0
         self._jsonl.close()
@@ -55,7 +57,9 @@ class Tracker:
                     record = json.loads(line)
                 except json.JSONDecodeError:
                     record = None
-                if record is None or not line.endswith("\n") or record.get("step", 0) > step:
+                if (record is None or not line.endswith("\n") or record.get("step", 0) > step
+                        or (evaluates_again and record.get("step") == step
+                            and any(key.startswith("eval/") for key in record))):
                     dropped += 1
                 else:
                     kept.append(line)
