@@ -32,6 +32,7 @@ from flaxlm.parallel import replicated
 from flaxlm.tasks import base
 from flaxlm.tasks.base import JobContext, Start
 from flaxlm.training import evaluation
+from flaxlm.training.checkpoint import StopRequest
 from flaxlm.training.plan import global_batch_size
 from flaxlm.training.step import CompiledSteps, compile_train_step
 
@@ -226,9 +227,9 @@ class ClassifierEvaluator:
     padding: Padding
     last_predictions: np.ndarray | None = None
 
-    def __call__(self, params) -> dict[str, float]:
+    def __call__(self, params, stop: StopRequest | None = None) -> dict[str, float]:
         results, self.last_predictions = evaluation.evaluate(
             lambda batch: self.steps.eval(params, batch), self.arrays, self.global_batch_size,
-            self.mesh, self.metrics, self.is_regression, self.num_labels, self.padding,
+            self.mesh, self.metrics, self.is_regression, self.num_labels, self.padding, stop,
         )
         return results
