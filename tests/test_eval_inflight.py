@@ -17,8 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxlm.parallel import make_mesh, replicated
-from flaxlm.training.evaluation import predict
-from flaxlm.training.loop import Evaluator
+from flaxlm.training.evaluation import LMEvaluator, predict
 from flaxlm.training.step import CompiledSteps
 
 NUM_BATCHES = 16  # the queue of an unbounded loop grows past 2 within a few batches
@@ -61,7 +60,7 @@ def evaluate_lm(mesh, num_batches: int) -> InFlightCounter:
     counter = InFlightCounter(jax.jit(eval_sums, out_shardings=replicated(mesh)))
     blocks = np.ones((num_batches * 4 - 1, 8), np.int32)
     token_bytes = jax.device_put(np.ones(4, np.float32), replicated(mesh))
-    evaluate = Evaluator(CompiledSteps(train=None, eval=counter), blocks, 4, mesh, token_bytes)
+    evaluate = LMEvaluator(CompiledSteps(train=None, eval=counter), blocks, 4, mesh, token_bytes)
     assert evaluate(params=None)["eval/loss"] == 8.0  # every real row sums to 8
     assert len(counter.results) == num_batches
     return counter

@@ -89,8 +89,8 @@ elif fault == "save":
 
     atomicity.AtomicRenameTemporaryPath.finalize = finalize_killing
 elif fault == "eval":
-    import flaxlm.training.loop as loop
-    eval_batches = loop.eval_batches
+    import flaxlm.training.evaluation as evaluation
+    eval_batches = evaluation.eval_batches
 
     def eval_batches_killing(*args, **kwargs):
         for index, batch in enumerate(eval_batches(*args, **kwargs)):
@@ -98,7 +98,7 @@ elif fault == "eval":
                 kill_at(int(argument))
             yield batch
 
-    loop.eval_batches = eval_batches_killing
+    evaluation.eval_batches = eval_batches_killing
 elif fault == "export":
     rename = os.rename
 

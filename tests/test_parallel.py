@@ -11,7 +11,7 @@ from flaxlm.data.loader import block_loader, block_rows, eval_batches
 from flaxlm.models.gpt2 import GPT2LMHeadModel
 from flaxlm.models.layers import TransformerSpec
 from flaxlm.parallel import global_batch, make_mesh, replicated
-from flaxlm.training.loop import Evaluator
+from flaxlm.training.evaluation import LMEvaluator
 from flaxlm.training.optimizer import make_optimizer, make_schedule
 from flaxlm.training.step import compile_steps, create_state, next_token_losses
 
@@ -56,7 +56,7 @@ def test_eval_on_8_devices_counts_every_token_once(num_blocks):
     data = blocks(num_blocks, seed=num_blocks)
     token_bytes = np.arange(128, dtype=np.int32) % 5
     mesh, graphdef, state, steps = build(8)
-    evaluate = Evaluator(steps, data, 16, mesh, jax.device_put(token_bytes, replicated(mesh)))
+    evaluate = LMEvaluator(steps, data, 16, mesh, jax.device_put(token_bytes, replicated(mesh)))
     result = evaluate(state.params)
 
     model = nnx.merge(graphdef, jax.device_get(state.params))

@@ -27,7 +27,7 @@ from flaxlm.errors import FlaxlmError
 from flaxlm.job import train
 from flaxlm.models import hf
 from flaxlm.tracking import Tracker
-from flaxlm.training import loop
+from flaxlm.training import evaluation
 from flaxlm.training.checkpoint import PREEMPTED_EXIT_CODE, Preempted, restore_params
 
 # 2 epochs of 10 steps; a checkpoint every 4 steps and at each epoch end.
@@ -248,7 +248,7 @@ LONG_EVAL = [*TINY, "language.max_train_docs=12", "language.max_eval_docs=6",
 def sigterm_in_evaluation(monkeypatch, call: int):
     """Send SIGTERM to this process while the `call`-th evaluation of the run dispatches its
     second batch."""
-    eval_batches = loop.eval_batches
+    eval_batches = evaluation.eval_batches
     calls = [0]
 
     def eval_batches_signalling(*args, **kwargs):
@@ -258,7 +258,7 @@ def sigterm_in_evaluation(monkeypatch, call: int):
                 os.kill(os.getpid(), signal.SIGTERM)
             yield batch
 
-    monkeypatch.setattr(loop, "eval_batches", eval_batches_signalling)
+    monkeypatch.setattr(evaluation, "eval_batches", eval_batches_signalling)
 
 
 @pytest.mark.slow

@@ -38,8 +38,7 @@ from flaxlm.tasks.base import JobContext
 from flaxlm.tasks.registry import task_named
 from flaxlm.tracking import start_tracker
 from flaxlm.training.checkpoint import PREEMPTED_EXIT_CODE, Preempted, StopRequest
-from flaxlm.training.evaluation import default_metrics
-from flaxlm.training.loop import describe
+from flaxlm.training.evaluation import default_metrics, describe
 from flaxlm.training.optimizer import check_optimizer_settings
 from flaxlm.training.plan import global_batch_size
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -30,9 +30,11 @@ from flaxlm.models.layers import TransformerSpec, count_params
 from flaxlm.runs import DATA_FINGERPRINT_KEY, CheckpointSaver, RunDir, restore_run
 from flaxlm.tracking import Tracker
 from flaxlm.training.checkpoint import Checkpointer, StopRequest, key_to_json
-from flaxlm.training.loop import LoopState, Plan, Throughput, fit
+from flaxlm.training.evaluation import Evaluate
+from flaxlm.training.hooks import standard_hooks
+from flaxlm.training.loop import Hook, LoopState, Throughput, fit
 from flaxlm.training.optimizer import make_optimizer, make_schedule
-from flaxlm.training.plan import make_plan
+from flaxlm.training.plan import Plan, make_plan
 from flaxlm.training.step import CompiledSteps, TrainState, create_state
 
 
@@ -239,12 +241,15 @@ def banner(job: JobContext, training: Training, model: ModelConfig, what: str,
             f"run dir {job.run.path}")
 
 
-def run_loop(job: JobContext, training: Training, loader, evaluate,
-             throughput: Throughput) -> tuple[TrainState, dict[str, float]]:
-    """The loop, checkpointing with the run's metadata; the final state and last evaluation."""
+def run_loop(job: JobContext, training: Training, loader, evaluate: Evaluate,
+             throughput: Throughput, hooks: Sequence[Hook] = ()
+             ) -> tuple[TrainState, dict[str, float]]:
+    """The loop with the standard hooks and the task's own `hooks` (see training/hooks.py),
+    checkpointing with the run's metadata; the final state and last evaluation."""
     saver = CheckpointSaver(job.checkpointer, loader, training.metadata)
-    state, last_eval = fit(training.state, training.steps, loader, evaluate, training.plan,
-                           throughput, job.tracker, training.dropout_key, save=saver,
+    state, last_eval = fit(training.state, training.steps, loader, training.plan, throughput,
+                           job.tracker, training.dropout_key,
+                           standard_hooks(training.plan, evaluate, extra=hooks), save=saver,
                            resume=training.resume, stop=job.stop)
     print(f"flaxlm: {saver.describe()}")
     return state, last_eval

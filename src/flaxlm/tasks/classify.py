@@ -9,19 +9,17 @@ HF-loadable model/.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import datasets
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import tokenizers
 from flax import nnx
 
 from flaxlm import layout
-from flaxlm.config import ModelConfig, ModelFamily, Padding, TrainConfig
+from flaxlm.config import ModelConfig, ModelFamily, TrainConfig
 from flaxlm.data.encoding import encode, example_loader, max_length_for
 from flaxlm.data.examples import load_examples
 from flaxlm.data.fingerprint import arrays_fingerprint
@@ -32,7 +30,6 @@ from flaxlm.parallel import replicated
 from flaxlm.tasks import base
 from flaxlm.tasks.base import JobContext, Start
 from flaxlm.training import evaluation
-from flaxlm.training.checkpoint import StopRequest
 from flaxlm.training.plan import global_batch_size
 from flaxlm.training.step import CompiledSteps, compile_train_step
 
@@ -102,7 +99,7 @@ class Classification:
         )
         base.start_model_dir(job, start.model, tokenizer, hf_config)
 
-        evaluator = ClassifierEvaluator(
+        evaluator = evaluation.ClassifierEvaluator(
             training.steps, eval_arrays, base.eval_batch_size(job), job.mesh, metrics,
             examples.is_regression, examples.num_labels, config.task.padding,
         )
@@ -210,26 +207,3 @@ def compile_classifier_steps(mesh, graphdef, tx, schedule, is_regression: bool,
     train = compile_train_step(mesh, graphdef, tx, schedule, loss_fn, grad_accum_steps,
                                skip_nonfinite)
     return CompiledSteps(train=train, eval=jax.jit(logits, out_shardings=replicated(mesh)))
-
-
-@dataclasses.dataclass
-class ClassifierEvaluator:
-    """Loss and the task's metrics over every eval example exactly once; keeps the last
-    predictions for predictions.jsonl."""
-
-    steps: CompiledSteps
-    arrays: dict[str, np.ndarray]
-    global_batch_size: int
-    mesh: object
-    metrics: list[str]
-    is_regression: bool
-    num_labels: int
-    padding: Padding
-    last_predictions: np.ndarray | None = None
-
-    def __call__(self, params, stop: StopRequest | None = None) -> dict[str, float]:
-        results, self.last_predictions = evaluation.evaluate(
-            lambda batch: self.steps.eval(params, batch), self.arrays, self.global_batch_size,
-            self.mesh, self.metrics, self.is_regression, self.num_labels, self.padding, stop,
-        )
-        return results

@@ -31,7 +31,7 @@ from flaxlm.models.build import lm_from_params
 from flaxlm.parallel import replicated
 from flaxlm.tasks import base
 from flaxlm.tasks.base import JobContext
-from flaxlm.training.loop import Evaluator
+from flaxlm.training.evaluation import LMEvaluator
 from flaxlm.training.plan import global_batch_size
 from flaxlm.training.step import compile_steps
 
@@ -88,7 +88,7 @@ class CausalLM:
 
         token_bytes = jax.device_put(jnp.asarray(token_byte_lengths(tokenizer)),
                                      replicated(job.mesh))
-        evaluator = Evaluator(training.steps, eval_blocks, base.eval_batch_size(job), job.mesh,
+        evaluator = LMEvaluator(training.steps, eval_blocks, base.eval_batch_size(job), job.mesh,
                               token_bytes)
         speed = base.throughput(job, batch_size * seq_len,
                            flops_per_token(config.model, training.num_params, seq_len))

@@ -1,21 +1,27 @@
-"""Distributed evaluation of a classifier that counts every example exactly once.
+"""Evaluation, for every task: each validation token or example counted exactly once.
+
+The language model's (`LMEvaluator`): loss, perplexity and bits per byte from sums over all
+batches, divided once. The classifier's (`ClassifierEvaluator`): loss and the task's metrics,
+computed once over all the predictions.
 
 Two common ways to get this wrong: dropping the incomplete last batch, or padding it by
 repeating examples and forgetting to remove the repeats. Here the eval batches are padded with
-zero rows and a mask (data/loader.py), each batch's outputs are gathered to every process in
-global row order (batch order, then mesh device order: exactly the dataset order), the padded
-rows are dropped by the mask, and the metrics are computed once, on exactly the N real
-examples, by scikit-learn and scipy.
+zero rows and a mask (data/loader.py). The LM's sums are masked on the device. A classifier's
+outputs are gathered to every process in global row order (batch order, then mesh device
+order: exactly the dataset order), the padded rows are dropped by the mask, and the metrics are
+computed once, on exactly the N real examples, by scikit-learn and scipy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import tempfile
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import jax
 import numpy as np
@@ -23,17 +29,99 @@ import scipy.stats
 import sklearn.metrics
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
+from tqdm.auto import tqdm
 
 from flaxlm.config import Padding
 from flaxlm.data.encoding import example_rows
-from flaxlm.data.loader import eval_batches, num_eval_batches
+from flaxlm.data.loader import block_rows, eval_batches, num_eval_batches
 from flaxlm.errors import FlaxlmError
 from flaxlm.training.checkpoint import StopRequest, unless_stopped
 from flaxlm.training.inflight import ready_in_order
+from flaxlm.training.progress import progress_file
+from flaxlm.training.step import CompiledSteps
 
 CLASSIFICATION_METRICS = ("accuracy", "f1", "matthews")
 REGRESSION_METRICS = ("pearson", "spearman")
 KNOWN_METRICS = CLASSIFICATION_METRICS + REGRESSION_METRICS
+
+
+class Evaluate(Protocol):
+    def __call__(self, params, stop: StopRequest | None = None) -> dict[str, float]:
+        """`eval/loss` and the task's other `eval/…` metrics of `params`; a requested `stop`
+        cuts it short (`EvaluationCut`)."""
+
+
+def describe(evaluation: dict[str, float]) -> str:
+    """One line from any task's eval record: 'eval loss 6.3981 | perplexity 600.38 | …'."""
+    parts = [f"eval loss {evaluation['eval/loss']:.4f}"]
+    for key, value in evaluation.items():
+        if key.startswith("eval/") and key != "eval/loss":
+            name = key.removeprefix("eval/").replace("bits_per_byte", "bits/byte")
+            parts.append(f"{name} {value:.4g}")
+    return " | ".join(parts)
+
+
+# --- the language model --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class LMEvaluator:
+    steps: CompiledSteps
+    blocks: np.ndarray
+    global_batch_size: int
+    mesh: Mesh
+    token_bytes: jax.Array  # (vocab,) UTF-8 bytes per token id
+
+    def __call__(self, params, stop: StopRequest | None = None) -> dict[str, float]:
+        """Loss over every validation token exactly once: sums over all batches, divided once.
+        A requested `stop` cuts it short (`EvaluationCut`).
+
+        Each batch's sums are fetched one batch after its dispatch, so only a couple of eval
+        programs are ever queued (see `inflight` for why that matters), and are added up on
+        the host in float64.
+        """
+        gather = block_rows(self.blocks, self.global_batch_size, self.mesh)
+        batches = eval_batches(len(self.blocks), self.global_batch_size, self.mesh, gather)
+        dispatched = (self.steps.eval(params, inputs, mask, self.token_bytes)
+                      for inputs, mask in batches)
+        total = num_eval_batches(len(self.blocks), self.global_batch_size)
+        totals = dict.fromkeys(("loss_sum", "tokens", "bytes"), 0.0)
+        for sums in tqdm(unless_stopped(ready_in_order(dispatched), stop, total), total=total,
+                         desc="eval", leave=False, file=progress_file()):
+            for key, value in jax.device_get(sums).items():
+                totals[key] += float(value)
+        loss = totals["loss_sum"] / totals["tokens"]
+        return {
+            "eval/loss": loss,
+            "eval/perplexity": math.exp(min(loss, 700.0)),
+            "eval/bits_per_byte": totals["loss_sum"] / (math.log(2) * totals["bytes"]),
+        }
+
+
+# --- the classifier ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ClassifierEvaluator:
+    """Loss and the task's metrics over every eval example exactly once; keeps the last
+    predictions for predictions.jsonl."""
+
+    steps: CompiledSteps
+    arrays: dict[str, np.ndarray]
+    global_batch_size: int
+    mesh: Mesh
+    metrics: list[str]
+    is_regression: bool
+    num_labels: int
+    padding: Padding
+    last_predictions: np.ndarray | None = None
+
+    def __call__(self, params, stop: StopRequest | None = None) -> dict[str, float]:
+        results, self.last_predictions = evaluate(
+            lambda batch: self.steps.eval(params, batch), self.arrays, self.global_batch_size,
+            self.mesh, self.metrics, self.is_regression, self.num_labels, self.padding, stop,
+        )
+        return results
 
 
 # --- prediction ----------------------------------------------------------------------------------

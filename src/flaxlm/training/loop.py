@@ -1,50 +1,41 @@
-"""The training loop: epochs of jitted steps, evaluation, logging and progress bars.
+"""The training loop: one jitted step after another, and hooks that run on a cadence or at events.
 
-The loop is the only place that waits for the device. On several hosts only process 0 shows
-progress bars. It dispatches step t, then fetches the
-metrics of step t-1, which are long done by then, so the host never stalls the accelerator.
+`fit` only steps: it dispatches step t, then fetches the metrics of step t-1, which are long
+done by then, so the host never stalls the accelerator. Everything else a run does while it
+trains (log, evaluate, checkpoint, stop on a signal, report an epoch) is a `Hook` that runs
+every N steps or at an event: `training/hooks.py` has the standard ones, in the order they
+run. A new periodic thing (a downstream evaluation, a profiler window) is one more hook.
+
+Epochs are derived from the step count: step s is step `s % steps_per_epoch` of epoch
+`s // steps_per_epoch`, and the loader's epochs are chained into one stream of batches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import io
-import math
-import sys
 import time
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from flaxlm import distributed
-from flaxlm.data.loader import BatchSource, block_rows, eval_batches, num_eval_batches
+from flaxlm.data.loader import Batch, BatchSource
 from flaxlm.errors import FlaxlmError
 from flaxlm.layout import TOKENS_SEEN
 from flaxlm.tracking import Tracker
-from flaxlm.training.checkpoint import EvaluationCut, Preempted, StopRequest, unless_stopped
-from flaxlm.training.inflight import ready_in_order
+from flaxlm.training.checkpoint import Preempted, StopRequest
+from flaxlm.training.plan import Plan
+from flaxlm.training.progress import progress_file
 from flaxlm.training.step import CompiledSteps, TrainState
 
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """How long to train and how often to evaluate, log and checkpoint, in steps."""
-
-    steps_per_epoch: int
-    total_steps: int
-    eval_every: int | None
-    log_every: int
-    eval_before_training: bool
-    checkpoint_every: int | None = None  # also at epoch ends (if below), the last step, on stop
-    checkpoint_at_epoch_end: bool = True
-    count_skipped: bool = False  # trainer.skip_nonfinite: log train/skipped_steps
-
-    @property
-    def num_epochs(self) -> int:
-        return math.ceil(self.total_steps / self.steps_per_epoch)
+# The events a hook can run at, besides its `every`: the loop starts (or resumes) before its
+# first step; a step ends an epoch (or is the last step); the last step.
+START, EPOCH_END, END = "start", "epoch_end", "end"
+# Every step's events include STEP: a hook's `every` counts those.
+STEP = "step"
 
 
 @dataclasses.dataclass
@@ -88,188 +79,183 @@ class Throughput:
     peak_flops: float | None  # all devices of the mesh together; None → no MFU logged
 
 
-@dataclasses.dataclass
-class Evaluator:
-    steps: CompiledSteps
-    blocks: np.ndarray
-    global_batch_size: int
-    mesh: Mesh
-    token_bytes: jax.Array  # (vocab,) UTF-8 bytes per token id
+class Hook:
+    """Something the loop does after every `every` steps and at the events in `at` (START,
+    EPOCH_END, END); at most once per step, in the order of the loop's hooks.
 
-    def __call__(self, params, stop: StopRequest | None = None) -> dict[str, float]:
-        """Loss over every validation token exactly once: sums over all batches, divided once.
-        A requested `stop` cuts it short (`EvaluationCut`).
+    A hook reads and acts through the `Loop` it is called with. Before it runs, the loop
+    fetches the step's metrics (its loss is then known finite), unless `fetches` is False:
+    a hook that runs every step and needs no metrics must leave them on the device, or the
+    host would wait for every step.
+    """
 
-        Each batch's sums are fetched one batch after its dispatch, so only a couple of eval
-        programs are ever queued (see `inflight` for why that matters), and are added up on
-        the host in float64.
-        """
-        gather = block_rows(self.blocks, self.global_batch_size, self.mesh)
-        batches = eval_batches(len(self.blocks), self.global_batch_size, self.mesh, gather)
-        dispatched = (self.steps.eval(params, inputs, mask, self.token_bytes)
-                      for inputs, mask in batches)
-        total = num_eval_batches(len(self.blocks), self.global_batch_size)
-        totals = dict.fromkeys(("loss_sum", "tokens", "bytes"), 0.0)
-        for sums in tqdm(unless_stopped(ready_in_order(dispatched), stop, total), total=total,
-                         desc="eval", leave=False, file=_progress_file()):
-            for key, value in jax.device_get(sums).items():
-                totals[key] += float(value)
-        loss = totals["loss_sum"] / totals["tokens"]
-        return {
-            "eval/loss": loss,
-            "eval/perplexity": math.exp(min(loss, 700.0)),
-            "eval/bits_per_byte": totals["loss_sum"] / (math.log(2) * totals["bytes"]),
-        }
+    fetches = True
+
+    def __init__(self, every: int | None = None, at: Sequence[str] = ()):
+        self.every = every
+        self.at = frozenset(at)
+
+    def due(self, step: int, events: frozenset[str]) -> bool:
+        periodic = STEP in events and bool(self.every) and step % self.every == 0
+        return periodic or bool(self.at & events)
+
+    def __call__(self, loop: Loop) -> None:
+        raise NotImplementedError
+
+
+class Loop:
+    """What hooks see of the loop, and what they may do: its position (`step`, `epoch`,
+    `events`), the train state, the train metrics since the last log (`window`), the last
+    evaluation, the tracker and the stop request; `fetch_metrics`, `record_eval`, `checkpoint`
+    and `preempt`."""
+
+    def __init__(self, state: TrainState, plan: Plan, throughput: Throughput,
+                 tracker: Tracker, stop: StopRequest, save: Saver | None,
+                 resume: LoopState | None, bar: tqdm | None = None):
+        progress = resume or LoopState()
+        self.state, self.plan, self.tracker, self.stop = state, plan, tracker, stop
+        self.throughput = throughput
+        self.step = progress.step
+        self.resumed = resume is not None
+        self.events: frozenset[str] = frozenset()
+        self.window = _Window(throughput, progress.window_losses, progress.window_skipped,
+                              plan.count_skipped)
+        self.last_eval = dict(progress.last_eval)
+        self.evaluated_at: int | None = None  # the step of `last_eval`, if this start did it
+        self.eval_due = progress.eval_due
+        self._save, self._bar = save, bar
+        self._last_saved = progress.step if resume else None
+        self._pending = None  # (step, metrics) of a step still on the device
+
+    @property
+    def epoch(self) -> float:
+        """Epochs trained: the epoch value of every log line."""
+        epoch, step_in_epoch = divmod(self.step, self.plan.steps_per_epoch)
+        return epoch + step_in_epoch / self.plan.steps_per_epoch
+
+    def tokens_seen(self) -> dict[str, int]:
+        # Token positions trained on (for classify: padded widths, as tokens/s counts them).
+        return {TOKENS_SEEN: self.step * self.throughput.tokens_per_step}
+
+    def show(self, **values: str) -> None:
+        """Show `values` beside the progress bar."""
+        if self._bar is not None:
+            self._bar.set_postfix(values)
+
+    def fetch_metrics(self) -> None:
+        """Fetch the metrics of a step not yet fetched into `window`, which stops the run on a
+        non-finite loss (or counts a skipped step)."""
+        if self._pending is not None:
+            step, metrics = self._pending
+            self._pending = None
+            self.window.add(step, metrics, last_saved=self._last_saved)
+
+    def stepped(self, state: TrainState, metrics) -> None:
+        """The next step is dispatched: its state is the loop's; the previous step's metrics,
+        long computed by now, are fetched; this step's stay on the device for the next."""
+        self.state = state
+        self.step += 1
+        self.fetch_metrics()
+        self._pending = (self.step, metrics)
+
+    def record_eval(self, results: dict[str, float], epoch: float) -> None:
+        """`results` become the run's last evaluation, done at this step, and are logged."""
+        self.last_eval, self.evaluated_at = results, self.step
+        self.tracker.log({**results, "epoch": epoch, **self.tokens_seen()}, step=self.step)
+        self.window.restart_clock()  # evaluation time is not training throughput
+
+    def checkpoint(self, eval_due: float | None = None) -> None:
+        """Save the state after this step (once per step), with this step's evaluation if one
+        was done. Call it only after `fetch_metrics`: a state is saved once its loss is known
+        finite."""
+        if self._save is None or self._last_saved == self.step:
+            return
+        epoch, step_in_epoch = divmod(self.step, self.plan.steps_per_epoch)
+        loop_state = LoopState(self.step, epoch, step_in_epoch, list(self.window.losses),
+                               self.window.skipped, dict(self.last_eval), eval_due)
+        self._save(self.step, self.state, loop_state,
+                   self.last_eval if self.evaluated_at == self.step else None)
+        self._last_saved = self.step
+        self.window.restart_clock()  # nor is the copy off the device
+
+    def preempt(self, eval_due: float | None = None) -> Preempted:
+        """Save the state after this step (its loss checked first) for `Preempted`, which the
+        caller raises; `eval_due`: the epoch of an evaluation of this step a stop cut short."""
+        self.fetch_metrics()
+        self.checkpoint(eval_due)
+        return Preempted(self.step, self.stop.signal_name)
+
+    def run(self, hooks: Sequence[Hook], events: frozenset[str]) -> None:
+        self.events = events
+        for hook in hooks:
+            if hook.due(self.step, events):
+                if hook.fetches:
+                    self.fetch_metrics()
+                hook(self)
 
 
 def fit(
     state: TrainState,
     steps: CompiledSteps,
     loader: BatchSource,
-    evaluate: Evaluator,
     plan: Plan,
     throughput: Throughput,
     tracker: Tracker,
     dropout_key: jax.Array,
+    hooks: Sequence[Hook],
     *,
     save: Saver | None = None,
     resume: LoopState | None = None,
     stop: StopRequest | None = None,
 ) -> tuple[TrainState, dict[str, float]]:
-    """Train for `plan.total_steps`; return the final state and the last evaluation.
+    """Train for `plan.total_steps`, running `hooks` at their steps and events; return the
+    final state and the last evaluation.
 
     `resume` continues a run from a checkpoint's loop state (with `state` restored from the
-    same checkpoint). `save` is called after every step that should be checkpointed, only with
-    a state whose metrics were fetched and found finite; a save that failed in the background
-    stops the loop at the next step. When `stop` is requested (SIGTERM / SIGINT) the loop saves
-    after the current step (an evaluation under way is cut at its next batch, and done again
-    by the resumed run) and raises `Preempted`.
+    same checkpoint). `save` is what `Loop.checkpoint` calls; a save that failed in the
+    background stops the loop at the next step. `stop` is the SIGTERM / SIGINT request the
+    hooks ask (on every process at the same points: the hooks run in the same order
+    everywhere).
     """
-    progress = resume or LoopState()
-    step, last_eval = progress.step, dict(progress.last_eval)
-    last_saved = step if resume else None
-    window = _Window(throughput, progress.window_losses, progress.window_skipped,
-                     plan.count_skipped)
-    stop = stop or StopRequest()
-
-    def seen(step: int) -> dict[str, int]:
-        # Token positions trained on (for classify: padded widths, as tokens/s counts them).
-        return {TOKENS_SEEN: step * throughput.tokens_per_step}
-
-    def run_eval(epoch: float) -> None:
-        nonlocal last_eval
-        try:
-            last_eval = evaluate(state.params, stop)
-        except EvaluationCut as cut:  # nothing logged: these numbers are not an evaluation
-            print(f"flaxlm: {stop.signal_name}: the evaluation at step {step} was cut after "
-                  f"{cut.done} of {cut.total} batches and is not logged; the resumed run "
-                  "evaluates this step again", file=sys.stderr, flush=True)
-            raise preempt(eval_due=epoch) from None
-        tracker.log({**last_eval, "epoch": epoch, **seen(step)}, step=step)
-        window.restart_clock()  # evaluation time is not training throughput
-
-    def checkpoint(epoch: int, step_in_epoch: int, metrics: dict[str, float] | None,
-                   eval_due: float | None = None) -> None:
-        nonlocal last_saved
-        if save is None or last_saved == step:
-            return
-        save(step, state, LoopState(step, epoch, step_in_epoch, list(window.losses),
-                                    window.skipped, dict(last_eval), eval_due), metrics)
-        last_saved = step
-        window.restart_clock()  # nor is the copy off the device
-
-    def check(step_metrics) -> None:
-        window.add(*step_metrics, last_saved=last_saved)
-
-    def preempt(eval_due: float | None = None) -> Preempted:
-        """Save the state after `step` (its loss checked first) for `Preempted`."""
-        nonlocal pending
-        if pending is not None:
-            check(pending)
-            pending = None
-        checkpoint(*divmod(step, plan.steps_per_epoch), None, eval_due)
-        return Preempted(step, stop.signal_name)
-
-    pending = None  # (step, metrics) of the previous step, still on the device
-    if progress.eval_due is not None:  # cut short by the stop this run resumes from
-        run_eval(progress.eval_due)
-        tqdm.write(_describe(f"step {step}" if step else "before training", last_eval))
-    elif plan.eval_before_training and resume is None:
-        run_eval(0.0)
-        tqdm.write(_describe("before training", last_eval))
-
-
-    first_epoch = step // plan.steps_per_epoch
-    epochs = tqdm(total=plan.num_epochs, desc="epoch", position=0, initial=first_epoch,
-                  file=_progress_file())
-    for epoch in range(first_epoch, plan.num_epochs):
-        if step >= plan.total_steps:
-            break
-        start_step = step - epoch * plan.steps_per_epoch
-        epoch_steps = min(plan.steps_per_epoch, plan.total_steps - epoch * plan.steps_per_epoch)
-        bar = tqdm(total=epoch_steps, initial=start_step, desc=f"train (epoch {epoch + 1})",
-                   position=1, leave=False, file=_progress_file())
-        for inputs in loader.epoch(epoch, start_step):
-            if step == plan.total_steps:
-                break
-            state, metrics = steps.train(state, inputs, dropout_key)
-            step += 1
-            if pending is not None:  # fetched only now, after the next step was dispatched
-                check(pending)
-            pending = (step, metrics)
+    first = resume.step if resume else 0
+    bar = tqdm(total=plan.total_steps, initial=first, file=progress_file())
+    loop = Loop(state, plan, throughput, tracker, stop or StopRequest(), save, resume, bar)
+    loop.run(hooks, frozenset({START}))
+    with bar, contextlib.closing(_batches(loader, first, plan.steps_per_epoch)) as batches:
+        # range first: zip then takes no batch beyond the last step
+        for _, inputs in zip(range(loop.step, plan.total_steps), batches):
+            bar.set_description(f"train (epoch {loop.step // plan.steps_per_epoch + 1})",
+                                refresh=False)
+            loop.stepped(*steps.train(loop.state, inputs, dropout_key))
             bar.update()
             if save is not None:
                 save.raise_failed()
-            mid_epoch = bar.n < epoch_steps  # the epoch's last step is handled after the loop
-            save_now = mid_epoch and save is not None and bool(
-                plan.checkpoint_every and step % plan.checkpoint_every == 0
-            )
-            log_now = step % plan.log_every == 0 or step == plan.total_steps
-            if log_now or save_now:  # a state is saved only once its loss is known finite
-                check(pending)
-                pending = None
-            if log_now:
-                record = window.flush(epoch + bar.n / plan.steps_per_epoch)
-                bar.set_postfix(loss=f"{record['train/loss']:.3f}")
-                tracker.log({**record, **seen(step)}, step=step)
-            evaluated = bool(plan.eval_every and step % plan.eval_every == 0 and mid_epoch)
-            if evaluated:
-                run_eval(epoch + bar.n / plan.steps_per_epoch)
-            if save_now:
-                checkpoint(epoch, bar.n, last_eval if evaluated else None)
-            if stop.requested and mid_epoch:  # a signal may arrive at any point of the step
-                raise preempt()
-        bar.close()
-        if pending is not None:
-            check(pending)
-            pending = None
-        run_eval(epoch + bar.n / plan.steps_per_epoch)
-        tqdm.write(
-            f"Epoch {epoch + 1}/{plan.num_epochs} | step {step} | "
-            f"train loss {window.last_loss:.4f} | lr {window.last_lr:.3g} | "
-            + _describe("", last_eval)
-        )
-        if (plan.checkpoint_at_epoch_end or step == plan.total_steps or stop.requested
-                or (plan.checkpoint_every and step % plan.checkpoint_every == 0)):
-            # An epoch that ended exactly here saves the position at the next epoch's start.
-            ended = bar.n == plan.steps_per_epoch
-            checkpoint(epoch + 1 if ended else epoch, 0 if ended else bar.n, last_eval)
-        if stop.requested:
-            raise Preempted(step, stop.signal_name)
-        epochs.update()
-    epochs.close()
-    return state, last_eval
+            loop.run(hooks, _events(loop.step, plan))
+    loop.fetch_metrics()
+    return loop.state, loop.last_eval
 
 
-class _Discard(io.TextIOBase):
-    def write(self, text: str) -> int:
-        return len(text)
+def _events(step: int, plan: Plan) -> frozenset[str]:
+    events = {STEP}
+    if step % plan.steps_per_epoch == 0 or step == plan.total_steps:
+        events.add(EPOCH_END)
+    if step == plan.total_steps:
+        events.add(END)
+    return frozenset(events)
 
 
-def _progress_file() -> io.TextIOBase | None:
-    """Where a progress bar prints: stderr (None) on process 0, nowhere on the others. Not
-    tqdm's `disable`: a disabled bar stops counting, and the loop reads its count."""
-    return None if distributed.is_primary() else _Discard()
+def _batches(loader: BatchSource, step: int, steps_per_epoch: int) -> Iterator[Batch]:
+    """The loader's epochs one after another, from the batch of step `step + 1` on."""
+    epoch, start = divmod(step, steps_per_epoch)
+    while True:
+        yielded = start
+        for batch in loader.epoch(epoch, start):
+            yielded += 1
+            yield batch
+        if yielded < steps_per_epoch:
+            raise RuntimeError(f"the loader's epoch {epoch} ended after {yielded} of its "
+                               f"{steps_per_epoch} batches")
+        epoch, start = epoch + 1, 0
 
 
 class _Window:
@@ -344,18 +330,3 @@ def _diverged(step: int, loss: float, grad_norm: float, last_saved: int | None) 
         "(optimizer.max_grad_norm), check the data, or set trainer.skip_nonfinite=true to skip "
         "such steps and go on."
     )
-
-
-def describe(evaluation: dict[str, float]) -> str:
-    """One line from any task's eval record: 'eval loss 6.3981 | perplexity 600.38 | …'."""
-    parts = [f"eval loss {evaluation['eval/loss']:.4f}"]
-    for key, value in evaluation.items():
-        if key.startswith("eval/") and key != "eval/loss":
-            name = key.removeprefix("eval/").replace("bits_per_byte", "bits/byte")
-            parts.append(f"{name} {value:.4g}")
-    return " | ".join(parts)
-
-
-def _describe(prefix: str, evaluation: dict[str, float]) -> str:
-    text = describe(evaluation)
-    return f"{prefix}: {text}" if prefix else text

@@ -3,9 +3,29 @@ loop's plan (steps, evaluation, logging and checkpoint cadence). Shared by every
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from flaxlm.config import TrainConfig
 from flaxlm.errors import FlaxlmError
-from flaxlm.training.loop import Plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How long to train and how often to evaluate, log and checkpoint, in steps."""
+
+    steps_per_epoch: int
+    total_steps: int
+    eval_every: int | None
+    log_every: int
+    eval_before_training: bool
+    checkpoint_every: int | None = None  # also at epoch ends (if below), the last step, on stop
+    checkpoint_at_epoch_end: bool = True
+    count_skipped: bool = False  # trainer.skip_nonfinite: log train/skipped_steps
+
+    @property
+    def num_epochs(self) -> int:
+        return math.ceil(self.total_steps / self.steps_per_epoch)
 
 
 def global_batch_size(config: TrainConfig, num_devices: int) -> int:
