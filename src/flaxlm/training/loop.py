@@ -122,7 +122,7 @@ class Loop:
                               plan.count_skipped)
         self.last_eval = dict(progress.last_eval)
         self.evaluated_at: int | None = None  # the step of `last_eval`, if this start did it
-        self.eval_due = progress.eval_due
+        self.eval_due = progress.eval_due  # read at the start: see LoopState
         self._save, self._bar = save, bar
         self._last_saved = progress.step if resume else None
         self._pending = None  # (step, metrics) of a step still on the device
@@ -166,10 +166,11 @@ class Loop:
 
     def checkpoint(self, eval_due: float | None = None) -> None:
         """Save the state after this step (once per step), with this step's evaluation if one
-        was done. Call it only after `fetch_metrics`: a state is saved once its loss is known
+        was done. Its metrics are fetched first: a state is saved once its loss is known
         finite."""
         if self._save is None or self._last_saved == self.step:
             return
+        self.fetch_metrics()
         epoch, step_in_epoch = divmod(self.step, self.plan.steps_per_epoch)
         loop_state = LoopState(self.step, epoch, step_in_epoch, list(self.window.losses),
                                self.window.skipped, dict(self.last_eval), eval_due)
