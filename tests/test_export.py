@@ -12,17 +12,16 @@ import numpy as np
 import pytest
 import tokenizers
 import transformers
-from conftest import TINY, compose
+from conftest import TINY, compose, model_config
 from flax import nnx
 
-from flaxlm.config import ModelConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import MARKER, export_hf
 from flaxlm.models import hf
 from flaxlm.models.gpt2 import GPT2LMHeadModel
 from flaxlm.models.layers import TransformerSpec
 
-CONFIG = ModelConfig(name="t", vocab_size=97, n_positions=32, n_embd=64, n_layer=2, n_head=4)
+CONFIG = model_config(name="t", vocab_size=97, n_positions=32, n_embd=64, n_layer=2, n_head=4)
 TEXT = ["the cat sat on the mat", "a much longer prompt on the mat", "the dog ate the cat"] * 5
 FIGURES = {"eval/loss": 6.398, "eval/perplexity": 600.4, "eval/bits_per_byte": 2.56,
            "steps": 230, "tokens_seen": 471040}

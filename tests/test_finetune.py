@@ -33,7 +33,7 @@ TINY_CLASSIFY = [
     "logger=none",
     "optimizer.lr=3e-3",
     "optimizer.warmup_steps=0",
-    "trainer.log_every=5",
+    "trainer.log_every_steps=5",
 ]
 
 _A = "alpha bravo charlie delta echo foxtrot golf hotel".split()
@@ -67,7 +67,7 @@ def pair_files(tmp_path_factory):
 
 def files_overrides(pair_files):
     train, validation = pair_files
-    return [f"task.train_files=[{train}]", f"task.eval_files=[{validation}]"]
+    return [f"task.files=[{train}]", f"task.eval_files=[{validation}]"]
 
 
 def test_finetuning_raises_accuracy_above_chance(pair_files, tmp_path):
@@ -95,7 +95,7 @@ def test_finetuning_raises_accuracy_above_chance(pair_files, tmp_path):
 def test_classify_without_data_fails_clearly(tmp_path):
 
     cfg = compose([*TINY_CLASSIFY], run_dir=tmp_path / "run")
-    with pytest.raises(FlaxlmError, match="task.train_files"):
+    with pytest.raises(FlaxlmError, match="task.files"):
         train(cfg)
 
 

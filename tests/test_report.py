@@ -23,7 +23,7 @@ def _write_run(run_dir, lr: float, eval_losses: list[float], last_step: int = MA
     os.makedirs(run_dir)
     config = {"run_dir": str(run_dir), "seed": 0,
               "optimizer": {"name": "adamw", "lr": lr, "weight_decay": 0.01},
-              "trainer": {"max_steps": MAX_STEPS, "eval_every": 10, **(trainer or {})}}
+              "trainer": {"max_steps": MAX_STEPS, "eval_every_steps": 10, **(trainer or {})}}
     with open(os.path.join(run_dir, CONFIG_FILE), "w") as f:
         yaml.safe_dump(config, f)
     eval_steps = [0, 10, 20][: len(eval_losses)]
@@ -241,7 +241,7 @@ def test_runs_of_which_none_can_be_read_are_one_error(tmp_path, capsys):
 RUN = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.n_positions=64",
        "model.vocab_size=512", "hardware.per_device_batch_size=2", "logger=none",
        "hardware=cpu-8", "language.max_train_docs=12", "language.max_eval_docs=2",
-       "trainer.max_steps=4", "trainer.log_every=2", "checkpoint.every_steps=2",
+       "trainer.max_steps=4", "trainer.log_every_steps=2", "checkpoint.every_steps=2",
        "trainer.eval_before_training=false", "samples.prompts=[]"]
 
 

@@ -42,7 +42,7 @@ from flax import nnx
 from omegaconf import OmegaConf
 
 from flaxlm import layout
-from flaxlm.config import ModelConfig
+from flaxlm.config import ModelConfig, Remat, upgrade_saved_config
 from flaxlm.data.tokenizer import with_document_start
 from flaxlm.errors import FlaxlmError
 from flaxlm.generate import GenerationSettings
@@ -385,6 +385,7 @@ def load_run_model(run_dir: str, step: int | None = None) -> RunModel:
     tokenizer = _load_tokenizer(model_dir, run_dir)
     if os.path.isdir(run_path(run_dir, CHECKPOINT_SUBDIR)):
         params, run_config, step = restore_params(run_dir, step)
+        run_config = upgrade_saved_config(run_config)  # an earlier release's keys too
         model_config = _trained_model_config(run_dir, run_config)
         hf_config = None
         if _is_classifier_run(run_config):
@@ -424,6 +425,10 @@ def _trained_model_config(run_dir: str, run_config: dict) -> ModelConfig:
 
 
 def _as_model_config(values) -> ModelConfig:
+    """A saved model config (a run's model_config.yaml, or its config's model node)."""
+    if not isinstance(values, dict):
+        values = OmegaConf.to_container(values, resolve=True)
+    values = upgrade_saved_config({"model": values})["model"]
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), values))
 
 
@@ -447,8 +452,11 @@ def _from_export(model_dir: str, run_dir: str, tokenizer) -> RunModel:
     if os.path.isfile(run_path(run_dir, layout.MODEL_CONFIG_FILE)):
         model_config = _trained_model_config(run_dir, run_config)
     else:  # the export's own config.json gives the shape
+        # Without a saved config, what config.json leaves out is what generation needs:
+        # no dropout, no recomputation.
         base = _model_config(run_config, run_dir) if "model" in run_config else ModelConfig(
-            name=os.path.basename(run_dir))
+            name=os.path.basename(run_dir), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            remat=Remat.none)
         model_config = pretrained.pretrained_model_config(model_dir, base)
     hf_config = None
     if _is_classifier_run(run_config):
@@ -474,7 +482,7 @@ def _saved_run_config(run_dir: str) -> dict:
     path = run_path(run_dir, layout.CONFIG_FILE)
     if not os.path.isfile(path):
         return {}
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    return upgrade_saved_config(OmegaConf.to_container(OmegaConf.load(path), resolve=False))
 
 
 def _read_marker(model_dir: str) -> dict:

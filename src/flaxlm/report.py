@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from flaxlm.config import dotted
+from flaxlm.config import dotted, upgrade_saved_config
 from flaxlm.errors import FlaxlmError
 from flaxlm.layout import CONFIG_FILE, METRICS_FILE, TOKENS_SEEN, run_path
 from flaxlm.run_records import read_metrics, read_status
@@ -203,7 +203,7 @@ def _read_config(path: str) -> dict[str, Any]:
             tree = yaml.safe_load(f)
         except yaml.YAMLError as err:
             raise FlaxlmError(f"{path} is not a YAML config: {err}") from None
-    return dotted(tree) if isinstance(tree, dict) else {}
+    return dotted(upgrade_saved_config(tree)) if isinstance(tree, dict) else {}
 
 
 def differing_keys(runs: Sequence[Run]) -> list[str]:

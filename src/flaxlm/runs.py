@@ -24,7 +24,13 @@ import jax
 from omegaconf import OmegaConf
 
 from flaxlm import distributed
-from flaxlm.config import CheckpointConfig, ResumeMode, TrainConfig, dotted
+from flaxlm.config import (
+    CheckpointConfig,
+    ResumeMode,
+    TrainConfig,
+    dotted,
+    upgrade_saved_config,
+)
 from flaxlm.errors import FlaxlmError
 from flaxlm.layout import (
     CHECKPOINT_SUBDIR,
@@ -99,7 +105,8 @@ def writable_dir(path: str, setting: str, advice: str) -> str:
 # Anything else (model, tokenizer, data, optimizer, seed, ...) would make it another run.
 RESUMABLE_CHANGES = (
     "run_dir", "resume_from", "cache_dir", "logger.", "checkpoint.", "samples.",
-    "trainer.log_every", "trainer.eval_every", "trainer.max_steps", "trainer.num_epochs",
+    "trainer.log_every_steps", "trainer.eval_every_steps", "trainer.max_steps",
+    "trainer.num_epochs",
     "trainer.eval_before_training", "trainer.resume", "trainer.skip_nonfinite",
     "trainer.objective",
     "hardware.name", "hardware.cpu_devices", "hardware.num_devices",
@@ -249,7 +256,8 @@ def _config_changes(saved_config_path: str, resolved: dict) -> list[str] | None:
     "key: old → new"; None when there is no saved config."""
     if not os.path.exists(saved_config_path):
         return None
-    saved = dotted(OmegaConf.to_container(OmegaConf.load(saved_config_path), resolve=True))
+    saved = dotted(upgrade_saved_config(
+        OmegaConf.to_container(OmegaConf.load(saved_config_path), resolve=True)))
     current = dotted(resolved)
     # Keys only one side has are settings added (or removed) by a flaxlm upgrade in between:
     # the run did not use them, so they do not make it another run.
