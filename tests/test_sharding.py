@@ -3,6 +3,7 @@ tensor-parallel meshes train like plain data parallelism, remat gives the same g
 checkpoint moves between meshes."""
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 from conftest import config_node, mesh_config, model_config
 from flax import nnx
+from omegaconf import OmegaConf
 
 from flaxlm.config import ModelFamily, Remat
 from flaxlm.errors import FlaxlmError
@@ -181,7 +183,8 @@ def test_remat_gives_the_same_gradients(family_loss, remat):
 
 
 REMAT_MEMORY = """
-import sys
+import dataclasses, json, sys
+from omegaconf import OmegaConf
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 from flaxlm.config import HardwareConfig, ModelConfig, Remat
@@ -190,10 +193,14 @@ from flaxlm.models.layers import TransformerSpec
 from flaxlm.parallel import configure_platform
 from flaxlm.training.step import lm_loss
 
-configure_platform(HardwareConfig(name="cpu", platform="cpu", cpu_devices=1), Remat(sys.argv[1]))
+def typed(schema, values):
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), json.loads(values)))
+
+configure_platform(typed(HardwareConfig, sys.argv[3]), Remat(sys.argv[1]))
+model = typed(ModelConfig, sys.argv[2])
 ids = jnp.asarray(np.random.default_rng(0).integers(0, 512, (4, 128)), jnp.int32)
 for remat in (Remat.none, Remat.full):
-    config = dataclasses.replace(MODEL, remat=remat)
+    config = dataclasses.replace(model, remat=remat)
     graphdef, params = nnx.split(GPT2LMHeadModel(TransformerSpec(config), nnx.Rngs(0)),
                                  nnx.Param)
     step = jax.jit(jax.grad(lambda p: lm_loss(nnx.merge(graphdef, p), ids,
@@ -208,7 +215,13 @@ def test_remat_saves_memory_on_a_cpu(requested):
     anyway; configure_platform picks the scheduler that frees them when the run asks for remat
     (a fresh process: the scheduler is fixed when JAX starts)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    done = subprocess.run([sys.executable, "-c", REMAT_MEMORY, requested.value], env=env,
+    model = model_config(name="t", n_layer=8, n_embd=64, n_head=2, n_positions=128,
+                         vocab_size=512)
+    hardware = config_node("hardware", cpu_devices=1)
+    settings = [json.dumps(OmegaConf.to_container(OmegaConf.structured(node)))
+                for node in (model, hardware)]
+    done = subprocess.run([sys.executable, "-c", REMAT_MEMORY, requested.value, *settings],
+                          env=env,
                           capture_output=True, text=True, timeout=300, check=True)
     temp = dict(line.split() for line in done.stdout.splitlines())
     saved = 1 - int(temp["full"]) / int(temp["none"])
