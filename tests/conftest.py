@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import os
+from pathlib import Path
 
 # Before JAX starts: every multi-device path runs on 8 simulated CPU devices, as on one 8-core
 # TPU host. Tests that want fewer devices build a smaller mesh.
@@ -22,6 +23,17 @@ import pytest  # noqa: E402
 def isolated_caches(tmp_path_factory, monkeypatch):
     """flaxlm's cache (tokenizers, packed blocks) in a per-session temp dir."""
     monkeypatch.setenv("FLAXLM_CACHE", str(tmp_path_factory.getbasetemp() / "flaxlm-cache"))
+
+
+@pytest.fixture
+def unwritable(tmp_path):
+    """A directory this process cannot write to: read-only by its mode, or, for root (whom
+    modes do not stop), one under /sys, which is read-only on Linux."""
+    directory = tmp_path / "read-only"
+    directory.mkdir()
+    directory.chmod(0o555)
+    yield directory if not os.access(directory, os.W_OK) else Path("/sys/flaxlm-test")
+    directory.chmod(0o755)
 
 
 @pytest.fixture(scope="session")
@@ -103,8 +115,9 @@ def mesh_config(**sizes):
     return dataclasses.replace(config_node("hardware").mesh, **sizes)
 
 
-def compose(overrides=(), run_dir=None):
-    """conf/train.yaml composed as `flaxlm-train` would, outside a Hydra app."""
+def compose(overrides=(), run_dir=None, return_hydra_config=False):
+    """conf/train.yaml composed as `flaxlm-train` would, outside a Hydra app (with its `hydra`
+    node if `return_hydra_config`)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
@@ -113,4 +126,5 @@ def compose(overrides=(), run_dir=None):
     register_configs()
     extra = [f"run_dir={run_dir}"] if run_dir is not None else ["run_dir=unset"]
     with initialize_config_dir(CONF_DIR, version_base="1.3"):
-        return hydra_compose("train", overrides=[*overrides, *extra])
+        return hydra_compose("train", overrides=[*overrides, *extra],
+                             return_hydra_config=return_hydra_config)

@@ -88,6 +88,19 @@ def test_missing_corpus_file_names_the_pattern(tmp_path):
     assert_names(error, "language.files", "'/nonexistent/*.txt'", "matches no file")
 
 
+def test_a_directory_as_corpus_file_says_so_and_suggests_a_glob(tmp_path):
+    """Issue 20: a directory said "matches no file", as if it were not there."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("a.txt", "b.txt"):
+        write(corpus / name, ENGLISH)
+    write(corpus / "README.md", "about the corpus")
+    error = train_on(tmp_path, corpus)
+    assert_names(error, "language.files", f"{str(corpus)!r} is a directory",
+                 f"language.files=[{corpus}/*.txt]", "2 of the 3 file(s)")
+    assert "matches no file" not in str(error)
+
+
 @pytest.mark.parametrize(
     ("name", "content", "fragments"),
     [
@@ -127,6 +140,8 @@ BAD_SETTINGS = {
     "task.max_seq_length=65": ["task.max_seq_length=65", "model.n_positions=64"],
     "task.max_seq_length=1": ["task.max_seq_length=1"],
     "trainer.global_batch_size=12": ["trainer.global_batch_size=12", "8 devices", "multiple of 8"],
+    # Issue 20: it said "does not divide evenly" (-8 does).
+    "trainer.global_batch_size=-8": ["trainer.global_batch_size=-8", "must be at least 1"],
     "hardware.num_devices=16": ["hardware.num_devices=16", "8 device(s)"],
     "hardware.num_devices=0": ["hardware.num_devices=0"],
     "hardware.per_device_batch_size=0": ["hardware.per_device_batch_size=0"],

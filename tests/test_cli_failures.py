@@ -35,17 +35,6 @@ def error_lines(result: subprocess.CompletedProcess) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.startswith("flaxlm: error:")]
 
 
-@pytest.fixture
-def unwritable(tmp_path):
-    """A directory this process cannot write to: read-only by its mode, or, for root (whom
-    modes do not stop), one under /sys, which is read-only on Linux."""
-    directory = tmp_path / "read-only"
-    directory.mkdir()
-    directory.chmod(0o555)
-    yield directory if not os.access(directory, os.W_OK) else Path("/sys/flaxlm-test")
-    directory.chmod(0o755)
-
-
 # --- exit code 2 and one message for every configuration mistake ----------------------------
 
 
@@ -59,6 +48,49 @@ def test_a_config_hydra_cannot_compose_exits_2_with_hydras_message(tmp_path, ove
     result = flaxlm_train(override, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert hydra_says in result.stderr
+
+
+# A config dir of the user's (--config-dir) with a file PyYAML cannot read: the issue's unclosed
+# list in a model option, a tab in an experiment, a repeated key, the primary config itself, and
+# a file in another encoding: (file, content, arguments, what the message says).
+BROKEN_CONFIG_FILES = {
+    "unclosed-list": ("model/broken.yaml", "n_layer: [1\n", ["model=broken"],
+                      ["not valid YAML", "broken.yaml, line 2", "expected ',' or ']'"]),
+    "tab": ("experiment/mine.yaml", "# @package _global_\ntrainer:\n  max_steps: 3\n\tx: 1\n",
+            ["experiment=mine"],
+            ["not valid YAML", "mine.yaml, line 4", "found character '\\t'"]),
+    "repeated-key": ("model/twice.yaml", "n_layer: 1\nn_layer: 2\n", ["model=twice"],
+                     ["not valid YAML", "twice.yaml, line 2", "found duplicate key n_layer"]),
+    "primary-config": ("mine.yaml", "defaults:\n  - train\nseed: [0\n", ["--config-name", "mine"],
+                       ["not valid YAML", "mine.yaml, line 4", "expected ',' or ']'"]),
+    "latin-1": ("model/cafe.yaml", "name: caf\xe9\n".encode("latin-1"), ["model=cafe"],
+                ["not UTF-8 text", "cafe.yaml, byte 0xe9 at offset 9"]),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN_CONFIG_FILES)
+def test_a_config_file_that_is_not_yaml_exits_2_naming_the_file_and_line(
+        tmp_path, monkeypatch, capsys, case):
+    """Issue 20: a broken YAML file in --config-dir ended in exit 1 and ~100 lines of PyYAML's
+    traceback."""
+    from flaxlm.cli.train import main
+
+    name, content, args, fragments = BROKEN_CONFIG_FILES[case]
+    path = tmp_path / "mine" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "")  # main() sets it; this restores it afterwards
+    monkeypatch.setattr(sys, "argv", ["flaxlm-train", "--config-dir", str(tmp_path / "mine"),
+                                      *args, "logger=none"])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err + captured.out
+    [error] = captured.err.strip().splitlines()
+    assert_names(error, "flaxlm: error: A config file is", str(path.parent), *fragments)
+    assert not (tmp_path / "outputs").exists()
 
 
 def test_the_resolved_config_prints(tmp_path):
@@ -111,6 +143,18 @@ def test_resume_from_a_missing_directory_gives_advice_that_applies(tmp_path):
         train(compose([*SHORT, "trainer.resume=must"], run_dir=missing))
     assert_names(info.value, "trainer.resume=must", "trainer.resume=auto")
     assert not missing.exists()
+
+
+def test_a_run_whose_config_yaml_is_damaged_is_not_resumed_and_says_why(tmp_path):
+    """Issue 20's class of defect: a damaged config.yaml in the run being resumed was a PyYAML
+    traceback."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "2").mkdir(parents=True)  # a step to resume, as far as it shows
+    (run_dir / "config.yaml").write_text("seed: 0\ntrainer: {max_steps: 4\n")
+    with pytest.raises(FlaxlmError) as info:
+        train(compose(SHORT, run_dir=run_dir))
+    assert_names(info.value, f"Cannot resume the run in {run_dir}", "config.yaml, line 3",
+                 "Restore the file, or start a new run")
 
 
 # --- a failed start does not block the retry -----------------------------------------------

@@ -1,6 +1,7 @@
 """Export to a Hugging Face directory that transformers loads cleanly, the flaxlm-export and
 flaxlm-generate command lines on a real (two-step) run, and the samples a run writes at its end."""
 
+import errno
 import glob
 import io
 import json
@@ -194,7 +195,8 @@ def test_flaxlm_export_and_generate_on_a_run(run_dir, tmp_path, capsys):
     assert printed.count("\n---\n") == 4 and "Return the" + completions[0] in printed
 
 
-def test_cli_errors_are_one_paragraph_with_exit_status_2(run_dir, tmp_path, capsys):
+def test_cli_errors_are_one_paragraph_with_exit_status_2(run_dir, tmp_path, capsys,
+                                                          unwritable):
     from flaxlm.cli import export as export_cli
     from flaxlm.cli import generate as generate_cli
 
@@ -205,6 +207,11 @@ def test_cli_errors_are_one_paragraph_with_exit_status_2(run_dir, tmp_path, caps
          "no checkpoint for step 7; it has steps [2]"),
         (export_cli.main, [f"run_dir={run_dir}", f"out={run_dir}"], "is the run being exported"),
         (export_cli.main, [f"run_dir={run_dir}"], "needs out="),
+        # Issue 20: a destination on a read-only disk was an OSError traceback, exit 1.
+        (export_cli.main, [f"run_dir={run_dir}", f"out={unwritable / 'hf'}"],
+         f"Cannot export to {unwritable / 'hf'}: flaxlm cannot write in {unwritable}"),
+        (export_cli.main, [f"run_dir={run_dir}", f"out={unwritable / 'new' / 'hf'}"],
+         f"flaxlm cannot write in {unwritable / 'new'}"),
         (generate_cli.main, [f"run_dir={run_dir}", "temperature=hot"], "temperature='hot'"),
         (generate_cli.main, [f"run_dir={run_dir}", "prompt=x", "max_new_token=3"],
          "'max_new_token=3' is not a setting"),
@@ -215,6 +222,26 @@ def test_cli_errors_are_one_paragraph_with_exit_status_2(run_dir, tmp_path, caps
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (argv, err)
+
+
+def test_a_full_disk_during_flaxlm_export_is_one_paragraph(run_dir, tmp_path, monkeypatch,
+                                                           capsys):
+    """Issue 20's class of defect: a destination that fills up ended flaxlm-export in a
+    traceback; nothing is left half-written."""
+    from flaxlm.cli import export as export_cli
+
+    def out_of_space(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "x"))
+
+    monkeypatch.setattr(hf, "save_pretrained", out_of_space)
+    with pytest.raises(SystemExit) as exit_info:
+        export_cli.main([f"run_dir={run_dir}", f"out={tmp_path / 'hf'}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    [error] = err.strip().splitlines()
+    assert error.startswith("flaxlm: error: A disk is full") and "No space left" in error
+    assert os.listdir(tmp_path) == []
 
 
 def test_generate_falls_back_to_the_runs_export_without_checkpoints(run_dir, tmp_path):

@@ -3,6 +3,7 @@ long documents tokenised in bounded pieces."""
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -175,8 +176,8 @@ def test_no_temporary_file_is_left_in_the_cache(tokenizer, tmp_path):
     for max_seq_length in (4, 8):
         tokenize_and_pack(dataset(PARAGRAPHS), tokenizer, max_seq_length, str(tmp_path))
     names = [p.name for p in cache_files(tmp_path)]
-    assert len(names) == 2
-    assert all(name.endswith(".npy") and ".tmp" not in name for name in names)
+    assert len(names) == 4  # the blocks and their record, twice
+    assert all(name.endswith((".npy", ".json")) and ".tmp" not in name for name in names)
 
 
 def test_interrupted_write_leaves_no_file_at_the_final_path(tokenizer, tmp_path, monkeypatch):
@@ -195,8 +196,63 @@ def test_interrupted_write_leaves_no_file_at_the_final_path(tokenizer, tmp_path,
 
     monkeypatch.setattr(packing, "_token_batches", real_batches)
     blocks = tokenize_and_pack(dataset(PARAGRAPHS), tokenizer, 8, str(tmp_path))
-    [path] = cache_files(tmp_path)
+    [record, path] = cache_files(tmp_path)
+    assert (record.suffix, path.suffix) == (".json", ".npy")
     np.testing.assert_array_equal(np.load(path), blocks)
+
+
+def overwrite(path: Path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+# What a disk error, an interrupted copy or a quota hit does to cached blocks.
+DAMAGE = {
+    "truncated": lambda path: os.truncate(path, os.path.getsize(path) // 2),
+    "emptied": lambda path: os.truncate(path, 0),
+    "header": lambda path: overwrite(path, 20, b"'shape': (9999, 8)"),
+    "middle": lambda path: overwrite(path, os.path.getsize(path) // 2, b"\xff\xff\xff\x7f"),
+    "grown": lambda path: open(path, "ab").write(b"\0" * 64),
+    "record": lambda path: Path(path).with_suffix(".json").write_text("{"),
+}
+
+
+@pytest.mark.parametrize("harm", DAMAGE.values(), ids=DAMAGE.keys())
+def test_damaged_cached_blocks_are_announced_and_packed_again(tokenizer, tmp_path, capsys, harm):
+    expected = tokenize_and_pack(dataset(PARAGRAPHS * 4), tokenizer, 8, str(tmp_path)).copy()
+    [path] = cache_files(tmp_path, "*.npy")
+    harm(str(path))
+    capsys.readouterr()
+    blocks = tokenize_and_pack(dataset(PARAGRAPHS * 4), tokenizer, 8, str(tmp_path))
+    [line] = [line for line in capsys.readouterr().out.splitlines() if "damaged" in line]
+    assert line.startswith(f"flaxlm: the cached token blocks {path} are damaged (")
+    np.testing.assert_array_equal(blocks, expected)
+    assert [p.name for p in cache_files(tmp_path)] == [path.with_suffix(".json").name, path.name]
+    assert packing._damage(str(path)) is None
+
+
+def test_blocks_cached_without_a_record_are_kept_when_whole_and_recorded(tokenizer, tmp_path,
+                                                                         monkeypatch):
+    """Blocks an older flaxlm packed, with no record: kept (no packing again) and recorded."""
+    expected = tokenize_and_pack(dataset(PARAGRAPHS), tokenizer, 8, str(tmp_path)).copy()
+    [record] = cache_files(tmp_path, "*.json")
+    record.unlink()
+    monkeypatch.setattr(packing, "_pack", lambda *args: pytest.fail("packed again"))
+    np.testing.assert_array_equal(tokenize_and_pack(dataset(PARAGRAPHS), tokenizer, 8,
+                                                    str(tmp_path)), expected)
+    assert record.exists()
+
+
+def test_unrecorded_blocks_of_the_wrong_size_are_packed_again(tokenizer, tmp_path, capsys):
+    expected = tokenize_and_pack(dataset(PARAGRAPHS), tokenizer, 8, str(tmp_path)).copy()
+    [record] = cache_files(tmp_path, "*.json")
+    record.unlink()
+    [path] = cache_files(tmp_path, "*.npy")
+    os.truncate(path, os.path.getsize(path) - 4)
+    blocks = tokenize_and_pack(dataset(PARAGRAPHS), tokenizer, 8, str(tmp_path))
+    assert "where its header implies" in capsys.readouterr().out
+    np.testing.assert_array_equal(blocks, expected)
 
 
 def test_packing_copies_the_stream_in_chunks(tokenizer, tmp_path, monkeypatch):

@@ -129,6 +129,18 @@ def test_bad_input_is_one_error_line(tmp_path, capsys, case):
     assert expected[case] in err
 
 
+def test_an_unwritable_report_folder_is_one_error_line(tmp_path, capsys, unwritable):
+    """Issue 20's class of defect: a read-only --out ended flaxlm-report in an OSError
+    traceback."""
+    _write_run(tmp_path / "run", 1e-3, [3.0])
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "run"), "--out", str(unwritable / "report")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"flaxlm: error: --out={unwritable / 'report'} is not a directory "
+                          "flaxlm can write to") and "\n" not in err
+
+
 def test_a_continued_optuna_study_reports_every_trial_with_its_own_status(tmp_path, capsys):
     """The Optuna preset names job folders `<job>_<time>`, and a continued study numbers its
     new trials from 0 again: each status is matched by its run directory."""

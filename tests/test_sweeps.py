@@ -4,6 +4,7 @@ the same command, and a failed trial recorded while the others run."""
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import json
 import math
@@ -166,11 +167,91 @@ def test_an_optuna_search_names_its_best_trial_and_the_same_command_continues_it
     assert sorted(p.name for p in (tmp_path / "report").glob("*.png")) == [
         "curves.png", "eval_loss_vs_optimizer_lr.png", "eval_loss_vs_optimizer_weight_decay.png"]
 
+    leave_a_trial_running(sweep_dir)  # as a sweep killed during a trial does
     result = optuna_sweep(sweep_dir, "hydra.sweeper.n_trials=1")  # one more trial
     assert result.returncode == 0, result.stderr[-3000:]
-    assert trial_states(sweep_dir) == ["COMPLETE"] * 4
+    assert trial_states(sweep_dir) == ["COMPLETE"] * 3 + ["FAIL", "COMPLETE"]
+    # The continued study went on sampling: the new trial is none of the earlier ones.
+    tried = trial_params(sweep_dir)
+    assert len(set(tried)) == len(tried) == 5
+    # The first invocation's statuses are kept; the summary is about the new job.
+    assert {job["run_dir"] for job in statuses(sweep_dir)} >= run_dirs
+    assert len(statuses(sweep_dir)) == 4
+    assert f"multirun in {sweep_dir}: 1 ok\n" in result.stdout
+    assert "not shown: 3 job(s) of earlier invocations" in result.stdout
     run_dirs |= {job["run_dir"] for job in statuses(sweep_dir)}
     assert len(run_dirs) == 4  # the new trial did not land in (and resume) an old one's
+
+
+def test_a_continued_study_fails_what_a_killed_sweep_left_running_and_samples_anew(tmp_path):
+    """A sweep killed during a trial leaves the trial RUNNING and its job "running"; the next
+    invocation in the directory marks both failed, unless another invocation still runs there,
+    and moves the sampler's seed past the trials already tried."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    from optuna.trial import TrialState
+
+    from flaxlm.cli.sweep import SWEEP_LOCK_FILE, HydraCallbacks
+
+    study = stored_study(tmp_path)
+    done = study.ask(search_space())
+    study.tell(done, 1.0)
+    leave_a_trial_running(tmp_path)
+    finished = SweepJob(str(tmp_path), 0, ["optimizer.lr=0.1"], str(tmp_path / "0_a"))
+    finished.done("eval/loss", 1.0)
+    killed = SweepJob(str(tmp_path), 1, ["optimizer.lr=0.2", "samples.prompts=[]"],
+                      str(tmp_path / "1_a"))
+    killed.started()
+    os.makedirs(tmp_path / "1_a" / "checkpoints" / "4")  # the run it trained is resumable
+    config = compose(["hparams_search=optuna-lr-wd", f"hydra.sweep.dir={tmp_path}"],
+                     return_hydra_config=True)
+
+    def continue_sweep() -> int:
+        callbacks = HydraCallbacks()
+        callbacks.on_multirun_start(config)
+        os.close(callbacks.lock)
+        return config.hydra.sweeper.sampler.seed
+
+    # Another invocation still runs in the directory: its trial and job are alive.
+    other = os.open(tmp_path / SWEEP_LOCK_FILE, os.O_CREAT | os.O_RDWR)
+    fcntl.flock(other, fcntl.LOCK_SH)
+    continue_sweep()
+    assert trial_states(tmp_path) == ["COMPLETE", "RUNNING"]
+    assert [job["status"] for job in statuses(tmp_path)] == ["ok", "running"]
+    os.close(other)
+
+    config.hydra.sweeper.sampler.seed = 0
+    assert continue_sweep() == 2  # the configured seed plus the trials already tried
+    assert trial_states(tmp_path) == ["COMPLETE", "FAIL"]
+    ok, interrupted = statuses(tmp_path)
+    assert ok["status"] == "ok"
+    assert interrupted["status"] == "failed"
+    assert interrupted["reason"] == (
+        "the sweep was stopped while this job ran; its checkpoint continues with: flaxlm-train "
+        f"optimizer.lr=0.2 'samples.prompts=[]' resume_from={tmp_path / '1_a'}")
+    assert study.get_trials(states=(TrialState.RUNNING,)) == []
+
+
+def search_space() -> dict:
+    """conf/hparams_search/optuna-lr-wd.yaml's, as Optuna's distributions."""
+    from optuna.distributions import LogUniformDistribution
+
+    return {"optimizer.lr": LogUniformDistribution(1e-5, 1e-2),
+            "optimizer.weight_decay": LogUniformDistribution(1e-4, 0.3)}
+
+
+def stored_study(sweep_dir):
+    import optuna
+
+    return optuna.create_study(study_name="flaxlm-lr-wd", direction="minimize",
+                               storage=f"sqlite:///{sweep_dir}/optuna.db", load_if_exists=True)
+
+
+def leave_a_trial_running(sweep_dir) -> None:
+    stored_study(sweep_dir).ask(search_space())
+
+
+def trial_params(sweep_dir) -> list[tuple]:
+    return [tuple(sorted(trial.params.items())) for trial in stored_study(sweep_dir).trials]
 
 
 @pytest.mark.slow

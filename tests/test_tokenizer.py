@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import datasets
@@ -141,6 +142,62 @@ def test_a_change_of_text_or_setting_retrains(tmp_path, count_training, change, 
     prepare_tokenizer(settings, dataset(documents), MODEL_VOCAB, str(tmp_path))
     assert len(count_training) == 2, f"a changed {change} did not retrain"
     assert len(trained_dirs(tmp_path)) == 2
+
+
+def cut_in_half(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def garble(path: Path) -> None:  # the same size, other bytes
+    path.write_bytes(path.read_bytes().replace(b'"', b"'", 5))
+
+
+# What a disk error, an interrupted copy or a quota hit does to a cached tokenizer.
+DAMAGE = {
+    "tokenizer.json truncated": lambda d: cut_in_half(d / "tokenizer.json"),
+    "tokenizer.json garbled": lambda d: garble(d / "tokenizer.json"),
+    "tokenizer_config.json lost": lambda d: (d / "tokenizer_config.json").unlink(),
+    "record garbled": lambda d: garble(d / tokenizer_module.RECORD_FILE),
+    # a tokenizer cached by an older flaxlm (no record) is checked by loading it
+    "unrecorded, truncated": lambda d: ((d / tokenizer_module.RECORD_FILE).unlink(),
+                                        cut_in_half(d / "tokenizer.json")),
+}
+
+
+@pytest.mark.parametrize("harm", DAMAGE.values(), ids=DAMAGE.keys())
+def test_a_damaged_cached_tokenizer_is_announced_and_trained_again(tmp_path, capsys, harm):
+    first = prepare_tokenizer(SETTINGS, dataset(DOCUMENTS), MODEL_VOCAB, str(tmp_path))
+    [directory] = trained_dirs(tmp_path)
+    harm(directory)
+    capsys.readouterr()
+    again = prepare_tokenizer(SETTINGS, dataset(DOCUMENTS), MODEL_VOCAB, str(tmp_path))
+    [line] = [line for line in capsys.readouterr().out.splitlines() if "damaged" in line]
+    assert line.startswith(f"flaxlm: the cached tokenizer {directory} is damaged (")
+    assert "tokenizer.path" not in line  # a setting the user never set
+    assert again.get_vocab() == first.get_vocab()
+    assert trained_dirs(tmp_path) == [directory]  # no scratch or damaged copy left beside it
+    assert {p.name for p in directory.iterdir()} >= {"tokenizer.json", "tokenizer_config.json",
+                                                     tokenizer_module.RECORD_FILE}
+
+
+def test_a_tokenizer_cached_without_a_record_is_kept_and_recorded(tmp_path, count_training):
+    prepare_tokenizer(SETTINGS, dataset(DOCUMENTS), MODEL_VOCAB, str(tmp_path))
+    [directory] = trained_dirs(tmp_path)
+    (directory / tokenizer_module.RECORD_FILE).unlink()
+    prepare_tokenizer(SETTINGS, dataset(DOCUMENTS), MODEL_VOCAB, str(tmp_path))
+    assert len(count_training) == 1
+    assert (directory / tokenizer_module.RECORD_FILE).exists()
+
+
+def test_a_corrupt_tokenizer_path_of_the_user_is_an_error_not_retrained(saved_dir, tmp_path,
+                                                                        count_training):
+    """Only flaxlm's own cache entries are rebuilt: the user's file is the user's to fix."""
+    path = tmp_path / "tokenizer.json"
+    path.write_bytes((saved_dir / "tokenizer.json").read_bytes()[:500])
+    with pytest.raises(FlaxlmError, match="tokenizer.path"):
+        prepare_tokenizer(settings_with(path=str(path)), dataset(["x"]), MODEL_VOCAB,
+                          str(tmp_path))
+    assert count_training == []
 
 
 @pytest.mark.parametrize("target", ["directory", "tokenizer.json"])

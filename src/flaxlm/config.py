@@ -261,6 +261,17 @@ class TaskConfig:
     padding: Padding = MISSING
 
 
+class TokenConvention(str, enum.Enum):
+    """Which special tokens frame a document in training and a prompt in generation and export."""
+
+    auto = "auto"  # the tokenizer's own for a model from model.init_from, flaxlm's otherwise
+    # flaxlm's, for models it trains: documents joined by EOS alone, a prompt read after an EOS
+    flaxlm = "flaxlm"
+    # the tokenizer's own: its post-processor (its BOS, if it adds one) on every document, then
+    # EOS, and on every prompt as transformers' `tokenizer(text)` encodes it
+    tokenizer = "tokenizer"
+
+
 @dataclasses.dataclass
 class TokenizerConfig:
     """Train a byte-level BPE on the training text (cached), or load an existing one."""
@@ -274,6 +285,7 @@ class TokenizerConfig:
     eos_token: str = MISSING  # also separates documents when packing
     unk_token: str = MISSING
     mask_token: str = MISSING
+    convention: TokenConvention = MISSING
     # language.streaming only: the BPE trains on the first `train_docs` training documents of
     # the stream (without streaming it trains on the whole training split).
     train_docs: int = MISSING
@@ -316,6 +328,10 @@ class TrainerConfig:
     # one. auto: resume if there is a checkpoint, else start fresh; never: always a fresh run
     # (in a new run_dir); must: fail unless there is a checkpoint to resume.
     resume: ResumeMode = MISSING
+    # A resume whose training or validation data differs from what the checkpoint recorded
+    # (an edited file, a new dataset version) stops with an error; true continues on the
+    # changed data and records that in metrics.jsonl (resume/changed_data).
+    resume_on_changed_data: bool = False
     # A step whose loss or gradients are not finite: false → stop with an error naming the
     # step; true → skip its update (parameters and optimizer state unchanged) and go on; the
     # skipped steps are counted in train/skipped_steps.
@@ -361,7 +377,8 @@ class LoggerConfig:
 class SamplesConfig:
     """Text the trained model writes at the end of a task=clm run: printed, logged to
     metrics.jsonl and as a W&B table. Each prompt starts a document (it follows the EOS that
-    separates documents); an empty prompt lets the model start its own. No prompts → none."""
+    separates documents, or the tokenizer's own BOS: tokenizer.convention); an empty prompt
+    lets the model start its own. No prompts → none."""
 
     prompts: list[str] = MISSING
     max_new_tokens: int = MISSING  # cut to what the context (model.n_positions) leaves

@@ -17,10 +17,11 @@ import os
 import secrets
 import shutil
 import sys
-import tempfile
 import time
+from typing import Any, NamedTuple
 
 import jax
+import yaml
 from omegaconf import OmegaConf
 
 from flaxlm import distributed
@@ -31,7 +32,8 @@ from flaxlm.config import (
     dotted,
     upgrade_saved_config,
 )
-from flaxlm.errors import FlaxlmError
+from flaxlm.data.loader import DATA_SIZE_KEYS
+from flaxlm.errors import FlaxlmError, writable_dir, yaml_error_text
 from flaxlm.layout import (
     CHECKPOINT_SUBDIR,
     CONFIG_FILE,
@@ -43,6 +45,7 @@ from flaxlm.layout import (
 from flaxlm.training.checkpoint import (
     Checkpointer,
     disk_full_cause,
+    disk_full_text,
     finalised_steps,
     key_from_json,
 )
@@ -85,20 +88,6 @@ def _failed_start(run_dir: str) -> bool:
             and not (os.path.isdir(checkpoints) and os.listdir(checkpoints)))
 
 
-def writable_dir(path: str, setting: str, advice: str) -> str:
-    """`path` as an absolute directory, created if missing, checked writable by creating a file
-    in it; otherwise a FlaxlmError naming `setting` and giving `advice`."""
-    path = os.path.abspath(os.path.expanduser(path))
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as err:
-        raise FlaxlmError(f"{setting}={path} is not a directory flaxlm can write to "
-                          f"({err.strerror or err}). {advice}") from None
-    return path
-
-
 # Settings a resumed run may change: how often it logs, evaluates and checkpoints, how long it
 # trains, where it logs (and the text samples it logs), and how the same global batch is spread
 # over devices, hosts and the mesh, and what it recomputes (a run may move between slice sizes).
@@ -106,8 +95,8 @@ def writable_dir(path: str, setting: str, advice: str) -> str:
 RESUMABLE_CHANGES = (
     "run_dir", "resume_from", "cache_dir", "logger.", "checkpoint.", "samples.",
     "trainer.log_every_steps", "trainer.eval_every_steps", "trainer.max_steps",
-    "trainer.num_epochs",
-    "trainer.eval_before_training", "trainer.resume", "trainer.skip_nonfinite",
+    "trainer.num_epochs", "trainer.eval_before_training", "trainer.resume",
+    "trainer.resume_on_changed_data", "trainer.skip_nonfinite",
     "trainer.objective",
     "hardware.name", "hardware.cpu_devices", "hardware.num_devices",
     "hardware.per_device_batch_size", "hardware.per_device_eval_batch_size",
@@ -240,7 +229,7 @@ def check_resumable(saved_config_path: str, resolved: dict) -> None:
     changed = _config_changes(saved_config_path, resolved)
     if changed is None:
         raise FlaxlmError(f"{saved_config_path} is missing, so this run cannot be checked "
-                          "before resuming it. Restore the file, or start a new run.")
+                          "before resuming it. " + _config_restore_advice(saved_config_path))
     if changed:
         raise FlaxlmError(
             f"Cannot resume the run in {os.path.dirname(saved_config_path)}: this config changes "
@@ -251,13 +240,38 @@ def check_resumable(saved_config_path: str, resolved: dict) -> None:
         )
 
 
+def _config_restore_advice(saved_config_path: str) -> str:
+    """How to get a run's config.yaml back: every checkpoint holds the resolved config of the
+    start that wrote it (`meta/metadata`, JSON, key "config")."""
+    run_dir = os.path.dirname(saved_config_path)
+    steps = finalised_steps(run_path(run_dir, CHECKPOINT_SUBDIR))
+    if not steps:
+        return "Restore the file, or start a new run."
+    metadata = os.path.join(run_path(run_dir, CHECKPOINT_SUBDIR), str(steps[-1]), "meta",
+                            "metadata")
+    return (
+        f"Its checkpoint at step {steps[-1]} holds the run's config ({metadata}, key "
+        "\"config\"): restore the file from it with\n"
+        f"  python -c \"import json, yaml; yaml.safe_dump(json.load(open('{metadata}'))"
+        f"['config'], open('{saved_config_path}', 'w'))\"\n"
+        "then run the same command again; or start a new run."
+    )
+
+
 def _config_changes(saved_config_path: str, resolved: dict) -> list[str] | None:
     """Each setting that differs from the saved config and would make it another run, as
     "key: old → new"; None when there is no saved config."""
     if not os.path.exists(saved_config_path):
         return None
-    saved = dotted(upgrade_saved_config(
-        OmegaConf.to_container(OmegaConf.load(saved_config_path), resolve=True)))
+    try:
+        saved = dotted(upgrade_saved_config(
+            OmegaConf.to_container(OmegaConf.load(saved_config_path), resolve=True)))
+    except yaml.YAMLError as err:
+        raise FlaxlmError(
+            f"Cannot resume the run in {os.path.dirname(saved_config_path)}: the config it is "
+            f"checked against is damaged ({yaml_error_text(err)}). Restore the file, or start a "
+            "new run."
+        ) from None
     current = dotted(resolved)
     # Keys only one side has are settings added (or removed) by a flaxlm upgrade in between:
     # the run did not use them, so they do not make it another run.
@@ -297,13 +311,32 @@ def _wandb_run_id(run_dir: str) -> str:
     return run_id
 
 
+# The checkpoint metadata that fingerprints the run's data: {what: content hash}, e.g.
+# {"training data": ..., "validation data": ...}, as the task names them.
+DATA_FINGERPRINT_KEY = "data_fingerprint"
+# The metrics.jsonl record (and W&B table) of a resume that accepted changed data.
+CHANGED_DATA_RECORD = "resume/changed_data"
+
+
+class Resumed(NamedTuple):
+    """A stopped run as its latest checkpoint left it."""
+
+    state: Any
+    dropout_key: jax.Array
+    loop: LoopState
+    saved_config: dict  # the resolved config of the start that wrote the checkpoint
+
+
 def restore_run(checkpointer: Checkpointer, state, dropout_key, loader, tokenizer_hash: str,
-                tracker, run_dir: str):
-    """The run's latest complete checkpoint: (state, dropout key, loop state), after checking
-    that the tokenizer and the loader's data order are the run's own; `loader` continues from
-    the checkpoint's position and metrics.jsonl is cut back to the checkpoint's step. Any
-    train loop whose checkpoints carry `tokenizer_sha256`, `dropout_key` and `loop` metadata
-    (as `CheckpointSaver` + `fit` write them) can resume with it."""
+                tracker, run_dir: str, *, data_fingerprint: dict[str, str],
+                accept_changed_data: bool = False) -> Resumed:
+    """The run's latest complete checkpoint, after checking that the data (`data_fingerprint`
+    against the checkpoint's), the tokenizer and the loader's data order are the run's own;
+    `loader` continues from the checkpoint's position and metrics.jsonl is cut back to the
+    checkpoint's step. Changed data stops the resume unless `accept_changed_data`
+    (trainer.resume_on_changed_data); then the change is recorded in metrics.jsonl. Any train
+    loop whose checkpoints carry `tokenizer_sha256`, `dropout_key`, `loop` and
+    `data_fingerprint` metadata (as `CheckpointSaver` + `fit` write them) can resume with it."""
     restored = checkpointer.restore_latest(state)
     if restored is None:
         raise FlaxlmError(
@@ -311,22 +344,77 @@ def restore_run(checkpointer: Checkpointer, state, dropout_key, loader, tokenize
             "messages above), so the run cannot be continued. Start a new run "
             "(trainer.resume=never with a new run_dir)."
         )
-    saved_hash = restored.metadata.get("tokenizer_sha256")
-    if saved_hash != tokenizer_hash:
-        raise FlaxlmError(
-            f"The tokenizer differs from the one run_dir={run_dir} was trained with (hash "
-            f"{str(saved_hash)[:12]} → {tokenizer_hash[:12]}): its token ids would mean other "
-            "words. Resume with the run's tokenizer settings (tokenizer.*, language.*), or "
-            "start a new run (trainer.resume=never with a new run_dir)."
-        )
-    loader.load_state_dict(own_loader_state(restored.loader_state, run_dir))
+    saved_data = restored.metadata.get(DATA_FINGERPRINT_KEY) or {}
+    changed = [what for what, fingerprint in data_fingerprint.items()
+               if what in saved_data and saved_data[what] != fingerprint]
+    _check_same_tokenizer(restored.metadata.get("tokenizer_sha256"), tokenizer_hash, run_dir,
+                         changed)
+    if changed and not accept_changed_data:
+        raise FlaxlmError(_changed_data_message(changed, saved_data, data_fingerprint,
+                                                restored.step, run_dir))
+    saved_loader = own_loader_state(restored.loader_state, run_dir)
+    if changed:  # accepted: the data's size may have changed with it (the loop counts steps)
+        current_loader = loader.state_dict()
+        saved_loader.update({key: current_loader[key] for key in DATA_SIZE_KEYS
+                             if key in current_loader})
+    loader.load_state_dict(saved_loader)
     dropout_key = key_from_json(restored.metadata["dropout_key"], dropout_key)
     resume = LoopState.from_json(restored.metadata["loop"])
-    dropped = tracker.rewind(restored.step)
+    dropped = tracker.rewind(restored.step, evaluates_again=resume.eval_due is not None)
     print(f"flaxlm: resuming {run_dir} from its checkpoint at step {restored.step} "
           f"(epoch {resume.epoch + 1}, step {resume.step_in_epoch} of it); "
           f"{dropped} metrics.jsonl line(s) after it dropped", flush=True)
-    return restored.state, dropout_key, resume
+    unchecked = [what for what in data_fingerprint if what not in saved_data]
+    if unchecked:
+        print(f"flaxlm: the checkpoint at step {restored.step} records no fingerprint of the "
+              f"{' and '.join(unchecked)} (an earlier flaxlm wrote it), so this resume cannot "
+              "check that the data is the run's own; the checkpoints it writes record it",
+              flush=True)
+    if changed:
+        _record_changed_data(tracker, changed, saved_data, data_fingerprint, restored.step)
+    return Resumed(restored.state, dropout_key, resume, restored.metadata.get("config") or {})
+
+
+def _check_same_tokenizer(saved_hash: str | None, tokenizer_hash: str, run_dir: str,
+                          changed_data: list[str]) -> None:
+    """Token ids must mean the same words as in the checkpoint; no setting accepts otherwise."""
+    if saved_hash == tokenizer_hash:
+        return
+    cause = (f" The {' and '.join(changed_data)} changed too, and a tokenizer trained on the "
+             "training data changes with it." if changed_data else "")
+    raise FlaxlmError(
+        f"The tokenizer differs from the one run_dir={run_dir} was trained with (hash "
+        f"{str(saved_hash)[:12]} → {tokenizer_hash[:12]}): its token ids would mean other "
+        f"words.{cause} Resume with the run's tokenizer settings (tokenizer.*, language.*) and "
+        "data, or start a new run (trainer.resume=never with a new run_dir)."
+    )
+
+
+def _changed_data_message(changed: list[str], saved: dict, current: dict, step: int,
+                          run_dir: str) -> str:
+    fingerprints = "; ".join(f"{what}: {saved[what][:12]} → {current[what][:12]}"
+                             for what in changed)
+    return (
+        f"Cannot resume the run in {run_dir}: its {' and '.join(changed)} changed since its "
+        f"checkpoint at step {step} was written (content fingerprint {fingerprints}), although "
+        "the config is the same: a file was edited or the dataset has a new version. Resuming "
+        "would continue the run on other data than it started with, and its later "
+        "evaluations would not compare with the earlier ones. Restore the run's data; or "
+        "resume on the changed data knowingly with trainer.resume_on_changed_data=true "
+        f"(recorded as {CHANGED_DATA_RECORD} in metrics.jsonl); or start a new run "
+        "(trainer.resume=never with a new run_dir)."
+    )
+
+
+def _record_changed_data(tracker, changed: list[str], saved: dict, current: dict,
+                         step: int) -> None:
+    """Say it, and keep it where the run's curves are read: the steps after `step` are
+    trained (and evaluated) on changed data."""
+    print(f"flaxlm: trainer.resume_on_changed_data=true: the run continues from step {step} on "
+          f"changed {' and '.join(changed)}; recorded as {CHANGED_DATA_RECORD} in "
+          "metrics.jsonl", flush=True)
+    tracker.log_table(CHANGED_DATA_RECORD, ["data", "checkpoint fingerprint", "new fingerprint"],
+                      [[what, saved[what], current[what]] for what in changed], step=step + 1)
 
 
 # A multi-process checkpoint's loader state holds every process's own position under this key
@@ -372,6 +460,9 @@ class CheckpointSaver:
                                {**self.metadata, "loop": loop_state.to_json()}, metrics)
         self.seconds.append(time.perf_counter() - began)
 
+    def raise_failed(self) -> None:
+        self.checkpointer.raise_failed_save()
+
     def describe(self) -> str:
         if not self.seconds:
             return "no checkpoint saved by this process"
@@ -402,12 +493,9 @@ def disk_full_error(err: BaseException, run_dir: str) -> FlaxlmError | None:
     export, a cache), as a message saying what is kept and how to go on; None for any other
     error. orbax saves a step under a temporary name, so a save that ran out of space never
     replaces the last complete checkpoint."""
-    cause = disk_full_cause(err)
-    if cause is None:
+    text = disk_full_text(err)
+    if text is None:
         return None
-    text = str(cause).strip().splitlines()[0]
-    if len(text) > 400:  # tensorstore's text: the file and the reason come last
-        text = "…" + text[-400:]
     steps = finalised_steps(run_path(run_dir, CHECKPOINT_SUBDIR))
     kept = (f"Its last complete checkpoint, step {steps[-1]}, is intact: free some space and "
             "run the same command to resume."

@@ -122,18 +122,32 @@ def run(argv: Sequence[str]) -> str:
         generation=(None if run_model.hf_config is not None
                     else run_generation_settings(run_model.run_config)),
         source=run_model.source, overwrite=args["overwrite"], run_dir=args["run_dir"],
+        own_conventions=run_model.own_conventions,
     )
     print(f"flaxlm: exported {run_model.source} to {out}")
     return out
 
 
 def run_command(run_fn: Callable[[Sequence[str]], Any], argv: Sequence[str] | None) -> None:
-    """Run a command's `run(argv)`; a user's mistake is one paragraph on stderr, status 2."""
+    """Run a command's `run(argv)`; a user's mistake, or a full disk, is one paragraph on
+    stderr, status 2."""
     try:
         run_fn(sys.argv[1:] if argv is None else argv)
     except FlaxlmError as err:
-        print(f"flaxlm: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        _exit_with_error(str(err))
+    except Exception as err:
+        from flaxlm.training.checkpoint import disk_full_text  # only now: it loads JAX
+
+        text = disk_full_text(err)
+        if text is None:
+            raise
+        _exit_with_error(f"A disk is full (or over its quota): {text}. Free some space, or "
+                         "write to another disk, and run the same command again.")
+
+
+def _exit_with_error(message: str) -> None:
+    print(f"flaxlm: error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

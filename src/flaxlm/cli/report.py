@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from flaxlm.cli.export import run_command
 from flaxlm.cli.sweep import job_statuses
+from flaxlm.errors import writable_dir
 from flaxlm.report import (
     build_table,
     collect_runs,
@@ -55,6 +56,10 @@ def run(argv: Sequence[str]) -> str:
     """Report as the command line says; returns the path of report.md."""
     args = parser().parse_args(list(argv))
     runs = collect_runs(args.dirs, job_statuses)
+    out = writable_dir(args.out or args.dirs[0], "--out",
+                       "Choose an --out you can write to." if args.out else
+                       "report.md and the plots go into the first DIR unless --out names "
+                       "another folder: pass --out with a directory you can write to.")
     objective, maximize = report_objective(runs, args.objective, args.maximize)
     runs = sort_runs(runs, objective, maximize)
     table = build_table(runs, objective, maximize)
@@ -62,7 +67,6 @@ def run(argv: Sequence[str]) -> str:
     notes = status_notes(runs)
     for note in notes:
         print(f"  {note}")
-    out = args.out or args.dirs[0]
     plots = write_plots(runs, out, objective, maximize)
     path = write_markdown(table, plots, out, objective, maximize, notes)
     print(f"flaxlm: wrote {path} and {len(plots)} plot(s) in {out}")

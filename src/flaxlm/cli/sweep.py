@@ -7,24 +7,40 @@ and the command exits 1 if any failed. The statuses are files in the sweep direc
 (`<sweep dir>/job-status/<job folder>.json`), not state in this process, so a launcher that
 runs jobs elsewhere (submitit) reports the same way. A preempted job stops the sweep: the
 machine is being taken away, so the jobs after it are not started.
+
+The same sweep run again in its directory (a continued Optuna study) keeps the earlier
+invocations' status files; its summary and exit code are about its own jobs. A job records
+"running" when it starts: one still running when the sweep starts again was cut off by a
+sweep that was killed, and is recorded as failed, with the command that resumes its run.
+Every invocation holds a shared lock on the sweep directory while it runs, so that only one
+that runs alone there takes such records (and an Optuna study's running trials) for dead.
 """
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import json
 import math
 import os
+import shlex
+import socket
 import sys
+import time
+from collections.abc import Mapping
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from flaxlm.errors import FlaxlmError
+from flaxlm.cli.optuna_study import continue_study, is_optuna
+from flaxlm.errors import FlaxlmError, writable_dir
 
 STATUS_SUBDIR = "job-status"
+SWEEP_LOCK_FILE = ".sweep-lock"  # in the sweep directory
 FAILED_EXIT_CODE = 1
+RUNNING = "running"
+LOCK_WAIT_S = 60  # another invocation holds the lock exclusively only while it tidies up
 
 
 class SweepJob:
@@ -33,6 +49,10 @@ class SweepJob:
     def __init__(self, sweep_dir: str, number: int, overrides: list[str], run_dir: str):
         self.sweep_dir, self.number = sweep_dir, number
         self.overrides, self.run_dir = overrides, run_dir
+
+    def started(self) -> None:
+        """Record that the job runs: a record left "running" names a job the sweep was killed in."""
+        self._record(RUNNING, "started")
 
     def done(self, objective: str, value: float) -> float | None:
         """Record the job's objective (trainer.objective) and return it to the sweeper; one
@@ -63,23 +83,51 @@ class SweepJob:
         os.makedirs(directory, exist_ok=True)
         # Named by the job's folder: a continued Optuna study numbers its new jobs from 0 again.
         name = os.path.basename(os.path.normpath(self.run_dir)) or str(self.number)
-        path = os.path.join(directory, f"{name}.json")
-        with open(f"{path}.tmp", "w", encoding="utf-8") as f:
-            json.dump(record, f)
-        os.replace(f"{path}.tmp", path)
+        _write_record(os.path.join(directory, f"{name}.json"), record)
+
+
+def _write_record(path: str, record: dict[str, Any]) -> None:
+    # A name of its own for the temporary file: before the processes of a multi-host job
+    # have joined, each of them takes itself for process 0.
+    temporary = f"{path}.{socket.gethostname()}-{os.getpid()}.tmp"
+    with open(temporary, "w", encoding="utf-8") as f:
+        json.dump(record, f)
+    os.replace(temporary, path)
+
+
+def _status_files(sweep_dir: str) -> dict[str, dict[str, Any]]:
+    """Each status file's record, by file path."""
+    records = {}
+    for path in glob.glob(os.path.join(sweep_dir, STATUS_SUBDIR, "*.json")):
+        with open(path, encoding="utf-8") as f:
+            records[path] = json.load(f)
+    return records
 
 
 def job_statuses(sweep_dir: str) -> list[dict[str, Any]]:
-    records = []
-    for path in glob.glob(os.path.join(sweep_dir, STATUS_SUBDIR, "*.json")):
-        with open(path, encoding="utf-8") as f:
-            records.append(json.load(f))
-    return sorted(records, key=lambda r: r["job"])
+    return sorted(_status_files(sweep_dir).values(), key=lambda r: r["job"])
 
 
-def print_summary(sweep_dir: str, stopped_after: int | None = None) -> bool:
-    """Print one line per job of the sweep in `sweep_dir`; True if every job succeeded."""
-    records = job_statuses(sweep_dir)
+def status_file_times(sweep_dir: str) -> dict[str, int]:
+    """Each status file's modification time (ns), by path: what an invocation finds when it
+    starts tells its own jobs' files (new or rewritten since) from earlier invocations'."""
+    return {path: os.stat(path).st_mtime_ns
+            for path in glob.glob(os.path.join(sweep_dir, STATUS_SUBDIR, "*.json"))}
+
+
+def print_summary(sweep_dir: str, stopped_after: int | None = None,
+                  earlier: Mapping[str, int] | None = None) -> bool:
+    """Print one line per job of the sweep in `sweep_dir`, leaving out the status files of
+    earlier invocations (`earlier`: `status_file_times` when this one started); True if every
+    job succeeded."""
+    earlier = earlier or {}
+    records, left_out = [], 0
+    for path, record in _status_files(sweep_dir).items():
+        if earlier.get(path) == os.stat(path).st_mtime_ns:
+            left_out += 1
+        else:
+            records.append(record)
+    records.sort(key=lambda r: r["job"])
     counts = {s: sum(r["status"] == s for r in records) for s in ("ok", "failed", "preempted")}
     print(f"flaxlm: multirun in {sweep_dir}: " + ", ".join(
         f"{n} {status}" for status, n in counts.items() if n), flush=True)
@@ -91,6 +139,9 @@ def print_summary(sweep_dir: str, stopped_after: int | None = None) -> bool:
         own = " ".join(o for o in r["overrides"] if o not in shared)
         print(f"  #{r['job']} {r['status']:<9} {own or '(no overrides)'} | {r['reason']} | "
               f"run dir {r['run_dir']}", flush=True)
+    if left_out:
+        print(f"  (not shown: {left_out} job(s) of earlier invocations in this directory, "
+              f"see {os.path.join(sweep_dir, STATUS_SUBDIR)})", flush=True)
     if stopped_after is not None:
         print(f"flaxlm: the multirun stopped at job #{stopped_after} (preempted); the jobs after "
               "it were not started", flush=True)
@@ -100,23 +151,83 @@ def print_summary(sweep_dir: str, stopped_after: int | None = None) -> bool:
 class HydraCallbacks(Callback):
     """Configured under `hydra.callbacks` (conf/hydra/default.yaml)."""
 
+    def __init__(self) -> None:
+        self.earlier: dict[str, int] = {}  # status files of earlier invocations
+        self.lock: int | None = None
+
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         _check_writable(config.hydra.run.dir, "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = _check_writable(config.hydra.sweep.dir, "hydra.sweep.dir")
-        # A sweep run again in the same folder reports only its own jobs.
-        for path in glob.glob(os.path.join(sweep_dir, STATUS_SUBDIR, "*.json")):
-            os.remove(path)
+        self.lock, alone = _lock_sweep_dir(sweep_dir)
+        try:
+            if alone:
+                _fail_interrupted_jobs(sweep_dir)
+            # Before Hydra builds the sweeper from this config: it reads the seed then.
+            if is_optuna(config.hydra.sweeper):
+                continue_study(config.hydra.sweeper, alone)
+        finally:
+            _share_lock(self.lock, sweep_dir)
+        self.earlier = status_file_times(sweep_dir)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if not print_summary(os.path.abspath(config.hydra.sweep.dir)):
+        ok = print_summary(os.path.abspath(config.hydra.sweep.dir), earlier=self.earlier)
+        if self.lock is not None:
+            os.close(self.lock)  # closing drops the flock
+            self.lock = None
+        if not ok:
             sys.exit(FAILED_EXIT_CODE)
 
 
-def _check_writable(path: str, setting: str) -> str:
-    from flaxlm.runs import writable_dir  # here: the callbacks load before JAX is configured
+def _lock_sweep_dir(sweep_dir: str) -> tuple[int, bool]:
+    """The lock file's descriptor, and whether this invocation is alone in the directory (then
+    it holds the lock exclusively, until `_share_lock`)."""
+    descriptor = os.open(os.path.join(sweep_dir, SWEEP_LOCK_FILE), os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return descriptor, True
+    except BlockingIOError:
+        return descriptor, False
 
+
+def _share_lock(descriptor: int, sweep_dir: str) -> None:
+    """Hold the lock shared for as long as this invocation runs: other invocations may run
+    beside it, but none takes its running jobs for dead."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(descriptor)
+                print(f"flaxlm: error: another process has held {sweep_dir}/{SWEEP_LOCK_FILE} "
+                      f"for over {LOCK_WAIT_S} s. Wait for the other flaxlm-train in "
+                      f"hydra.sweep.dir={sweep_dir} to start its jobs, or use another "
+                      "hydra.sweep.dir.", file=sys.stderr, flush=True)
+                sys.exit(2)
+            time.sleep(0.5)
+
+
+def _fail_interrupted_jobs(sweep_dir: str) -> None:
+    """Record as failed the jobs still "running" although no invocation runs in the directory:
+    the sweep was killed while they ran. A run with a checkpoint can be resumed by hand."""
+    from flaxlm.runs import has_checkpoint  # here: the callbacks load before JAX is configured
+
+    for path, record in _status_files(sweep_dir).items():
+        if record["status"] != RUNNING:
+            continue
+        run_dir = record["run_dir"]
+        reason = "the sweep was stopped while this job ran"
+        if has_checkpoint(run_dir):
+            command = shlex.join(["flaxlm-train", *record["overrides"], f"resume_from={run_dir}"])
+            reason += f"; its checkpoint continues with: {command}"
+        _write_record(path, {**record, "status": "failed", "reason": reason})
+        print(f"flaxlm: job #{record['job']} ({run_dir}): {reason}", flush=True)
+
+
+def _check_writable(path: str, setting: str) -> str:
     try:
         return writable_dir(path, setting, f"Set {setting} to a directory you can write to.")
     except FlaxlmError as err:

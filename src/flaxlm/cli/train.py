@@ -17,6 +17,7 @@ import sys
 import traceback
 
 import hydra
+import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 from hydra.types import RunMode
@@ -25,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from flaxlm.cli.sweep import SweepJob
 from flaxlm.config import register_configs, renamed_keys
-from flaxlm.errors import FlaxlmError
+from flaxlm.errors import FlaxlmError, yaml_error_text
 
 
 def config_dir() -> str:
@@ -61,6 +62,7 @@ def train_job(cfg: DictConfig) -> float | None:
         except FlaxlmError as err:
             print(f"flaxlm: error: {err}", file=sys.stderr, flush=True)
             sys.exit(2)
+        job.started()
     distributed.supervise_joins()  # a lost peer ends in flaxlm's message and exit code
     try:
         value = train(
@@ -135,9 +137,34 @@ def main() -> None:
             print(f"flaxlm: error: {'; '.join(renamed)} ({where}): use the new name; "
                   "docs/configuration.md lists the renamed keys.", file=sys.stderr)
             sys.exit(2)
-        print(f"flaxlm: error: {message}. Run `flaxlm-train --help` for the config groups "
-              "and `flaxlm-train --cfg job` for the composed config.", file=sys.stderr)
-        sys.exit(2)
+        exit_with_config_error(message)
+    except (yaml.YAMLError, UnicodeDecodeError) as err:  # a file of the user's (--config-dir)
+        if full_error_asked or raised_by_the_job(err):
+            raise
+        exit_with_config_error(f"{config_file_problem(err)}. Fix the file, or choose another "
+                               "option of its config group")
+
+
+def config_file_problem(err: yaml.YAMLError | UnicodeDecodeError) -> str:
+    if isinstance(err, yaml.YAMLError):  # its text names the file
+        return f"A config file is not valid YAML: {yaml_error_text(err)}"
+    # Hydra's file source holds the file's path as `full_path` while it reads it.
+    paths = [frame.f_locals.get("full_path") for frame, _ in traceback.walk_tb(err.__traceback__)]
+    path = next((p for p in reversed(paths) if isinstance(p, str)), "(its name unknown)")
+    return (f"A config file is not UTF-8 text: {path}, byte {err.object[err.start]:#04x} at "
+            f"offset {err.start}")
+
+
+def raised_by_the_job(err: BaseException) -> bool:
+    """Whether `err` came from the job Hydra ran, not from composing its config."""
+    job = train_job.__wrapped__.__code__
+    return any(frame.f_code is job for frame, _ in traceback.walk_tb(err.__traceback__))
+
+
+def exit_with_config_error(message: str) -> None:
+    print(f"flaxlm: error: {message}. Run `flaxlm-train --help` for the config groups "
+          "and `flaxlm-train --cfg job` for the composed config.", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ one readable line."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import glob
 import os
@@ -22,6 +23,8 @@ def expand_patterns(patterns: list[str], setting: str) -> list[Path]:
         matches = sorted(
             p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p)
         )
+        if not matches and os.path.isdir(os.path.expanduser(pattern)):
+            raise _directory_given(pattern, setting)
         if not matches:
             raise FlaxlmError(
                 f"{setting}: the pattern {pattern!r} matches no file (relative paths are "
@@ -30,6 +33,30 @@ def expand_patterns(patterns: list[str], setting: str) -> list[Path]:
             )
         paths.update((Path(m).resolve(), None) for m in matches)
     return list(paths)
+
+
+def _directory_given(directory: str, setting: str) -> FlaxlmError:
+    """A directory where files are named: which of its files to read is the user's choice (a
+    folder often also holds a README, a licence, other splits), so the error suggests the glob
+    for the kind of file it holds most."""
+    base = directory.rstrip("/" + os.sep) or directory
+    inside = [Path(p) for p in glob.glob(os.path.join(os.path.expanduser(base), "**", "*"),
+                                         recursive=True) if os.path.isfile(p)]
+    if not inside:
+        return FlaxlmError(f"{setting}: {directory!r} is a directory without files in it. "
+                           f"{setting} names files: paths, or globs such as '{base}/*.txt'.")
+    suffixes = collections.Counter(p.suffix for p in inside)
+    suffix = suffixes.most_common(1)[0][0]
+    top_level = any(p.suffix == suffix and p.parent == Path(os.path.expanduser(base))
+                    for p in inside)
+    deep = f"{base}/**/*{suffix}"
+    example = f"{base}/*{suffix}" if top_level else deep
+    return FlaxlmError(
+        f"{setting}: {directory!r} is a directory, and {setting} names files. Name the files "
+        f"in it with a glob, e.g. {setting}=[{example}] ({suffixes[suffix]} of the "
+        f"{len(inside)} file(s) in it and its subfolders end in {suffix or 'no extension'}"
+        + (f"; ** reaches into subfolders, as in {deep})." if example != deep else ").")
+    )
 
 
 def check_file_type(path: Path, setting: str, supported) -> None:

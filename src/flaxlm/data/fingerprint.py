@@ -1,12 +1,16 @@
-"""Content hashes that key the on-disk caches (tokenizers, packed blocks)."""
+"""Content hashes: they key the on-disk caches (tokenizers, packed blocks), and a run's
+checkpoints record the hashes of the data it trains and evaluates on, so that a resume on other
+data is noticed (`data_fingerprint`)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import datasets
+import numpy as np
 
 _TEXT_HASHES: dict[str, str] = {}  # datasets' own fingerprint of a dataset → its text hash
 
@@ -22,12 +26,30 @@ def text_fingerprint(texts: datasets.Dataset) -> str:
 
 
 def _hash_documents(texts: datasets.Dataset, batch_size: int = 10_000) -> str:
+    return documents_fingerprint(
+        text
+        for start in range(0, len(texts), batch_size)
+        for text in texts[start : start + batch_size]["text"]
+    )
+
+
+def documents_fingerprint(texts: Iterable[str]) -> str:
+    """sha256 over documents in order, lengths included (as `text_fingerprint`)."""
     digest = hashlib.sha256()
-    for start in range(0, len(texts), batch_size):
-        for text in texts[start : start + batch_size]["text"]:
-            data = text.encode("utf-8")
-            digest.update(len(data).to_bytes(8, "little"))
-            digest.update(data)
+    for text in texts:
+        data = text.encode("utf-8")
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return digest.hexdigest()
+
+
+def arrays_fingerprint(arrays: Mapping[str, np.ndarray]) -> str:
+    """sha256 over named arrays: each one's name, dtype, shape and values."""
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        array = np.ascontiguousarray(arrays[name])
+        digest.update(f"{name}:{array.dtype.str}:{array.shape}".encode())
+        digest.update(array.reshape(-1).view(np.uint8))
     return digest.hexdigest()
 
 

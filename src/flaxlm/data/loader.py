@@ -34,6 +34,11 @@ Batch = jax.Array | dict[str, jax.Array]  # packed blocks, or named arrays (exam
 # Fewer indices than the batch size (only evaluation's last batch) are filled up with zero rows.
 RowGather = Callable[[np.ndarray], Batch]
 
+# The loader-state keys (`RowLoader.rows_key`) that count the training data rather than fix how
+# it is read: a run resumed on changed data knowingly (trainer.resume_on_changed_data) may
+# change them.
+DATA_SIZE_KEYS = ("num_blocks", "num_examples")
+
 
 class BatchSource(Protocol):
     """What the training loop reads: epochs of global batches, and a state that a checkpoint

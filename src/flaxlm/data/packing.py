@@ -1,4 +1,6 @@
 """Packing: tokenise every document, join them with EOS, cut the stream into equal blocks.
+A tokenizer that keeps its own conventions (`tokenizer.convention`) also puts its BOS, if it adds
+one, in front of every document.
 
 Blocks are exactly `max_seq_length` tokens and cross document boundaries (HF's `group_texts`
 layout); only the remainder at the very end of the stream is dropped. Each batch of documents
@@ -8,16 +10,16 @@ A long document is tokenised in pieces (`DocumentEncoder`), so one huge line cos
 proportion to its int32 ids, not the tokenizer's far larger working set for one string.
 
 Packed blocks are cached as `.npy` under `<cache_dir>/blocks/`, keyed by the text, the tokenizer,
-its EOS id and the block length, written in a temporary directory then renamed into place, and read
-back memory-mapped. On several hosts process 0 packs while the others wait, then all read the file
-(a host without the shared cache packs its own copy). Packing holds one batch of documents in memory
-at a time, so corpora far larger than RAM pack too.
+its EOS id and the block length, written in a scratch folder then renamed into place, with a record
+beside them (`<key>.json`: size and sampled checksum, data/cache.py) that is checked before they are
+read back memory-mapped; damaged blocks are packed again. On several hosts process 0 packs while the
+others wait, then all read the file (a host without the shared cache packs its own copy). Packing
+holds one batch of documents in memory at a time, so corpora far larger than RAM pack too.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterator, Sequence
 
 import datasets
@@ -26,6 +28,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from flaxlm import distributed
+from flaxlm.data import cache
 from flaxlm.data.fingerprint import settings_fingerprint, text_fingerprint
 from flaxlm.data.tokenizer import DocumentEncoder
 
@@ -33,15 +36,20 @@ ENCODE_BATCH = 1000  # documents tokenised together
 COPY_TOKENS = 1 << 24  # tokens moved at a time from the scratch stream into the blocks
 
 
-def join_documents(token_ids: list[Sequence[int]], eos_id: int) -> np.ndarray:
-    """One int32 stream of the documents, each followed by `eos_id`."""
-    lengths = np.fromiter((len(ids) + 1 for ids in token_ids), dtype=np.int64, count=len(token_ids))
+def join_documents(token_ids: list[Sequence[int]], eos_id: int,
+                   prefix: Sequence[int] = ()) -> np.ndarray:
+    """One int32 stream of the documents, each followed by `eos_id` (and preceded by `prefix`,
+    the special tokens a tokenizer that keeps its own conventions puts in front of a text:
+    `document_prefix`)."""
+    lengths = np.fromiter((len(prefix) + len(ids) + 1 for ids in token_ids), dtype=np.int64,
+                          count=len(token_ids))
     stream = np.full(int(lengths.sum()), eos_id, dtype=np.int32)
     # Every document's tokens go right after the previous document's EOS; the EOS slots keep
     # the fill value.
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     for start, ids in zip(starts, token_ids):
-        stream[start : start + len(ids)] = ids
+        stream[start : start + len(prefix)] = prefix
+        stream[start + len(prefix) : start + len(prefix) + len(ids)] = ids
     return stream
 
 
@@ -51,46 +59,93 @@ def tokenize_and_pack(
     max_seq_length: int,
     cache_dir: str,
     desc: str = "tokenize",
+    prefix: Sequence[int] = (),
 ) -> np.ndarray:
     """(num_blocks, max_seq_length) int32 token blocks of `texts`, memory-mapped from the cache
-    (packed and cached first if absent), so a corpus larger than RAM costs only page cache."""
+    (packed and cached first if absent), so a corpus larger than RAM costs only page cache.
+    `prefix` goes in front of every document (`join_documents`)."""
     key = settings_fingerprint(
         text_fingerprint(texts), tokenizer.backend_tokenizer.to_str(), tokenizer.eos_token_id,
-        max_seq_length,
+        # Keyed by a prefix only where there is one: flaxlm's own runs keep their cache keys.
+        max_seq_length, *([list(prefix)] if prefix else []),
     )
-    path = os.path.join(os.path.expanduser(cache_dir), "blocks", f"{key[:24]}.npy")
+    folder = os.path.join(os.path.expanduser(cache_dir), "blocks")
+    path = os.path.join(folder, f"{key[:24]}.npy")
 
     def build() -> None:
-        if not os.path.exists(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            _pack(texts, tokenizer, max_seq_length, desc, path)
+        cache.remove_stale_scratch(folder)
+        if os.path.exists(path):
+            problem = _damage(path)
+            if problem is None:
+                return
+            print(f"flaxlm: the cached token blocks {path} are damaged ({problem}); packing "
+                  "them again", flush=True)
+        _pack(texts, tokenizer, max_seq_length, desc, path, prefix)
 
     distributed.primary_first("packing the token blocks", build)
     return np.load(path, mmap_mode="r")
 
 
-def _pack(texts, tokenizer, max_seq_length: int, desc: str, path: str) -> None:
+def _record_path(path: str) -> str:
+    return os.path.splitext(path)[0] + ".json"
+
+
+def _damage(path: str) -> str | None:
+    """What is wrong with the cached blocks at `path`, or None. Blocks packed before records
+    existed (no record) are kept, and recorded, when their size is what their header says."""
+    record = _record_path(path)
+    if os.path.exists(record):
+        return cache.damage(record, [os.path.basename(path)])
+    problem = _layout_damage(path)
+    if problem is None:
+        cache.write_record(record, [os.path.basename(path)])
+    return problem
+
+
+def _layout_damage(path: str) -> str | None:
+    """Whether the .npy file at `path` has the size its header implies."""
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                           else np.lib.format.read_array_header_2_0)
+            shape, _, dtype = read_header(f)
+            expected = f.tell() + int(np.prod(shape)) * dtype.itemsize
+    except (OSError, ValueError) as err:
+        return f"not a readable .npy file: {err}"
+    size = os.path.getsize(path)
+    return None if size == expected else f"{size:,} bytes where its header implies {expected:,}"
+
+
+def _pack(texts, tokenizer, max_seq_length: int, desc: str, path: str,
+          prefix: Sequence[int] = ()) -> None:
     """Write the blocks of `texts` to `path` holding one batch of documents in memory at a time:
     token ids go to a scratch file batch by batch, then the whole blocks are laid out as .npy.
-    Both are made in a temporary directory beside `path` and only the finished file is renamed
-    into place, so a killed run leaves nothing that a later run would trust."""
-    with tempfile.TemporaryDirectory(prefix=".tmp-", dir=os.path.dirname(path)) as scratch:
+    Both are made in a scratch folder beside `path`; the record, then the finished blocks, are
+    renamed into place, so blocks in the cache always have a record (one key's blocks are the
+    same bytes whoever packs them, so a record renamed in over an older one says the same). A
+    killed run leaves nothing that a later run would trust, and a scratch folder that the next
+    use removes."""
+    with cache.scratch_folder(os.path.dirname(path)) as scratch:
         stream_path = os.path.join(scratch, "stream.int32")
         with open(stream_path, "wb") as stream_file:
-            for ids in _token_batches(texts, tokenizer, desc):
+            for ids in _token_batches(texts, tokenizer, desc, prefix):
                 ids.tofile(stream_file)
-        blocks_path = os.path.join(scratch, "blocks.npy")
+        blocks_path = os.path.join(scratch, os.path.basename(path))
         _write_blocks(stream_path, blocks_path, max_seq_length)
+        record_path = os.path.join(scratch, os.path.basename(_record_path(path)))
+        cache.write_record(record_path, [os.path.basename(path)])
+        os.replace(record_path, _record_path(path))
         os.replace(blocks_path, path)
 
 
-def _token_batches(texts, tokenizer, desc: str) -> Iterator[np.ndarray]:
-    """The token stream of `texts`, EOS after every document, one array per batch of
-    documents."""
+def _token_batches(texts, tokenizer, desc: str, prefix: Sequence[int]) -> Iterator[np.ndarray]:
+    """The token stream of `texts`, `prefix` before and EOS after every document, one array
+    per batch of documents."""
     encoder = DocumentEncoder(tokenizer.backend_tokenizer)
     for start in tqdm(range(0, len(texts), ENCODE_BATCH), desc=desc, unit="batch", leave=False):
         batch = texts[start : start + ENCODE_BATCH]["text"]
-        yield join_documents(encoder.encode(batch), tokenizer.eos_token_id)
+        yield join_documents(encoder.encode(batch), tokenizer.eos_token_id, prefix)
     if warning := encoder.inexact_cuts_warning():
         print(warning, flush=True)
 

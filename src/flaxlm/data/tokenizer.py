@@ -8,7 +8,8 @@ A trained tokenizer is cached under `<cache_dir>/tokenizers/<hash>/`, the hash c
 text and every setting that shapes the result, so a second run on the same corpus reuses it and any
 change retrains. On several hosts process 0 trains it while the others wait. It is saved as a
 transformers tokenizer directory (`tokenizer.json` + `tokenizer_config.json`), loadable with
-`AutoTokenizer.from_pretrained`.
+`AutoTokenizer.from_pretrained`, with a record of its files (data/cache.py) that is checked, with
+loading it, on every use; a damaged one is trained again.
 """
 
 from __future__ import annotations
@@ -18,9 +19,7 @@ import dataclasses
 import json
 import os
 import re
-import shutil
-import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import datasets
 import numpy as np
@@ -28,12 +27,14 @@ import tokenizers
 import transformers
 
 from flaxlm import distributed
-from flaxlm.config import TokenizerConfig
+from flaxlm.config import TokenConvention, TokenizerConfig
+from flaxlm.data import cache
 from flaxlm.data.fingerprint import settings_fingerprint, text_fingerprint
 from flaxlm.errors import FlaxlmError
 
 PIECE_CHARS = 1 << 16  # the longest string handed to the tokenizer: a piece of a long document
 ENCODE_CHARS = 1 << 20  # characters tokenised (or counted for training) together
+RECORD_FILE = "flaxlm-record.json"  # in a cached tokenizer: its files' sizes and checksums
 # Cut at every space after a non-space: a tokenizer whose ids of these pieces, joined, equal the
 # whole text's can have long documents cut at such spaces without changing a token.
 _PROBE = "Hello, world!  Two  spaces,\ta tab\nand a line; it's 3.14 € — ðæ 漢字 ok   end"
@@ -57,13 +58,14 @@ def prepare_tokenizer(
             tokenizers.__version__, transformers.__version__, text_fingerprint(train_texts),
         )
         directory = os.path.join(os.path.expanduser(cache_dir), "tokenizers", key[:20])
+        loaded = []
 
-        def build() -> None:
-            if not os.path.exists(os.path.join(directory, "tokenizer.json")):
-                _save_atomically(train_bpe(settings, train_texts, vocab_size), directory)
+        def build() -> None:  # once in every process: process 0 first
+            loaded.append(_cached_tokenizer(
+                directory, settings, lambda: train_bpe(settings, train_texts, vocab_size)))
 
         distributed.primary_first("training the tokenizer", build)
-        tokenizer = load_tokenizer(directory, settings)
+        tokenizer = loaded[0]
     check_fits_model(tokenizer, model_vocab_size, settings)
     return tokenizer
 
@@ -89,7 +91,9 @@ def _bpe_vocab_size(settings: TokenizerConfig, model_vocab_size: int) -> int:
 
 def _shaping_settings(settings: TokenizerConfig) -> dict:
     fields = dataclasses.asdict(settings)
+    # train_docs only chooses the text; convention is how a run uses the tokenizer.
     fields.pop("train_docs")
+    fields.pop("convention")
     return fields
 
 
@@ -169,14 +173,7 @@ class DocumentEncoder:
     (checked once on a probe sentence), for the caller to report."""
 
     def __init__(self, backend: tokenizers.Tokenizer):
-        if backend.padding or backend.truncation:
-            # Set by a tokenizer.json or left by an earlier call: they would pad every document
-            # to a batch length and cut it at max_length. Switched off in a copy, as the
-            # tokenizer itself is also saved and exported.
-            backend = tokenizers.Tokenizer.from_str(backend.to_str())
-            backend.no_padding()
-            backend.no_truncation()
-        self.backend = backend
+        self.backend = _unpadded(backend)
         self.inexact_cuts = 0
         self._clean_cuts_exact: bool | None = None  # probed at the first cut
 
@@ -213,6 +210,17 @@ class DocumentEncoder:
         )
 
 
+def _unpadded(backend: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
+    """`backend`, or a copy of it without padding and truncation. Set by a tokenizer.json or
+    left by an earlier call, they would pad every text to a batch length and cut it at
+    max_length; switched off in a copy, as the tokenizer itself is also saved and exported."""
+    if backend.padding or backend.truncation:
+        backend = tokenizers.Tokenizer.from_str(backend.to_str())
+        backend.no_padding()
+        backend.no_truncation()
+    return backend
+
+
 def load_tokenizer(path: str, settings: TokenizerConfig) -> transformers.PreTrainedTokenizerFast:
     """A tokenizer directory (anything `AutoTokenizer` loads) or a bare tokenizer.json file.
 
@@ -227,7 +235,7 @@ def load_tokenizer(path: str, settings: TokenizerConfig) -> transformers.PreTrai
             tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         else:
             tokenizer = None
-    except (OSError, ValueError, TypeError) as err:
+    except Exception as err:  # noqa: BLE001 — `tokenizers` raises a bare Exception on bad JSON
         raise FlaxlmError(
             f"tokenizer.path={path!r} could not be loaded as a tokenizer ({err}). Point it at a "
             "directory written by `save_pretrained` or at a tokenizer.json file, or set "
@@ -281,28 +289,104 @@ def token_byte_lengths(tokenizer: transformers.PreTrainedTokenizerFast) -> np.nd
     return lengths
 
 
+def _cached_tokenizer(directory: str, settings: TokenizerConfig,
+                      train: Callable[[], transformers.PreTrainedTokenizerFast]):
+    """The tokenizer cached in `directory`, trained and cached first when it is absent or
+    damaged: its files differ from their record, or it does not load. One cached before
+    records existed is checked by loading it, then recorded."""
+    cache.remove_stale_scratch(os.path.dirname(directory))
+    if os.path.isdir(directory):
+        record = os.path.join(directory, RECORD_FILE)
+        unrecorded = not os.path.exists(record)
+        problem = None if unrecorded else cache.damage(record)
+        if problem is None:
+            try:
+                tokenizer = load_tokenizer(directory, settings)
+            except FlaxlmError as err:  # its message names tokenizer.path, not set here
+                problem = f"it does not load: {_first_line(err.__cause__ or err)}"
+            else:
+                if unrecorded:
+                    cache.write_record(record, _entry_files(directory))
+                return tokenizer
+        print(f"flaxlm: the cached tokenizer {directory} is damaged ({problem}); training it "
+              "again", flush=True)
+    _save_atomically(train(), directory)
+    return load_tokenizer(directory, settings)
+
+
+def _entry_files(directory: str) -> list[str]:
+    return sorted(name for name in os.listdir(directory)
+                  if name != RECORD_FILE and os.path.isfile(os.path.join(directory, name)))
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0][:200] if lines else type(err).__name__
+
+
 def _save_atomically(tokenizer: transformers.PreTrainedTokenizerFast, directory: str) -> None:
-    """Write into a temporary sibling, then rename: a killed run leaves no half-written
-    tokenizer that a later run would trust; a concurrent run that finished first wins."""
-    parent = os.path.dirname(directory)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
-    try:
-        tokenizer.save_pretrained(tmp)
-        if os.path.isdir(directory):  # left incomplete by an older, killed version: replace it
-            shutil.rmtree(directory)
-        os.rename(tmp, directory)
-    except OSError:
-        if not os.path.exists(os.path.join(directory, "tokenizer.json")):
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    """Save and record it in a scratch folder, then rename it into place: a killed run leaves
+    no half-written tokenizer that a later run would trust. A damaged tokenizer at `directory`
+    is moved into the scratch folder (removed with it); one that a concurrent run cached first
+    is kept."""
+    with cache.scratch_folder(os.path.dirname(directory)) as scratch:
+        entry = os.path.join(scratch, "tokenizer")
+        tokenizer.save_pretrained(entry)
+        cache.write_record(os.path.join(entry, RECORD_FILE), _entry_files(entry))
+        if os.path.isdir(directory):
+            if cache.damage(os.path.join(directory, RECORD_FILE)) is None:
+                return
+            os.rename(directory, os.path.join(scratch, "damaged"))
+        try:
+            os.rename(entry, directory)
+        except OSError:  # a concurrent run renamed its copy in first
+            if cache.damage(os.path.join(directory, RECORD_FILE)) is not None:
+                raise
+
+
+def keeps_own_conventions(convention: TokenConvention | str, init_from: str | None) -> bool:
+    """Whether a run frames documents and prompts with the tokenizer's own special tokens
+    (`tokenizer.convention`): auto does so for a model started from someone else's weights
+    (`model.init_from`), which learnt them; a model flaxlm trains learns flaxlm's."""
+    convention = TokenConvention(convention)
+    if convention is TokenConvention.auto:
+        return bool(init_from)
+    return convention is TokenConvention.tokenizer
+
+
+def document_prefix(tokenizer: transformers.PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """The special tokens `tokenizer` puts in front of every text it encodes (a BOS), which
+    packing puts in front of every document when the tokenizer keeps its own conventions.
+    Nothing for `with_document_start`'s EOS: that is the EOS packing puts after each
+    document."""
+    if has_document_start(tokenizer):
+        return ()
+    encoding = _unpadded(tokenizer.backend_tokenizer).encode(_PROBE)
+    return tuple(encoding.ids[:encoding.sequence_ids.index(0)])
+
+
+def glues_pairs(tokenizer: transformers.PreTrainedTokenizerBase) -> bool:
+    """Whether `tokenizer` encodes a pair of texts with no special token between them (no
+    post-processor; GPT-2's; a Llama tokenizer's `<s> $A $B` or `$A $B`), so that the model
+    cannot see where the first ends."""
+    encoding = _unpadded(tokenizer.backend_tokenizer).encode(_PROBE, _PROBE)
+    sequences = encoding.sequence_ids
+    last_of_first = len(sequences) - 1 - sequences[::-1].index(0)
+    return sequences.index(1) == last_of_first + 1
+
+
+def prompt_tokenizer(tokenizer: transformers.PreTrainedTokenizerBase, own_conventions: bool):
+    """The tokenizer that reads a prompt as the model read the start of a document: as it is,
+    when it keeps its own conventions (`keeps_own_conventions`), else `with_document_start`."""
+    return tokenizer if own_conventions else with_document_start(tokenizer)
 
 
 def with_document_start(tokenizer: transformers.PreTrainedTokenizerBase):
     """`tokenizer`, or a copy of it, that reads a text as the start of a document, the way a
     language model trained by flaxlm saw every document: after the EOS token. (Packing encodes
-    documents without special tokens and puts EOS after each, `join_documents`.)
+    documents without special tokens and puts EOS after each, `join_documents`.) This is
+    flaxlm's convention (`tokenizer.convention=flaxlm`), not that of a model from someone
+    else's weights.
 
     Its post-processor puts EOS in front (`</s> $A`; a pair is two documents in a row,
     `</s> $A </s> $B`), so `tokenizer(prompt)` gives the ids flaxlm-generate feeds the model,

@@ -27,7 +27,7 @@ from flaxlm.errors import FlaxlmError
 from flaxlm.export import export_hf
 from flaxlm.models import pretrained
 from flaxlm.models.layers import TransformerSpec, count_params
-from flaxlm.runs import CheckpointSaver, RunDir, restore_run
+from flaxlm.runs import DATA_FINGERPRINT_KEY, CheckpointSaver, RunDir, restore_run
 from flaxlm.tracking import Tracker
 from flaxlm.training.checkpoint import Checkpointer, StopRequest, key_to_json
 from flaxlm.training.loop import LoopState, Plan, Throughput, fit
@@ -88,10 +88,17 @@ class Start:
 
 
 def model_start(config: TrainConfig) -> Start:
+    """The run's start; with model.init_from, one line says which settings the checkpoint's
+    config.json replaced, since the preset's name and shape no longer describe the model."""
     if not config.model.init_from:
         return Start(None, config.model)
     checkpoint_dir = pretrained.resolve_checkpoint(config.model.init_from)
-    return Start(checkpoint_dir, pretrained.pretrained_model_config(checkpoint_dir, config.model))
+    model = pretrained.pretrained_model_config(checkpoint_dir, config.model)
+    replaced = pretrained.replaced_settings(config.model, model)
+    print(f"flaxlm: model.init_from={config.model.init_from}: family and shape from its "
+          "config.json" + (f", in place of model={config.model.name}'s: " + ", ".join(replaced)
+                           if replaced else f" (the same as model={config.model.name}'s)"))
+    return Start(checkpoint_dir, model)
 
 
 def tokenizer_sha256(tokenizer) -> str:
@@ -123,12 +130,15 @@ def prepare_training(
     compile_steps: Callable[..., CompiledSteps],
     loader,
     tokenizer,
+    data_fingerprint: dict[str, str],
 ) -> Training:
     """Optimizer, model, train state and compiled steps; a resumed run's state, dropout key
     and data position restored from its latest checkpoint.
 
     `build_model(spec, rngs)` makes the task's model; `compile_steps(mesh, graphdef, tx,
-    schedule)` its jitted steps.
+    schedule)` its jitted steps. `data_fingerprint` ({what: content hash}, e.g. "training
+    data" and "validation data") is saved with every checkpoint; a resume on data with
+    another fingerprint is refused unless trainer.resume_on_changed_data.
     """
     config = job.config
     plan = make_plan(config, loader.steps_per_epoch)
@@ -143,18 +153,48 @@ def prepare_training(
     model = build_model(spec, nnx.Rngs(params=init_key))
     if start.checkpoint_dir and not job.run.resuming:  # else the weights come from the run's
         report = pretrained.load_pretrained_weights(model, start.checkpoint_dir,  # checkpoint
-                                                    source=config.model.init_from)
+                                                    source=config.model.init_from,
+                                                    shape_from_checkpoint=True)
         print(f"flaxlm: model.init_from={config.model.init_from}: {report}")
     graphdef, state = create_state(model, tx, job.mesh)  # split by its logical axes
     steps = compile_steps(job.mesh, graphdef, tx, schedule)
     tokenizer_hash = tokenizer_sha256(tokenizer)
     metadata = {"config": job.resolved, "tokenizer_sha256": tokenizer_hash,
-                "dropout_key": key_to_json(dropout_key), "wandb_run_id": job.run.wandb_run_id}
+                "dropout_key": key_to_json(dropout_key), "wandb_run_id": job.run.wandb_run_id,
+                DATA_FINGERPRINT_KEY: data_fingerprint}
     resume = None
     if job.run.resuming:  # before model/ is written: a resume that is refused changes nothing
-        state, dropout_key, resume = restore_run(job.checkpointer, state, dropout_key, loader,
-                                                 tokenizer_hash, job.tracker, job.run.path)
+        resumed = restore_run(job.checkpointer, state, dropout_key, loader, tokenizer_hash,
+                              job.tracker, job.run.path, data_fingerprint=data_fingerprint,
+                              accept_changed_data=config.trainer.resume_on_changed_data)
+        state, dropout_key, resume = resumed.state, resumed.dropout_key, resumed.loop
+        announce_new_length(config, resumed.saved_config, plan, schedule, resume.step)
     return Training(state, steps, plan, dropout_key, metadata, count_params(model), resume)
+
+
+def announce_new_length(config: TrainConfig, saved_config: dict, plan: Plan, schedule,
+                        step: int) -> None:
+    """A resumed run whose trainer.max_steps / num_epochs changed trains for another number
+    of steps than its checkpoint planned, and its learning-rate schedule spans the new length
+    (the schedule always spans the run: on the old one the added steps would all run at
+    optimizer.end_lr). From `step` on the learning rate follows the new curve, which jumps when
+    a decaying run is extended: said in one line, with both rates."""
+    saved = saved_config.get("trainer") or {}
+    saved_trainer = dataclasses.replace(
+        config.trainer, max_steps=saved.get("max_steps", config.trainer.max_steps),
+        num_epochs=saved.get("num_epochs", config.trainer.num_epochs))
+    planned = make_plan(dataclasses.replace(config, trainer=saved_trainer),
+                        plan.steps_per_epoch).total_steps
+    if planned == plan.total_steps:
+        return
+    old_lr = float(make_schedule(config.optimizer, planned)(step))
+    new_lr = float(schedule(step))
+    print(f"flaxlm: trainer.max_steps / num_epochs now make the run {plan.total_steps} steps "
+          f"long where its checkpoint planned {planned}: the learning-rate schedule is "
+          f"{'stretched' if plan.total_steps > planned else 'shortened'} to "
+          f"{plan.total_steps} steps, so at step {step} the learning rate is {new_lr:.3g} "
+          f"instead of the old schedule's {old_lr:.3g} (resume with the old length to keep the "
+          "old schedule)", flush=True)
 
 
 def start_model_dir(job: JobContext, model: ModelConfig, tokenizer, hf_config) -> None:

@@ -7,8 +7,8 @@ checkpoint at step s holds three items:
   a top-level `params` field or key, which `restore_params` reads);
 - `loader`: the data loader's position as a JSON dict (epoch, step in epoch, shuffle seed; a
   stream's `StreamState`), whatever the caller's loader needs to yield the same next batch;
-- `meta`: JSON metadata (the resolved config, the tokenizer's hash, RNG keys, the loop's
-  unfinished metric window, ...).
+- `meta`: JSON metadata (the resolved config, the tokenizer's hash, the data's fingerprint, RNG
+  keys, the loop's unfinished metric window, ...).
 
 It is generic over all three, so the pre-training loop and the fine-tuning loop share it.
 
@@ -40,8 +40,9 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any, NamedTuple
+import traceback
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import numpy as np
@@ -54,6 +55,8 @@ from flaxlm.layout import CHECKPOINT_SUBDIR
 
 BEST_METRIC = "eval/loss"  # lower is better
 SET_ASIDE_TIMEOUT_S = 300  # how long other processes wait for process 0 to set a step aside
+
+T = TypeVar("T")
 
 # Exit status of a run stopped by SIGTERM / SIGINT after saving its checkpoint: BSD sysexits'
 # EX_TEMPFAIL ("temporary failure, try again"). It is distinct from a failure (1), a user error
@@ -111,6 +114,7 @@ class Checkpointer:
         # traceback ("cannot schedule new futures after interpreter shutdown"). Wait for it.
         self._manager._maybe_await_cleanup_tmp_directory()
         _quiet_disk_full_logs()
+        _quiet_closed_loop_callbacks()
 
     def steps(self) -> list[int]:
         """Steps of finalised checkpoints, oldest first."""
@@ -185,6 +189,13 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until every started save is on disk."""
         self._manager.wait_until_finished()
+
+    def raise_failed_save(self) -> None:
+        """Raise the error of an asynchronous save that failed; never waits for one still being
+        written. orbax itself reports it only at the next save, which may be many steps (all
+        of them lost) later."""
+        if not self._manager.is_saving_in_progress():
+            self._manager.wait_until_finished()  # a finished save: returns or raises at once
 
     def close(self) -> None:
         """Wait for pending saves, then release orbax's threads."""
@@ -299,8 +310,13 @@ def key_from_json(data: list[int], like: jax.Array) -> jax.Array:
 
 class StopRequest:
     """Set by SIGTERM or SIGINT while `catching_signals()` is active: the training loop
-    finishes its current step, saves a checkpoint and raises `Preempted`. A second signal
-    gets the default behaviour (a second Ctrl-C kills at once)."""
+    finishes its current step (or evaluation batch), saves a checkpoint and raises `Preempted`.
+
+    Once a stop is requested, a repeated SIGTERM is ignored: schedulers and wrappers often
+    deliver it twice (to the process group and to the process), and the grace period it
+    announces is what the save needs. A second SIGINT (Ctrl-C: a person at the keyboard) stops
+    at once, without the checkpoint: it goes to the previous handler, except Python's own, whose
+    KeyboardInterrupt would wait for the save's threads; the process ends by SIGINT instead."""
 
     def __init__(self):
         self.signal_name: str | None = None
@@ -316,20 +332,53 @@ class StopRequest:
             return
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
-        def handle(signum, _frame):
-            self.signal_name = signal.Signals(signum).name
-            print(f"\nflaxlm: {self.signal_name} received; saving a checkpoint after this step "
-                  "(send it again to stop at once)", file=sys.stderr, flush=True)
+        def put_back() -> None:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+        def handle(signum, _frame):
+            name = signal.Signals(signum).name
+            if self.signal_name is None:
+                self.signal_name = name
+                print(f"\nflaxlm: {name} received; saving a checkpoint after this step "
+                      "(Ctrl-C again stops at once, without it)", file=sys.stderr, flush=True)
+            elif signum == signal.SIGINT:
+                print("\nflaxlm: SIGINT again: stopping at once, without the checkpoint",
+                      file=sys.stderr, flush=True)
+                put_back()
+                if previous[signal.SIGINT] is signal.default_int_handler:
+                    signal.signal(signal.SIGINT, signal.SIG_DFL)
+                signal.raise_signal(signum)
+            else:
+                print(f"\nflaxlm: {name} again: ignored while the checkpoint is saved "
+                      "(Ctrl-C, SIGINT, stops at once)", file=sys.stderr, flush=True)
 
         for sig in previous:
             signal.signal(sig, handle)
         try:
             yield self
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            put_back()
+
+
+class EvaluationCut(Exception):
+    """A stop request cut an evaluation short after `done` of its `total` batches: its
+    numbers cover part of the data, so they are not the run's evaluation."""
+
+    def __init__(self, done: int, total: int):
+        self.done, self.total = done, total
+        super().__init__(f"evaluation cut after {done} of {total} batches")
+
+
+def unless_stopped(batches: Iterable[T], stop: StopRequest | None, total: int) -> Iterator[T]:
+    """Each of an evaluation's `total` batch results; raises `EvaluationCut` when `stop` is
+    requested before the last one. A preemption's grace period is short, and an evaluation may
+    be long. `stop` is asked after each batch but the last, on every process alike, so an
+    `AgreedStopRequest` cuts every process's evaluation at the same batch."""
+    for done, result in enumerate(batches, start=1):
+        yield result
+        if stop is not None and done < total and stop.requested:
+            raise EvaluationCut(done, total)
 
 
 # How an error says that a disk or a quota is full: an OSError's errno, or the status text of
@@ -340,16 +389,30 @@ _DISK_FULL_TEXTS = tuple(os.strerror(code) for code in _DISK_FULL_ERRNOS) + tupl
 
 
 def disk_full_cause(err: BaseException | None) -> BaseException | None:
-    """The error in `err`'s chain (itself, its cause or context) that says a disk is full."""
+    """The error in `err`'s chain (itself, its cause or context) that says a disk is full. A
+    FlaxlmError's text is flaxlm's own account of it: the system's words lie further down."""
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
         if isinstance(err, OSError) and err.errno in _DISK_FULL_ERRNOS:
             return err
-        if any(text in str(err) for text in _DISK_FULL_TEXTS):
+        if not isinstance(err, FlaxlmError) and any(text in str(err)
+                                                     for text in _DISK_FULL_TEXTS):
             return err
         err = err.__cause__ or err.__context__
     return None
+
+
+def disk_full_text(err: BaseException) -> str | None:
+    """What `disk_full_cause` says, in one line short enough for a message; None when nothing
+    in `err`'s chain says a disk is full."""
+    cause = disk_full_cause(err)
+    if cause is None:
+        return None
+    text = str(cause).strip().splitlines()[0]
+    if len(text) > 400:  # tensorstore's text: the file and the reason come last
+        text = "…" + text[-400:]
+    return text
 
 
 class _DropDiskFullTracebacks(logging.Filter):
@@ -365,6 +428,35 @@ def _quiet_disk_full_logs() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropDiskFullTracebacks) for f in logger.filters):
             logger.addFilter(_DropDiskFullTracebacks())
+
+
+class _DropClosedLoopCallbacks:
+    """`sys.unraisablehook` less the noise of a failed read or write. orbax runs a checkpoint's
+    array writes (or reads) concurrently in an event loop of its own, which it closes as soon
+    as one of them fails; each one still under way calls back into that closed loop when it
+    ends, and tensorstore reports the `RuntimeError: Event loop is closed` as unraisable, one
+    traceback per array, around the failure flaxlm reports. Those alone are dropped; anything
+    else goes to the hook there was."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, unraisable) -> None:
+        if not _is_closed_loop_callback(unraisable):
+            self.previous(unraisable)
+
+
+def _is_closed_loop_callback(unraisable) -> bool:
+    if not (isinstance(unraisable.exc_value, RuntimeError) and unraisable.object is None
+            and str(unraisable.exc_value) == "Event loop is closed"):
+        return False
+    frames = [frame.f_code.co_name for frame, _ in traceback.walk_tb(unraisable.exc_traceback)]
+    return frames[:1] == ["call_soon_threadsafe"]
+
+
+def _quiet_closed_loop_callbacks() -> None:
+    if not isinstance(sys.unraisablehook, _DropClosedLoopCallbacks):
+        sys.unraisablehook = _DropClosedLoopCallbacks(sys.unraisablehook)
 
 
 def _first_line(err: BaseException) -> str:

@@ -16,8 +16,14 @@ def global_batch_size(config: TrainConfig, num_devices: int) -> int:
     accum = config.trainer.grad_accum_steps
     if wanted is None:
         return config.hardware.per_device_batch_size * num_devices * accum
+    if wanted < 1:
+        raise FlaxlmError(
+            f"trainer.global_batch_size={wanted} must be at least 1 (rows per optimizer step), "
+            "or null to use hardware.per_device_batch_size × devices × "
+            "trainer.grad_accum_steps."
+        )
     split = num_devices * accum
-    if wanted < 1 or wanted % split:
+    if wanted % split:
         raise FlaxlmError(
             f"trainer.global_batch_size={wanted} does not divide evenly into "
             f"trainer.grad_accum_steps={accum} micro-batch(es) over the {num_devices} "
