@@ -109,4 +109,4 @@ def test_every_command_the_wheel_registers_is_installed_and_answers_help(install
     for name in names:
         result = subprocess.run([str(installed / "bin" / name), "--help"], cwd=tmp_path,
                                 capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0 and name in result.stdout, (name, result.stderr[-2000:])
+        assert result.returncode == 0 and result.stdout.strip(), (name, result.stderr[-2000:])

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from flaxlm import layout
 from flaxlm.config import ModelConfig
+from flaxlm.data.tokenizer import keeps_own_conventions
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import read_marker
 from flaxlm.layout import CHECKPOINT_SUBDIR, MODEL_SUBDIR, run_path
@@ -33,6 +34,14 @@ class RunModel(NamedTuple):
     step: int | None
     source: str  # e.g. "/runs/x checkpoint step 200", for messages and the model card
     hf_config: Any = None  # a task=classify run's HF classifier config; None for an LM
+
+    @property
+    def own_conventions(self) -> bool:
+        """Whether the run kept its tokenizer's own special tokens (`keeps_own_conventions`):
+        how generation and export read a prompt."""
+        tokenizer = self.run_config.get("tokenizer") or {}
+        model = self.run_config.get("model") or {}
+        return keeps_own_conventions(tokenizer.get("convention", "auto"), model.get("init_from"))
 
     def model(self) -> nnx.Module:
         if self.hf_config is not None:

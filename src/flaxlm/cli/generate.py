@@ -56,7 +56,8 @@ def run(argv: Sequence[str]) -> list[str]:
     )
     run_model = load_run_model(args.run_dir, args.step)
     print(f"flaxlm: generating with {run_model.source}", file=sys.stderr)
-    completions = generate(run_model.model(), run_model.tokenizer, prompts, settings)
+    completions = generate(run_model.model(), run_model.tokenizer, prompts, settings,
+                           own_conventions=run_model.own_conventions)
     print("\n---\n".join(p + c for p, c in zip(prompts, completions)))
     return completions
 
