@@ -20,7 +20,7 @@ measurement of this machine.
 
 The breakdown runs `flaxlm-train` itself for a few steps and one evaluation, each case in a fresh
 process: the quickstart (gpt2-tiny, builtin corpus, 2 CPU devices) and the MiniLM fine-tune
-(`experiment=minilm-mrpc-offline` on the demo pairs of `flaxlm.data.pairs`) on 2 and on 8
+(`experiment=minilm-mrpc-offline` on the demo pairs of `flaxlm-pairs`) on 2 and on 8
 simulated CPU devices, and on 8 with the state split over `fsdp`. It reports the process's peak
 RSS and the RSS of each phase of the run (sampled by a thread), and per device what the
 compiled train and eval steps hold by XLA's own accounting (`memory_analysis`): the train state
@@ -487,9 +487,10 @@ def print_breakdown(result: dict) -> None:
 def breakdown(args) -> None:
     import tempfile
 
+    from flaxlm.data.pairs import write_pair_dataset
+
     with tempfile.TemporaryDirectory() as pairs_dir:
-        subprocess.run([sys.executable, "-m", "flaxlm.data.pairs", pairs_dir], check=True,
-                       capture_output=True)
+        write_pair_dataset(pairs_dir)
         cases = args.case or list(breakdown_cases(pairs_dir))
         extra = f" ({' '.join(args.overrides)})" if args.overrides else ""
         print(f"memory of `flaxlm-train` runs of {args.steps} steps and one evaluation{extra}, "

@@ -136,8 +136,8 @@ def test_an_imported_llama_keeps_its_tokenizers_conventions(checkpoint, imported
     np.testing.assert_allclose(first_eval["eval/loss"],
                                torch_eval_loss(checkpoint, validation, N_POSITIONS), rtol=2e-5)
 
-    ours = generate_cli.run([f"run_dir={run_dir}", *(f"prompt={p}" for p in PROMPTS),
-                             "greedy=true", "max_new_tokens=8"])
+    ours = generate_cli.run([str(run_dir), *(f"--prompt={p}" for p in PROMPTS), "--greedy",
+                             "--max-new-tokens", "8"])
     assert ours == torch_greedy(checkpoint, PROMPTS, 8)
     assert len(set(ours)) > 1  # the prompts lead to different paths
 
