@@ -17,14 +17,14 @@ from flax import nnx
 
 from flaxlm.errors import FlaxlmError
 from flaxlm.parallel import make_mesh, replicated
-from flaxlm.training.checkpoint import (
+from flaxlm.training.checkpoint.manager import (
     Checkpointer,
-    StopRequest,
     key_from_json,
     key_to_json,
     restore_params,
 )
 from flaxlm.training.step import TrainState
+from flaxlm.training.stop import StopRequest
 
 LOADER = {"kind": "blocks", "epoch": 1, "step_in_epoch": 3, "seed": 0}
 
@@ -163,7 +163,7 @@ def test_restore_params_of_a_run_without_checkpoints_says_so(tmp_path):
 KILLED_MID_SAVE = """
 import os, signal, sys
 import numpy as np
-from flaxlm.training.checkpoint import Checkpointer
+from flaxlm.training.checkpoint.manager import Checkpointer
 checkpointer = Checkpointer(sys.argv[1], async_save=True)
 checkpointer.save(1, {"params": {"w": np.ones((4, 4), np.float32)}}, {}, {})
 checkpointer.wait()
@@ -221,7 +221,7 @@ def test_a_repeated_sigterm_is_ignored_and_a_second_sigint_goes_to_the_previous_
 
 SECOND_CTRL_C = """
 import os, signal, sys, time
-from flaxlm.training.checkpoint import StopRequest
+from flaxlm.training.stop import StopRequest
 
 with StopRequest().catching_signals():
     os.kill(os.getpid(), signal.SIGINT)

@@ -21,7 +21,7 @@ from test_bad_input import ENGLISH, SHORT, assert_names, write
 
 from flaxlm.errors import FlaxlmError
 from flaxlm.job import train
-from flaxlm.training.checkpoint import Checkpointer
+from flaxlm.training.checkpoint.manager import Checkpointer
 
 
 def flaxlm_train(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:

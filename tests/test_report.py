@@ -268,7 +268,7 @@ def test_preempted_failed_and_killed_runs_copied_out_of_their_sweep_keep_their_s
 
     from flaxlm.job import train
     from flaxlm.tracking import Tracker
-    from flaxlm.training.checkpoint import Preempted
+    from flaxlm.training.stop import Preempted
 
     sweep, copies = tmp_path / "multirun", tmp_path / "copied"
     with monkeypatch.context() as patch:

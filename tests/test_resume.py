@@ -28,7 +28,8 @@ from flaxlm.job import train
 from flaxlm.models import hf
 from flaxlm.tracking import Tracker
 from flaxlm.training import loop
-from flaxlm.training.checkpoint import PREEMPTED_EXIT_CODE, Preempted, restore_params
+from flaxlm.training.checkpoint.manager import restore_params
+from flaxlm.training.stop import PREEMPTED_EXIT_CODE, Preempted
 
 # 2 epochs of 10 steps; a checkpoint every 4 steps and at each epoch end.
 RUN = [*TINY, "language.max_train_docs=12", "language.max_eval_docs=2", "trainer.num_epochs=2",

@@ -51,7 +51,7 @@ from flaxlm.models import hf, pretrained
 from flaxlm.models.build import build_classifier, build_lm, lm_from_params
 from flaxlm.models.layers import TransformerSpec
 from flaxlm.run_records import read_metrics
-from flaxlm.training.checkpoint import restore_params
+from flaxlm.training.checkpoint.manager import restore_params
 
 MARKER = "flaxlm_export.json"
 

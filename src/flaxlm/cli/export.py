@@ -135,7 +135,7 @@ def run_command(run_fn: Callable[[Sequence[str]], Any], argv: Sequence[str] | No
     except FlaxlmError as err:
         _exit_with_error(str(err))
     except Exception as err:
-        from flaxlm.training.checkpoint import disk_full_text  # only now: it loads JAX
+        from flaxlm.training.checkpoint.manager import disk_full_text  # only now: it loads JAX
 
         text = disk_full_text(err)
         if text is None:

@@ -24,9 +24,9 @@ from flaxlm.data.loader import BatchSource, block_rows, eval_batches, num_eval_b
 from flaxlm.errors import FlaxlmError
 from flaxlm.layout import TOKENS_SEEN
 from flaxlm.tracking import Tracker
-from flaxlm.training.checkpoint import EvaluationCut, Preempted, StopRequest, unless_stopped
 from flaxlm.training.inflight import ready_in_order
 from flaxlm.training.step import CompiledSteps, TrainState
+from flaxlm.training.stop import EvaluationCut, Preempted, StopRequest, unless_stopped
 
 
 @dataclasses.dataclass(frozen=True)
