@@ -1,5 +1,7 @@
 """Shared test set-up: 8 simulated CPU devices, and caches that never touch the user's."""
 
+import dataclasses
+import functools
 import os
 from pathlib import Path
 
@@ -42,13 +44,13 @@ def train_state():
     import optax
     from flax import nnx
 
-    from flaxlm.config import ModelConfig
     from flaxlm.models.gpt2 import GPT2LMHeadModel
     from flaxlm.models.layers import TransformerSpec
     from flaxlm.parallel import make_mesh, replicated
     from flaxlm.training.step import create_state
 
-    config = ModelConfig(name="t", n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=64)
+    config = config_node("model", ["model=gpt2"], n_layer=2, n_embd=32, n_head=2, n_positions=16,
+                         vocab_size=64)
     model = GPT2LMHeadModel(TransformerSpec(config, jnp.float32, jnp.float32), nnx.Rngs(params=0))
     _, state = create_state(model, optax.adamw(1e-3))
     return jax.device_put(state, replicated(make_mesh(2)))
@@ -80,6 +82,37 @@ def trained_run(tmp_path_factory, name: str, overrides) -> str:
         patch.setenv("FLAXLM_CACHE", str(tmp_path_factory.getbasetemp() / "flaxlm-cache"))
         train(compose(overrides, run_dir=run_dir))
     return run_dir
+
+
+@functools.cache
+def _composed(overrides: tuple[str, ...]):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(compose(overrides))
+
+
+def config_node(node: str, overrides=(), **changes):
+    """One typed node of the config `overrides` compose to (e.g. config_node("model",
+    ["model=llama-tiny"], n_layer=2)), with `changes`: how a test builds a config in code while
+    every value it does not change still comes from conf/, the one home of each value."""
+    return dataclasses.replace(getattr(_composed(tuple(overrides)), node), **changes)
+
+
+# An option of each model family: what model_config takes the family's settings from.
+FAMILY_OPTIONS = {"gpt2": "gpt2", "bert": "bert-tiny", "llama": "llama-tiny"}
+
+
+def model_config(family: str = "gpt2", **fields):
+    """A network of `family` with the shape `fields` give, built in code: the family's
+    settings (activation, dropout, epsilon, ...) come from conf/ through one of its options,
+    whose optional shape settings (n_inner, n_kv_head) and pretrained weights are left out."""
+    unset = {"n_inner": None, "n_kv_head": None, "init_from": None}
+    return config_node("model", [f"model={FAMILY_OPTIONS[family]}"], **{**unset, **fields})
+
+
+def mesh_config(**sizes):
+    """The default hardware's mesh (conf/) with `sizes` changed, e.g. mesh_config(fsdp=8)."""
+    return dataclasses.replace(config_node("hardware").mesh, **sizes)
 
 
 def compose(overrides=(), run_dir=None, return_hydra_config=False):

@@ -13,8 +13,8 @@ from conftest import REPO, compose
 from omegaconf import OmegaConf
 
 from flaxlm.errors import FlaxlmError
-from flaxlm.export import load_run_model
 from flaxlm.job import train
+from flaxlm.run_model import load_run_model
 
 # Small enough for a few seconds on 2 cores; 8 simulated devices × 2 rows.
 TINY_CLASSIFY = [
@@ -33,7 +33,7 @@ TINY_CLASSIFY = [
     "logger=none",
     "optimizer.lr=3e-3",
     "optimizer.warmup_steps=0",
-    "trainer.log_every=5",
+    "trainer.log_every_steps=5",
 ]
 
 _A = "alpha bravo charlie delta echo foxtrot golf hotel".split()
@@ -67,7 +67,7 @@ def pair_files(tmp_path_factory):
 
 def files_overrides(pair_files):
     train, validation = pair_files
-    return [f"task.train_files=[{train}]", f"task.eval_files=[{validation}]"]
+    return [f"task.files=[{train}]", f"task.eval_files=[{validation}]"]
 
 
 def test_finetuning_raises_accuracy_above_chance(pair_files, tmp_path):
@@ -95,7 +95,7 @@ def test_finetuning_raises_accuracy_above_chance(pair_files, tmp_path):
 def test_classify_without_data_fails_clearly(tmp_path):
 
     cfg = compose([*TINY_CLASSIFY], run_dir=tmp_path / "run")
-    with pytest.raises(FlaxlmError, match="task.train_files"):
+    with pytest.raises(FlaxlmError, match="task.files"):
         train(cfg)
 
 
@@ -140,14 +140,13 @@ def test_a_classify_run_exports_to_transformers_with_our_logits(pair_files, tmp_
 
     from flaxlm.cli.export import run as export
     from flaxlm.cli.generate import run as generate
-    from flaxlm.export import load_run_model
     from flaxlm.models.build import build_classifier
     from flaxlm.models.layers import TransformerSpec
 
     run_dir = tmp_path / "run"
     train(compose([*TINY_CLASSIFY, *files_overrides(pair_files), "trainer.max_steps=3"],
                   run_dir=run_dir))
-    out = export([f"run_dir={run_dir}", f"out={tmp_path / 'hf'}"])
+    out = export([str(run_dir), "--out", str(tmp_path / "hf")])
     torch_model, info = transformers.AutoModelForSequenceClassification.from_pretrained(
         out, output_loading_info=True)
     assert not any(info.values()), info
@@ -176,7 +175,7 @@ def test_a_classify_run_exports_to_transformers_with_our_logits(pair_files, tmp_
     np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-5)
 
     with pytest.raises(FlaxlmError, match="classifier"):
-        generate([f"run_dir={run_dir}", "prompt=hello"])
+        generate([str(run_dir), "--prompt", "hello"])
 
 
 def test_clm_continues_pre_training_from_a_runs_exported_model(tmp_path):

@@ -13,11 +13,10 @@ import datasets
 import huggingface_hub
 import numpy as np
 import pytest
-from conftest import TINY, compose
+from conftest import TINY, compose, config_node
 from omegaconf import OmegaConf
 from test_presets import documents, write_hub_stand_in
 
-from flaxlm.config import TokenizerConfig
 from flaxlm.data.corpus import load_corpus_stream
 from flaxlm.data.packing import cut_blocks, join_documents
 from flaxlm.data.streaming import Prefetcher, StreamingLoader, process_shard
@@ -39,7 +38,7 @@ def isolated_hub_caches(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def tokenizer():
     texts = datasets.Dataset.from_dict({"text": documents(50, seed=9)})
-    return train_bpe(TokenizerConfig(), texts, vocab_size=300)
+    return train_bpe(config_node("tokenizer"), texts, vocab_size=300)
 
 
 @pytest.fixture
@@ -231,7 +230,7 @@ def streaming_run(tmp_path, *extra):
     return compose(
         [*TINY, "language=files", f"language.files=[{tmp_path}/*.jsonl]",
          "language.streaming=true", "language.max_eval_docs=30", "language.shuffle_buffer=16",
-         "tokenizer.train_docs=100", "task.max_seq_length=32", "trainer.log_every=1", *extra],
+         "tokenizer.train_docs=100", "task.max_seq_length=32", "trainer.log_every_steps=1", *extra],
         run_dir=tmp_path / "run",
     )
 
