@@ -355,11 +355,14 @@ class _DropClosedLoopCallbacks:
 
 
 def _is_closed_loop_callback(unraisable) -> bool:
-    if not (isinstance(unraisable.exc_value, RuntimeError) and unraisable.object is None
+    """The closed loop's complaint, whichever callback (and so whichever `object`, if any)
+    tensorstore reports it for: asyncio raises it from `call_soon_threadsafe`, or from the
+    check that method makes first."""
+    if not (isinstance(unraisable.exc_value, RuntimeError)
             and str(unraisable.exc_value) == "Event loop is closed"):
         return False
-    frames = [frame.f_code.co_name for frame, _ in traceback.walk_tb(unraisable.exc_traceback)]
-    return frames[:1] == ["call_soon_threadsafe"]
+    frames = {frame.f_code.co_name for frame, _ in traceback.walk_tb(unraisable.exc_traceback)}
+    return not frames or bool(frames & {"call_soon_threadsafe", "_check_closed"})
 
 
 def _quiet_closed_loop_callbacks() -> None:
