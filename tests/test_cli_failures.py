@@ -171,6 +171,7 @@ def test_a_start_that_failed_before_its_first_step_does_not_block_the_retry(tmp_
         train(compose(retry, run_dir))
 
 
+@pytest.mark.slow
 def test_a_run_stopped_before_its_first_checkpoint_starts_again_with_the_same_config(tmp_path):
     run_dir = tmp_path / "run"
     english = write(tmp_path / "english.txt", ENGLISH)

@@ -3,12 +3,10 @@
 import csv
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, TINY_CLASSIFY, compose, files_overrides, write_pairs
+from conftest import TINY_CLASSIFY, compose, files_overrides, write_pairs
 from omegaconf import OmegaConf
 
 from flaxlm.errors import FlaxlmError
@@ -61,22 +59,20 @@ def test_label_outside_num_labels_fails_clearly(pair_files, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_finetunes_gpt2_pretrained_here(pair_files, tmp_path):
+def test_cli_finetunes_gpt2_pretrained_here(pair_files, tmp_path, train_cli):
     """task=clm here, then task=classify from its model/ directory, both through the CLI."""
     clm_dir = tmp_path / "clm"
     tiny_gpt2 = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=32",
                  "model.vocab_size=512", "hardware=cpu-8", "hardware.per_device_batch_size=2",
                  "logger=none"]
-    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "src")}
-    train = [sys.executable, "-m", "flaxlm.cli.train"]
-    subprocess.run([*train, *tiny_gpt2, "trainer.max_steps=2", f"hydra.run.dir={clm_dir}"],
-                   check=True, env=env, capture_output=True)
+    done = train_cli(*tiny_gpt2, "trainer.max_steps=2", f"hydra.run.dir={clm_dir}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / "classify"
-    done = subprocess.run(
-        [*train, "task=classify", "model=gpt2-tiny", f"model.init_from={clm_dir}/model",
-         *tiny_gpt2, "task.max_seq_length=24", "task.text_pair_column=sentence2",
-         *files_overrides(pair_files), "trainer.max_steps=4", f"hydra.run.dir={run_dir}"],
-        env=env, capture_output=True, text=True,
+    done = train_cli(
+        "task=classify", "model=gpt2-tiny", f"model.init_from={clm_dir}/model",
+        *tiny_gpt2, "task.max_seq_length=24", "task.text_pair_column=sentence2",
+        *files_overrides(pair_files), "trainer.max_steps=4", f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "score" in done.stdout  # the fresh head is reported
