@@ -20,6 +20,7 @@ from flaxlm.errors import FlaxlmError
 from flaxlm.parallel import make_mesh, replicated
 from flaxlm.training.checkpoint import (
     Checkpointer,
+    StopRequest,
     key_from_json,
     key_to_json,
     restore_params,
@@ -168,3 +169,52 @@ def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_as_the_latest(
         checkpointer.close()
     assert restored.step == 1 and np.array_equal(restored.state["params"]["w"], np.ones((4, 4)))
     assert all(".orbax-checkpoint-tmp" in name for name in leftovers), leftovers
+
+
+def test_a_repeated_sigterm_is_ignored_and_a_second_sigint_goes_to_the_previous_handler(
+        capsys):
+    """Issue 20: the second of two SIGTERMs (a scheduler signals the process group and the
+    process) went to the previous handler, which kills the process mid-save."""
+    received = []
+
+    def record(signum, _frame):
+        received.append(signum)
+
+    previous = {sig: signal.signal(sig, record) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stop = StopRequest()
+        with stop.catching_signals():
+            for _ in range(3):
+                os.kill(os.getpid(), signal.SIGTERM)
+            assert stop.signal_name == "SIGTERM" and received == []
+            os.kill(os.getpid(), signal.SIGINT)
+            assert received == [signal.SIGINT]
+            assert signal.getsignal(signal.SIGTERM) is record  # put back at once
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    err = capsys.readouterr().err
+    assert err.count("SIGTERM again: ignored while the checkpoint is saved") == 2
+    assert "SIGINT again: stopping at once" in err
+
+
+SECOND_CTRL_C = """
+import os, signal, sys, time
+from flaxlm.training.checkpoint import StopRequest
+
+with StopRequest().catching_signals():
+    os.kill(os.getpid(), signal.SIGINT)
+    print("saving", flush=True)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(30)
+    print("still running", flush=True)
+"""
+
+
+def test_a_second_ctrl_c_ends_the_process_at_once():
+    """Python's KeyboardInterrupt would let the job's clean-up wait for the save."""
+    result = subprocess.run([sys.executable, "-c", SECOND_CTRL_C], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == -signal.SIGINT, result.stderr[-3000:]
+    assert result.stdout == "saving\n"
+    assert "SIGINT again: stopping at once" in result.stderr

@@ -24,6 +24,7 @@ from flaxlm.config import Padding
 from flaxlm.data.encoding import bucket_lengths, encode
 from flaxlm.errors import FlaxlmError
 from flaxlm.parallel import make_mesh
+from flaxlm.training.checkpoint import EvaluationCut, StopRequest
 from flaxlm.training.evaluation import (
     compute_metrics,
     default_metrics,
@@ -146,6 +147,19 @@ def test_predictions_come_back_in_dataset_order(n):
     echo = jax.jit(lambda batch: batch["input_ids"][:, :1].astype(jnp.float32))
     outputs = predict(echo, arrays, GLOBAL_BATCH, make_mesh(None))
     np.testing.assert_array_equal(outputs[:, 0], np.arange(n))
+
+
+def test_a_stop_request_cuts_the_evaluation_at_the_next_batch():
+    """Issue 20: a preemption's grace period is short, and an evaluation may be long."""
+    arrays = random_arrays(5 * GLOBAL_BATCH, 2)
+    echo = jax.jit(lambda batch: batch["input_ids"][:, :1].astype(jnp.float32))
+    stop = StopRequest()
+    stop.signal_name = "SIGTERM"
+    with pytest.raises(EvaluationCut) as cut:
+        predict(echo, arrays, GLOBAL_BATCH, make_mesh(None), stop=stop)
+    assert (cut.value.done, cut.value.total) == (1, 5)
+    last_batch = random_arrays(GLOBAL_BATCH, 2)  # nothing left to cut: the evaluation ends
+    assert len(predict(echo, last_batch, GLOBAL_BATCH, make_mesh(None), stop=stop)) == 32
 
 
 def test_a_one_device_mesh_agrees_with_eight():

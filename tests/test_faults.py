@@ -5,13 +5,17 @@ resumes to the result of the run that never failed."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import numpy as np
@@ -32,7 +36,12 @@ from flaxlm.errors import FlaxlmError
 from flaxlm.job import train
 from flaxlm.models import hf
 from flaxlm.tracking import Tracker
-from flaxlm.training.checkpoint import Checkpointer, finalised_steps, restore_params
+from flaxlm.training.checkpoint import (
+    PREEMPTED_EXIT_CODE,
+    Checkpointer,
+    finalised_steps,
+    restore_params,
+)
 
 # 2 epochs of 10 steps: checkpoints at 4, 8, 10, 12, 16, 20 (the last 3 and the best kept),
 # evaluations at 0, 6, 10, 12, 18, 20.
@@ -44,7 +53,8 @@ RUN = [*TINY, "language.max_train_docs=12", "language.max_eval_docs=2", "trainer
 # the overrides. "step" N: SIGKILL while the N-th step runs; "save" N: SIGKILL when the save of
 # step N is written but not yet renamed into place; "eval" N: SIGKILL inside the N-th
 # evaluation; "export": SIGKILL between moving the old model/ aside and the new one into place;
-# "disk-full" N: the save of step N fails as tensorstore does on a full disk.
+# "disk-full" N: the save of step N fails as tensorstore does on a full disk; "slow-save" S:
+# every save takes S seconds more to finish in the background.
 FAULTY_RUN = r"""
 import dataclasses, json, os, signal, sys
 
@@ -118,6 +128,17 @@ elif fault == "disk-full":
         return await serialize(slices, spec, **kwargs)
 
     serialization.async_serialize_from_host = serialize_out_of_space
+elif fault == "slow-save":
+    import asyncio
+    from orbax.checkpoint._src.path import atomicity
+    finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def finalize_slowly(self, *args, **kwargs):
+        if self.get_final().name.isdigit():  # the step's folder, not its items'
+            await asyncio.sleep(float(argument))
+        return await finalize(self, *args, **kwargs)
+
+    atomicity.AtomicRenameTemporaryPath.finalize = finalize_slowly
 
 sys.argv = ["flaxlm-train", *overrides]
 from flaxlm.cli.train import main
@@ -376,3 +397,85 @@ def test_a_full_disk_stops_the_run_with_a_message_and_it_resumes_when_there_is_r
 
     train(compose(RUN, run_dir=run_dir))
     assert_same_run(run_dir, reference)
+
+
+@pytest.mark.slow
+def test_a_repeated_sigterm_does_not_cut_the_preemption_save_short(tmp_path, reference):
+    """Issue 20: schedulers and wrappers deliver SIGTERM twice (to the process group and to
+    the process); the second one, 0.2 s after the first, killed the run mid-save (exit 143,
+    only a tmp folder left). Now it is ignored: the save completes and the run exits 75."""
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-c", FAULTY_RUN, "slow-save", "1", *RUN, f"hydra.run.dir={run_dir}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        wait_for_logged_step(run_dir, 5, process)  # past the first save (step 4)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=300)
+    finally:
+        process.kill()
+    assert process.returncode == PREEMPTED_EXIT_CODE, err[-3000:]
+    assert "SIGTERM again: ignored while the checkpoint is saved" in err
+    stopped = int(re.search(r"stopped by SIGTERM after step (\d+)", err)[1])
+    assert finalised_steps(str(run_dir / "checkpoints"))[-1] == stopped
+    assert [n for n in os.listdir(run_dir / "checkpoints") if not n.isdigit()] == []
+    train(compose(RUN, run_dir=run_dir))
+    assert_same_run(run_dir, reference)
+
+
+def wait_for_logged_step(run_dir, step: int, process, timeout: float = 300) -> None:
+    """Until metrics.jsonl holds a line of `step` or later (the run is past it)."""
+    deadline = time.monotonic() + timeout
+    path = run_dir / "metrics.jsonl"
+    while True:
+        lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+        if any(json.loads(line)["step"] >= step for line in lines if line.endswith("\n")):
+            return
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, f"no step {step} within {timeout}s"
+        time.sleep(0.1)
+
+
+@orbax_closed_loop
+def test_a_failed_asynchronous_save_stops_the_run_at_the_next_step(tmp_path, monkeypatch):
+    """Issue 20: after a save that failed in the background, training ran on until the next
+    save (every step in between lost) before stopping. Now the next step stops it, with the
+    save's own error."""
+    from orbax.checkpoint._src.serialization import serialization
+
+    import flaxlm.tasks.clm as clm
+
+    failed = threading.Event()
+    serialize = serialization.async_serialize_from_host
+
+    async def serialize_failing(slices, spec, **kwargs):
+        if "/4.orbax-checkpoint-tmp" in json.dumps(spec, default=str):
+            failed.set()
+            raise ValueError("PERMISSION_DENIED: injected failure of the save of step 4")
+        return await serialize(slices, spec, **kwargs)
+
+    compile_steps, calls = clm.compile_steps, [0]
+
+    def compile_waiting(*args, **kwargs):
+        steps = compile_steps(*args, **kwargs)
+
+        def train_step(*step_args):
+            calls[0] += 1
+            if calls[0] == 5:  # the failure has happened by the 5th step, however slow orbax is
+                assert failed.wait(60)
+                time.sleep(0.5)
+            return steps.train(*step_args)
+
+        return dataclasses.replace(steps, train=train_step)
+
+    monkeypatch.setattr(serialization, "async_serialize_from_host", serialize_failing)
+    monkeypatch.setattr(clm, "compile_steps", compile_waiting)
+    run_dir = tmp_path / "run"
+    with pytest.raises(Exception, match="injected failure of the save of step 4"):
+        train(compose(RUN, run_dir=run_dir))
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").open()]
+    assert max(logged) == 4  # stopped at step 5, not at the next save (step 8)
+    assert finalised_steps(str(run_dir / "checkpoints")) == []

@@ -141,10 +141,11 @@ def test_clm_continues_pre_training_from_a_runs_exported_model(tmp_path):
     records = [json.loads(line) for line in open(second_dir / "metrics.jsonl")]
     assert records[0]["step"] == 0
     assert records[0]["eval/loss"] == pytest.approx(first, abs=1e-5)
-    # The run records the shape it trained (the checkpoint's, not model=gpt2-tiny's), and
-    # reading it back builds that shape.
+    # The run records the shape it trained (the checkpoint's, not model=gpt2-tiny's), named
+    # after the checkpoint, and reading it back builds that shape.
     recorded = OmegaConf.load(second_dir / "model_config.yaml")
-    assert (recorded.n_layer, recorded.n_embd, recorded.name) == (1, 32, "gpt2-tiny")
+    assert (recorded.n_layer, recorded.n_embd, recorded.name) == (
+        1, 32, str(tmp_path / "first" / "model"))
     run_model = load_run_model(str(second_dir))
     assert run_model.model_config.n_embd == 32
     logits = run_model.model()(np.zeros((1, 4), np.int32))

@@ -8,6 +8,7 @@ import glob
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -34,6 +35,7 @@ from flaxlm.data.loader import RowLoader
 from flaxlm.errors import FlaxlmError
 from flaxlm.job import train
 from flaxlm.models import hf
+from flaxlm.training import loop
 from flaxlm.training.checkpoint import PREEMPTED_EXIT_CODE, Preempted, restore_params
 
 # 2 epochs of 10 steps; a checkpoint every 4 steps and at each epoch end.
@@ -205,3 +207,55 @@ def test_a_streaming_run_resumes_from_its_stream_position(tmp_path, monkeypatch,
     assert "from its checkpoint at step 4" in capsys.readouterr().out
     assert metrics_of(tmp_path / "b" / "run") == metrics_of(tmp_path / "a" / "run")
     assert_same_params(tmp_path / "b" / "run", tmp_path / "a" / "run")
+
+
+# Evaluations at steps 0, 3 and 6 (the last), each of several batches.
+LONG_EVAL = [*TINY, "language.max_train_docs=12", "language.max_eval_docs=6",
+             "hardware.per_device_eval_batch_size=1", "trainer.max_steps=6",
+             "trainer.eval_every=3", "trainer.log_every=1", "samples.prompts=[]"]
+
+
+def sigterm_in_evaluation(monkeypatch, call: int):
+    """Send SIGTERM to this process while the `call`-th evaluation of the run dispatches its
+    second batch."""
+    eval_batches = loop.eval_batches
+    calls = [0]
+
+    def eval_batches_signalling(*args, **kwargs):
+        calls[0] += 1
+        for index, batch in enumerate(eval_batches(*args, **kwargs)):
+            if calls[0] == call and index == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+            yield batch
+
+    monkeypatch.setattr(loop, "eval_batches", eval_batches_signalling)
+
+
+@pytest.mark.slow
+def test_sigterm_in_a_long_evaluation_cuts_it_and_the_resumed_run_evaluates_again(
+        tmp_path_factory, monkeypatch, capsys):
+    """Issue 20: SIGTERM waited for the whole evaluation (a preemption's grace period is
+    short). Now the evaluation stops at its next batch, is not logged, and the resumed run
+    does it again: once cut in a mid-run evaluation, once in the last one."""
+    reference = trained_run(tmp_path_factory, "long-eval-reference", LONG_EVAL)
+    run_dir = tmp_path_factory.mktemp("long-eval") / "run"
+    cfg = compose(LONG_EVAL, run_dir=run_dir)
+    for stop_step in (3, 6):  # the 2nd evaluation of each start: 0, 3 | 3 (again), 6
+        capsys.readouterr()
+        with monkeypatch.context() as patch:
+            sigterm_in_evaluation(patch, call=2)
+            with pytest.raises(Preempted) as stopped:
+                train(cfg)
+        assert stopped.value.step == stop_step
+        err = capsys.readouterr().err
+        cut = re.search(rf"the evaluation at step {stop_step} was cut after (\d+) of (\d+) "
+                        "batches and is not logged", err)
+        assert cut is not None, err[-3000:]
+        assert int(cut[1]) <= 2 < int(cut[2])
+        assert not [r for r in metrics_of(run_dir) if r["step"] == stop_step and "eval/loss" in r]
+        assert restore_params(str(run_dir))[2] == stop_step
+    train(cfg)
+    assert metrics_of(run_dir) == metrics_of(reference)
+    assert_same_params(run_dir, reference)
+    train(cfg)  # finished: evaluates the cut step again, and logs it once
+    assert metrics_of(run_dir) == metrics_of(reference)

@@ -252,6 +252,17 @@ class TaskConfig:
     padding: Padding = Padding.max_length
 
 
+class TokenConvention(str, enum.Enum):
+    """Which special tokens frame a document in training and a prompt in generation and export."""
+
+    auto = "auto"  # the tokenizer's own for a model from model.init_from, flaxlm's otherwise
+    # flaxlm's, for models it trains: documents joined by EOS alone, a prompt read after an EOS
+    flaxlm = "flaxlm"
+    # the tokenizer's own: its post-processor (its BOS, if it adds one) on every document, then
+    # EOS, and on every prompt as transformers' `tokenizer(text)` encodes it
+    tokenizer = "tokenizer"
+
+
 @dataclasses.dataclass
 class TokenizerConfig:
     """Train a byte-level BPE on the training text (cached), or load an existing one."""
@@ -267,6 +278,7 @@ class TokenizerConfig:
     eos_token: str = "</s>"  # also separates documents when packing
     unk_token: str = "<unk>"
     mask_token: str = "<mask>"
+    convention: TokenConvention = TokenConvention.auto
     # language.streaming only: the BPE trains on the first `train_docs` training documents of
     # the stream (without streaming it trains on the whole training split).
     train_docs: int = 10000
@@ -358,7 +370,8 @@ class LoggerConfig:
 class SamplesConfig:
     """Text the trained model writes at the end of a task=clm run: printed, logged to
     metrics.jsonl and as a W&B table. Each prompt starts a document (it follows the EOS that
-    separates documents); an empty prompt lets the model start its own. No prompts → none."""
+    separates documents, or the tokenizer's own BOS: tokenizer.convention); an empty prompt
+    lets the model start its own. No prompts → none."""
 
     prompts: list[str] = dataclasses.field(default_factory=lambda: ["", "", ""])
     max_new_tokens: int = 40  # cut to what the context (model.n_positions) leaves

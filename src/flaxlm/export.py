@@ -17,7 +17,9 @@ run's own model/ folder; a run, a folder above the run being exported, anything 
 checkpoints/ and anything else of the user's is an error, never replaced.
 
 A language model's tokenizer is exported with `with_document_start`: it reads a text as the
-start of a document, as flaxlm-generate does, so transformers generates what flaxlm does.
+start of a document, as flaxlm-generate does, so transformers generates what flaxlm does. A
+model that keeps its tokenizer's own conventions (`own_conventions`: one from someone else's
+weights) exports that tokenizer unchanged, since flaxlm-generate then reads a prompt as it does.
 
 A classifier export (BERT or GPT-2) differs only in the HF config (`hf.to_classifier_config`,
 whose `architectures[0]` picks the row of `hf.ARCHITECTURES`, and so the parameter mapping) and
@@ -43,7 +45,7 @@ from omegaconf import OmegaConf
 
 from flaxlm import layout
 from flaxlm.config import ModelConfig
-from flaxlm.data.tokenizer import with_document_start
+from flaxlm.data.tokenizer import document_prefix, keeps_own_conventions, prompt_tokenizer
 from flaxlm.errors import FlaxlmError
 from flaxlm.generate import GenerationSettings
 from flaxlm.layout import CHECKPOINT_SUBDIR, MODEL_SUBDIR, RUN_FILES, run_path
@@ -78,7 +80,7 @@ def export_hf(out_dir: str, params: dict, model_config: ModelConfig, tokenizer, 
               generation: GenerationSettings | None = DEFAULT_GENERATION,
               hf_config: transformers.PretrainedConfig | None = None,
               source: str | None = None, overwrite: bool = False,
-              run_dir: str | None = None) -> str:
+              run_dir: str | None = None, own_conventions: bool = False) -> str:
     """Write `params` (a nested dict, as `nnx.to_pure_dict` gives) as an HF model directory at
     `out_dir`; returns its absolute path.
 
@@ -87,7 +89,8 @@ def export_hf(out_dir: str, params: dict, model_config: ModelConfig, tokenizer, 
     eval/perplexity, eval/bits_per_byte, steps, tokens_seen) go into the model card;
     `generation` becomes generation_config.json (None: none written); `source` says where the
     weights came from (e.g. "run_dir, step 230"); `run_dir`, the run they came from, is never
-    replaced (`check_destination`).
+    replaced (`check_destination`). `own_conventions`: the model keeps its tokenizer's own
+    special tokens (`keeps_own_conventions`), so the tokenizer is exported as it is.
     """
     out_dir = os.path.abspath(os.path.expanduser(out_dir))
     check_destination(out_dir, overwrite, run_dir)
@@ -100,7 +103,7 @@ def export_hf(out_dir: str, params: dict, model_config: ModelConfig, tokenizer, 
         )
     architecture = hf_config.architectures[0]
     if hf.architecture(architecture).is_lm:
-        tokenizer = with_document_start(tokenizer)
+        tokenizer = prompt_tokenizer(tokenizer, own_conventions)
     staging = _staging_dir(out_dir)
     try:
         hf.save_pretrained(staging, params, hf_config)
@@ -108,7 +111,7 @@ def export_hf(out_dir: str, params: dict, model_config: ModelConfig, tokenizer, 
         if generation is not None:
             generation_config(generation, tokenizer).save_pretrained(staging)
         card = model_card(model_config, architecture, run_config, eval_metrics, source,
-                          _count(params))
+                          _count(params), tokenizer, own_conventions)
         _write_text(os.path.join(staging, "README.md"), card)
         _write_text(os.path.join(staging, MARKER), json.dumps({
             "exported_by": "flaxlm",
@@ -244,8 +247,11 @@ def generation_config(settings: GenerationSettings, tokenizer) -> transformers.G
 
 
 def model_card(model_config: ModelConfig, architecture: str, run_config: dict | None,
-               eval_metrics: dict | None, source: str | None, num_params: int) -> str:
-    """README.md: what the model is, how well it did, how to load it, how it was trained."""
+               eval_metrics: dict | None, source: str | None, num_params: int, tokenizer,
+               own_conventions: bool = False) -> str:
+    """README.md: what the model is, how well it did, how to load it, how it was trained. The
+    configuration's model section is the model trained (model.init_from's shape, not the
+    preset's)."""
     language = ((run_config or {}).get("language") or {}).get("name")
     arch = hf.architecture(architecture)
     lines = [
@@ -280,11 +286,10 @@ def model_card(model_config: ModelConfig, architecture: str, run_config: dict | 
               'tokenizer = AutoTokenizer.from_pretrained("<this directory>")',
               "```", ""]
     if arch.is_lm:
-        lines += ["Training packed documents into one stream separated by the EOS token "
-                  f"`{_eos_text(run_config)}`, so the model reads a text as the start of a "
-                  "document after it: the tokenizer puts it in front of every text it encodes, "
-                  "as `flaxlm-generate` does (`add_special_tokens=False` leaves it out).", ""]
+        lines += [_document_note(tokenizer, own_conventions), ""]
     if run_config:
+        trained = OmegaConf.to_container(OmegaConf.structured(model_config), enum_to_str=True)
+        run_config = {**run_config, "model": {**(run_config.get("model") or {}), **trained}}
         lines += ["## Training configuration", "", "```yaml",
                   OmegaConf.to_yaml(OmegaConf.create(_plain(run_config))).rstrip(), "```", ""]
     return "\n".join(lines)
@@ -298,8 +303,20 @@ def run_generation_settings(run_config: dict | None) -> GenerationSettings:
     return GenerationSettings(**{name: samples[name] for name in names if name in samples})
 
 
-def _eos_text(run_config: dict | None) -> str:
-    return ((run_config or {}).get("tokenizer") or {}).get("eos_token") or "</s>"
+def _document_note(tokenizer, own_conventions: bool) -> str:
+    """How training framed documents, and so how the tokenizer reads a prompt."""
+    eos = tokenizer.eos_token
+    if not own_conventions:
+        return ("Training packed documents into one stream separated by the EOS token "
+                f"`{eos}`, so the model reads a text as the start of a document after it: the "
+                "tokenizer puts it in front of every text it encodes, as `flaxlm-generate` does "
+                "(`add_special_tokens=False` leaves it out).")
+    prefix = "".join(tokenizer.convert_ids_to_tokens(list(document_prefix(tokenizer))))
+    framed = f"`{prefix}` in front of each, " if prefix else ""
+    return ("Training kept the conventions of the tokenizer the weights came with: documents "
+            f"packed into one stream as it encodes them, {framed}the EOS token `{eos}` after "
+            "each. The tokenizer is exported unchanged, so `tokenizer(text)` reads a prompt as "
+            "`flaxlm-generate` does.")
 
 
 def _give_default_modes(directory: str) -> None:
@@ -373,6 +390,14 @@ class RunModel(NamedTuple):
     step: int | None
     source: str  # e.g. "/runs/x checkpoint step 200", for messages and the model card
     hf_config: Any = None  # a task=classify run's HF classifier config; None for an LM
+
+    @property
+    def own_conventions(self) -> bool:
+        """Whether the run kept its tokenizer's own special tokens (`keeps_own_conventions`):
+        how generation and export read a prompt."""
+        tokenizer = self.run_config.get("tokenizer") or {}
+        model = self.run_config.get("model") or {}
+        return keeps_own_conventions(tokenizer.get("convention", "auto"), model.get("init_from"))
 
     def model(self) -> nnx.Module:
         if self.hf_config is not None:

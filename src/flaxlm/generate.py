@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from flaxlm.data.tokenizer import with_document_start
+from flaxlm.data.tokenizer import prompt_tokenizer
 from flaxlm.errors import FlaxlmError
 from flaxlm.models.layers import KVCache
 
@@ -73,23 +73,29 @@ class GenerationSettings:
 
 
 def generate(model: LanguageModel, tokenizer, prompts: Sequence[str],
-             settings: GenerationSettings) -> list[str]:
+             settings: GenerationSettings, *, own_conventions: bool = False) -> list[str]:
     """Completions of `prompts` (the new text only, up to and without the first EOS).
 
     Each prompt is read as the start of a document (`encode_prompts`).
     """
-    prompt_ids = encode_prompts(tokenizer, prompts)
+    prompt_ids = encode_prompts(tokenizer, prompts, own_conventions=own_conventions)
     new_ids = generate_ids(model, prompt_ids, settings, eos_token_id=tokenizer.eos_token_id,
                            pad_token_id=tokenizer.pad_token_id)
     return [tokenizer.decode(ids, skip_special_tokens=True) for ids in new_ids]
 
 
-def encode_prompts(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
+def encode_prompts(tokenizer, prompts: Sequence[str], *,
+                   own_conventions: bool = False) -> list[list[int]]:
     """The ids of each prompt read as the start of a document: after the EOS token that
-    separates documents in the packed training stream, which also gives an empty prompt a
-    context. The exported tokenizer encodes a prompt the same way (`with_document_start`)."""
-    encoder = with_document_start(tokenizer)
-    return [encoder(prompt)["input_ids"] for prompt in prompts]
+    separates documents in the packed training stream (`with_document_start`), or, for a model
+    that keeps its tokenizer's own conventions (a model from someone else's weights), as the
+    tokenizer encodes it (its BOS, if it adds one). The exported tokenizer encodes a prompt the
+    same way. An empty prompt that gets no token starts from BOS (else EOS), as transformers'
+    `generate` does without input ids."""
+    encoder = prompt_tokenizer(tokenizer, own_conventions)
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    empty = [start] if start is not None else []
+    return [encoder(prompt)["input_ids"] or empty for prompt in prompts]
 
 
 def generate_ids(model: LanguageModel, prompt_ids: Sequence[Sequence[int]],
@@ -216,18 +222,20 @@ def settings_from_samples(samples) -> GenerationSettings:
 
 
 def log_samples(model: LanguageModel, tokenizer, prompts: Sequence[str],
-                settings: GenerationSettings, tracker, step: int) -> list[str]:
+                settings: GenerationSettings, tracker, step: int, *,
+                own_conventions: bool = False) -> list[str]:
     """End-of-run samples: printed, and logged through `tracker` as table `samples` (prompt,
     completion). max_new_tokens is cut to what the context leaves, so a run never fails here."""
     if not prompts:
         return []
-    longest = max(len(ids) for ids in encode_prompts(tokenizer, prompts))
+    longest = max(len(ids) for ids in encode_prompts(tokenizer, prompts,
+                                                     own_conventions=own_conventions))
     room = model.context_length - longest
     if room < 1:
         print("flaxlm: no samples: the longest sample prompt fills the whole context")
         return []
     settings = dataclasses.replace(settings, max_new_tokens=min(settings.max_new_tokens, room))
-    completions = generate(model, tokenizer, prompts, settings)
+    completions = generate(model, tokenizer, prompts, settings, own_conventions=own_conventions)
     for prompt, completion in zip(prompts, completions):
         print(f"flaxlm: sample | {prompt}{completion}".replace("\n", "⏎ "))
     tracker.log_table("samples", ["prompt", "completion"],

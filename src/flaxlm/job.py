@@ -85,7 +85,12 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         stop = AgreedStopRequest()
         job = JobContext(config, resolved, run, mesh, tracker, checkpointer, stop)
         with stop.catching_signals():
-            final = task.run(job, seq_len)
+            try:
+                final = task.run(job, seq_len)
+            except Preempted:  # under the handler, which ignores a repeated SIGTERM
+                checkpointer.wait()  # the preemption checkpoint must be on disk before exit
+                tracker.finish(exit_code=PREEMPTED_EXIT_CODE, preempted=True)
+                raise
         checkpointer.close()
         final["wall_time_s"] = time.perf_counter() - started
         # What a sweeper is handed, also as W&B's `objective`: a W&B sweep's metric.
@@ -95,10 +100,8 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         _record_status(run.path, FINISHED, f"{objective.name} {result:.4f}")
     except Preempted as stopped:
         stopped.run_dir = run.path
-        close_quietly(checkpointer)  # the preemption checkpoint must be on disk before exit
+        close_quietly(checkpointer)
         _record_status(run.path, PREEMPTED, str(stopped))
-        if tracker is not None:
-            tracker.finish(exit_code=PREEMPTED_EXIT_CODE, preempted=True)
         print(f"flaxlm: {stopped}; to continue, run the same overrides plus "
               f"resume_from={run.path} (or the same command, if it set run_dir or "
               f"hydra.run.dir); exit code {PREEMPTED_EXIT_CODE}", file=sys.stderr, flush=True)

@@ -353,7 +353,7 @@ def restore_run(checkpointer: Checkpointer, state, dropout_key, loader, tokenize
     loader.load_state_dict(saved_loader)
     dropout_key = key_from_json(restored.metadata["dropout_key"], dropout_key)
     resume = LoopState.from_json(restored.metadata["loop"])
-    dropped = tracker.rewind(restored.step)
+    dropped = tracker.rewind(restored.step, evaluates_again=resume.eval_due is not None)
     print(f"flaxlm: resuming {run_dir} from its checkpoint at step {restored.step} "
           f"(epoch {resume.epoch + 1}, step {resume.step_in_epoch} of it); "
           f"{dropped} metrics.jsonl line(s) after it dropped", flush=True)
@@ -452,6 +452,9 @@ class CheckpointSaver:
         self.checkpointer.save(step, state, loader_state,
                                {**self.metadata, "loop": loop_state.to_json()}, metrics)
         self.seconds.append(time.perf_counter() - began)
+
+    def raise_failed(self) -> None:
+        self.checkpointer.raise_failed_save()
 
     def describe(self) -> str:
         if not self.seconds:

@@ -41,17 +41,24 @@ class Tracker:
         self._path = run_path(run_dir, METRICS_FILE) if run_dir is not None else None
         self._jsonl = open(self._path, "a", buffering=1) if self._path is not None else None
 
-    def rewind(self, step: int) -> int:
+    def rewind(self, step: int, evaluates_again: bool = False) -> int:
         """Drop the metrics.jsonl records after `step` (those of a run that was killed after
         its last checkpoint, and a cut-off last line): a resumed run then continues the file
-        exactly as the uninterrupted run wrote it. Returns how many lines were dropped. (A W&B
-        run keeps what it was sent; it ignores steps logged again.)"""
+        exactly as the uninterrupted run wrote it. `evaluates_again`: the resumed run evaluates
+        `step` again (a stop cut that evaluation short), so an evaluation logged at `step` by
+        an earlier resume goes too. Returns how many lines were dropped. (A W&B run keeps what
+        it was sent; it ignores steps logged again.)"""
         if self._jsonl is None:
             return 0
         self._jsonl.close()
         log = read_metrics(self._path)
-        kept = [json.dumps(record) + "\n" for record in log.records
-                if record.get("step", 0) <= step]
+
+        def kept_on_resume(record: dict) -> bool:
+            evaluation = any(key.startswith("eval/") for key in record)
+            return record.get("step", 0) < step or (
+                record.get("step", 0) == step and not (evaluates_again and evaluation))
+
+        kept = [json.dumps(record) + "\n" for record in log.records if kept_on_resume(record)]
         dropped = len(log.records) - len(kept) + (log.torn_line is not None)
         temporary = f"{self._path}.tmp"
         with open(temporary, "w", encoding="utf-8") as f:

@@ -122,6 +122,7 @@ def run(argv: Sequence[str]) -> str:
         generation=(None if run_model.hf_config is not None
                     else run_generation_settings(run_model.run_config)),
         source=run_model.source, overwrite=args["overwrite"], run_dir=args["run_dir"],
+        own_conventions=run_model.own_conventions,
     )
     print(f"flaxlm: exported {run_model.source} to {out}")
     return out

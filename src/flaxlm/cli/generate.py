@@ -57,7 +57,8 @@ def run(argv: Sequence[str]) -> list[str]:
     )
     run_model = load_run_model(args["run_dir"], args["step"])
     print(f"flaxlm: generating with {run_model.source}", file=sys.stderr)
-    completions = generate(run_model.model(), run_model.tokenizer, args["prompt"], settings)
+    completions = generate(run_model.model(), run_model.tokenizer, args["prompt"], settings,
+                           own_conventions=run_model.own_conventions)
     print("\n---\n".join(p + c for p, c in zip(args["prompt"], completions)))
     return completions
 

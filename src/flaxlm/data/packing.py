@@ -1,4 +1,6 @@
 """Packing: tokenise every document, join them with EOS, cut the stream into equal blocks.
+A tokenizer that keeps its own conventions (`tokenizer.convention`) also puts its BOS, if it adds
+one, in front of every document.
 
 Blocks are exactly `max_seq_length` tokens and cross document boundaries (HF's `group_texts`
 layout); only the remainder at the very end of the stream is dropped. Each batch of documents
@@ -34,15 +36,20 @@ ENCODE_BATCH = 1000  # documents tokenised together
 COPY_TOKENS = 1 << 24  # tokens moved at a time from the scratch stream into the blocks
 
 
-def join_documents(token_ids: list[Sequence[int]], eos_id: int) -> np.ndarray:
-    """One int32 stream of the documents, each followed by `eos_id`."""
-    lengths = np.fromiter((len(ids) + 1 for ids in token_ids), dtype=np.int64, count=len(token_ids))
+def join_documents(token_ids: list[Sequence[int]], eos_id: int,
+                   prefix: Sequence[int] = ()) -> np.ndarray:
+    """One int32 stream of the documents, each followed by `eos_id` (and preceded by `prefix`,
+    the special tokens a tokenizer that keeps its own conventions puts in front of a text:
+    `document_prefix`)."""
+    lengths = np.fromiter((len(prefix) + len(ids) + 1 for ids in token_ids), dtype=np.int64,
+                          count=len(token_ids))
     stream = np.full(int(lengths.sum()), eos_id, dtype=np.int32)
     # Every document's tokens go right after the previous document's EOS; the EOS slots keep
     # the fill value.
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     for start, ids in zip(starts, token_ids):
-        stream[start : start + len(ids)] = ids
+        stream[start : start + len(prefix)] = prefix
+        stream[start + len(prefix) : start + len(prefix) + len(ids)] = ids
     return stream
 
 
@@ -52,12 +59,15 @@ def tokenize_and_pack(
     max_seq_length: int,
     cache_dir: str,
     desc: str = "tokenize",
+    prefix: Sequence[int] = (),
 ) -> np.ndarray:
     """(num_blocks, max_seq_length) int32 token blocks of `texts`, memory-mapped from the cache
-    (packed and cached first if absent), so a corpus larger than RAM costs only page cache."""
+    (packed and cached first if absent), so a corpus larger than RAM costs only page cache.
+    `prefix` goes in front of every document (`join_documents`)."""
     key = settings_fingerprint(
         text_fingerprint(texts), tokenizer.backend_tokenizer.to_str(), tokenizer.eos_token_id,
-        max_seq_length,
+        # Keyed by a prefix only where there is one: flaxlm's own runs keep their cache keys.
+        max_seq_length, *([list(prefix)] if prefix else []),
     )
     folder = os.path.join(os.path.expanduser(cache_dir), "blocks")
     path = os.path.join(folder, f"{key[:24]}.npy")
@@ -70,7 +80,7 @@ def tokenize_and_pack(
                 return
             print(f"flaxlm: the cached token blocks {path} are damaged ({problem}); packing "
                   "them again", flush=True)
-        _pack(texts, tokenizer, max_seq_length, desc, path)
+        _pack(texts, tokenizer, max_seq_length, desc, path, prefix)
 
     distributed.primary_first("packing the token blocks", build)
     return np.load(path, mmap_mode="r")
@@ -107,7 +117,8 @@ def _layout_damage(path: str) -> str | None:
     return None if size == expected else f"{size:,} bytes where its header implies {expected:,}"
 
 
-def _pack(texts, tokenizer, max_seq_length: int, desc: str, path: str) -> None:
+def _pack(texts, tokenizer, max_seq_length: int, desc: str, path: str,
+          prefix: Sequence[int] = ()) -> None:
     """Write the blocks of `texts` to `path` holding one batch of documents in memory at a time:
     token ids go to a scratch file batch by batch, then the whole blocks are laid out as .npy.
     Both are made in a scratch folder beside `path`; the record, then the finished blocks, are
@@ -118,7 +129,7 @@ def _pack(texts, tokenizer, max_seq_length: int, desc: str, path: str) -> None:
     with cache.scratch_folder(os.path.dirname(path)) as scratch:
         stream_path = os.path.join(scratch, "stream.int32")
         with open(stream_path, "wb") as stream_file:
-            for ids in _token_batches(texts, tokenizer, desc):
+            for ids in _token_batches(texts, tokenizer, desc, prefix):
                 ids.tofile(stream_file)
         blocks_path = os.path.join(scratch, os.path.basename(path))
         _write_blocks(stream_path, blocks_path, max_seq_length)
@@ -128,13 +139,13 @@ def _pack(texts, tokenizer, max_seq_length: int, desc: str, path: str) -> None:
         os.replace(blocks_path, path)
 
 
-def _token_batches(texts, tokenizer, desc: str) -> Iterator[np.ndarray]:
-    """The token stream of `texts`, EOS after every document, one array per batch of
-    documents."""
+def _token_batches(texts, tokenizer, desc: str, prefix: Sequence[int]) -> Iterator[np.ndarray]:
+    """The token stream of `texts`, `prefix` before and EOS after every document, one array
+    per batch of documents."""
     encoder = DocumentEncoder(tokenizer.backend_tokenizer)
     for start in tqdm(range(0, len(texts), ENCODE_BATCH), desc=desc, unit="batch", leave=False):
         batch = texts[start : start + ENCODE_BATCH]["text"]
-        yield join_documents(encoder.encode(batch), tokenizer.eos_token_id)
+        yield join_documents(encoder.encode(batch), tokenizer.eos_token_id, prefix)
     if warning := encoder.inexact_cuts_warning():
         print(warning, flush=True)
 

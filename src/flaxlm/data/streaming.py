@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TypeVar
 
 import datasets
@@ -73,11 +73,13 @@ def pack_stream(
     max_seq_length: int,
     first_document: int = 0,
     token_offset: int = 0,
+    prefix: Sequence[int] = (),
 ) -> Iterator[tuple[np.ndarray, int, int]]:
     """(block, document, offset): each block of `max_seq_length` tokens and the position right
     after it (`offset` tokens of document `document` consumed). `texts` starts at document
     `first_document`, of which the first `token_offset` tokens are skipped. The incomplete
-    tail at the end of the stream is dropped, as by `cut_blocks`."""
+    tail at the end of the stream is dropped, as by `cut_blocks`. `prefix` goes in front of
+    every document, as in `join_documents`."""
     encoder, eos = DocumentEncoder(tokenizer.backend_tokenizer), tokenizer.eos_token_id
     carry = np.zeros(0, np.int32)  # tokens after the last whole block, always < max_seq_length
     first, skip = first_document, token_offset
@@ -87,8 +89,8 @@ def pack_stream(
         if encoder.inexact_cuts and not warned:
             print(encoder.inexact_cuts_warning(), flush=True)
             warned = True
-        joined = join_documents(ids, eos)
-        ends = np.cumsum([len(doc) + 1 for doc in ids])  # in `joined`, EOS included
+        joined = join_documents(ids, eos, prefix)
+        ends = np.cumsum([len(prefix) + len(doc) + 1 for doc in ids])  # in `joined`, EOS included
         starts = np.concatenate([[0], ends])  # starts[len(ids)] is the end of the batch
         stream = np.concatenate([carry, joined[skip:]])
         shift = skip - len(carry)  # index in `joined` = index in `stream` + shift
@@ -110,14 +112,15 @@ def shuffled_blocks(
     seed: int,
     shuffle_buffer: int,
     start: StreamState = StreamState(),
+    prefix: Sequence[int] = (),
 ) -> Iterator[tuple[np.ndarray, StreamState]]:
     """Every block of `shard` from `start` on, pass after pass (endless), shuffled a window at
-    a time; with each block the state right after it."""
+    a time; with each block the state right after it. `prefix`: as in `pack_stream`."""
     state = start
     while True:
         fresh = state == StreamState(passes=state.passes)
         emitted = yield from _one_pass(
-            shard, tokenizer, max_seq_length, seed, shuffle_buffer, state
+            shard, tokenizer, max_seq_length, seed, shuffle_buffer, state, prefix
         )
         if fresh and emitted == 0:
             raise FlaxlmError(
@@ -132,9 +135,11 @@ def shuffled_blocks(
         )
 
 
-def _one_pass(shard, tokenizer, max_seq_length, seed, shuffle_buffer, state: StreamState):
+def _one_pass(shard, tokenizer, max_seq_length, seed, shuffle_buffer, state: StreamState,
+              prefix: Sequence[int]):
     texts = (row["text"] for row in shard.skip(state.documents))
-    packed = pack_stream(texts, tokenizer, max_seq_length, state.documents, state.token_offset)
+    packed = pack_stream(texts, tokenizer, max_seq_length, state.documents, state.token_offset,
+                         prefix)
     window_start = (state.documents, state.token_offset)
     already_emitted, emitted = state.window_blocks, 0
     for window in _batched(packed, shuffle_buffer):
@@ -231,8 +236,10 @@ class StreamingLoader:
         max_steps: int,
         prefetch: int = PREFETCH_BATCHES,
         start_from: StreamState | None = None,
+        prefix: Sequence[int] = (),
     ):
         self.shard, self.tokenizer, self.max_seq_length = shard, tokenizer, max_seq_length
+        self.prefix = tuple(prefix)  # in front of every document (`join_documents`)
         self.global_batch_size, self.mesh, self.seed = global_batch_size, mesh, seed
         self.shuffle_buffer, self.max_steps, self.prefetch = shuffle_buffer, max_steps, prefetch
         self._state = start_from or StreamState()
@@ -262,7 +269,7 @@ class StreamingLoader:
         _, local_rows = process_rows(self.global_batch_size, self.mesh)
         blocks = shuffled_blocks(
             self.shard, self.tokenizer, self.max_seq_length, self.seed, self.shuffle_buffer,
-            self._state,
+            self._state, self.prefix,
         )
         batches = Prefetcher(_local_batches(blocks, local_rows), self.prefetch)
         try:

@@ -27,7 +27,7 @@ import tokenizers
 import transformers
 
 from flaxlm import distributed
-from flaxlm.config import TokenizerConfig
+from flaxlm.config import TokenConvention, TokenizerConfig
 from flaxlm.data import cache
 from flaxlm.data.fingerprint import settings_fingerprint, text_fingerprint
 from flaxlm.errors import FlaxlmError
@@ -91,7 +91,9 @@ def _bpe_vocab_size(settings: TokenizerConfig, model_vocab_size: int) -> int:
 
 def _shaping_settings(settings: TokenizerConfig) -> dict:
     fields = dataclasses.asdict(settings)
+    # train_docs only chooses the text; convention is how a run uses the tokenizer.
     fields.pop("train_docs")
+    fields.pop("convention")
     return fields
 
 
@@ -171,14 +173,7 @@ class DocumentEncoder:
     (checked once on a probe sentence), for the caller to report."""
 
     def __init__(self, backend: tokenizers.Tokenizer):
-        if backend.padding or backend.truncation:
-            # Set by a tokenizer.json or left by an earlier call: they would pad every document
-            # to a batch length and cut it at max_length. Switched off in a copy, as the
-            # tokenizer itself is also saved and exported.
-            backend = tokenizers.Tokenizer.from_str(backend.to_str())
-            backend.no_padding()
-            backend.no_truncation()
-        self.backend = backend
+        self.backend = _unpadded(backend)
         self.inexact_cuts = 0
         self._clean_cuts_exact: bool | None = None  # probed at the first cut
 
@@ -213,6 +208,17 @@ class DocumentEncoder:
             "tokens than the whole document would (a cut mid-word, where no space was near, or a "
             "tokenizer that adds a token to every string)."
         )
+
+
+def _unpadded(backend: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
+    """`backend`, or a copy of it without padding and truncation. Set by a tokenizer.json or
+    left by an earlier call, they would pad every text to a batch length and cut it at
+    max_length; switched off in a copy, as the tokenizer itself is also saved and exported."""
+    if backend.padding or backend.truncation:
+        backend = tokenizers.Tokenizer.from_str(backend.to_str())
+        backend.no_padding()
+        backend.no_truncation()
+    return backend
 
 
 def load_tokenizer(path: str, settings: TokenizerConfig) -> transformers.PreTrainedTokenizerFast:
@@ -338,10 +344,49 @@ def _save_atomically(tokenizer: transformers.PreTrainedTokenizerFast, directory:
                 raise
 
 
+def keeps_own_conventions(convention: TokenConvention | str, init_from: str | None) -> bool:
+    """Whether a run frames documents and prompts with the tokenizer's own special tokens
+    (`tokenizer.convention`): auto does so for a model started from someone else's weights
+    (`model.init_from`), which learnt them; a model flaxlm trains learns flaxlm's."""
+    convention = TokenConvention(convention)
+    if convention is TokenConvention.auto:
+        return bool(init_from)
+    return convention is TokenConvention.tokenizer
+
+
+def document_prefix(tokenizer: transformers.PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """The special tokens `tokenizer` puts in front of every text it encodes (a BOS), which
+    packing puts in front of every document when the tokenizer keeps its own conventions.
+    Nothing for `with_document_start`'s EOS: that is the EOS packing puts after each
+    document."""
+    if has_document_start(tokenizer):
+        return ()
+    encoding = _unpadded(tokenizer.backend_tokenizer).encode(_PROBE)
+    return tuple(encoding.ids[:encoding.sequence_ids.index(0)])
+
+
+def glues_pairs(tokenizer: transformers.PreTrainedTokenizerBase) -> bool:
+    """Whether `tokenizer` encodes a pair of texts with no special token between them (no
+    post-processor; GPT-2's; a Llama tokenizer's `<s> $A $B` or `$A $B`), so that the model
+    cannot see where the first ends."""
+    encoding = _unpadded(tokenizer.backend_tokenizer).encode(_PROBE, _PROBE)
+    sequences = encoding.sequence_ids
+    last_of_first = len(sequences) - 1 - sequences[::-1].index(0)
+    return sequences.index(1) == last_of_first + 1
+
+
+def prompt_tokenizer(tokenizer: transformers.PreTrainedTokenizerBase, own_conventions: bool):
+    """The tokenizer that reads a prompt as the model read the start of a document: as it is,
+    when it keeps its own conventions (`keeps_own_conventions`), else `with_document_start`."""
+    return tokenizer if own_conventions else with_document_start(tokenizer)
+
+
 def with_document_start(tokenizer: transformers.PreTrainedTokenizerBase):
     """`tokenizer`, or a copy of it, that reads a text as the start of a document, the way a
     language model trained by flaxlm saw every document: after the EOS token. (Packing encodes
-    documents without special tokens and puts EOS after each, `join_documents`.)
+    documents without special tokens and puts EOS after each, `join_documents`.) This is
+    flaxlm's convention (`tokenizer.convention=flaxlm`), not that of a model from someone
+    else's weights.
 
     Its post-processor puts EOS in front (`</s> $A`; a pair is two documents in a row,
     `</s> $A </s> $B`), so `tokenizer(prompt)` gives the ids flaxlm-generate feeds the model,

@@ -129,8 +129,9 @@ def checkpoint_family(local_dir: str) -> ModelFamily:
 
 def pretrained_model_config(local_dir: str, base: ModelConfig) -> ModelConfig:
     """`base` with family and shape (and activation, LayerNorm epsilon, init range) from the
-    checkpoint's config.json. Dropout rates stay `base`'s: they are fine-tuning choices, not
-    part of the pretrained network."""
+    checkpoint's config.json, named after `base.init_from` (the checkpoint), as it is no longer
+    the preset. Dropout rates stay `base`'s: they are fine-tuning choices, not part of the
+    pretrained network."""
     family = checkpoint_family(local_dir)
     names = hf.FAMILY_NAMES[family]
     raw = read_hf_config(local_dir)
@@ -147,7 +148,15 @@ def pretrained_model_config(local_dir: str, base: ModelConfig) -> ModelConfig:
             f"model.init_from: the checkpoint in {local_dir} uses activation "
             f"{shape['activation_function']!r}; supported: {', '.join(sorted(ACTIVATIONS))}."
         )
-    return dataclasses.replace(base, family=family, **shape)
+    return dataclasses.replace(base, name=base.init_from or base.name, family=family, **shape)
+
+
+def replaced_settings(given: ModelConfig, loaded: ModelConfig) -> list[str]:
+    """"model.<field>=<given> → <loaded>" for each setting of `given` (the preset and the
+    command line) that the checkpoint's config.json replaced in `loaded`."""
+    return [f"model.{field.name}={getattr(given, field.name)} → {getattr(loaded, field.name)}"
+            for field in dataclasses.fields(ModelConfig)
+            if field.name != "name" and getattr(given, field.name) != getattr(loaded, field.name)]
 
 
 # ---------------------------------------------------------------- weights
@@ -187,14 +196,17 @@ _FRESH_HEAD_PREFIXES = ("classifier.", "score.")
 
 
 def load_pretrained_weights(model: nnx.Module, local_dir: str, *, source: str | None = None,
-                            allow_unexpected: bool = False) -> LoadReport:
+                            allow_unexpected: bool = False,
+                            shape_from_checkpoint: bool = False) -> LoadReport:
     """Copy the checkpoint in `local_dir` into `model` (in place, cast to its parameter dtype).
 
     A fresh classifier head (and a fresh pooler, for a checkpoint without one) is expected and
     reported; any other parameter missing from the checkpoint, or of another shape, is a
     FlaxlmError. Checkpoint tensors the model has no place for are allowed when they are a
     (pretraining) head, and otherwise an error unless `allow_unexpected`. `source` is the
-    `model.init_from` value, for messages.
+    `model.init_from` value, for messages; `shape_from_checkpoint`: `model` was built from the
+    checkpoint's own config.json (`pretrained_model_config`), so a shape that differs is the
+    checkpoint's config.json disagreeing with its weights, which no setting fixes.
     """
     setting = f"model.init_from={source or local_dir}"
     arch = hf.architecture_of(model)
@@ -229,7 +241,8 @@ def load_pretrained_weights(model: nnx.Module, local_dir: str, *, source: str | 
         loaded.append(key)
 
     if wrong_shape:
-        raise FlaxlmError(_shape_message(setting, local_dir, wrong_shape, arch))
+        raise FlaxlmError(_shape_message(setting, local_dir, wrong_shape, arch,
+                                         shape_from_checkpoint))
     not_fresh = [key for key in missing if not is_fresh_head(key)]
     if not_fresh:
         raise FlaxlmError(
@@ -282,11 +295,22 @@ def _canonical_keys(checkpoint: dict, names: HFNames) -> dict:
 
 
 def _shape_message(setting: str, local_dir: str, wrong_shape: list,
-                   arch: hf.Architecture) -> str:
+                   arch: hf.Architecture, shape_from_checkpoint: bool = False) -> str:
     key, ckpt_shape, our_shape = wrong_shape[0]  # both in our (in, out) layout
     more = f" (and {len(wrong_shape) - 1} more)" if len(wrong_shape) > 1 else ""
     size_setting = next((name for fragment, name in arch.names.shape_settings
                          if fragment in key), "model.n_embd")
+    if shape_from_checkpoint:
+        field = size_setting.removeprefix("model.")
+        hf_field = next((hf_name for hf_name, ours in arch.names.shape_fields.items()
+                         if ours == field), field)
+        return (
+            f"{setting}: parameter {key} has shape {tuple(ckpt_shape)} in the checkpoint in "
+            f"{local_dir}, but the checkpoint's own config.json (its {hf_field}, which "
+            f"model.init_from uses in place of {size_setting}) makes it {tuple(our_shape)}"
+            f"{more}. The checkpoint's config.json does not describe its weights: fix "
+            f"{hf_field} in {local_dir}/config.json, or use a consistent checkpoint."
+        )
     return (
         f"{setting}: parameter {key} has shape {tuple(ckpt_shape)} in the checkpoint in "
         f"{local_dir} but {tuple(our_shape)} in the {arch.name} being built{more}. The model "

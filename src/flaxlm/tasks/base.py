@@ -88,10 +88,17 @@ class Start:
 
 
 def model_start(config: TrainConfig) -> Start:
+    """The run's start; with model.init_from, one line says which settings the checkpoint's
+    config.json replaced, since the preset's name and shape no longer describe the model."""
     if not config.model.init_from:
         return Start(None, config.model)
     checkpoint_dir = pretrained.resolve_checkpoint(config.model.init_from)
-    return Start(checkpoint_dir, pretrained.pretrained_model_config(checkpoint_dir, config.model))
+    model = pretrained.pretrained_model_config(checkpoint_dir, config.model)
+    replaced = pretrained.replaced_settings(config.model, model)
+    print(f"flaxlm: model.init_from={config.model.init_from}: family and shape from its "
+          "config.json" + (f", in place of model={config.model.name}'s: " + ", ".join(replaced)
+                           if replaced else f" (the same as model={config.model.name}'s)"))
+    return Start(checkpoint_dir, model)
 
 
 def tokenizer_sha256(tokenizer) -> str:
@@ -146,7 +153,8 @@ def prepare_training(
     model = build_model(spec, nnx.Rngs(params=init_key))
     if start.checkpoint_dir and not job.run.resuming:  # else the weights come from the run's
         report = pretrained.load_pretrained_weights(model, start.checkpoint_dir,  # checkpoint
-                                                    source=config.model.init_from)
+                                                    source=config.model.init_from,
+                                                    shape_from_checkpoint=True)
         print(f"flaxlm: model.init_from={config.model.init_from}: {report}")
     graphdef, state = create_state(model, tx, job.mesh)  # split by its logical axes
     steps = compile_steps(job.mesh, graphdef, tx, schedule)

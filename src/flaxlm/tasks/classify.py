@@ -25,13 +25,20 @@ from flaxlm.config import ModelConfig, ModelFamily, Padding, TrainConfig
 from flaxlm.data.encoding import encode, example_loader, max_length_for
 from flaxlm.data.examples import load_examples
 from flaxlm.data.fingerprint import arrays_fingerprint
-from flaxlm.data.tokenizer import has_document_start, prepare_tokenizer, set_post_processor
+from flaxlm.data.tokenizer import (
+    document_prefix,
+    glues_pairs,
+    has_document_start,
+    prepare_tokenizer,
+    set_post_processor,
+)
 from flaxlm.errors import FlaxlmError
 from flaxlm.models import build, hf, pretrained
 from flaxlm.parallel import replicated
 from flaxlm.tasks import base
 from flaxlm.tasks.base import JobContext, Start
 from flaxlm.training import evaluation
+from flaxlm.training.checkpoint import StopRequest
 from flaxlm.training.plan import global_batch_size
 from flaxlm.training.step import CompiledSteps, compile_train_step
 
@@ -154,21 +161,25 @@ def _tokenizer(config: TrainConfig, start: Start, train: datasets.Dataset):
 
 
 def with_pair_template(tokenizer):
-    """A tokenizer without a post-processor (our byte-level BPEs: packing adds the EOS itself)
-    would glue a sentence pair together with nothing between the halves. Give it BERT's
-    layout with EOS as the separator: `A </s>` and `A </s> B </s>`, B's tokens of type 1, so
-    the halves stay apart and GPT-2's classifier reads a fixed end-of-input token. A language
-    model's document start (`</s> A`, from a flaxlm export) gives way to it likewise."""
-    processor = tokenizer.backend_tokenizer.post_processor
-    if tokenizer.eos_token is None or not (
-            processor is None or isinstance(processor, tokenizers.processors.ByteLevel)
-            or has_document_start(tokenizer)):
+    """A tokenizer whose template puts nothing between the halves of a pair (no
+    post-processor, as our byte-level BPEs: packing adds the EOS itself; GPT-2's; a Llama
+    tokenizer's `<s> A B` or `A B`) would glue a sentence pair together. Give it BERT's layout
+    with EOS as the separator, after the special tokens it puts in front of a text (a BOS):
+    `[<s>] A </s>` and `[<s>] A </s> B </s>`, B's tokens of type 1, so the halves stay apart
+    and a decoder's classifier reads a fixed end-of-input token. A language model's document
+    start (`</s> A`, from a flaxlm export) gives way to it likewise. The template is saved with
+    the tokenizer, so the exported classifier's tokenizer encodes pairs the same way."""
+    if tokenizer.eos_token is None or not (has_document_start(tokenizer)
+                                           or glues_pairs(tokenizer)):
         return tokenizer  # it has its own layout (e.g. BERT's [CLS] A [SEP] B [SEP])
     eos = tokenizer.eos_token
+    lead = tokenizer.convert_ids_to_tokens(list(document_prefix(tokenizer)))
+    first = " ".join([*(f"{token}:0" for token in lead), f"$A:0 {eos}:0"])
     set_post_processor(tokenizer, tokenizers.processors.TemplateProcessing(
-        single=f"$A:0 {eos}:0",
-        pair=f"$A:0 {eos}:0 $B:1 {eos}:1",
-        special_tokens=[(eos, tokenizer.eos_token_id)],
+        single=first,
+        pair=f"{first} $B:1 {eos}:1",
+        special_tokens=sorted({(token, tokenizer.convert_tokens_to_ids(token))
+                               for token in (*lead, eos)}),
     ))
     return tokenizer
 
@@ -226,9 +237,9 @@ class ClassifierEvaluator:
     padding: Padding
     last_predictions: np.ndarray | None = None
 
-    def __call__(self, params) -> dict[str, float]:
+    def __call__(self, params, stop: StopRequest | None = None) -> dict[str, float]:
         results, self.last_predictions = evaluation.evaluate(
             lambda batch: self.steps.eval(params, batch), self.arrays, self.global_batch_size,
-            self.mesh, self.metrics, self.is_regression, self.num_labels, self.padding,
+            self.mesh, self.metrics, self.is_regression, self.num_labels, self.padding, stop,
         )
         return results

@@ -23,7 +23,13 @@ from flaxlm.data.fingerprint import documents_fingerprint, text_fingerprint
 from flaxlm.data.loader import BatchSource, block_loader
 from flaxlm.data.packing import tokenize_and_pack
 from flaxlm.data.streaming import StreamingLoader, process_shard
-from flaxlm.data.tokenizer import prepare_tokenizer, token_byte_lengths, with_document_start
+from flaxlm.data.tokenizer import (
+    document_prefix,
+    keeps_own_conventions,
+    prepare_tokenizer,
+    prompt_tokenizer,
+    token_byte_lengths,
+)
 from flaxlm.errors import FlaxlmError
 from flaxlm.generate import log_samples, settings_from_samples
 from flaxlm.models import build, hf, pretrained
@@ -37,6 +43,9 @@ from flaxlm.training.step import compile_steps
 
 # Training documents of a streamed corpus that its fingerprint covers, from the stream's start.
 STREAM_CHECKED_DOCS = 1000
+# A default block length (the model's n_positions) above this is announced: activation memory
+# grows with it, and a checkpoint's context (8,192 positions is common) can exhaust a host.
+LONG_BLOCK = 2048
 
 
 class CausalLM:
@@ -63,11 +72,13 @@ class CausalLM:
             config = dataclasses.replace(config, model=start.model)
             seq_len = config.task.max_seq_length or config.model.n_positions
             check_block_length(config, seq_len)
+        announce_long_blocks(config, seq_len)
         batch_size = global_batch_size(config, job.mesh.size)
         fixed_tokenizer = (pretrained.load_pretrained_tokenizer(start.checkpoint_dir)
                            if start.checkpoint_dir and config.tokenizer.path is None else None)
+        own = keeps_own_conventions(config.tokenizer.convention, config.model.init_from)
         prepare = _streamed_data if config.language.streaming else _packed_data
-        data = prepare(config, job.mesh, seq_len, batch_size, fixed_tokenizer)
+        data = prepare(config, job.mesh, seq_len, batch_size, fixed_tokenizer, own)
         tokenizer, loader, eval_blocks = data.tokenizer, data.loader, data.eval_blocks
         sample_settings = settings_from_samples(config.samples)  # a bad setting fails now
         skip_nonfinite = config.trainer.skip_nonfinite
@@ -84,7 +95,7 @@ class CausalLM:
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
-        base.start_model_dir(job, config.model, with_document_start(tokenizer), hf_config)
+        base.start_model_dir(job, config.model, prompt_tokenizer(tokenizer, own), hf_config)
 
         token_bytes = jax.device_put(jnp.asarray(token_byte_lengths(tokenizer)),
                                      replicated(job.mesh))
@@ -99,9 +110,10 @@ class CausalLM:
         final = {**last_eval, "tokens_seen": int(state.step) * batch_size * seq_len,
                  "steps": int(state.step)}
         params = base.host_params(state)
-        base.export_model(job, params, config.model, tokenizer, final, generation=sample_settings)
+        base.export_model(job, params, config.model, tokenizer, final, generation=sample_settings,
+                          own_conventions=own)
         log_samples(lm_from_params(config.model, params), tokenizer, config.samples.prompts,
-                    sample_settings, job.tracker, step=final["steps"])
+                    sample_settings, job.tracker, step=final["steps"], own_conventions=own)
         return final
 
 
@@ -126,8 +138,8 @@ class LMData(NamedTuple):
     fingerprint: dict[str, str]  # what a checkpoint records of the data (see prepare_training)
 
 
-def _packed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int,
-                 tokenizer=None) -> LMData:
+def _packed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, tokenizer=None,
+                 own_conventions: bool = False) -> LMData:
     """The whole corpus tokenised (by `tokenizer`, or one prepared from the config) and packed
     (cached), shuffled per epoch. Its fingerprint is the text's content hash, which keys the
     block cache too (hashed once per process)."""
@@ -135,10 +147,11 @@ def _packed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int,
     tokenizer = tokenizer or prepare_tokenizer(
         config.tokenizer, corpus.train, config.model.vocab_size, config.cache_dir
     )
+    prefix = _document_prefix(tokenizer, own_conventions)
     train_blocks = tokenize_and_pack(corpus.train, tokenizer, seq_len, config.cache_dir,
-                                     "tokenize train")
+                                     "tokenize train", prefix)
     eval_blocks = tokenize_and_pack(
-        corpus.validation, tokenizer, seq_len, config.cache_dir, "tokenize validation"
+        corpus.validation, tokenizer, seq_len, config.cache_dir, "tokenize validation", prefix
     )
     check_corpus_size(config, len(train_blocks), len(eval_blocks), seq_len, batch_size)
     loader = block_loader(train_blocks, batch_size, mesh, seed=config.seed)
@@ -147,8 +160,8 @@ def _packed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int,
     return LMData(tokenizer, loader, eval_blocks, len(train_blocks), fingerprint)
 
 
-def _streamed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int,
-                   tokenizer=None) -> LMData:
+def _streamed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, tokenizer=None,
+                   own_conventions: bool = False) -> LMData:
     """language.streaming: a small validation head packed like above; training packed on the
     fly from this process's shard of the rest of the stream. Its fingerprint: the validation
     head's text and the first STREAM_CHECKED_DOCS training documents (reading the whole
@@ -162,8 +175,9 @@ def _streamed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int,
         tokenizer = prepare_tokenizer(
             config.tokenizer, sample, config.model.vocab_size, config.cache_dir
         )
+    prefix = _document_prefix(tokenizer, own_conventions)
     eval_blocks = tokenize_and_pack(
-        validation, tokenizer, seq_len, config.cache_dir, "tokenize validation"
+        validation, tokenizer, seq_len, config.cache_dir, "tokenize validation", prefix
     )
     check_eval_size(config, len(eval_blocks), seq_len)
     loader = StreamingLoader(
@@ -175,11 +189,34 @@ def _streamed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int,
         seed=config.seed,
         shuffle_buffer=config.language.shuffle_buffer,
         max_steps=config.trainer.max_steps,
+        prefix=prefix,
     )
     head = documents_fingerprint(row["text"] for row in train_stream.take(STREAM_CHECKED_DOCS))
     fingerprint = {f"training data (first {STREAM_CHECKED_DOCS} documents of the stream)": head,
                    "validation data": text_fingerprint(validation)}
     return LMData(tokenizer, loader, eval_blocks, "streamed", fingerprint)
+
+
+def _document_prefix(tokenizer, own_conventions: bool) -> tuple[int, ...]:
+    """What packing puts in front of every document: the tokenizer's own special tokens (its
+    BOS) when the model keeps its conventions, said in one line; nothing with flaxlm's."""
+    if not own_conventions:
+        return ()
+    prefix = document_prefix(tokenizer)
+    before = "".join(tokenizer.convert_ids_to_tokens(list(prefix))) if prefix else "nothing"
+    print(f"flaxlm: documents and prompts keep the tokenizer's own special tokens "
+          f"(tokenizer.convention): {before} before and {tokenizer.eos_token} after each "
+          "document, prompts as the tokenizer encodes them")
+    return prefix
+
+
+def announce_long_blocks(config: TrainConfig, seq_len: int) -> None:
+    """One line when the default block length, the model's context, is long."""
+    if config.task.max_seq_length is None and seq_len > LONG_BLOCK:
+        origin = "from model.init_from's config.json" if config.model.init_from else "the preset's"
+        print(f"flaxlm: note: blocks of {seq_len} tokens, model.n_positions ({origin}), since "
+              "task.max_seq_length is null; activation memory grows with the block length. "
+              "Set task.max_seq_length (e.g. 1024) for shorter blocks.")
 
 
 def check_block_length(config: TrainConfig, seq_len: int) -> None:

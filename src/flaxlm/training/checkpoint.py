@@ -41,8 +41,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
-from typing import Any, NamedTuple
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import numpy as np
@@ -55,6 +55,8 @@ from flaxlm.layout import CHECKPOINT_SUBDIR
 
 BEST_METRIC = "eval/loss"  # lower is better
 SET_ASIDE_TIMEOUT_S = 300  # how long other processes wait for process 0 to set a step aside
+
+T = TypeVar("T")
 
 # Exit status of a run stopped by SIGTERM / SIGINT after saving its checkpoint: BSD sysexits'
 # EX_TEMPFAIL ("temporary failure, try again"). It is distinct from a failure (1), a user error
@@ -188,6 +190,13 @@ class Checkpointer:
         """Block until every started save is on disk."""
         self._manager.wait_until_finished()
 
+    def raise_failed_save(self) -> None:
+        """Raise the error of an asynchronous save that failed; never waits for one still being
+        written. orbax itself reports it only at the next save, which may be many steps (all
+        of them lost) later."""
+        if not self._manager.is_saving_in_progress():
+            self._manager.wait_until_finished()  # a finished save: returns or raises at once
+
     def close(self) -> None:
         """Wait for pending saves, then release orbax's threads."""
         self._manager.wait_until_finished()
@@ -301,8 +310,13 @@ def key_from_json(data: list[int], like: jax.Array) -> jax.Array:
 
 class StopRequest:
     """Set by SIGTERM or SIGINT while `catching_signals()` is active: the training loop
-    finishes its current step, saves a checkpoint and raises `Preempted`. A second signal
-    gets the default behaviour (a second Ctrl-C kills at once)."""
+    finishes its current step (or evaluation batch), saves a checkpoint and raises `Preempted`.
+
+    Once a stop is requested, a repeated SIGTERM is ignored: schedulers and wrappers often
+    deliver it twice (to the process group and to the process), and the grace period it
+    announces is what the save needs. A second SIGINT (Ctrl-C: a person at the keyboard) stops
+    at once, without the checkpoint: it goes to the previous handler, except Python's own, whose
+    KeyboardInterrupt would wait for the save's threads; the process ends by SIGINT instead."""
 
     def __init__(self):
         self.signal_name: str | None = None
@@ -318,20 +332,53 @@ class StopRequest:
             return
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
-        def handle(signum, _frame):
-            self.signal_name = signal.Signals(signum).name
-            print(f"\nflaxlm: {self.signal_name} received; saving a checkpoint after this step "
-                  "(send it again to stop at once)", file=sys.stderr, flush=True)
+        def put_back() -> None:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+        def handle(signum, _frame):
+            name = signal.Signals(signum).name
+            if self.signal_name is None:
+                self.signal_name = name
+                print(f"\nflaxlm: {name} received; saving a checkpoint after this step "
+                      "(Ctrl-C again stops at once, without it)", file=sys.stderr, flush=True)
+            elif signum == signal.SIGINT:
+                print("\nflaxlm: SIGINT again: stopping at once, without the checkpoint",
+                      file=sys.stderr, flush=True)
+                put_back()
+                if previous[signal.SIGINT] is signal.default_int_handler:
+                    signal.signal(signal.SIGINT, signal.SIG_DFL)
+                signal.raise_signal(signum)
+            else:
+                print(f"\nflaxlm: {name} again: ignored while the checkpoint is saved "
+                      "(Ctrl-C, SIGINT, stops at once)", file=sys.stderr, flush=True)
 
         for sig in previous:
             signal.signal(sig, handle)
         try:
             yield self
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            put_back()
+
+
+class EvaluationCut(Exception):
+    """A stop request cut an evaluation short after `done` of its `total` batches: its
+    numbers cover part of the data, so they are not the run's evaluation."""
+
+    def __init__(self, done: int, total: int):
+        self.done, self.total = done, total
+        super().__init__(f"evaluation cut after {done} of {total} batches")
+
+
+def unless_stopped(batches: Iterable[T], stop: StopRequest | None, total: int) -> Iterator[T]:
+    """Each of an evaluation's `total` batch results; raises `EvaluationCut` when `stop` is
+    requested before the last one. A preemption's grace period is short, and an evaluation may
+    be long. `stop` is asked after each batch but the last, on every process alike, so an
+    `AgreedStopRequest` cuts every process's evaluation at the same batch."""
+    for done, result in enumerate(batches, start=1):
+        yield result
+        if stop is not None and done < total and stop.requested:
+            raise EvaluationCut(done, total)
 
 
 # How an error says that a disk or a quota is full: an OSError's errno, or the status text of

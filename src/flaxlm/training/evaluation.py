@@ -26,8 +26,9 @@ from jax.sharding import Mesh
 
 from flaxlm.config import Padding
 from flaxlm.data.encoding import example_rows
-from flaxlm.data.loader import eval_batches
+from flaxlm.data.loader import eval_batches, num_eval_batches
 from flaxlm.errors import FlaxlmError
+from flaxlm.training.checkpoint import StopRequest, unless_stopped
 from flaxlm.training.inflight import ready_in_order
 
 CLASSIFICATION_METRICS = ("accuracy", "f1", "matthews")
@@ -44,19 +45,21 @@ def predict(
     global_batch_size: int,
     mesh: Mesh,
     padding: Padding = Padding.max_length,
+    stop: StopRequest | None = None,
 ) -> np.ndarray:
     """The model outputs (N, C) for the N examples of `arrays`, in dataset order, on every
-    process.
+    process. A requested `stop` cuts it short (`EvaluationCut`).
 
     Batch b is fetched once batch b+1 is dispatched, so the host builds the next batch while
     the devices run one, and only a couple of programs are ever queued (see `inflight`).
     """
     num_examples = len(arrays["labels"])
     gather = example_rows(arrays, global_batch_size, mesh, padding)
-    dispatched = ((apply_fn(batch), mask)
-                  for batch, mask in eval_batches(num_examples, global_batch_size, mesh, gather))
+    batches = eval_batches(num_examples, global_batch_size, mesh, gather)
+    dispatched = ((apply_fn(batch), mask) for batch, mask in batches)
+    total = num_eval_batches(num_examples, global_batch_size)
     outputs = [_real_rows(gather_rows(out), gather_rows(mask))
-               for out, mask in ready_in_order(dispatched)]
+               for out, mask in unless_stopped(ready_in_order(dispatched), stop, total)]
     outputs_NxC = np.concatenate(outputs) if outputs else np.zeros((0, 1), np.float32)
     if len(outputs_NxC) != num_examples:  # the one thing this module exists to guarantee
         raise AssertionError(
@@ -109,9 +112,11 @@ def evaluate(
     is_regression: bool,
     num_labels: int | None = None,
     padding: Padding = Padding.max_length,
+    stop: StopRequest | None = None,
 ) -> tuple[dict[str, float], np.ndarray]:
-    """`eval/loss` plus the named metrics, and the predictions they were computed from."""
-    outputs_NxC = predict(apply_fn, arrays, global_batch_size, mesh, padding)
+    """`eval/loss` plus the named metrics, and the predictions they were computed from; a
+    requested `stop` cuts it short (`EvaluationCut`)."""
+    outputs_NxC = predict(apply_fn, arrays, global_batch_size, mesh, padding, stop)
     labels = arrays["labels"]
     predictions = to_predictions(outputs_NxC, is_regression)
     results = {"eval/loss": eval_loss(outputs_NxC, labels, is_regression)}

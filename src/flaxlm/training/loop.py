@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import sys
 import time
-from collections.abc import Callable
+from typing import Protocol
 
 import jax
 import numpy as np
@@ -23,7 +24,7 @@ from flaxlm.data.loader import BatchSource, block_rows, eval_batches, num_eval_b
 from flaxlm.errors import FlaxlmError
 from flaxlm.layout import TOKENS_SEEN
 from flaxlm.tracking import Tracker
-from flaxlm.training.checkpoint import Preempted, StopRequest
+from flaxlm.training.checkpoint import EvaluationCut, Preempted, StopRequest, unless_stopped
 from flaxlm.training.inflight import ready_in_order
 from flaxlm.training.step import CompiledSteps, TrainState
 
@@ -57,6 +58,9 @@ class LoopState:
     window_losses: list[float] = dataclasses.field(default_factory=list)  # since the last log
     window_skipped: int = 0
     last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
+    # The epoch of the evaluation due at `step` that a stop cut short: the resumed run does it
+    # first, as the uninterrupted run did.
+    eval_due: float | None = None
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -66,8 +70,13 @@ class LoopState:
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
 
 
-# save(step, state, loop_state, eval_metrics or None): write a checkpoint of `state` after `step`.
-SaveFn = Callable[[int, TrainState, LoopState, "dict[str, float] | None"], None]
+class Saver(Protocol):
+    def __call__(self, step: int, state: TrainState, loop_state: LoopState,
+                 metrics: dict[str, float] | None) -> None:
+        """Write a checkpoint of `state` after `step` (`metrics`: this step's evaluation)."""
+
+    def raise_failed(self) -> None:
+        """Raise the error of an earlier save that failed in the background; never waits."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +96,9 @@ class Evaluator:
     mesh: Mesh
     token_bytes: jax.Array  # (vocab,) UTF-8 bytes per token id
 
-    def __call__(self, params) -> dict[str, float]:
+    def __call__(self, params, stop: StopRequest | None = None) -> dict[str, float]:
         """Loss over every validation token exactly once: sums over all batches, divided once.
+        A requested `stop` cuts it short (`EvaluationCut`).
 
         Each batch's sums are fetched one batch after its dispatch, so only a couple of eval
         programs are ever queued (see `inflight` for why that matters), and are added up on
@@ -100,8 +110,8 @@ class Evaluator:
                       for inputs, mask in batches)
         total = num_eval_batches(len(self.blocks), self.global_batch_size)
         totals = dict.fromkeys(("loss_sum", "tokens", "bytes"), 0.0)
-        for sums in tqdm(ready_in_order(dispatched), total=total, desc="eval", leave=False,
-                         file=_progress_file()):
+        for sums in tqdm(unless_stopped(ready_in_order(dispatched), stop, total), total=total,
+                         desc="eval", leave=False, file=_progress_file()):
             for key, value in jax.device_get(sums).items():
                 totals[key] += float(value)
         loss = totals["loss_sum"] / totals["tokens"]
@@ -122,7 +132,7 @@ def fit(
     tracker: Tracker,
     dropout_key: jax.Array,
     *,
-    save: SaveFn | None = None,
+    save: Saver | None = None,
     resume: LoopState | None = None,
     stop: StopRequest | None = None,
 ) -> tuple[TrainState, dict[str, float]]:
@@ -130,8 +140,10 @@ def fit(
 
     `resume` continues a run from a checkpoint's loop state (with `state` restored from the
     same checkpoint). `save` is called after every step that should be checkpointed, only with
-    a state whose metrics were fetched and found finite. When `stop` is requested (SIGTERM /
-    SIGINT) the loop saves after the current step and raises `Preempted`.
+    a state whose metrics were fetched and found finite; a save that failed in the background
+    stops the loop at the next step. When `stop` is requested (SIGTERM / SIGINT) the loop saves
+    after the current step (an evaluation under way is cut at its next batch, and done again
+    by the resumed run) and raises `Preempted`.
     """
     progress = resume or LoopState()
     step, last_eval = progress.step, dict(progress.last_eval)
@@ -146,27 +158,47 @@ def fit(
 
     def run_eval(epoch: float) -> None:
         nonlocal last_eval
-        last_eval = evaluate(state.params)
+        try:
+            last_eval = evaluate(state.params, stop)
+        except EvaluationCut as cut:  # nothing logged: these numbers are not an evaluation
+            print(f"flaxlm: {stop.signal_name}: the evaluation at step {step} was cut after "
+                  f"{cut.done} of {cut.total} batches and is not logged; the resumed run "
+                  "evaluates this step again", file=sys.stderr, flush=True)
+            raise preempt(eval_due=epoch) from None
         tracker.log({**last_eval, "epoch": epoch, **seen(step)}, step=step)
         window.restart_clock()  # evaluation time is not training throughput
 
-    def checkpoint(epoch: int, step_in_epoch: int, metrics: dict[str, float] | None) -> None:
+    def checkpoint(epoch: int, step_in_epoch: int, metrics: dict[str, float] | None,
+                   eval_due: float | None = None) -> None:
         nonlocal last_saved
         if save is None or last_saved == step:
             return
         save(step, state, LoopState(step, epoch, step_in_epoch, list(window.losses),
-                                    window.skipped, dict(last_eval)), metrics)
+                                    window.skipped, dict(last_eval), eval_due), metrics)
         last_saved = step
         window.restart_clock()  # nor is the copy off the device
 
     def check(step_metrics) -> None:
         window.add(*step_metrics, last_saved=last_saved)
 
-    if plan.eval_before_training and step == 0:
+    def preempt(eval_due: float | None = None) -> Preempted:
+        """Save the state after `step` (its loss checked first) for `Preempted`."""
+        nonlocal pending
+        if pending is not None:
+            check(pending)
+            pending = None
+        checkpoint(*divmod(step, plan.steps_per_epoch), None, eval_due)
+        return Preempted(step, stop.signal_name)
+
+    pending = None  # (step, metrics) of the previous step, still on the device
+    if progress.eval_due is not None:  # cut short by the stop this run resumes from
+        run_eval(progress.eval_due)
+        tqdm.write(_describe(f"step {step}" if step else "before training", last_eval))
+    elif plan.eval_before_training and resume is None:
         run_eval(0.0)
         tqdm.write(_describe("before training", last_eval))
 
-    pending = None  # (step, metrics) of the previous step, still on the device
+
     first_epoch = step // plan.steps_per_epoch
     epochs = tqdm(total=plan.num_epochs, desc="epoch", position=0, initial=first_epoch,
                   file=_progress_file())
@@ -186,6 +218,8 @@ def fit(
                 check(pending)
             pending = (step, metrics)
             bar.update()
+            if save is not None:
+                save.raise_failed()
             mid_epoch = bar.n < epoch_steps  # the epoch's last step is handled after the loop
             save_now = mid_epoch and save is not None and bool(
                 plan.checkpoint_every and step % plan.checkpoint_every == 0
@@ -204,11 +238,7 @@ def fit(
             if save_now:
                 checkpoint(epoch, bar.n, last_eval if evaluated else None)
             if stop.requested and mid_epoch:  # a signal may arrive at any point of the step
-                if pending is not None:
-                    check(pending)
-                    pending = None
-                checkpoint(epoch, bar.n, None)
-                raise Preempted(step, stop.signal_name)
+                raise preempt()
         bar.close()
         if pending is not None:
             check(pending)
