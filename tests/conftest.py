@@ -30,13 +30,14 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def isolated_caches(tmp_path_factory, monkeypatch):
-    """flaxlm's cache (tokenizers, packed blocks) and `datasets`' cache in a per-session temp
-    dir, and the Hub offline."""
+    """flaxlm's cache (tokenizers, packed blocks) in a per-session temp dir; `datasets`' cache
+    in one per test (it would take a local dataset laid out like another test's for that one);
+    the Hub offline."""
     import datasets
     import huggingface_hub
 
     monkeypatch.setenv("FLAXLM_CACHE", str(tmp_path_factory.getbasetemp() / "flaxlm-cache"))
-    hf_cache = tmp_path_factory.getbasetemp() / "hf-datasets"
+    hf_cache = tmp_path_factory.mktemp("hf-datasets")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(hf_cache))
     # `datasets` reads its settings once, at import: patch them where it looks them up.
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", hf_cache)
