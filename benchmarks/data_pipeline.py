@@ -82,23 +82,25 @@ def first_megabytes(documents: list[str], megabytes: float) -> list[str]:
 
 def train_tokenizer(documents: list[str], vocab_size: int, sample_mb: float, directory: str):
     import datasets
+    from train_step import config_node
 
-    from flaxlm.config import TokenizerConfig
     from flaxlm.data.tokenizer import train_bpe
 
     sample = datasets.Dataset.from_dict({"text": first_megabytes(documents, sample_mb)})
-    train_bpe(TokenizerConfig(vocab_size=vocab_size), sample, vocab_size).save_pretrained(directory)
+    settings = config_node("tokenizer", vocab_size=vocab_size)
+    train_bpe(settings, sample, vocab_size).save_pretrained(directory)
 
 
 def load(workdir: str, documents: bool = True):
     """The corpus as a list of str (if `documents`) and the tokenizer, saved by the parent."""
-    from flaxlm.config import TokenizerConfig
+    from train_step import config_node
+
     from flaxlm.data.tokenizer import load_tokenizer
 
     if documents:
         with open(os.path.join(workdir, "docs.pkl"), "rb") as f:
             documents = pickle.load(f)
-    return documents, load_tokenizer(os.path.join(workdir, "tokenizer"), TokenizerConfig())
+    return documents, load_tokenizer(os.path.join(workdir, "tokenizer"), config_node("tokenizer"))
 
 
 # --- the approaches, each run in its own process -----------------------------------------------

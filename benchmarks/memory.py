@@ -20,7 +20,7 @@ measurement of this machine.
 
 The breakdown runs `flaxlm-train` itself for a few steps and one evaluation, each case in a fresh
 process: the quickstart (gpt2-tiny, builtin corpus, 2 CPU devices) and the MiniLM fine-tune
-(`experiment=minilm-mrpc-offline` on the demo pairs of `flaxlm.data.pairs`) on 2 and on 8
+(`experiment=minilm-mrpc-offline` on the demo pairs of `flaxlm-pairs`) on 2 and on 8
 simulated CPU devices, and on 8 with the state split over `fsdp`. It reports the process's peak
 RSS and the RSS of each phase of the run (sampled by a thread), and per device what the
 compiled train and eval steps hold by XLA's own accounting (`memory_analysis`): the train state
@@ -41,7 +41,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESETS = ("gpt2-tiny", "distilgpt2", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-MESHES = {"data=8": {"data": 8}, "fsdp=8": {"data": 1, "fsdp": 8}}
+MESHES = {"data=8": {"data": 8, "fsdp": 1, "tensor": 1},
+          "fsdp=8": {"data": 1, "fsdp": 8, "tensor": 1}}
 NUM_DEVICES = 8
 
 
@@ -80,10 +81,11 @@ def init_fn(preset: str, tx):
 
 
 def optimizer():
-    from flaxlm.config import OptimizerConfig
+    from train_step import config_node
+
     from flaxlm.training.optimizer import make_optimizer, make_schedule
 
-    config = OptimizerConfig(name="adamw", lr=1e-4)
+    config = config_node("optimizer", ["optimizer=adamw"], lr=1e-4)
     schedule = make_schedule(config, total_steps=10)
     return make_optimizer(config, schedule), schedule
 
@@ -192,7 +194,7 @@ KINDS = ("params", "mu", "nu", "other")  # "other": step and optimizer counters
 
 def breakdown_cases(pairs_dir: str) -> dict[str, list[str]]:
     """`flaxlm-train` overrides of each case, beyond the few-steps settings."""
-    minilm = ["experiment=minilm-mrpc-offline", f"task.train_files=[{pairs_dir}/train.tsv]",
+    minilm = ["experiment=minilm-mrpc-offline", f"task.files=[{pairs_dir}/train.tsv]",
               f"task.eval_files=[{pairs_dir}/validation.tsv]"]
     return {
         "quickstart": ["hardware.cpu_devices=2"],
@@ -485,9 +487,10 @@ def print_breakdown(result: dict) -> None:
 def breakdown(args) -> None:
     import tempfile
 
+    from flaxlm.data.pairs import write_pair_dataset
+
     with tempfile.TemporaryDirectory() as pairs_dir:
-        subprocess.run([sys.executable, "-m", "flaxlm.data.pairs", pairs_dir], check=True,
-                       capture_output=True)
+        write_pair_dataset(pairs_dir)
         cases = args.case or list(breakdown_cases(pairs_dir))
         extra = f" ({' '.join(args.overrides)})" if args.overrides else ""
         print(f"memory of `flaxlm-train` runs of {args.steps} steps and one evaluation{extra}, "

@@ -38,16 +38,17 @@ def write_shards(documents: list[str], directory: str) -> None:
 def stream_once(shards: str, tokenizer_dir: str) -> dict:
     """One pass over the stream in this (fresh) process; returns blocks, seconds, peak RSS."""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    from flaxlm.config import CorpusSource, LanguageConfig, TokenizerConfig
+    from train_step import config_node
+
     from flaxlm.data.corpus import load_corpus_stream
     from flaxlm.data.streaming import StreamingLoader
     from flaxlm.data.tokenizer import load_tokenizer
     from flaxlm.parallel import make_mesh
 
-    language = LanguageConfig(name="bench", source=CorpusSource.files, streaming=True,
-                              files=[os.path.join(shards, "*.jsonl")], max_eval_docs=100)
+    language = config_node("language", ["language=files"], name="bench", streaming=True,
+                           files=[os.path.join(shards, "*.jsonl")], max_eval_docs=100)
     _, train = load_corpus_stream(language)
-    tokenizer = load_tokenizer(tokenizer_dir, TokenizerConfig())
+    tokenizer = load_tokenizer(tokenizer_dir, config_node("tokenizer"))
     rss_before = peak_rss_mb()
     start = time.perf_counter()
     # A generous step budget; the pass counter says when the stream has been read once.

@@ -49,6 +49,14 @@ def compose(overrides: list[str]):
     return OmegaConf.to_object(cfg)
 
 
+def config_node(node: str, overrides=(), **changes):
+    """One node of the composed config with `changes`: a config built in code whose other
+    values still come from conf/."""
+    import dataclasses
+
+    return dataclasses.replace(getattr(compose(list(overrides)), node), **changes)
+
+
 def flax_worker(config, tokens_np, args) -> None:
     import jax
     import jax.numpy as jnp
@@ -69,7 +77,7 @@ def flax_worker(config, tokens_np, args) -> None:
     schedule = make_schedule(config.optimizer, 10_000)
     tx = make_optimizer(config.optimizer, schedule)
     spec = TransformerSpec(config.model, jnp.dtype(config.hardware.compute_dtype),
-                           jnp.dtype(config.model.param_dtype or config.hardware.param_dtype))
+                           jnp.dtype(config.hardware.param_dtype))
     model = build_lm(spec, nnx.Rngs(params=0))
     num_params = count_params(model)
     graphdef, state = create_state(model, tx)

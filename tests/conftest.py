@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -67,13 +68,13 @@ def train_state():
     import optax
     from flax import nnx
 
-    from flaxlm.config import ModelConfig
     from flaxlm.models.gpt2 import GPT2LMHeadModel
     from flaxlm.models.layers import TransformerSpec
     from flaxlm.parallel import make_mesh, replicated
     from flaxlm.training.step import create_state
 
-    config = ModelConfig(name="t", n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=64)
+    config = config_node("model", ["model=gpt2"], n_layer=2, n_embd=32, n_head=2, n_positions=16,
+                         vocab_size=64)
     model = GPT2LMHeadModel(TransformerSpec(config, jnp.float32, jnp.float32), nnx.Rngs(params=0))
     _, state = create_state(model, optax.adamw(1e-3))
     return jax.device_put(state, replicated(make_mesh(2)))
@@ -105,6 +106,37 @@ def trained_run(tmp_path_factory, name: str, overrides) -> str:
         patch.setenv("FLAXLM_CACHE", str(tmp_path_factory.getbasetemp() / "flaxlm-cache"))
         train(compose(overrides, run_dir=run_dir))
     return run_dir
+
+
+@functools.cache
+def _composed(overrides: tuple[str, ...]):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(compose(overrides))
+
+
+def config_node(node: str, overrides=(), **changes):
+    """One typed node of the config `overrides` compose to (e.g. config_node("model",
+    ["model=llama-tiny"], n_layer=2)), with `changes`: how a test builds a config in code while
+    every value it does not change still comes from conf/, the one home of each value."""
+    return dataclasses.replace(getattr(_composed(tuple(overrides)), node), **changes)
+
+
+# An option of each model family: what model_config takes the family's settings from.
+FAMILY_OPTIONS = {"gpt2": "gpt2", "bert": "bert-tiny", "llama": "llama-tiny"}
+
+
+def model_config(family: str = "gpt2", **fields):
+    """A network of `family` with the shape `fields` give, built in code: the family's
+    settings (activation, dropout, epsilon, ...) come from conf/ through one of its options,
+    whose optional shape settings (n_inner, n_kv_head) and pretrained weights are left out."""
+    unset = {"n_inner": None, "n_kv_head": None, "init_from": None}
+    return config_node("model", [f"model={FAMILY_OPTIONS[family]}"], **{**unset, **fields})
+
+
+def mesh_config(**sizes):
+    """The default hardware's mesh (conf/) with `sizes` changed, e.g. mesh_config(fsdp=8)."""
+    return dataclasses.replace(config_node("hardware").mesh, **sizes)
 
 
 def compose(overrides=(), run_dir=None, return_hydra_config=False):
@@ -235,7 +267,7 @@ def streaming_run(tmp_path: Path, *extra: str):
     return compose(
         [*TINY, "language=files", f"language.files=[{tmp_path}/*.jsonl]",
          "language.streaming=true", "language.max_eval_docs=30", "language.shuffle_buffer=16",
-         "tokenizer.train_docs=100", "task.max_seq_length=32", "trainer.log_every=1", *extra],
+         "tokenizer.train_docs=100", "task.max_seq_length=32", "trainer.log_every_steps=1", *extra],
         run_dir=tmp_path / "run",
     )
 
@@ -257,7 +289,7 @@ TINY_CLASSIFY = [
     "logger=none",
     "optimizer.lr=3e-3",
     "optimizer.warmup_steps=0",
-    "trainer.log_every=5",
+    "trainer.log_every_steps=5",
 ]
 
 _POOL_A = "alpha bravo charlie delta echo foxtrot golf hotel".split()
@@ -285,7 +317,7 @@ def write_pairs(path, num_rows: int, seed: int) -> str:
 def files_overrides(pair_files) -> list[str]:
     """The overrides that fine-tune on a (train, validation) pair of files."""
     train, validation = pair_files
-    return [f"task.train_files=[{train}]", f"task.eval_files=[{validation}]"]
+    return [f"task.files=[{train}]", f"task.eval_files=[{validation}]"]
 
 
 TOKENIZER_TEXT = ["the cat sat on the mat", "a much longer prompt on the mat",

@@ -10,10 +10,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ENGLISH, SHORT, TINY_CORPUS, assert_names, compose, write
+from conftest import (
+    ENGLISH,
+    SHORT,
+    TINY_CORPUS,
+    assert_names,
+    compose,
+    config_node,
+    write,
+)
 from hydra.errors import ConfigCompositionException
 
-from flaxlm.config import CorpusSource, LanguageConfig, TokenizerConfig
 from flaxlm.data.corpus import load_corpus
 from flaxlm.data.tokenizer import prepare_tokenizer
 from flaxlm.errors import FlaxlmError
@@ -116,8 +123,9 @@ def test_trained_tokenizer_larger_than_the_model_vocab(tmp_path, english):
 
 
 def test_tokenizer_path_larger_than_the_model_vocab(tmp_path, english):
-    corpus = load_corpus(LanguageConfig(name="en", source=CorpusSource.files, files=[str(english)]))
-    big = prepare_tokenizer(TokenizerConfig(vocab_size=512), corpus.train, 512, str(tmp_path))
+    corpus = load_corpus(config_node("language", ["language=files"], files=[str(english)]))
+    settings = config_node("tokenizer", vocab_size=512)
+    big = prepare_tokenizer(settings, corpus.train, 512, str(tmp_path))
     big.save_pretrained(tmp_path / "big-tokenizer")
     assert len(big) > 300
 

@@ -32,7 +32,7 @@ def corpus(name: str) -> list[str]:
 
 
 def classify(train: str, evaluation: str) -> list[str]:
-    return [*CLASSIFY, f"task.train_files=[{{data}}/{train}]",
+    return [*CLASSIFY, f"task.files=[{{data}}/{train}]",
             f"task.eval_files=[{{data}}/{evaluation}]"]
 
 
@@ -157,7 +157,7 @@ ROWS = {
                                        ["language.streaming=true", "trainer.max_steps"]),
     "init-from-missing": Row(["model.init_from={tmp}/no-model"], ["model.init_from="]),
     "keep-last-zero": Row(["checkpoint.keep_last=0"], ["checkpoint.keep_last=0"]),
-    "classify-without-data": Row(["task=classify"], ["task.dataset", "task.train_files"]),
+    "classify-without-data": Row(["task=classify"], ["task.hub_path", "task.files"]),
     "clm-with-an-encoder": Row(["model=bert-tiny"], ["model=bert-tiny", "task=clm"]),
     # --- the corpus
     "files-without-files": Row(FILES, ["language.files is empty"]),

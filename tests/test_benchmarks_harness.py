@@ -7,10 +7,9 @@ import types
 
 import jax
 import pytest
-from conftest import REPO, compose
+from conftest import REPO, compose, config_node
 from omegaconf import OmegaConf
 
-from flaxlm.config import HardwareConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.hardware_peak import known_peak_tflops, peak_flops
 from flaxlm.parallel import make_mesh
@@ -50,7 +49,7 @@ def test_peak_is_the_configured_figure_or_every_device_known():
 
 def _job(**hardware):
     mesh = make_mesh(2)
-    config = types.SimpleNamespace(hardware=HardwareConfig(name="test", **hardware))
+    config = types.SimpleNamespace(hardware=config_node("hardware", **hardware))
     return types.SimpleNamespace(config=config, mesh=mesh)
 
 

@@ -6,9 +6,9 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import model_config
 from flax import nnx
 
-from flaxlm.config import ModelConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import export_hf
 from flaxlm.models import hf, pretrained
@@ -18,8 +18,8 @@ from flaxlm.models.gpt2 import GPT2ForSequenceClassification
 from flaxlm.models.layers import TransformerSpec, count_params
 
 SHAPE = dict(vocab_size=99, n_positions=16, n_embd=32, n_layer=2, n_head=4, n_inner=48)
-BERT = ModelConfig(name="t", family="bert", activation_function="gelu", **SHAPE)
-GPT2 = ModelConfig(name="t", family="gpt2", **SHAPE)
+BERT = model_config("bert", name="t", **SHAPE)
+GPT2 = model_config(name="t", **SHAPE)
 
 
 def classifier(config=BERT, num_labels=3):
@@ -145,7 +145,7 @@ def test_a_saved_classifier_loads_back_with_its_tokenizer(tmp_path):
               generation=None)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["id2label"] == {"0": "no", "1": "yes"} and config["pad_token_id"] == 0
-    shape = pretrained.pretrained_model_config(str(tmp_path), ModelConfig(name="t"))
+    shape = pretrained.pretrained_model_config(str(tmp_path), model_config("bert", name="t"))
     reloaded = classifier(shape, 2)
     report = pretrained.load_pretrained_weights(reloaded, str(tmp_path))
     assert report.missing == [] and report.unexpected == []

@@ -3,6 +3,7 @@ a live owner kept, and the records that tell a damaged cache entry from a whole 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -15,10 +16,10 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pytest
+from conftest import config_node
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flaxlm.config import TokenizerConfig
 from flaxlm.data import cache
 from flaxlm.data.packing import tokenize_and_pack
 from flaxlm.data.tokenizer import prepare_tokenizer
@@ -39,14 +40,14 @@ with cache.scratch_folder(sys.argv[1]) as scratch:
 # Packs TEXTS into the cache at argv[1], stalling (until killed) after the last token batch
 # reached the scratch file.
 STALLED_PACKING = """
-import sys, time
+import json, sys, time
 import datasets
 from flaxlm.config import TokenizerConfig
 from flaxlm.data import packing
 from flaxlm.data.tokenizer import prepare_tokenizer
 
 texts = datasets.Dataset.from_dict({"text": TEXTS})
-tokenizer = prepare_tokenizer(TokenizerConfig(vocab_size=300), texts, 512, sys.argv[1])
+tokenizer = prepare_tokenizer(TokenizerConfig(**json.loads(sys.argv[2])), texts, 512, sys.argv[1])
 real_batches = packing._token_batches
 
 
@@ -83,7 +84,8 @@ def scratch_folders(folder: Path) -> list[Path]:
 
 
 def test_packing_killed_with_sigkill_leaves_scratch_that_the_next_use_removes(tmp_path, capsys):
-    packer, _ = start(f"TEXTS = {TEXTS!r}\n" + STALLED_PACKING, str(tmp_path))
+    settings = json.dumps(dataclasses.asdict(config_node("tokenizer", vocab_size=300)))
+    packer, _ = start(f"TEXTS = {TEXTS!r}\n" + STALLED_PACKING, str(tmp_path), settings)
     blocks_folder = tmp_path / "blocks"
     try:
         [scratch] = scratch_folders(blocks_folder)
@@ -95,7 +97,8 @@ def test_packing_killed_with_sigkill_leaves_scratch_that_the_next_use_removes(tm
     assert scratch.exists()  # what kill -9 leaves
 
     texts = datasets.Dataset.from_dict({"text": TEXTS})
-    tokenizer = prepare_tokenizer(TokenizerConfig(vocab_size=300), texts, 512, str(tmp_path))
+    tokenizer = prepare_tokenizer(config_node("tokenizer", vocab_size=300), texts, 512,
+                                  str(tmp_path))
     blocks = tokenize_and_pack(texts, tokenizer, 16, str(tmp_path))
     assert scratch_folders(blocks_folder) == []
     assert "removed 1 scratch folder(s)" in capsys.readouterr().out

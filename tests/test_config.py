@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import sys
 from pathlib import Path
 
 import jax
@@ -16,15 +17,20 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import MISSING, OmegaConf
 
 from flaxlm.config import (
+    RENAMED,
     Schedule,
     TrainConfig,
+    dotted,
     register_configs,
+    renamed_keys,
+    upgrade_saved_config,
 )
 from flaxlm.errors import FlaxlmError
 from flaxlm.job import check_settings
 
 CONF = Path(CONF_DIR)
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
+# conf/base/ holds what options extend, not a group to choose from.
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "base")
 OPTIONS = [(group, f.stem) for group in GROUPS for f in sorted((CONF / group).glob("*.yaml"))]
 
 
@@ -200,29 +206,170 @@ def schema_default(field: dataclasses.Field):
     return MISSING if field.default is dataclasses.MISSING else field.default
 
 
-def disagreements(schema, values: dict, path: str = ""):
-    """Keys `values` (a YAML's own settings) sets to other than the schema's default; a field
-    without a default (MISSING) takes its value from the YAML alone."""
+def schema_nodes(schema=TrainConfig, path=""):
+    """(dotted key, field) for every field of the schema, nested nodes included."""
     for field in dataclasses.fields(schema):
-        if field.name not in values:
-            continue
-        default, value, key = schema_default(field), values[field.name], f"{path}{field.name}"
+        yield f"{path}{field.name}", field
+        default = schema_default(field)
         if dataclasses.is_dataclass(default):
-            yield from disagreements(type(default), value, f"{key}.")
-        elif default != MISSING:
-            plain = default.value if isinstance(default, enum.Enum) else default
-            if plain != value:
-                yield f"{key}: schema {plain!r}, conf/train.yaml {value!r}"
+            yield from schema_nodes(type(default), f"{path}{field.name}.")
 
 
-def test_each_default_lives_in_one_place():
-    """conf/train.yaml fills the top level and the nodes no group chooses (trainer, checkpoint,
-    tokenizer, samples): where it sets a key, the schema has no default or the same one, so a
-    config built in code and a composed run cannot silently differ. (Group options are choices
-    among values; their schema defaults are the fallback for keys an option leaves out.)"""
-    values = OmegaConf.to_container(OmegaConf.load(CONF / "train.yaml"), resolve=False)
-    assert {"trainer", "checkpoint", "tokenizer", "samples"} <= values.keys()
-    assert list(disagreements(TrainConfig, values)) == []
+def test_the_schema_gives_types_and_defaults_only_to_nothing():
+    """A value someone chose lives in conf/ alone: the schema's only defaults are nothing (null,
+    off, an empty list, a nested node); every other field is MISSING, filled by the YAML."""
+    chosen = [f"{key}={schema_default(field)!r}" for key, field in schema_nodes()
+              if not (schema_default(field) in (MISSING, None, False, [])
+                      or dataclasses.is_dataclass(schema_default(field)))]
+    assert chosen == []
+
+
+# The schema node each group's options (and their bases in conf/base/<group>/) fill.
+NODE_SCHEMAS = {"language": "LanguageConfig", "model": "ModelConfig",
+                "optimizer": "OptimizerConfig", "hardware": "HardwareConfig",
+                "task": "TaskConfig", "logger": "LoggerConfig"}
+
+
+def extended_files(path: Path) -> list[Path]:
+    """The files `path`'s defaults list extends (`- gpt2`, `- /base/model/common@_here_`), not
+    the group choices it overrides."""
+    defaults = OmegaConf.to_container(OmegaConf.load(path)).get("defaults", [])
+    extended = []
+    for entry in defaults:
+        if not isinstance(entry, str) or entry in ("_self_", "train_schema"):  # the schema itself
+            continue
+        name = entry.split("@")[0]
+        base = CONF / f"{name[1:]}.yaml" if name.startswith("/") else path.parent / f"{name}.yaml"
+        extended.append(base)
+    return extended
+
+
+def inherited(path: Path) -> dict:
+    """What the files `path` extends give, merged in their order."""
+    merged = OmegaConf.create()
+    for base in extended_files(path):
+        merged = OmegaConf.merge(merged, inherited(base), own_values(base))
+    return OmegaConf.to_container(merged, resolve=False)
+
+
+def own_values(path: Path) -> dict:
+    values = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    values.pop("defaults", None)
+    return values
+
+
+def schema_for(path: Path):
+    group = path.parent.name
+    import flaxlm.config
+
+    return getattr(flaxlm.config, NODE_SCHEMAS[group]) if group in NODE_SCHEMAS else None
+
+
+def value_at(tree, keys):
+    for key in keys:
+        if not isinstance(tree, dict) or key not in tree:
+            return MISSING
+        tree = tree[key]
+    return tree
+
+
+def schema_value(schema, keys):
+    for key in keys:
+        if schema is None or not dataclasses.is_dataclass(schema):
+            return MISSING
+        field = next((f for f in dataclasses.fields(schema) if f.name == key), None)
+        if field is None:
+            return MISSING
+        schema = schema_default(field)
+    return schema.value if isinstance(schema, enum.Enum) else schema
+
+
+OPTION_FILES = sorted(
+    [p for group in NODE_SCHEMAS for p in (CONF / group).glob("*.yaml")]
+    + list((CONF / "base").glob("*/*.yaml")) + [CONF / "train.yaml"])
+
+
+@pytest.mark.parametrize("path", OPTION_FILES, ids=lambda p: str(p.relative_to(CONF)))
+def test_no_file_restates_a_value_its_base_or_the_schema_gives(path):
+    """Each value has one home: an option (or a base, or conf/train.yaml) sets a key only to
+    change what the files it extends, or the schema, already give."""
+    base = inherited(path)
+    schema = TrainConfig if path.name == "train.yaml" else schema_for(path)
+    repeated = []
+    for keys, value in leaves(own_values(path)):
+        given = value_at(base, keys)
+        if given is MISSING:
+            given = schema_value(schema, keys)
+        if given is not MISSING and given == value:
+            repeated.append(".".join(keys))
+    assert repeated == [], f"{path.relative_to(CONF)} restates {repeated}"
+
+
+def test_bases_extend_options_without_being_options():
+    """conf/base/<group>/ holds what several options of a group share; every base is extended
+    by some option (or base), and no option of a group extends another group's base."""
+    used = {base for path in OPTION_FILES for base in extended_files(path)}
+    for base in (CONF / "base").glob("*/*.yaml"):
+        assert base in used, f"{base.relative_to(CONF)} is extended by no option"
+    for path in OPTION_FILES:
+        for base in extended_files(path):
+            assert base.exists(), f"{path.relative_to(CONF)} extends missing {base}"
+            if base.parent.parent.name == "base":
+                assert base.parent.name == path.parent.name or path.name == "train.yaml"
+
+
+@pytest.mark.parametrize(("old", "new"), RENAMED.items())
+def test_a_renamed_key_is_an_error_naming_its_new_spelling(old, new):
+    assert OmegaConf.select(compose(), new, default="unset") != "unset", f"{new} is no key"
+    with pytest.raises(ConfigCompositionException) as info:
+        compose([f"{old}=1"])
+    assert renamed_keys(f"{info.value}\n{info.value.__cause__}") == [f"{old} was renamed {new}"]
+
+
+def run_cli(monkeypatch, capsys, argv):
+    """flaxlm-train's main() in this process: (exit code, stderr)."""
+    from flaxlm.cli import train as cli
+
+    monkeypatch.setattr(sys, "argv", ["flaxlm-train", *argv])
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as info:
+        cli.main()
+    return info.value.code, capsys.readouterr().err
+
+
+def test_an_old_key_on_the_command_line_is_one_line_naming_the_new_key(monkeypatch, capsys):
+    code, err = run_cli(monkeypatch, capsys, ["trainer.eval_every=5", "logger=none"])
+    assert code == 2
+    assert err.strip().splitlines() == [
+        "flaxlm: error: trainer.eval_every was renamed trainer.eval_every_steps (the command "
+        "line): use the new name; docs/configuration.md lists the renamed keys."]
+
+
+def test_an_old_key_in_a_users_yaml_is_one_line_naming_the_new_key(monkeypatch, capsys,
+                                                                  tmp_path):
+    (tmp_path / "optimizer").mkdir()
+    (tmp_path / "optimizer" / "mine.yaml").write_text(
+        "defaults:\n  - adamw\n  - _self_\n\nkind: adamw\nlr: 1e-3\n")
+    code, err = run_cli(monkeypatch, capsys,
+                        ["--config-dir", str(tmp_path), "optimizer=mine", "logger=none"])
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1
+    assert "optimizer.kind was renamed optimizer.name (config optimizer/mine)" in err
+
+
+def test_a_config_saved_by_an_earlier_release_reads_under_todays_keys():
+    """What resume, export and the report read from a run directory of an earlier release: its
+    config.yaml, with every renamed key under its new name, merges onto today's schema."""
+    saved = OmegaConf.to_container(
+        OmegaConf.load(Path(__file__).parent / "data" / "run-v0" / "run" / "config.yaml"))
+    upgraded = upgrade_saved_config(saved)
+    OmegaConf.merge(OmegaConf.structured(TrainConfig), upgraded)  # no unknown key
+    flat = dotted(upgraded)
+    assert (flat["trainer.log_every_steps"], flat["optimizer.name"]) == (1, "adamw")
+    assert flat["hardware.param_dtype"] == "float32" and "model.param_dtype" not in flat
+    # A model's own parameter dtype of an earlier release moves to the hardware's.
+    saved["model"]["param_dtype"] = "bfloat16"
+    assert upgrade_saved_config(saved)["hardware"]["param_dtype"] == "bfloat16"
 
 
 def test_classify_takes_its_example_length_from_the_task_option_only():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tokenizers
 import transformers
-from conftest import compose
+from conftest import compose, model_config
 
 from flaxlm.errors import FlaxlmError
 
@@ -136,8 +136,8 @@ def test_an_imported_llama_keeps_its_tokenizers_conventions(checkpoint, imported
     np.testing.assert_allclose(first_eval["eval/loss"],
                                torch_eval_loss(checkpoint, validation, N_POSITIONS), rtol=2e-5)
 
-    ours = generate_cli.run([f"run_dir={run_dir}", *(f"prompt={p}" for p in PROMPTS),
-                             "greedy=true", "max_new_tokens=8"])
+    ours = generate_cli.run([str(run_dir), *(f"--prompt={p}" for p in PROMPTS), "--greedy",
+                             "--max-new-tokens", "8"])
     assert ours == torch_greedy(checkpoint, PROMPTS, 8)
     assert len(set(ours)) > 1  # the prompts lead to different paths
 
@@ -175,14 +175,13 @@ def test_generation_and_export_follow_the_convention(checkpoint, tmp_path):
     flaxlm's convention (tokenizer.convention=flaxlm) reads a prompt after EOS instead."""
     from flax import nnx
 
-    from flaxlm.config import ModelConfig
     from flaxlm.export import export_hf
     from flaxlm.generate import GenerationSettings, encode_prompts, generate
     from flaxlm.models import pretrained
     from flaxlm.models.build import build_lm
     from flaxlm.models.layers import TransformerSpec
 
-    config = pretrained.pretrained_model_config(checkpoint, ModelConfig(name="x"))
+    config = pretrained.pretrained_model_config(checkpoint, model_config(name="x"))
     model = build_lm(TransformerSpec(config), nnx.Rngs(0))
     pretrained.load_pretrained_weights(model, checkpoint)
     tokenizer = pretrained.load_pretrained_tokenizer(checkpoint)

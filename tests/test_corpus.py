@@ -16,6 +16,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import config_node
 
 from flaxlm.config import CorpusSource, LanguageConfig, TextSplitting
 from flaxlm.data import corpus
@@ -24,13 +25,13 @@ from flaxlm.errors import FlaxlmError
 
 
 def files_config(*files: object, **settings) -> LanguageConfig:
-    return LanguageConfig(
-        name="t", source=CorpusSource.files, files=[str(f) for f in files], **settings
-    )
+    return config_node("language", name="t", source=CorpusSource.files,
+                       files=[str(f) for f in files], **settings)
 
 
 def hub_config(path: object, **settings) -> LanguageConfig:
-    return LanguageConfig(name="t", source=CorpusSource.hub, hub_path=str(path), **settings)
+    return config_node("language", name="t", source=CorpusSource.hub, hub_path=str(path),
+                       **settings)
 
 
 def texts(splits: CorpusSplits) -> list[str]:
@@ -92,7 +93,7 @@ def test_builtin_is_substantial_english_prose():
 
 def test_builtin_splits_first_5_percent_for_validation():
     documents = builtin_documents()
-    splits = load_corpus(LanguageConfig(name="t"))
+    splits = load_corpus(config_node("language", name="t"))
     n_validation = math.ceil(0.05 * len(documents))
     assert len(splits.validation) == n_validation
     assert len(splits.train) == len(documents) - n_validation
@@ -105,7 +106,7 @@ def test_builtin_without_pydoc_data_says_what_to_do(monkeypatch):
         corpus, "_builtin_documents", functools.cache(corpus._builtin_documents.__wrapped__)
     )
     monkeypatch.setitem(sys.modules, "pydoc_data.topics", None)  # makes the import fail
-    raises(LanguageConfig(name="t"), "pydoc_data", "language.source=files")
+    raises(config_node("language", name="t"), "pydoc_data", "language.source=files")
 
 
 # --- files ----------------------------------------------------------------------------------------
@@ -246,7 +247,8 @@ def test_hub_failures_name_the_settings_and_keep_the_cause(tmp_path):
     raises(hub_config(tmp_path, hub_config="nope"), "language.hub_config='nope'", "nope")
     raises(hub_config(tmp_path, hub_split="validation"), "language.hub_split='validation'")
     raises(hub_config(tmp_path, text_column="story"), "language.text_column='story'", "['text']")
-    raises(LanguageConfig(name="t", source=CorpusSource.hub), "language.hub_path is not set")
+    raises(config_node("language", name="t", source=CorpusSource.hub),
+           "language.hub_path is not set")
 
 
 # --- split and caps -------------------------------------------------------------------------------

@@ -13,18 +13,17 @@ import numpy as np
 import pytest
 import tokenizers
 import transformers
-from conftest import TINY, compose, make_tokenizer
+from conftest import TINY, compose, make_tokenizer, model_config
 from conftest import TOKENIZER_TEXT as TEXT
 from flax import nnx
 
-from flaxlm.config import ModelConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import MARKER, export_hf
 from flaxlm.models import hf
 from flaxlm.models.gpt2 import GPT2LMHeadModel
 from flaxlm.models.layers import TransformerSpec
 
-CONFIG = ModelConfig(name="t", vocab_size=97, n_positions=32, n_embd=64, n_layer=2, n_head=4)
+CONFIG = model_config(name="t", vocab_size=97, n_positions=32, n_embd=64, n_layer=2, n_head=4)
 FIGURES = {"eval/loss": 6.398, "eval/perplexity": 600.4, "eval/bits_per_byte": 2.56,
            "steps": 230, "tokens_seen": 471040}
 
@@ -167,13 +166,13 @@ def test_flaxlm_export_and_generate_on_a_run(run_dir, tmp_path, capsys):
     from flaxlm.cli import export as export_cli
     from flaxlm.cli import generate as generate_cli
 
-    out = export_cli.run([f"run_dir={run_dir}", f"out={tmp_path / 'hf'}"])
+    out = export_cli.run([str(run_dir), "--out", str(tmp_path / "hf")])
     torch_model = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert torch_model.config.n_layer == 2
     assert "| optimizer steps | 2 |" in open(os.path.join(out, "README.md")).read()
 
-    args = [f"run_dir={run_dir}", "prompt=Return the", "prompt=[a, b]", "greedy=true",
-            "max_new_tokens=6"]
+    args = [str(run_dir), "--prompt", "Return the", "--prompt", "a", "--prompt", "b",
+            "--greedy", "--max-new-tokens", "6"]
     completions = generate_cli.run(args)
     assert len(completions) == 3 and completions == generate_cli.run(args)
     printed = capsys.readouterr().out
@@ -186,20 +185,21 @@ def test_cli_errors_are_one_paragraph_with_exit_status_2(run_dir, tmp_path, caps
     from flaxlm.cli import generate as generate_cli
 
     cases = [
-        (export_cli.main, [f"run_dir={tmp_path / 'missing'}", f"out={tmp_path / 'o'}"],
+        (export_cli.main, [str(tmp_path / "missing"), "--out", str(tmp_path / "o")],
          "does not exist"),
-        (export_cli.main, [f"run_dir={run_dir}", f"out={tmp_path / 'o'}", "step=7"],
+        (export_cli.main, [str(run_dir), "--out", str(tmp_path / "o"), "--step", "7"],
          "no checkpoint for step 7; it has steps [2]"),
-        (export_cli.main, [f"run_dir={run_dir}", f"out={run_dir}"], "is the run being exported"),
-        (export_cli.main, [f"run_dir={run_dir}"], "needs out="),
+        (export_cli.main, [str(run_dir), "--out", str(run_dir)], "is the run being exported"),
+        (export_cli.main, [str(run_dir)], "the following arguments are required: --out"),
         # Issue 20: a destination on a read-only disk was an OSError traceback, exit 1.
-        (export_cli.main, [f"run_dir={run_dir}", f"out={unwritable / 'hf'}"],
+        (export_cli.main, [str(run_dir), "--out", str(unwritable / "hf")],
          f"Cannot export to {unwritable / 'hf'}: flaxlm cannot write in {unwritable}"),
-        (export_cli.main, [f"run_dir={run_dir}", f"out={unwritable / 'new' / 'hf'}"],
+        (export_cli.main, [str(run_dir), "--out", str(unwritable / "new" / "hf")],
          f"flaxlm cannot write in {unwritable / 'new'}"),
-        (generate_cli.main, [f"run_dir={run_dir}", "temperature=hot"], "temperature='hot'"),
-        (generate_cli.main, [f"run_dir={run_dir}", "prompt=x", "max_new_token=3"],
-         "'max_new_token=3' is not a setting"),
+        (generate_cli.main, [str(run_dir), "--temperature", "hot"],
+         "argument --temperature: invalid float value: 'hot'"),
+        (generate_cli.main, [str(run_dir), "--prompt", "x", "--max-new-token", "3"],
+         "unrecognized arguments: --max-new-token 3"),
     ]
     for main, argv, message in cases:
         with pytest.raises(SystemExit) as exit_info:
@@ -220,7 +220,7 @@ def test_a_full_disk_during_flaxlm_export_is_one_paragraph(run_dir, tmp_path, mo
 
     monkeypatch.setattr(hf, "save_pretrained", out_of_space)
     with pytest.raises(SystemExit) as exit_info:
-        export_cli.main([f"run_dir={run_dir}", f"out={tmp_path / 'hf'}"])
+        export_cli.main([str(run_dir), "--out", str(tmp_path / "hf")])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
@@ -236,9 +236,8 @@ def test_generate_falls_back_to_the_runs_export_without_checkpoints(run_dir, tmp
 
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("checkpoints", "wandb"))
-    args = ["prompt=Return the", "greedy=true", "max_new_tokens=6"]
-    assert generate_cli.run([f"run_dir={copy}", *args]) == generate_cli.run(
-        [f"run_dir={run_dir}", *args])
+    args = ["--prompt", "Return the", "--greedy", "--max-new-tokens", "6"]
+    assert generate_cli.run([str(copy), *args]) == generate_cli.run([str(run_dir), *args])
 
 
 def test_exported_files_get_the_modes_the_umask_gives(tmp_path):
@@ -303,7 +302,7 @@ def test_flaxlm_export_never_replaces_a_run_or_its_checkpoints(run_dir, tmp_path
     files = sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*"))
     cases = [
         (copy, copy, "is the run being exported"),
-        (copy, runs, "is the run being exported (run_dir="),  # a folder above it
+        (copy, runs, f"is the run being exported ({copy})"),  # a folder above it
         (copy, copy / "checkpoints", "the checkpoints folder of a run"),
         (copy, copy / "checkpoints" / "hf", "the checkpoints folder of a run"),
         (run_dir, copy, "holds a flaxlm run (it has metrics.jsonl, config.yaml, .lock, "
@@ -312,25 +311,25 @@ def test_flaxlm_export_never_replaces_a_run_or_its_checkpoints(run_dir, tmp_path
     ]
     for source, out, message in cases:
         with pytest.raises(SystemExit) as exit_info:
-            export_cli.main([f"run_dir={source}", f"out={out}", "overwrite=true"])
+            export_cli.main([str(source), "--out", str(out), "--overwrite"])
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
-        assert message in err and f"out={out}" in err and "Traceback" not in err, (out, err)
+        assert message in err and f"--out {out}" in err and "Traceback" not in err, (out, err)
     assert sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*")) == files
 
     # The run's own model/: replaced as an earlier export, or with overwrite=true while it
     # holds only what the run wrote at its start.
-    export_cli.run([f"run_dir={copy}", f"out={copy / 'model'}"])
+    export_cli.run([str(copy), "--out", str(copy / "model")])
     (copy / "model" / MARKER).unlink()
     with pytest.raises(SystemExit):
-        export_cli.main([f"run_dir={copy}", f"out={copy / 'model'}"])
-    assert "pass overwrite=true to replace this run's model/" in capsys.readouterr().err
-    export_cli.run([f"run_dir={copy}", f"out={copy / 'model'}", "overwrite=true"])
+        export_cli.main([str(copy), "--out", str(copy / "model")])
+    assert "pass --overwrite to replace this run's model/" in capsys.readouterr().err
+    export_cli.run([str(copy), "--out", str(copy / "model"), "--overwrite"])
     assert (copy / "model" / MARKER).exists()
 
 
 def test_reading_a_run_back_logs_no_warnings(run_dir, caplog):
-    from flaxlm.export import load_run_model
+    from flaxlm.run_model import load_run_model
 
     with caplog.at_level(logging.WARNING):
         load_run_model(run_dir)
@@ -343,13 +342,13 @@ def test_transformers_generates_what_flaxlm_generate_does_from_the_plain_prompt(
     torch = pytest.importorskip("torch")
     from flaxlm.cli import export as export_cli
     from flaxlm.cli import generate as generate_cli
-    from flaxlm.export import load_run_model
     from flaxlm.generate import encode_prompts
+    from flaxlm.run_model import load_run_model
 
-    out = export_cli.run([f"run_dir={run_dir}", f"out={tmp_path / 'hf'}"])
+    out = export_cli.run([str(run_dir), "--out", str(tmp_path / "hf")])
     prompts = ["Return the", "The", "A list is", ""]
-    ours = generate_cli.run([f"run_dir={run_dir}", *(f"prompt={p}" for p in prompts),
-                             "greedy=true", "max_new_tokens=8"])
+    ours = generate_cli.run([str(run_dir), *(f"--prompt={p}" for p in prompts), "--greedy",
+                             "--max-new-tokens", "8"])
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     assert [tokenizer(p)["input_ids"] for p in prompts] == encode_prompts(
         load_run_model(run_dir).tokenizer, prompts)

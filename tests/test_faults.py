@@ -46,8 +46,8 @@ from flaxlm.training.checkpoint import (
 # 2 epochs of 10 steps: checkpoints at 4, 8, 10, 12, 16, 20 (the last 3 and the best kept),
 # evaluations at 0, 6, 10, 12, 18, 20.
 RUN = [*TINY, "language.max_train_docs=12", "language.max_eval_docs=2", "trainer.num_epochs=2",
-       "trainer.log_every=2", "checkpoint.every_steps=4", "optimizer.warmup_steps=2",
-       "trainer.eval_every=6", "samples.prompts=[]"]
+       "trainer.log_every_steps=2", "checkpoint.every_steps=4", "optimizer.warmup_steps=2",
+       "trainer.eval_every_steps=6", "samples.prompts=[]"]
 
 # Runs flaxlm-train in a subprocess with one fault planted: argv is the fault, its argument and
 # the overrides. "step" N: SIGKILL while the N-th step runs; "save" N: SIGKILL when the save of

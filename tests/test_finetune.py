@@ -10,8 +10,8 @@ from conftest import TINY_CLASSIFY, compose, files_overrides, write_pairs
 from omegaconf import OmegaConf
 
 from flaxlm.errors import FlaxlmError
-from flaxlm.export import load_run_model
 from flaxlm.job import train
+from flaxlm.run_model import load_run_model
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_finetuning_raises_accuracy_above_chance(pair_files, tmp_path):
 def test_classify_without_data_fails_clearly(tmp_path):
 
     cfg = compose([*TINY_CLASSIFY], run_dir=tmp_path / "run")
-    with pytest.raises(FlaxlmError, match="task.train_files"):
+    with pytest.raises(FlaxlmError, match="task.files"):
         train(cfg)
 
 
@@ -89,14 +89,13 @@ def test_a_classify_run_exports_to_transformers_with_our_logits(pair_files, tmp_
 
     from flaxlm.cli.export import run as export
     from flaxlm.cli.generate import run as generate
-    from flaxlm.export import load_run_model
     from flaxlm.models.build import build_classifier
     from flaxlm.models.layers import TransformerSpec
 
     run_dir = tmp_path / "run"
     train(compose([*TINY_CLASSIFY, *files_overrides(pair_files), "trainer.max_steps=3"],
                   run_dir=run_dir))
-    out = export([f"run_dir={run_dir}", f"out={tmp_path / 'hf'}"])
+    out = export([str(run_dir), "--out", str(tmp_path / "hf")])
     torch_model, info = transformers.AutoModelForSequenceClassification.from_pretrained(
         out, output_loading_info=True)
     assert not any(info.values()), info
@@ -125,7 +124,7 @@ def test_a_classify_run_exports_to_transformers_with_our_logits(pair_files, tmp_
     np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-5)
 
     with pytest.raises(FlaxlmError, match="classifier"):
-        generate([f"run_dir={run_dir}", "prompt=hello"])
+        generate([str(run_dir), "--prompt", "hello"])
 
 
 def test_clm_continues_pre_training_from_a_runs_exported_model(tmp_path):

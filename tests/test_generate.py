@@ -5,10 +5,9 @@ sampling settings behave as documented."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_tokenizer
+from conftest import make_tokenizer, model_config
 from flax import nnx
 
-from flaxlm.config import ModelConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.generate import GenerationSettings, generate, generate_ids, left_pad
 from flaxlm.models.gpt2 import GPT2LMHeadModel
@@ -16,7 +15,7 @@ from flaxlm.models.layers import TransformerSpec
 
 # Larger init than GPT-2's 0.02: a random model then prefers some tokens clearly, so greedy
 # paths differ between prompts and an off-by-one position or mask shows.
-CONFIG = ModelConfig(name="t", vocab_size=97, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+CONFIG = model_config(name="t", vocab_size=97, n_positions=64, n_embd=64, n_layer=2, n_head=4,
                      initializer_range=0.2)
 PROMPT_LENGTHS = (3, 9, 1, 20)
 EOS = 5

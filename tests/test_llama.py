@@ -15,19 +15,19 @@ from conftest import (
     TINY,
     assert_same_params,
     compose,
+    config_node,
     files_overrides,
+    mesh_config,
     metrics_of,
     stop_at,
     write_pairs,
 )
+from conftest import model_config as family_config
 from flax import nnx
 from omegaconf import OmegaConf
 
 from flaxlm.config import (
-    MeshConfig,
-    ModelConfig,
     ModelFamily,
-    OptimizerConfig,
     Remat,
     RopeScaling,
 )
@@ -39,9 +39,10 @@ from flaxlm.models.layers import TransformerSpec, count_params
 from flaxlm.models.llama import LlamaForCausalLM
 
 # 8 query heads sharing 2 key/value heads; init wider than 0.02 so that greedy paths differ.
-CONFIG = ModelConfig(name="t", family=ModelFamily.llama, vocab_size=97, n_positions=64,
+CONFIG = family_config("llama", name="t", vocab_size=97, n_positions=64,
                      n_embd=64, n_layer=2, n_head=8, n_kv_head=2, n_inner=96,
                      activation_function="silu", attn_pdrop=0.0, initializer_range=0.1)
+LLAMA_BASE = family_config("llama", name="x")  # what a checkpoint's config.json overwrites
 VARIANTS = {
     "gqa-tied": CONFIG,
     "untied-theta-500000": dataclasses.replace(CONFIG, tie_word_embeddings=False,
@@ -217,7 +218,7 @@ def test_hf_checkpoints_import_with_equal_logits(shard, tmp_path):
     theirs.save_pretrained(tmp_path, **({"max_shard_size": "20KB"} if shard else {}))
     assert os.path.isfile(tmp_path / "model.safetensors.index.json") == shard
 
-    model_config = pretrained.pretrained_model_config(str(tmp_path), ModelConfig(name="x"))
+    model_config = pretrained.pretrained_model_config(str(tmp_path), LLAMA_BASE)
     assert (model_config.family, model_config.n_kv_head, model_config.rope_theta) == (
         ModelFamily.llama, 2, 20000.0)
     model = nnx.eval_shape(lambda: build_lm(TransformerSpec(model_config), nnx.Rngs(0)))
@@ -232,7 +233,7 @@ def test_hf_checkpoints_import_with_equal_logits(shard, tmp_path):
 def test_a_classifier_starts_from_a_language_model_with_a_fresh_score(tmp_path):
     lm = make_model(VARIANTS["untied-theta-500000"])
     export(lm, VARIANTS["untied-theta-500000"], tmp_path)
-    model_config = pretrained.pretrained_model_config(str(tmp_path), ModelConfig(name="x"))
+    model_config = pretrained.pretrained_model_config(str(tmp_path), LLAMA_BASE)
     classifier = build_classifier(TransformerSpec(model_config), 2, nnx.Rngs(0))
     report = pretrained.load_pretrained_weights(classifier, str(tmp_path))
     assert (report.missing, report.unexpected) == (["score.weight"], ["lm_head.weight"])
@@ -256,7 +257,7 @@ def test_a_checkpoints_rope_settings_are_read_in_both_config_forms(tmp_path):
         "older": {"rope_theta": 1234.0, "rope_scaling": {"type": "linear", "factor": 2.0}},
     }.items():
         directory = with_rope(tmp_path / name, **rope_fields)
-        model_config = pretrained.pretrained_model_config(directory, ModelConfig(name="x"))
+        model_config = pretrained.pretrained_model_config(directory, LLAMA_BASE)
         assert (model_config.rope_theta, model_config.rope_scaling) == (
             1234.0, RopeScaling("linear", 2.0))
 
@@ -265,7 +266,7 @@ def test_an_unsupported_rope_type_in_a_checkpoint_is_a_clear_error(tmp_path):
     directory = with_rope(tmp_path, rope_parameters={"rope_type": "dynamic",
                                                      "rope_theta": 10000.0, "factor": 2.0})
     with pytest.raises(FlaxlmError, match="rope_type='dynamic'"):
-        pretrained.pretrained_model_config(directory, ModelConfig(name="x"))
+        pretrained.pretrained_model_config(directory, LLAMA_BASE)
 
 
 @pytest.mark.torch
@@ -352,7 +353,7 @@ def train_steps(mesh_config, num_steps=3):
     from flaxlm.training.optimizer import make_optimizer, make_schedule
     from flaxlm.training.step import compile_steps, create_state
 
-    optimizer = OptimizerConfig(name="adamw", lr=1e-3)
+    optimizer = config_node("optimizer", lr=1e-3)
     mesh = make_mesh(8, mesh_config)
     schedule = make_schedule(optimizer, total_steps=10)
     tx = make_optimizer(optimizer, schedule)
@@ -369,10 +370,10 @@ def train_steps(mesh_config, num_steps=3):
 
 @pytest.mark.slow
 def test_fsdp_and_tensor_parallel_meshes_train_a_llama_like_data_parallelism():
-    reference, _ = train_steps(MeshConfig(data=8))
-    for mesh_config, spec in ((MeshConfig(data=2, tensor=4), (None, "tensor")),
-                              (MeshConfig(data=1, fsdp=8), ("fsdp",))):
-        losses, kernel = train_steps(mesh_config)
+    reference, _ = train_steps(mesh_config(data=8))
+    for mesh, spec in ((mesh_config(data=2, tensor=4), (None, "tensor")),
+                       (mesh_config(data=1, fsdp=8), ("fsdp",))):
+        losses, kernel = train_steps(mesh)
         np.testing.assert_allclose(losses, reference, rtol=1e-5)
         assert tuple(kernel.sharding.spec) == spec
 
@@ -385,7 +386,7 @@ def test_a_tiny_llama_trains_the_same_on_8_devices_as_on_1(tmp_path):
     from flaxlm.job import train
 
     base = ["model=llama-tiny", *TINY, "model.n_head=8", "model.n_kv_head=2", "model.n_inner=96",
-            "trainer.max_steps=3", "trainer.log_every=1", "trainer.eval_every=3",
+            "trainer.max_steps=3", "trainer.log_every_steps=1", "trainer.eval_every_steps=3",
             "language.max_train_docs=60", "optimizer.lr=3e-3"]
     losses = []
     for devices, per_device in ((8, 2), (1, 16)):
@@ -408,7 +409,7 @@ def test_a_stopped_llama_run_resumes_to_the_same_parameters_and_metrics(tmp_path
     from flaxlm.job import train
     from flaxlm.training.checkpoint import Preempted
 
-    run = ["model=llama-tiny", *TINY, "trainer.max_steps=6", "trainer.log_every=1",
+    run = ["model=llama-tiny", *TINY, "trainer.max_steps=6", "trainer.log_every_steps=1",
            "checkpoint.every_steps=4", "language.max_train_docs=60", "model.attn_pdrop=0.1"]
     train(compose(run, run_dir=tmp_path / "reference"))
     with monkeypatch.context() as patch:

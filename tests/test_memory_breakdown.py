@@ -9,10 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, mesh_config, model_config
 from flax import nnx
 
-from flaxlm.config import MeshConfig, ModelConfig
 from flaxlm.models.gpt2 import GPT2LMHeadModel
 from flaxlm.models.layers import TransformerSpec
 from flaxlm.parallel import global_batch, make_mesh
@@ -21,8 +20,8 @@ from flaxlm.training.step import compile_steps, create_state
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import memory  # noqa: E402
 
-TINY = ModelConfig(name="t", n_layer=2, n_embd=64, n_head=4, n_positions=32, vocab_size=256)
-MESHES = {"data=8": MeshConfig(), "fsdp=8": MeshConfig(data=1, fsdp=8)}
+TINY = model_config(name="t", n_layer=2, n_embd=64, n_head=4, n_positions=32, vocab_size=256)
+MESHES = {"data=8": mesh_config(), "fsdp=8": mesh_config(data=1, fsdp=8)}
 
 
 def setup(mesh_name: str):

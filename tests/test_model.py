@@ -6,14 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import config_node, model_config
 from flax import nnx
 
-from flaxlm.config import ModelConfig
 from flaxlm.models import hf
 from flaxlm.models.gpt2 import GPT2LMHeadModel
 from flaxlm.models.layers import TransformerSpec, count_params
 
-CONFIG = ModelConfig(name="t", vocab_size=97, n_positions=32, n_embd=64, n_layer=2, n_head=4)
+CONFIG = model_config(name="t", vocab_size=97, n_positions=32, n_embd=64, n_layer=2, n_head=4)
 
 
 def make_model(config=CONFIG, **spec_kwargs):
@@ -78,13 +78,12 @@ def test_logits_match_pytorch_gpt2(tmp_path):
 
 
 def test_bfloat16_parameters_stay_bfloat16_through_training_and_the_loss_falls():
-    """model.param_dtype=bfloat16: parameters (and AdamW moments) in bfloat16 train."""
-    from flaxlm.config import OptimizerConfig
+    """hardware.param_dtype=bfloat16: parameters (and AdamW moments) in bfloat16 train."""
     from flaxlm.parallel import global_batch, make_mesh, replicated
     from flaxlm.training.optimizer import make_optimizer, make_schedule
     from flaxlm.training.step import compile_steps, create_state
 
-    optimizer = OptimizerConfig(name="adamw", lr=1e-3)
+    optimizer = config_node("optimizer", lr=1e-3)
     schedule = make_schedule(optimizer, total_steps=4)
     tx = make_optimizer(optimizer, schedule)
     model = make_model(compute_dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)

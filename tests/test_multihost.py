@@ -28,7 +28,7 @@ from flaxlm.training.checkpoint import PREEMPTED_EXIT_CODE, restore_params
 
 # 3 epochs of 10 steps; a checkpoint every 4 steps and at each epoch end.
 RUN = [*TINY, "language.max_train_docs=12", "language.max_eval_docs=2", "trainer.num_epochs=3",
-       "trainer.log_every=2", "checkpoint.every_steps=4", "optimizer.warmup_steps=2"]
+       "trainer.log_every_steps=2", "checkpoint.every_steps=4", "optimizer.warmup_steps=2"]
 TIMEOUT_S = 60  # hardware.distributed.timeout_s of the runs that should succeed
 VOLATILE = {"time", "train/tokens_per_second", "train/mfu"}  # wall-clock dependent
 # What a process may take beyond its hardware.distributed.timeout_s waits to start (Python,
@@ -231,8 +231,9 @@ from flaxlm.config import DistributedConfig, HardwareConfig
 from flaxlm.errors import PEER_EXIT_CODE, FlaxlmError
 from flaxlm.parallel import configure_platform
 pid, port = int(sys.argv[1]), sys.argv[2]
-configure_platform(HardwareConfig(name="cpu", cpu_devices=1, distributed=DistributedConfig(
-    "explicit", f"localhost:{port}", 2, pid, timeout_s=3)))
+configure_platform(HardwareConfig(
+    name="cpu", platform="cpu", cpu_devices=1,
+    distributed=DistributedConfig("explicit", f"localhost:{port}", 2, pid, timeout_s=3)))
 assert distributed.from_primary("deciding", lambda: ["run", pid]) == ["run", 0]
 assert distributed.all_gather("gathering", pid * 10) == [0, 10]
 distributed.primary_first("building a cache", lambda: pid == 0 and time.sleep(4))
@@ -271,8 +272,8 @@ def test_messages_between_processes_carry_errors_and_time_out(tmp_path):
 
 
 def test_explicit_mode_names_the_settings_it_misses():
-    hardware = HardwareConfig(name="cpu-8", distributed=DistributedConfig(
-        mode="explicit", coordinator_address="localhost:1234"))
+    hardware = HardwareConfig(name="cpu-8", platform="cpu", distributed=DistributedConfig(
+        mode="explicit", coordinator_address="localhost:1234", timeout_s=300))
     with pytest.raises(FlaxlmError, match=r"num_processes, hardware\.distributed\.process_id"):
         distributed.initialize(hardware)
     hardware.distributed.num_processes, hardware.distributed.process_id = 2, 2
@@ -286,7 +287,8 @@ def test_explicit_mode_names_the_settings_it_misses():
 def test_auto_mode_without_a_cluster_trains_as_one_process(capsys, monkeypatch):
     for name in ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri"):
         monkeypatch.delenv(name, raising=False)
-    distributed.initialize(HardwareConfig(name="cpu-8", distributed=DistributedConfig("auto")))
+    distributed.initialize(HardwareConfig(name="cpu-8", platform="cpu",
+                                          distributed=DistributedConfig("auto", timeout_s=300)))
     assert "found no cluster" in capsys.readouterr().out
     assert distributed.from_primary("deciding", lambda: [1, "a"]) == [1, "a"]
     assert distributed.all_gather("gathering", {"x": 1}) == [{"x": 1}]

@@ -15,8 +15,8 @@ import datasets
 import numpy as np
 import pytest
 import transformers
+from conftest import config_node
 
-from flaxlm.config import TokenizerConfig
 from flaxlm.data import packing
 from flaxlm.data import tokenizer as tokenizer_module
 from flaxlm.data.packing import cut_blocks, join_documents, tokenize_and_pack
@@ -72,7 +72,7 @@ def cache_files(cache_dir: Path, pattern: str = "*") -> list[Path]:
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory) -> transformers.PreTrainedTokenizerFast:
     cache = tmp_path_factory.mktemp("tokenizer")
-    return prepare_tokenizer(TokenizerConfig(vocab_size=320), dataset(PARAGRAPHS * 3), 512,
+    return prepare_tokenizer(config_node("tokenizer", vocab_size=320), dataset(PARAGRAPHS * 3), 512,
                              str(cache))
 
 
@@ -356,7 +356,7 @@ _PEAK_MEMORY_SCRIPT = textwrap.dedent("""
 
     paragraphs = sys.argv[1:]
     cache = tempfile.mkdtemp()
-    tokenizer = prepare_tokenizer(TokenizerConfig(vocab_size=320),
+    tokenizer = prepare_tokenizer(config_node("tokenizer", vocab_size=320),
                                   datasets.Dataset.from_dict({"text": paragraphs}), 512, cache)
     line = " ".join(paragraphs * 20_000)  # one document of ~8 MB on one line
     texts = datasets.Dataset.from_dict({"text": [*paragraphs, line, *paragraphs]})

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import config_node, model_config
 from flax import nnx
 
-from flaxlm.config import ModelConfig, OptimizerConfig
 from flaxlm.data.loader import block_loader, block_rows, eval_batches
 from flaxlm.models.gpt2 import GPT2LMHeadModel
 from flaxlm.models.layers import TransformerSpec
@@ -15,8 +15,8 @@ from flaxlm.training.loop import Evaluator
 from flaxlm.training.optimizer import make_optimizer, make_schedule
 from flaxlm.training.step import compile_steps, create_state, next_token_losses
 
-MODEL = ModelConfig(name="t", vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=4)
-OPTIMIZER = OptimizerConfig(name="adamw", lr=1e-3)
+MODEL = model_config(name="t", vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+OPTIMIZER = config_node("optimizer", lr=1e-3)
 
 
 def build(num_devices):

@@ -17,10 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import config_node
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flaxlm.config import Padding, TokenizerConfig
+from flaxlm.config import Padding
 from flaxlm.data import tokenizer as tokenizer_module
 from flaxlm.data.encoding import example_loader
 from flaxlm.data.loader import block_loader, block_rows, eval_batches
@@ -103,7 +104,7 @@ def test_the_stream_packs_as_the_split_and_resumes_from_any_block(docs, max_seq_
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     corpus = ["It's a small corpus, with 12 numbers, tabs\tand ðæ 漢字 — enough for merges."] * 5
-    return prepare_tokenizer(TokenizerConfig(vocab_size=300),
+    return prepare_tokenizer(config_node("tokenizer", vocab_size=300),
                              datasets.Dataset.from_dict({"text": corpus}), 512,
                              str(tmp_path_factory.mktemp("tokenizer")))
 

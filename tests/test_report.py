@@ -12,8 +12,7 @@ import pytest
 import yaml
 
 from flaxlm.cli.report import main
-from flaxlm.cli.sweep import STATUS_SUBDIR
-from flaxlm.layout import CONFIG_FILE, METRICS_FILE
+from flaxlm.layout import CONFIG_FILE, JOB_STATUS_SUBDIR, METRICS_FILE
 
 MAX_STEPS = 20
 
@@ -23,7 +22,7 @@ def _write_run(run_dir, lr: float, eval_losses: list[float], last_step: int = MA
     os.makedirs(run_dir)
     config = {"run_dir": str(run_dir), "seed": 0,
               "optimizer": {"name": "adamw", "lr": lr, "weight_decay": 0.01},
-              "trainer": {"max_steps": MAX_STEPS, "eval_every": 10, **(trainer or {})}}
+              "trainer": {"max_steps": MAX_STEPS, "eval_every_steps": 10, **(trainer or {})}}
     with open(os.path.join(run_dir, CONFIG_FILE), "w") as f:
         yaml.safe_dump(config, f)
     eval_steps = [0, 10, 20][: len(eval_losses)]
@@ -43,10 +42,10 @@ def _write_run(run_dir, lr: float, eval_losses: list[float], last_step: int = MA
 
 
 def _write_status(sweep_dir, job: int, status: str):
-    os.makedirs(sweep_dir / STATUS_SUBDIR, exist_ok=True)
+    os.makedirs(sweep_dir / JOB_STATUS_SUBDIR, exist_ok=True)
     record = {"job": job, "status": status, "reason": "x", "overrides": [],
               "run_dir": str(sweep_dir / str(job))}
-    (sweep_dir / STATUS_SUBDIR / f"{job}.json").write_text(json.dumps(record))
+    (sweep_dir / JOB_STATUS_SUBDIR / f"{job}.json").write_text(json.dumps(record))
 
 
 @pytest.fixture
@@ -150,8 +149,8 @@ def test_a_continued_optuna_study_reports_every_trial_with_its_own_status(tmp_pa
     for name, status in (("0_09-00-00_000001", "ok"), ("0_09-30-00_000001", "failed")):
         record = {"job": 0, "status": status, "reason": "x", "overrides": [],
                   "run_dir": str(sweep / name)}
-        os.makedirs(sweep / STATUS_SUBDIR, exist_ok=True)
-        (sweep / STATUS_SUBDIR / f"{name}.json").write_text(json.dumps(record))
+        os.makedirs(sweep / JOB_STATUS_SUBDIR, exist_ok=True)
+        (sweep / JOB_STATUS_SUBDIR / f"{name}.json").write_text(json.dumps(record))
     main([str(sweep), "--out", str(tmp_path / "report")])
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:4]]
     assert [(row[0], row[-1]) for row in rows] == [("study/0_09-00-00_000001", "finished"),
@@ -229,7 +228,7 @@ def test_a_cut_off_job_status_file_leaves_each_run_its_own_status(sweep_dir, tmp
     from flaxlm.run_records import write_status
 
     write_status(str(sweep_dir / "2"), "failed", "FlaxlmError: the loss diverged at step 12")
-    _cut(sweep_dir / STATUS_SUBDIR / "1.json", 10)
+    _cut(sweep_dir / JOB_STATUS_SUBDIR / "1.json", 10)
     main([str(sweep_dir), "--out", str(tmp_path / "report")])
     captured = capsys.readouterr()
     rows = [line.split() for line in captured.out.splitlines()[2:5]]
@@ -253,7 +252,7 @@ def test_runs_of_which_none_can_be_read_are_one_error(tmp_path, capsys):
 RUN = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.n_positions=64",
        "model.vocab_size=512", "hardware.per_device_batch_size=2", "logger=none",
        "hardware=cpu-8", "language.max_train_docs=12", "language.max_eval_docs=2",
-       "trainer.max_steps=4", "trainer.log_every=2", "checkpoint.every_steps=2",
+       "trainer.max_steps=4", "trainer.log_every_steps=2", "checkpoint.every_steps=2",
        "trainer.eval_before_training=false", "samples.prompts=[]"]
 
 

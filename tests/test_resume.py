@@ -40,7 +40,7 @@ from flaxlm.training.checkpoint import PREEMPTED_EXIT_CODE, Preempted, restore_p
 
 # 2 epochs of 10 steps; a checkpoint every 4 steps and at each epoch end.
 RUN = [*TINY, "language.max_train_docs=12", "language.max_eval_docs=2", "trainer.num_epochs=2",
-       "trainer.log_every=2", "checkpoint.every_steps=4", "optimizer.warmup_steps=2"]
+       "trainer.log_every_steps=2", "checkpoint.every_steps=4", "optimizer.warmup_steps=2"]
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The uninterrupted run every resumed run is compared with."""
@@ -123,7 +123,7 @@ def test_resuming_with_another_model_shape_fails_listing_the_differences(tmp_pat
 def test_resuming_with_a_new_log_cadence_and_length_continues(tmp_path, reference, capsys):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
-    train(compose([*RUN, "trainer.log_every=3", "trainer.num_epochs=3"], run_dir=run_dir))
+    train(compose([*RUN, "trainer.log_every_steps=3", "trainer.num_epochs=3"], run_dir=run_dir))
     assert "resuming" in capsys.readouterr().out
     records = metrics_of(run_dir)
     assert records[: len(metrics_of(reference))] == metrics_of(reference)
@@ -191,7 +191,7 @@ def test_restore_params_equals_the_exported_model(reference):
 def test_a_streaming_run_resumes_from_its_stream_position(tmp_path, monkeypatch, capsys):
     """language.streaming: the checkpoint holds the StreamState, and the resumed run reads the
     same next batches as the run that never stopped."""
-    settings = ["trainer.max_steps=8", "checkpoint.every_steps=3", "trainer.log_every=2",
+    settings = ["trainer.max_steps=8", "checkpoint.every_steps=3", "trainer.log_every_steps=2",
                 "language.shuffle_buffer=5"]
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -212,7 +212,7 @@ def test_a_streaming_run_resumes_from_its_stream_position(tmp_path, monkeypatch,
 # Evaluations at steps 0, 3 and 6 (the last), each of several batches.
 LONG_EVAL = [*TINY, "language.max_train_docs=12", "language.max_eval_docs=6",
              "hardware.per_device_eval_batch_size=1", "trainer.max_steps=6",
-             "trainer.eval_every=3", "trainer.log_every=1", "samples.prompts=[]"]
+             "trainer.eval_every_steps=3", "trainer.log_every_steps=1", "samples.prompts=[]"]
 
 
 def sigterm_in_evaluation(monkeypatch, call: int):

@@ -170,7 +170,7 @@ def test_changed_evaluation_examples_stop_a_classifier_resume(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     write_pairs(tmp_path / "train.tsv", 64, 0)
     write_pairs(tmp_path / "validation.tsv", 20, 1)
-    run = [*TINY_CLASSIFY, "task.train_files=[train.tsv]", "task.eval_files=[validation.tsv]",
+    run = [*TINY_CLASSIFY, "task.files=[train.tsv]", "task.eval_files=[validation.tsv]",
            "checkpoint.every_steps=2"]
     train(compose([*run, "trainer.max_steps=2"], run_dir=tmp_path / "run"))
     write_pairs(tmp_path / "validation.tsv", 20, 2)

@@ -2,6 +2,8 @@
 tensor-parallel meshes train like plain data parallelism, remat gives the same gradients, and a
 checkpoint moves between meshes."""
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -9,9 +11,11 @@ import sys
 import jax
 import numpy as np
 import pytest
+from conftest import config_node, mesh_config, model_config
 from flax import nnx
+from omegaconf import OmegaConf
 
-from flaxlm.config import MeshConfig, ModelConfig, ModelFamily, OptimizerConfig, Remat
+from flaxlm.config import ModelFamily, Remat
 from flaxlm.errors import FlaxlmError
 from flaxlm.models.bert import BertForSequenceClassification
 from flaxlm.models.gpt2 import GPT2ForSequenceClassification, GPT2LMHeadModel
@@ -22,13 +26,13 @@ from flaxlm.training.optimizer import make_optimizer, make_schedule
 from flaxlm.training.step import compile_steps, create_state, lm_loss
 
 # Every width divides by 8, so fsdp=8 splits every parameter; dropout stays on.
-MODEL = ModelConfig(name="t", vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=4)
-OPTIMIZER = OptimizerConfig(name="adamw", lr=1e-3)
+MODEL = model_config(name="t", vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+OPTIMIZER = config_node("optimizer", lr=1e-3)
 MESHES = {
-    "data=8": MeshConfig(data=8),
-    "fsdp=8": MeshConfig(data=1, fsdp=8),
-    "data=2 fsdp=4": MeshConfig(data=2, fsdp=4),
-    "data=2 tensor=4": MeshConfig(data=2, tensor=4),
+    "data=8": mesh_config(data=8),
+    "fsdp=8": mesh_config(data=1, fsdp=8),
+    "data=2 fsdp=4": mesh_config(data=2, fsdp=4),
+    "data=2 tensor=4": mesh_config(data=2, tensor=4),
 }
 
 
@@ -70,17 +74,17 @@ def data_parallel():
 
 def test_hardware_mesh_names_the_axis_sizes():
     assert dict(make_mesh(8).shape) == {"data": 8, "fsdp": 1, "tensor": 1}
-    assert dict(make_mesh(8, MeshConfig(data=2, fsdp=-1)).shape) == {
+    assert dict(make_mesh(8, mesh_config(data=2, fsdp=-1)).shape) == {
         "data": 2, "fsdp": 4, "tensor": 1}
-    assert dict(make_mesh(4, MeshConfig(data=-1, tensor=2)).shape) == {
+    assert dict(make_mesh(4, mesh_config(data=-1, tensor=2)).shape) == {
         "data": 2, "fsdp": 1, "tensor": 2}
 
 
 @pytest.mark.parametrize("mesh_config, named", [
-    (MeshConfig(data=3), "hardware.mesh.data=3"),
-    (MeshConfig(data=-1, fsdp=-1), "hardware.mesh.fsdp=-1"),
-    (MeshConfig(data=2, fsdp=2, tensor=1), "hardware.mesh.fsdp=2"),
-    (MeshConfig(data=-1, tensor=0), "hardware.mesh.tensor=0"),
+    (mesh_config(data=3), "hardware.mesh.data=3"),
+    (mesh_config(data=-1, fsdp=-1), "hardware.mesh.fsdp=-1"),
+    (mesh_config(data=2, fsdp=2, tensor=1), "hardware.mesh.fsdp=2"),
+    (mesh_config(data=-1, tensor=0), "hardware.mesh.tensor=0"),
 ])
 def test_a_mesh_that_does_not_fit_the_devices_is_a_clear_error(mesh_config, named):
     with pytest.raises(FlaxlmError, match="does not fit 8 device") as err:
@@ -92,7 +96,7 @@ def test_a_mesh_that_does_not_fit_the_devices_is_a_clear_error(mesh_config, name
     lambda spec: GPT2LMHeadModel(spec, nnx.Rngs(0)),
     lambda spec: GPT2ForSequenceClassification(spec, 3, nnx.Rngs(0)),
     lambda spec: BertForSequenceClassification(
-        TransformerSpec(ModelConfig(**{**vars(spec.model), "family": ModelFamily.bert})), 3,
+        TransformerSpec(dataclasses.replace(spec.model, family=ModelFamily.bert)), 3,
         nnx.Rngs(0)),
 ], ids=["gpt2-lm", "gpt2-classifier", "bert-classifier"])
 def test_every_parameter_names_its_logical_axes(build):
@@ -168,10 +172,10 @@ class BertLoss:
 @pytest.mark.parametrize("remat", [Remat.block, Remat.full])
 def test_remat_gives_the_same_gradients(family_loss, remat):
     family = ModelFamily.gpt2 if family_loss is GPT2Loss else ModelFamily.bert
-    plain = ModelConfig(**{**vars(MODEL), "family": family})
+    plain = dataclasses.replace(MODEL, family=family)
     (loss, grads), plain_jaxpr = gradients(plain, family_loss)
     (remat_loss, remat_grads), remat_jaxpr = gradients(
-        ModelConfig(**{**vars(plain), "remat": remat}), family_loss)
+        dataclasses.replace(plain, remat=remat), family_loss)
     assert "remat" not in plain_jaxpr and remat_jaxpr.count("remat") >= MODEL.n_layer
     np.testing.assert_allclose(remat_loss, loss, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
@@ -179,7 +183,8 @@ def test_remat_gives_the_same_gradients(family_loss, remat):
 
 
 REMAT_MEMORY = """
-import sys
+import dataclasses, json, sys
+from omegaconf import OmegaConf
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 from flaxlm.config import HardwareConfig, ModelConfig, Remat
@@ -188,11 +193,14 @@ from flaxlm.models.layers import TransformerSpec
 from flaxlm.parallel import configure_platform
 from flaxlm.training.step import lm_loss
 
-configure_platform(HardwareConfig(name="cpu", cpu_devices=1), Remat(sys.argv[1]))
+def typed(schema, values):
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), json.loads(values)))
+
+configure_platform(typed(HardwareConfig, sys.argv[3]), Remat(sys.argv[1]))
+model = typed(ModelConfig, sys.argv[2])
 ids = jnp.asarray(np.random.default_rng(0).integers(0, 512, (4, 128)), jnp.int32)
 for remat in (Remat.none, Remat.full):
-    config = ModelConfig(name="t", n_layer=8, n_embd=64, n_head=2, n_positions=128,
-                         vocab_size=512, remat=remat)
+    config = dataclasses.replace(model, remat=remat)
     graphdef, params = nnx.split(GPT2LMHeadModel(TransformerSpec(config), nnx.Rngs(0)),
                                  nnx.Param)
     step = jax.jit(jax.grad(lambda p: lm_loss(nnx.merge(graphdef, p), ids,
@@ -207,7 +215,13 @@ def test_remat_saves_memory_on_a_cpu(requested):
     anyway; configure_platform picks the scheduler that frees them when the run asks for remat
     (a fresh process: the scheduler is fixed when JAX starts)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    done = subprocess.run([sys.executable, "-c", REMAT_MEMORY, requested.value], env=env,
+    model = model_config(name="t", n_layer=8, n_embd=64, n_head=2, n_positions=128,
+                         vocab_size=512)
+    hardware = config_node("hardware", cpu_devices=1)
+    settings = [json.dumps(OmegaConf.to_container(OmegaConf.structured(node)))
+                for node in (model, hardware)]
+    done = subprocess.run([sys.executable, "-c", REMAT_MEMORY, requested.value, *settings],
+                          env=env,
                           capture_output=True, text=True, timeout=300, check=True)
     temp = dict(line.split() for line in done.stdout.splitlines())
     saved = 1 - int(temp["full"]) / int(temp["none"])
@@ -221,13 +235,13 @@ def test_a_checkpoint_moves_between_meshes(tmp_path, data_parallel):
     """data=8 → fsdp=8 → 4 devices: each restore holds the saved values in the new layout and
     trains on exactly as the run that saved it would have."""
     state, _ = train(MESHES["data=8"], num_steps=1)
-    moves = [(8, MESHES["fsdp=8"], ("fsdp",)), (4, MeshConfig(data=2, fsdp=2), ("fsdp",))]
+    moves = [(8, MESHES["fsdp=8"], ("fsdp",)), (4, mesh_config(data=2, fsdp=2), ("fsdp",))]
     checkpointer = Checkpointer(str(tmp_path), async_save=False)
     try:
-        for step, (num_devices, mesh_config, spec) in enumerate(moves, start=1):
+        for step, (num_devices, mesh, spec) in enumerate(moves, start=1):
             checkpointer.save(step, state, {}, {})
             saved = host(state.params)
-            mesh = make_mesh(num_devices, mesh_config)
+            mesh = make_mesh(num_devices, mesh)
             target, steps = setup(mesh)
             restored = checkpointer.restore(step, target).state
             kernel = restored.params["h"][0]["mlp"]["c_fc"]["kernel"]

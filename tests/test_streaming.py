@@ -12,10 +12,9 @@ import time
 import datasets
 import numpy as np
 import pytest
-from conftest import compose, documents, streaming_run, write_hub_stand_in
+from conftest import compose, config_node, documents, streaming_run, write_hub_stand_in
 from omegaconf import OmegaConf
 
-from flaxlm.config import TokenizerConfig
 from flaxlm.data.corpus import load_corpus_stream
 from flaxlm.data.packing import cut_blocks, join_documents
 from flaxlm.data.streaming import Prefetcher, StreamingLoader, process_shard
@@ -30,7 +29,7 @@ SEQ = 16
 @pytest.fixture(scope="module")
 def tokenizer():
     texts = datasets.Dataset.from_dict({"text": documents(50, seed=9)})
-    return train_bpe(TokenizerConfig(), texts, vocab_size=300)
+    return train_bpe(config_node("tokenizer"), texts, vocab_size=300)
 
 
 @pytest.fixture

@@ -190,7 +190,8 @@ def test_a_continued_study_fails_what_a_killed_sweep_left_running_and_samples_an
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     from optuna.trial import TrialState
 
-    from flaxlm.cli.sweep import SWEEP_LOCK_FILE, HydraCallbacks
+    from flaxlm.cli.sweep import HydraCallbacks
+    from flaxlm.layout import SWEEP_LOCK_FILE
 
     study = stored_study(tmp_path)
     done = study.ask(search_space())

@@ -34,8 +34,8 @@ def test_a_classify_run_carries_no_corpus():
 
 
 def test_a_corpus_given_to_a_classify_run_is_refused():
-    config = config_of("task=classify", "language=is", "task.dataset=nyu-mll/glue")
-    with pytest.raises(FlaxlmError, match=r"task.dataset or task.train_files, so language=is"):
+    config = config_of("task=classify", "language=is", "task.hub_path=nyu-mll/glue")
+    with pytest.raises(FlaxlmError, match=r"task.hub_path or task.files, so language=is"):
         check_settings(config, num_devices=8)
 
 

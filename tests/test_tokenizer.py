@@ -10,14 +10,20 @@ import datasets
 import pytest
 import tokenizers
 import transformers
+from conftest import config_node
 
-from flaxlm.config import TokenizerConfig
 from flaxlm.data import tokenizer as tokenizer_module
 from flaxlm.data.tokenizer import prepare_tokenizer, token_byte_lengths
 from flaxlm.errors import FlaxlmError
 
 MODEL_VOCAB = 512
-SETTINGS = TokenizerConfig(vocab_size=400)
+
+def settings_with(**changes):
+    """conf/train.yaml's tokenizer settings with `changes`."""
+    return config_node("tokenizer", **changes)
+
+
+SETTINGS = settings_with(vocab_size=400)
 SPECIAL_IDS = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, "<mask>": 4}
 
 _DOCUMENTS = [
@@ -101,13 +107,13 @@ def test_special_tokens_have_fixed_ids_and_are_never_split(tokenizer, token, tok
 
 @pytest.mark.parametrize("vocab_size", [270, 300, 400])
 def test_vocab_is_at_most_the_requested_size(tmp_path, vocab_size):
-    settings = TokenizerConfig(vocab_size=vocab_size)
+    settings = settings_with(vocab_size=vocab_size)
     tokenizer = prepare_tokenizer(settings, dataset(DOCUMENTS), MODEL_VOCAB, str(tmp_path))
     assert 256 + len(SPECIAL_IDS) < len(tokenizer) <= vocab_size
 
 
 def test_vocab_size_defaults_to_the_models(tmp_path):
-    tokenizer = prepare_tokenizer(TokenizerConfig(), dataset(DOCUMENTS), 300, str(tmp_path))
+    tokenizer = prepare_tokenizer(settings_with(), dataset(DOCUMENTS), 300, str(tmp_path))
     assert 256 + len(SPECIAL_IDS) < len(tokenizer) <= 300
 
 
@@ -189,7 +195,7 @@ def test_a_corrupt_tokenizer_path_of_the_user_is_an_error_not_retrained(saved_di
     path = tmp_path / "tokenizer.json"
     path.write_bytes((saved_dir / "tokenizer.json").read_bytes()[:500])
     with pytest.raises(FlaxlmError, match="tokenizer.path"):
-        prepare_tokenizer(TokenizerConfig(path=str(path)), dataset(["x"]), MODEL_VOCAB,
+        prepare_tokenizer(settings_with(path=str(path)), dataset(["x"]), MODEL_VOCAB,
                           str(tmp_path))
     assert count_training == []
 
@@ -199,7 +205,7 @@ def test_tokenizer_path_loads_a_directory_or_a_bare_tokenizer_json(tokenizer, sa
                                                                    count_training):
     path = saved_dir if target == "directory" else saved_dir / "tokenizer.json"
     loaded = prepare_tokenizer(
-        TokenizerConfig(path=str(path)), dataset(["unused"]), MODEL_VOCAB, "/nonexistent-cache"
+        settings_with(path=str(path)), dataset(["unused"]), MODEL_VOCAB, "/nonexistent-cache"
     )
     assert count_training == []
     assert loaded.get_vocab() == tokenizer.get_vocab()
@@ -214,7 +220,7 @@ def test_tokenizer_path_loads_a_directory_or_a_bare_tokenizer_json(tokenizer, sa
 def test_eos_token_setting_applies_to_a_loaded_tokenizer(saved_dir, target):
     # The "no end-of-sequence token" error tells the user to set tokenizer.eos_token.
     path = saved_dir if target == "directory" else saved_dir / "tokenizer.json"
-    settings = TokenizerConfig(path=str(path), eos_token="<mask>")
+    settings = settings_with(path=str(path), eos_token="<mask>")
     loaded = prepare_tokenizer(settings, dataset(["unused"]), MODEL_VOCAB, "/nonexistent-cache")
     assert loaded.eos_token_id == SPECIAL_IDS["<mask>"]
 
@@ -223,7 +229,7 @@ def test_eos_token_setting_applies_to_a_loaded_tokenizer(saved_dir, target):
 def test_missing_tokenizer_path_names_the_setting(tmp_path, name):
     with pytest.raises(FlaxlmError) as info:
         prepare_tokenizer(
-            TokenizerConfig(path=str(tmp_path / name)), dataset(["x"]), MODEL_VOCAB, str(tmp_path)
+            settings_with(path=str(tmp_path / name)), dataset(["x"]), MODEL_VOCAB, str(tmp_path)
         )
     assert "tokenizer.path" in str(info.value)
     assert str(tmp_path / name) in str(info.value)
@@ -231,13 +237,13 @@ def test_missing_tokenizer_path_names_the_setting(tmp_path, name):
 
 def test_directory_without_a_tokenizer_names_the_setting(tmp_path):
     with pytest.raises(FlaxlmError, match="tokenizer.path"):
-        prepare_tokenizer(TokenizerConfig(path=str(tmp_path)), dataset(["x"]), MODEL_VOCAB, "/x")
+        prepare_tokenizer(settings_with(path=str(tmp_path)), dataset(["x"]), MODEL_VOCAB, "/x")
 
 
 @pytest.mark.parametrize("how", ["trained", "loaded"])
 def test_tokenizer_larger_than_the_model_vocab_names_model_vocab_size(tmp_path, saved_dir,
                                                                       tokenizer, how):
-    settings = SETTINGS if how == "trained" else TokenizerConfig(path=str(saved_dir))
+    settings = SETTINGS if how == "trained" else settings_with(path=str(saved_dir))
     small = len(tokenizer) - 1
     with pytest.raises(FlaxlmError) as info:
         prepare_tokenizer(settings, dataset(DOCUMENTS), small, str(tmp_path))
@@ -263,8 +269,8 @@ def test_token_byte_lengths_are_zero_for_special_tokens_and_positive_otherwise(t
 @pytest.mark.parametrize(
     ("settings", "model_vocab", "setting"),
     [
-        (TokenizerConfig(vocab_size=100), MODEL_VOCAB, "tokenizer.vocab_size=100"),
-        (TokenizerConfig(), 200, "model.vocab_size=200"),
+        (settings_with(vocab_size=100), MODEL_VOCAB, "tokenizer.vocab_size=100"),
+        (settings_with(), 200, "model.vocab_size=200"),
     ],
 )
 def test_vocab_below_the_byte_alphabet_names_the_setting_and_minimum(tmp_path, settings,
@@ -277,7 +283,7 @@ def test_vocab_below_the_byte_alphabet_names_the_setting_and_minimum(tmp_path, s
 
 
 def test_vocab_of_exactly_the_byte_alphabet_is_allowed(tmp_path):
-    tokenizer = prepare_tokenizer(TokenizerConfig(vocab_size=261), dataset(DOCUMENTS), MODEL_VOCAB,
+    tokenizer = prepare_tokenizer(settings_with(vocab_size=261), dataset(DOCUMENTS), MODEL_VOCAB,
                                   str(tmp_path))
     assert len(tokenizer) == 256 + len(SPECIAL_IDS)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import compose
+from conftest import compose, config_node
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import metadata as hparams_metadata
@@ -28,7 +28,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def test_tracker_without_wandb_appends_one_json_line_per_log(tmp_path):
-    tracker = start_tracker(LoggerConfig(name="none"), str(tmp_path), {}, name=None, group=None)
+    tracker = start_tracker(config_node("logger", ["logger=none"]), str(tmp_path), {}, name=None,
+                            group=None)
     assert tracker.wandb_run is None and tracker.tensorboard is None
     tracker.log({"train/loss": np.float32(2.5), "lr": jnp.asarray(1e-3)}, step=1)
     tracker.log({"eval/loss": jnp.float32(1.25), "tokens": np.int64(4096), "note": "x"}, step=7)
@@ -145,7 +146,7 @@ def offline_wandb_env(run_dir: Path, monkeypatch) -> None:
 def offline_run(run_dir: Path, monkeypatch, exit_code: int | None) -> list:
     offline_wandb_env(run_dir, monkeypatch)
     run_dir.mkdir()
-    logger = LoggerConfig(name="wandb", wandb=True, mode="offline", tags=["test"])
+    logger = config_node("logger", ["logger=wandb"], mode="offline", tags=["test"])
     tracker = start_tracker(logger, str(run_dir), CONFIG, name="tiny-run", group="sweep-1",
                             objective="eval/loss", maximize=False)
     for step, metrics in LOGGED:
@@ -245,7 +246,7 @@ def tensorboard_run(run_dir: Path, logger: LoggerConfig, exit_code: int = 0):
 
 
 def test_tensorboard_holds_the_scalars_at_their_steps(tmp_path):
-    _, events = tensorboard_run(tmp_path, LoggerConfig(name="tensorboard", tensorboard=True))
+    _, events = tensorboard_run(tmp_path, config_node("logger", ["logger=tensorboard"]))
     assert sorted(events.Tags()["scalars"]) == ["eval/loss", "train/loss", "train/lr"]
     for key in ("train/loss", "train/lr", "eval/loss"):
         logged = [(step, pytest.approx(float(m[key]))) for step, m in LOGGED if key in m]
@@ -254,7 +255,7 @@ def test_tensorboard_holds_the_scalars_at_their_steps(tmp_path):
 
 
 def test_tensorboard_holds_the_config_and_samples_as_text(tmp_path):
-    _, events = tensorboard_run(tmp_path, LoggerConfig(name="tensorboard", tensorboard=True))
+    _, events = tensorboard_run(tmp_path, config_node("logger", ["logger=tensorboard"]))
 
     def text(tag: str) -> tuple[int, str]:
         [event] = events.Tensors(f"{tag}/text_summary")
@@ -273,7 +274,7 @@ def test_tensorboard_holds_the_config_and_samples_as_text(tmp_path):
                                                    (1, Status.STATUS_FAILURE)])
 def test_tensorboard_records_the_hyperparameters_and_how_the_run_ended(tmp_path, exit_code,
                                                                        status):
-    _, events = tensorboard_run(tmp_path, LoggerConfig(name="tensorboard", tensorboard=True),
+    _, events = tensorboard_run(tmp_path, config_node("logger", ["logger=tensorboard"]),
                                 exit_code)
     content = events.PluginTagToContent("hparams")
     start = hparams_metadata.parse_session_start_info_plugin_data(
@@ -290,7 +291,7 @@ def test_tensorboard_records_the_hyperparameters_and_how_the_run_ended(tmp_path,
 
 
 def test_tensorboard_rewind_hides_what_came_after_the_checkpoint(tmp_path):
-    tracker = start_tracker(LoggerConfig(name="tensorboard", tensorboard=True), str(tmp_path),
+    tracker = start_tracker(config_node("logger", ["logger=tensorboard"]), str(tmp_path),
                             CONFIG, name=None, group=None)
     for step in (1, 2, 3):
         tracker.log({"train/loss": float(step)}, step=step)

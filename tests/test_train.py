@@ -20,8 +20,8 @@ SHORT_RUN = [
     "optimizer.lr=3e-3",
     "optimizer.warmup_steps=10",
     "trainer.max_steps=120",
-    "trainer.eval_every=60",
-    "trainer.log_every=20",
+    "trainer.eval_every_steps=60",
+    "trainer.log_every_steps=20",
 ]
 
 

@@ -93,3 +93,20 @@ def test_the_installed_flaxlm_train_trains_from_another_directory(installed, tmp
     assert result.returncode == 0, result.stderr[-3000:]
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any(row.get("step") == 3 for row in steps), steps
+
+
+@pytest.mark.slow
+def test_every_command_the_wheel_registers_is_installed_and_answers_help(installed, tmp_path):
+    """(tests/test_cli.py checks that every tool is registered.)"""
+    import configparser
+
+    (entry_points,) = installed.glob("lib/python*/site-packages/flaxlm-*.dist-info/"
+                                     "entry_points.txt")
+    registered = configparser.ConfigParser()
+    registered.read(entry_points)
+    names = list(registered["console_scripts"])
+    assert "flaxlm-train" in names and "flaxlm-pairs" in names, names
+    for name in names:
+        result = subprocess.run([str(installed / "bin" / name), "--help"], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0 and result.stdout.strip(), (name, result.stderr[-2000:])

@@ -5,12 +5,21 @@ command-line override is merged onto a typed node: a misspelt key or a value of 
 fails at composition, before anything runs, with Hydra's message naming the key. The entrypoint
 turns the composed config into these dataclasses (`OmegaConf.to_object`) and passes them down as
 plain arguments; code below the entrypoint never reads the global config.
+
+Every value has one home. The schema gives types, and a default only where the default is
+nothing (None, False, an empty list, a nested schema node); every value someone chose is
+MISSING here and lives once in YAML: a group's options in conf/<group>/*.yaml (values several
+options share in the base they extend, conf/base/<group>/*.yaml), the run-level nodes (trainer,
+checkpoint, tokenizer, samples, seed) in conf/train.yaml. `RENAMED` maps each key an earlier
+release spelt differently to its spelling now.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
+import re
 from typing import Optional
 
 from hydra.core.config_store import ConfigStore
@@ -36,28 +45,28 @@ class LanguageConfig:
     """WHAT text to train on, and how it splits into train and validation."""
 
     name: str = MISSING
-    source: CorpusSource = CorpusSource.builtin
+    source: CorpusSource = MISSING
     files: list[str] = dataclasses.field(default_factory=list)
-    text_column: str = "text"
-    text_splitting: TextSplitting = TextSplitting.paragraph
+    text_column: str = MISSING  # jsonl / parquet / csv files and Hub datasets
+    text_splitting: TextSplitting = MISSING
     hub_path: Optional[str] = None
     hub_config: Optional[str] = None
-    hub_split: str = "train"
+    hub_split: str = MISSING
     hub_revision: Optional[str] = None
     # Validation is the FIRST `validation_fraction` of the documents (a fixed, reproducible
     # split that needs no shuffle of the corpus), train the rest; the optional caps then keep
     # the first N documents of each.
-    validation_fraction: float = 0.05
+    validation_fraction: float = MISSING
     max_train_docs: Optional[int] = None
     max_eval_docs: Optional[int] = None
-    licence: str = ""
+    licence: str = MISSING
     # Read the corpus as a stream (`datasets` IterableDataset): nothing is downloaded whole and
     # memory stays bounded. Validation is then the first `max_eval_docs` documents of the stream
     # (null → 1000; validation_fraction does not apply, the length being unknown),
     # training the rest, packed on the fly; trainer.max_steps is required.
     streaming: bool = False
     # Streaming only: blocks shuffled together, a window at a time (seeded); 1 → stream order.
-    shuffle_buffer: int = 1000
+    shuffle_buffer: int = MISSING
 
 
 class ModelFamily(str, enum.Enum):
@@ -80,8 +89,8 @@ class RopeScaling:
     whose `rope_type` names it). Set on the command line as model.rope_scaling.type=linear
     model.rope_scaling.factor=4, or model.rope_scaling={type: linear, factor: 4}."""
 
-    type: str = "default"  # default: positions as they are; linear: divided by `factor`
-    factor: float = 1.0
+    type: str = MISSING  # default: positions as they are; linear: divided by `factor`
+    factor: float = MISSING
 
 
 @dataclasses.dataclass
@@ -96,41 +105,39 @@ class ModelConfig:
     and attention_dropout = attn_pdrop (it has no other dropout), plus the fields below."""
 
     name: str = MISSING
-    family: ModelFamily = ModelFamily.gpt2
-    vocab_size: int = 50257
-    n_positions: int = 1024
-    n_embd: int = 768
-    n_layer: int = 12
-    n_head: int = 12
+    family: ModelFamily = MISSING
+    vocab_size: int = MISSING
+    n_positions: int = MISSING
+    n_embd: int = MISSING
+    n_layer: int = MISSING
+    n_head: int = MISSING
     n_inner: Optional[int] = None  # None → 4 × n_embd, as in GPT2Config
-    activation_function: str = "gelu_new"
-    resid_pdrop: float = 0.1
-    embd_pdrop: float = 0.1
-    attn_pdrop: float = 0.1
-    layer_norm_epsilon: float = 1e-5
-    initializer_range: float = 0.02
-    # null → hardware.param_dtype (float32 master weights by default). bfloat16 keeps the
-    # parameters (and so AdamW's moments) in bfloat16: half the memory, less precise updates.
-    param_dtype: Optional[str] = None
-    type_vocab_size: int = 2  # bert: segment (token type) embeddings
+    activation_function: str = MISSING
+    resid_pdrop: float = MISSING  # gpt2, bert (llama has no residual dropout)
+    embd_pdrop: float = MISSING  # gpt2 (bert's embeddings drop resid_pdrop)
+    attn_pdrop: float = MISSING
+    layer_norm_epsilon: float = MISSING
+    initializer_range: float = MISSING
+    type_vocab_size: int = MISSING  # bert only: segment (token type) embeddings
     classifier_dropout: Optional[float] = None  # classify: null → resid_pdrop, as in HF
     # Start from pretrained weights: an HF model directory, a Hub id, or pkg://<module>/<dir>
     # (a checkpoint shipped inside an installed Python package). Its config.json then fixes
     # family and shape (the fields above are overwritten from it), and its tokenizer is used.
     init_from: Optional[str] = None
-    remat: Remat = Remat.none  # trade compute for activation memory (gradients are the same)
+    remat: Remat = MISSING  # trade compute for activation memory (gradients are the same)
+    tie_word_embeddings: bool = MISSING  # the LM head reuses the token embeddings (GPT-2 always)
     # llama only (GPT-2 and BERT ignore them):
     n_kv_head: Optional[int] = None  # key/value heads (grouped-query attention); null → n_head
-    rope_theta: float = 10000.0  # the base wavelength of the rotary position embeddings
+    rope_theta: float = MISSING  # the base wavelength of the rotary position embeddings
     # Not Optional: OmegaConf cannot merge a command-line dict into a null dataclass node.
     rope_scaling: RopeScaling = dataclasses.field(default_factory=RopeScaling)
-    tie_word_embeddings: bool = True  # the LM head reuses the token embeddings (GPT-2 always)
     attention_bias: bool = False  # biases on the q/k/v/o projections
     mlp_bias: bool = False  # biases on the gate/up/down projections
 
 
-class OptimizerKind(str, enum.Enum):
-    """Which optax optimizer; `name` is only the option's label (conf/optimizer/<name>.yaml)."""
+class OptimizerName(str, enum.Enum):
+    """Which optax optimizer (conf/optimizer/<name>.yaml sets it; an option of another name,
+    e.g. a user's adamw-warm.yaml, says which of these it configures)."""
 
     adamw = "adamw"  # optax.adamw: Adam with decoupled weight decay
     adafactor = "adafactor"  # optax.adafactor: factored second moments, relative step sizes
@@ -152,21 +159,20 @@ class OptimizerConfig:
     Not every field applies to every kind; each conf/optimizer/*.yaml says which it ignores.
     """
 
-    name: str = MISSING
-    kind: OptimizerKind = OptimizerKind.adamw
-    lr: float = 3e-4
-    b1: float = 0.9  # adamw, lion
-    b2: float = 0.98  # adamw, lion
-    eps: float = 1e-8  # adamw
+    name: OptimizerName = MISSING
+    lr: float = MISSING
+    b1: float = MISSING  # adamw, lion
+    b2: float = MISSING  # adamw, lion
+    eps: float = MISSING  # adamw
     # Masked off biases and LayerNorm scales. adamw, lion: decoupled, × the scheduled lr;
     # sgd: L2 added to the gradient; adafactor: × the parameter each step, not × the lr.
-    weight_decay: float = 0.01
+    weight_decay: float = MISSING
     momentum: Optional[float] = None  # sgd, adafactor; null → no momentum
     nesterov: bool = False  # sgd
-    schedule: Schedule = Schedule.linear
-    warmup_steps: int = 0
-    end_lr: float = 0.0
-    decay_fraction: float = 0.1  # wsd: the last fraction of all steps, spent decaying
+    schedule: Schedule = MISSING
+    warmup_steps: int = MISSING
+    end_lr: float = MISSING
+    decay_fraction: float = MISSING  # wsd: the last fraction of all steps, spent decaying
     max_grad_norm: Optional[float] = None  # None → no clipping
 
 
@@ -181,22 +187,22 @@ class DistributedMode(str, enum.Enum):
 class DistributedConfig:
     """Several processes (hosts) training one model on JAX's multi-controller runtime."""
 
-    mode: DistributedMode = DistributedMode.off
+    mode: DistributedMode = MISSING
     coordinator_address: Optional[str] = None  # explicit: process 0's host:port
     num_processes: Optional[int] = None  # explicit
     process_id: Optional[int] = None  # explicit: this process, 0 … num_processes - 1
     # Seconds any process waits for the others (start-up, a barrier) before it stops with an
     # error instead of hanging: a peer that died never answers.
-    timeout_s: int = 300
+    timeout_s: int = MISSING
 
 
 @dataclasses.dataclass
 class MeshConfig:
     """The device mesh's axes and their sizes; -1: the devices the other axes leave."""
 
-    data: int = -1  # the batch only; parameters replicated along it
-    fsdp: int = 1  # the batch, and parameters + optimizer state split along it (ZeRO-3)
-    tensor: int = 1  # attention heads and MLP width split along it (Megatron style)
+    data: int = MISSING  # the batch only; parameters replicated along it
+    fsdp: int = MISSING  # the batch, and parameters + optimizer state split along it (ZeRO-3)
+    tensor: int = MISSING  # attention heads and MLP width split along it (Megatron style)
 
 
 @dataclasses.dataclass
@@ -204,15 +210,17 @@ class HardwareConfig:
     """WHERE: platform, devices, per-device batch and dtypes."""
 
     name: str = MISSING
-    platform: str = "cpu"  # cpu | gpu | tpu (what JAX must run on)
+    platform: str = MISSING  # cpu | gpu | tpu (what JAX must run on)
     # CPU only: how many XLA host devices to create; null → one per CPU core. Takes effect only
     # if JAX has not started yet in this process (the first run of a multirun fixes it).
     cpu_devices: Optional[int] = None
     num_devices: Optional[int] = None  # devices in the data mesh; null → all JAX devices
-    per_device_batch_size: int = 16
+    per_device_batch_size: int = MISSING
     per_device_eval_batch_size: Optional[int] = None  # null → per_device_batch_size
-    compute_dtype: str = "float32"  # activations and matmuls
-    param_dtype: str = "float32"  # parameters and optimizer state
+    compute_dtype: str = MISSING  # activations and matmuls
+    # Parameters and optimizer state: float32 master weights, or bfloat16 for half the memory
+    # (AdamW's moments too) and less precise updates.
+    param_dtype: str = MISSING
     # Denominator of MFU, per device; null → the device's known bfloat16 peak
     # (flaxlm.hardware_peak), and no MFU at all on a device without one (a CPU).
     peak_tflops_per_device: Optional[float] = None
@@ -234,22 +242,23 @@ class TaskConfig:
     # clm: blocks of this many tokens; null → the model's context length (model.n_positions).
     # classify: examples truncated and padded to this many tokens (conf/task/classify.yaml).
     max_seq_length: Optional[int] = None
-    # classify only, below. The data: a Hub dataset (e.g. nyu-mll/glue with config mrpc), or
-    # local tsv / csv / jsonl / parquet files.
-    dataset: Optional[str] = None
-    dataset_config: Optional[str] = None
-    train_split: str = "train"
-    eval_split: str = "validation"
-    train_files: list[str] = dataclasses.field(default_factory=list)
+    # classify only, below. The data: a Hub dataset (hub_path and hub_config,
+    # e.g. nyu-mll/glue with config mrpc; spelt as in the language group), or local tsv / csv /
+    # jsonl / parquet files.
+    hub_path: Optional[str] = None
+    hub_config: Optional[str] = None
+    hub_split: str = MISSING  # the Hub dataset's split to train on
+    hub_eval_split: str = MISSING  # ... and to evaluate on
+    files: list[str] = dataclasses.field(default_factory=list)  # training examples
     eval_files: list[str] = dataclasses.field(default_factory=list)
-    text_column: str = "sentence1"
+    text_column: str = MISSING
     text_pair_column: Optional[str] = None  # null → single-sentence classification
-    label_column: str = "label"
+    label_column: str = MISSING
     num_labels: Optional[int] = None  # null → from the data; 1 → regression (STS-B)
     # Metrics on the eval split, named as GLUE reports them: accuracy, f1, matthews,
     # pearson, spearman. Empty → accuracy (+ f1 with two labels), or pearson/spearman.
     metrics: list[str] = dataclasses.field(default_factory=list)
-    padding: Padding = Padding.max_length
+    padding: Padding = MISSING
 
 
 class TokenConvention(str, enum.Enum):
@@ -269,19 +278,17 @@ class TokenizerConfig:
 
     path: Optional[str] = None  # a tokenizer directory or tokenizer.json; null → train one
     vocab_size: Optional[int] = None  # null → the model's vocab_size
-    min_frequency: int = 2
-    special_tokens: list[str] = dataclasses.field(
-        default_factory=lambda: ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
-    )
-    bos_token: str = "<s>"
-    pad_token: str = "<pad>"
-    eos_token: str = "</s>"  # also separates documents when packing
-    unk_token: str = "<unk>"
-    mask_token: str = "<mask>"
-    convention: TokenConvention = TokenConvention.auto
+    min_frequency: int = MISSING
+    special_tokens: list[str] = MISSING
+    bos_token: str = MISSING
+    pad_token: str = MISSING
+    eos_token: str = MISSING  # also separates documents when packing
+    unk_token: str = MISSING
+    mask_token: str = MISSING
+    convention: TokenConvention = MISSING
     # language.streaming only: the BPE trains on the first `train_docs` training documents of
     # the stream (without streaming it trains on the whole training split).
-    train_docs: int = 10000
+    train_docs: int = MISSING
 
 
 class ResumeMode(str, enum.Enum):
@@ -304,7 +311,7 @@ class ObjectiveValue(str, enum.Enum):
 class TrainerConfig:
     """How long to train and how often to evaluate and log."""
 
-    num_epochs: int = 1
+    num_epochs: int = MISSING
     max_steps: Optional[int] = None  # if set, overrides num_epochs
     # Rows per optimizer step. null → hardware.per_device_batch_size × devices ×
     # grad_accum_steps; if set, must divide evenly over devices ×
@@ -313,14 +320,14 @@ class TrainerConfig:
     # Micro-batches per optimizer step: their gradients are averaged inside one jitted step
     # before a single update, so a small machine reaches a large batch (GPT-2's 512 sequences).
     # Steps and the schedule count optimizer steps.
-    grad_accum_steps: int = 1
-    eval_every: Optional[int] = None  # steps; null → only at the end of each epoch
-    log_every: int = 10  # steps between train-metric log lines
-    eval_before_training: bool = True
+    grad_accum_steps: int = MISSING
+    eval_every_steps: Optional[int] = None  # null → only at the end of each epoch
+    log_every_steps: int = MISSING  # between train-metric log lines
+    eval_before_training: bool = MISSING
     # Continue the latest checkpoint of the run directory (run_dir, or resume_from) if it has
     # one. auto: resume if there is a checkpoint, else start fresh; never: always a fresh run
     # (in a new run_dir); must: fail unless there is a checkpoint to resume.
-    resume: ResumeMode = ResumeMode.auto
+    resume: ResumeMode = MISSING
     # A resume whose training or validation data differs from what the checkpoint recorded
     # (an edited file, a new dataset version) stops with an error; true continues on the
     # changed data and records that in metrics.jsonl (resume/changed_data).
@@ -334,19 +341,19 @@ class TrainerConfig:
     # it, else the first of task.metrics (or of the defaults its num_labels gives).
     objective: Optional[str] = None
     objective_mode: Optional[ObjectiveMode] = None  # null → min for losses, max otherwise
-    objective_value: ObjectiveValue = ObjectiveValue.best
+    objective_value: ObjectiveValue = MISSING
 
 
 @dataclasses.dataclass
 class CheckpointConfig:
     """When to save the full train state to <run_dir>/checkpoints/ and how many to keep."""
 
-    every_steps: Optional[int] = 100  # null → only at epoch ends, the last step and on SIGTERM
-    at_epoch_end: bool = True
-    keep_last: int = 3  # the newest checkpoints kept
-    keep_best: int = 1  # plus this many with the lowest eval loss (0 → none extra)
+    every_steps: Optional[int] = MISSING  # null → only at epoch ends, the last step, on SIGTERM
+    at_epoch_end: bool = MISSING
+    keep_last: int = MISSING  # the newest checkpoints kept
+    keep_best: int = MISSING  # plus this many with the lowest eval loss (0 → none extra)
     # Write files in a background thread: the step loop only waits for the copy off the device.
-    async_save: bool = True
+    async_save: bool = MISSING
 
 
 @dataclasses.dataclass
@@ -355,13 +362,13 @@ class LoggerConfig:
     options merged into this one node (`logger=[wandb,tensorboard]`), each switching its flag
     on: `wandb` adds a W&B run, `tensorboard` event files in the run directory."""
 
-    name: str = "none"  # the option merged last; the flags below decide what runs
+    name: str = MISSING  # the option merged last; the flags below decide what runs
     wandb: bool = False
     tensorboard: bool = False
-    project: str = "flaxlm"
+    project: Optional[str] = None  # wandb: the W&B project
     entity: Optional[str] = None
-    # auto → online when logged in to W&B, otherwise offline (sync later with `wandb sync`)
-    mode: str = "auto"
+    # wandb: auto → online when logged in to W&B, otherwise offline (sync with `wandb sync`)
+    mode: Optional[str] = None
     tags: list[str] = dataclasses.field(default_factory=list)
     notes: Optional[str] = None
 
@@ -373,12 +380,12 @@ class SamplesConfig:
     separates documents, or the tokenizer's own BOS: tokenizer.convention); an empty prompt
     lets the model start its own. No prompts → none."""
 
-    prompts: list[str] = dataclasses.field(default_factory=lambda: ["", "", ""])
-    max_new_tokens: int = 40  # cut to what the context (model.n_positions) leaves
-    temperature: float = 0.8  # 0 → greedy
-    top_k: int = 50  # 0 → no cut
-    top_p: float = 1.0  # 1 → no cut
-    seed: int = 0
+    prompts: list[str] = MISSING
+    max_new_tokens: int = MISSING  # cut to what the context (model.n_positions) leaves
+    temperature: float = MISSING  # 0 → greedy
+    top_k: int = MISSING  # 0 → no cut
+    top_p: float = MISSING  # 1 → no cut
+    seed: int = MISSING
 
 
 @dataclasses.dataclass
@@ -395,14 +402,67 @@ class TrainConfig:
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     samples: SamplesConfig = dataclasses.field(default_factory=SamplesConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
-    seed: int = 0
+    seed: int = MISSING
     # Where this run writes; a new run never reuses an existing one. Hydra fills it in for a
     # run (null only where Hydra runs no job, e.g. `flaxlm-train --cfg job --resolve`).
     run_dir: Optional[str] = MISSING
     # Continue the run in this directory (its latest complete checkpoint) instead of run_dir.
     resume_from: Optional[str] = None
-    # Tokenizers and packed token blocks, shared by runs; conf/train.yaml sets it (FLAXLM_CACHE).
+    # Tokenizers and packed token blocks, shared by runs (FLAXLM_CACHE).
     cache_dir: str = MISSING
+
+
+# Keys an earlier release spelt differently, by their old dotted key → the key now. Given on
+# the command line or in a user's YAML, an old key is an error that names the new one
+# (`renamed_keys`); a run directory's saved config.yaml, or a checkpoint's, written by an
+# earlier release is read through `upgrade_saved_config`, so that its runs still resume and
+# export. docs/configuration.md lists them.
+RENAMED = {
+    "task.dataset": "task.hub_path",
+    "task.dataset_config": "task.hub_config",
+    "task.train_split": "task.hub_split",
+    "task.eval_split": "task.hub_eval_split",
+    "task.train_files": "task.files",
+    "trainer.eval_every": "trainer.eval_every_steps",
+    "trainer.log_every": "trainer.log_every_steps",
+    "model.param_dtype": "hardware.param_dtype",
+    "optimizer.kind": "optimizer.name",
+}
+
+
+def renamed_keys(text: str) -> list[str]:
+    """"<old> was renamed <new>" for each renamed key that `text` (an error message naming
+    keys, e.g. Hydra's "Could not override 'trainer.eval_every'") names in full."""
+    return [f"{old} was renamed {new}" for old, new in RENAMED.items()
+            if re.search(rf"(?<![\w.]){re.escape(old)}(?![\w])", text)]
+
+
+def upgrade_saved_config(tree: dict) -> dict:
+    """A saved config (nested, as config.yaml holds it) with every key of `RENAMED` under its
+    name now. A value moves unless it is null where the new key already has one: an earlier
+    model.param_dtype of null meant "hardware.param_dtype's"."""
+    tree = copy.deepcopy(tree)
+    for old, new in RENAMED.items():
+        *old_path, old_leaf = old.split(".")
+        parent = _node(tree, old_path)
+        if not isinstance(parent, dict) or old_leaf not in parent:
+            continue
+        value = parent.pop(old_leaf)
+        *new_path, new_leaf = new.split(".")
+        target = _node(tree, new_path, create=True)
+        if value is not None or new_leaf not in target:
+            target[new_leaf] = value
+    return tree
+
+
+def _node(tree: dict, path: list[str], create: bool = False):
+    for key in path:
+        if not isinstance(tree, dict):
+            return None
+        if key not in tree and create:
+            tree[key] = {}
+        tree = tree.get(key)
+    return tree
 
 
 def register_configs() -> None:

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import jax
 
 from flaxlm.config import DistributedConfig, DistributedMode, HardwareConfig
-from flaxlm.errors import PEER_EXIT_CODE, FlaxlmError, PeerError
+from flaxlm.errors import PEER_EXIT_CODE, FlaxlmError, PeerError, first_line
 
 T = TypeVar("T")
 _FIX = ("Check that every process runs the same command with the same hardware.distributed.* "
@@ -87,7 +87,7 @@ def initialize(hardware: HardwareConfig) -> None:
             shutdown_timeout_seconds=settings.timeout_s,
         )
     except Exception as err:  # noqa: BLE001 — JAX raises RuntimeError, ValueError, XlaRuntimeError
-        raise _join_error(settings, mode, _first_line(err)) from None
+        raise _join_error(settings, mode, first_line(err)) from None
     joined()
     print(f"flaxlm: process {jax.process_index()} of {jax.process_count()} joined "
           f"(hardware.distributed.mode={mode.value})", flush=True)
@@ -366,11 +366,7 @@ def _get(key: str, waiting_for: str, patient: bool = False) -> str:
               flush=True)
     raise PeerError(
         f"Process {jax.process_index()} waited hardware.distributed.timeout_s="
-        f"{_run.timeout_s}s for {waiting_for}, in vain ({_first_line(failure)}): a process "
+        f"{_run.timeout_s}s for {waiting_for}, in vain ({first_line(failure)}): a process "
         f"stopped or is stuck. {_FIX}"
     ) from None
 
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0][:300] if text else type(err).__name__

@@ -43,6 +43,13 @@ def writable_dir(path: str, setting: str, advice: str) -> str:
     return path
 
 
+def first_line(err: BaseException, limit: int = 300) -> str:
+    """The first line of an exception's message, cut at `limit` characters (its type's name if
+    it has none): enough to say what went wrong in a one-line warning or a paragraph."""
+    lines = str(err).strip().splitlines()
+    return lines[0][:limit] if lines else type(err).__name__
+
+
 def yaml_error_text(err: Exception) -> str:
     """Where a YAML file is broken and why, in one line (PyYAML spreads it over four: the
     file, what it was reading, the problem and its position, 0-based lines made 1-based)."""

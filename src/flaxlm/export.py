@@ -1,4 +1,4 @@
-"""Models leave flaxlm as Hugging Face directories, and come back from a run for generation.
+"""Models leave flaxlm as Hugging Face directories.
 
 `export_hf` writes what `transformers.AutoModelForCausalLM.from_pretrained(out)` and
 `AutoTokenizer.from_pretrained(out)` load (PyTorch, no missing or unused weights):
@@ -25,8 +25,7 @@ A classifier export (BERT or GPT-2) differs only in the HF config (`hf.to_classi
 whose `architectures[0]` picks the row of `hf.ARCHITECTURES`, and so the parameter mapping) and
 in having no generation config: pass `hf_config=` and `generation=None`.
 
-`load_run_model` is the way back: a run directory (its latest or a given checkpoint, or, for a
-run without checkpoints, its exported `model/`) as a model ready to generate with.
+`flaxlm.run_model` reads a run directory back as a model (its checkpoint, or this export).
 """
 
 from __future__ import annotations
@@ -36,24 +35,19 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any, NamedTuple
 
 import numpy as np
 import transformers
-from flax import nnx
 from omegaconf import OmegaConf
 
 from flaxlm import layout
 from flaxlm.config import ModelConfig
-from flaxlm.data.tokenizer import document_prefix, keeps_own_conventions, prompt_tokenizer
+from flaxlm.data.tokenizer import document_prefix, prompt_tokenizer
 from flaxlm.errors import FlaxlmError
 from flaxlm.generate import GenerationSettings
 from flaxlm.layout import CHECKPOINT_SUBDIR, MODEL_SUBDIR, RUN_FILES, run_path
-from flaxlm.models import hf, pretrained
-from flaxlm.models.build import build_classifier, build_lm, lm_from_params
-from flaxlm.models.layers import TransformerSpec
-from flaxlm.run_records import read_metrics
-from flaxlm.training.checkpoint import restore_params
+from flaxlm.models import hf
+from flaxlm.run_records import plain, read_metrics
 
 MARKER = "flaxlm_export.json"
 
@@ -117,7 +111,7 @@ def export_hf(out_dir: str, params: dict, model_config: ModelConfig, tokenizer, 
             "exported_by": "flaxlm",
             "architecture": architecture,
             "source": source,
-            "eval_metrics": _plain(eval_metrics or {}),
+            "eval_metrics": plain(eval_metrics or {}),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }, indent=2) + "\n")
         _give_default_modes(staging)
@@ -140,7 +134,7 @@ def _staging_dir(out_dir: str) -> str:
     except OSError as err:
         raise FlaxlmError(
             f"Cannot export to {out_dir}: flaxlm cannot write in {parent} "
-            f"({err.strerror or err}). Choose an out= in a directory you can write to."
+            f"({err.strerror or err}). Choose an --out in a directory you can write to."
         ) from None
 
 
@@ -155,29 +149,29 @@ def check_destination(out_dir: str, overwrite: bool = False, run_dir: str | None
         source = os.path.realpath(os.path.expanduser(run_dir))
         if os.path.commonpath([source, real_out]) == real_out:
             raise FlaxlmError(
-                f"out={out_dir} is the run being exported (run_dir={run_dir}) or a folder "
+                f"--out {out_dir} is the run being exported ({run_dir}) or a folder "
                 "that contains it, and the export would replace it, deleting the run. Choose "
-                "an out= folder that does not contain the run, e.g. out=my-model."
+                "an --out folder that does not contain the run, e.g. --out my-model."
             )
     for folder in _self_and_parents(real_out):
         run = os.path.dirname(folder)
         if os.path.basename(folder) == CHECKPOINT_SUBDIR and set(_run_files(run)) - {folder}:
             raise FlaxlmError(
-                f"out={out_dir} is inside {folder}, the checkpoints folder of a run, which "
-                "holds only that run's checkpoints. Choose an out= folder outside it, e.g. "
-                "out=my-model."
+                f"--out {out_dir} is inside {folder}, the checkpoints folder of a run, which "
+                "holds only that run's checkpoints. Choose an --out folder outside it, e.g. "
+                "--out my-model."
             )
     if not os.path.lexists(out_dir):
         return
     if not os.path.isdir(out_dir) or os.path.islink(out_dir):
         raise FlaxlmError(
-            f"out={out_dir} exists and is not a directory. Choose another out= path."
+            f"--out {out_dir} exists and is not a directory. Choose another --out path."
         )
     if found := _run_files(out_dir):
         raise FlaxlmError(
-            f"out={out_dir} holds a flaxlm run (it has "
+            f"--out {out_dir} holds a flaxlm run (it has "
             f"{', '.join(os.path.basename(path) for path in found)}), and the export "
-            "would replace it, deleting the run. Choose a new out= folder, e.g. out=my-model."
+            "would replace it, deleting the run. Choose a new --out folder, e.g. --out my-model."
         )
     if not os.listdir(out_dir) or is_flaxlm_export(out_dir):
         return
@@ -185,11 +179,11 @@ def check_destination(out_dir: str, overwrite: bool = False, run_dir: str | None
     if overwrite and own_model_dir:
         return
     raise FlaxlmError(
-        f"out={out_dir} already exists and is not a flaxlm export (an export is a folder of "
+        f"--out {out_dir} already exists and is not a flaxlm export (an export is a folder of "
         f"files only, with a {MARKER} that flaxlm wrote), so the export would replace files "
-        "of yours; flaxlm-export replaces only its own earlier exports. Choose a new out= "
+        "of yours; flaxlm-export replaces only its own earlier exports. Choose a new --out "
         "folder, or move this one away yourself"
-        + (", or pass overwrite=true to replace this run's model/ folder (its tokenizer and "
+        + (", or pass --overwrite to replace this run's model/ folder (its tokenizer and "
            "config)." if own_model_dir else ".")
     )
 
@@ -197,7 +191,7 @@ def check_destination(out_dir: str, overwrite: bool = False, run_dir: str | None
 def is_flaxlm_export(directory: str) -> bool:
     """An earlier export, safe to replace: plain files only (an export has no subfolders, so
     nothing else can hide in it), among them the marker an export writes, and no run's files."""
-    marker = _read_marker(directory)
+    marker = read_marker(directory)
     return (isinstance(marker, dict) and marker.get("exported_by") == "flaxlm"
             and _only_files(directory) and not _run_files(directory))
 
@@ -272,7 +266,7 @@ def model_card(model_config: ModelConfig, architecture: str, run_config: dict | 
         "## Evaluation",
         "",
     ]
-    figures = [(label, fmt.format(_plain(eval_metrics[key])))
+    figures = [(label, fmt.format(plain(eval_metrics[key])))
                for key, label, fmt in _CARD_FIGURES if eval_metrics and key in eval_metrics]
     if figures:
         lines += ["| | |", "|---|---|", *(f"| {label} | {value} |" for label, value in figures)]
@@ -291,7 +285,7 @@ def model_card(model_config: ModelConfig, architecture: str, run_config: dict | 
         trained = OmegaConf.to_container(OmegaConf.structured(model_config), enum_to_str=True)
         run_config = {**run_config, "model": {**(run_config.get("model") or {}), **trained}}
         lines += ["## Training configuration", "", "```yaml",
-                  OmegaConf.to_yaml(OmegaConf.create(_plain(run_config))).rstrip(), "```", ""]
+                  OmegaConf.to_yaml(OmegaConf.create(plain(run_config))).rstrip(), "```", ""]
     return "\n".join(lines)
 
 
@@ -368,154 +362,8 @@ def _count(params: dict) -> int:
     return sum(int(np.size(leaf)) for _, leaf in hf.flatten_params(params))
 
 
-def _plain(value: Any) -> Any:
-    """numpy / JAX scalars and containers of them as plain Python, for JSON and YAML."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value.item() if hasattr(value, "item") else value
-
-
-# ---------------------------------------------------------------- reading a run back
-
-
-class RunModel(NamedTuple):
-    """A run's trained model, ready to export or generate with."""
-
-    params: dict  # nested, as nnx.to_pure_dict gives
-    model_config: ModelConfig
-    tokenizer: Any
-    run_config: dict  # the run's resolved config ({} if unknown)
-    step: int | None
-    source: str  # e.g. "/runs/x checkpoint step 200", for messages and the model card
-    hf_config: Any = None  # a task=classify run's HF classifier config; None for an LM
-
-    @property
-    def own_conventions(self) -> bool:
-        """Whether the run kept its tokenizer's own special tokens (`keeps_own_conventions`):
-        how generation and export read a prompt."""
-        tokenizer = self.run_config.get("tokenizer") or {}
-        model = self.run_config.get("model") or {}
-        return keeps_own_conventions(tokenizer.get("convention", "auto"), model.get("init_from"))
-
-    def model(self) -> nnx.Module:
-        if self.hf_config is not None:
-            raise FlaxlmError(
-                f"{self.source} is a classifier ({self.hf_config.architectures[0]}, from a "
-                "task=classify run), not a language model, so it cannot generate text. Point "
-                "run_dir at a task=clm run."
-            )
-        return lm_from_params(self.model_config, self.params)
-
-
-def load_run_model(run_dir: str, step: int | None = None) -> RunModel:
-    """The parameters of `run_dir`'s latest complete checkpoint (or of `step`), with the run's
-    config and its tokenizer (from `run_dir/model/`). A run without checkpoints falls back to
-    the HF model it exported at its end, `run_dir/model/` (then `step` must be unset)."""
-    run_dir = os.path.abspath(os.path.expanduser(run_dir))
-    if not os.path.isdir(run_dir):
-        raise FlaxlmError(
-            f"run_dir={run_dir} does not exist. Pass the directory of a flaxlm-train run, e.g. "
-            "run_dir=outputs/clm/runs/<timestamp>."
-        )
-    model_dir = run_path(run_dir, MODEL_SUBDIR)
-    tokenizer = _load_tokenizer(model_dir, run_dir)
-    if os.path.isdir(run_path(run_dir, CHECKPOINT_SUBDIR)):
-        params, run_config, step = restore_params(run_dir, step)
-        model_config = _trained_model_config(run_dir, run_config)
-        hf_config = None
-        if _is_classifier_run(run_config):
-            hf_config = transformers.AutoConfig.from_pretrained(model_dir)
-        return RunModel(params, model_config, tokenizer, run_config, step,
-                        f"{run_dir} checkpoint step {step}", hf_config)
-    if step is not None:
-        raise FlaxlmError(
-            f"run_dir={run_dir} has no checkpoints/ folder, so there is no checkpoint at step "
-            f"{step}. Leave step unset to use the model the run exported at its end "
-            f"({model_dir})."
-        )
-    return _from_export(model_dir, run_dir, tokenizer)
-
-
-def _load_tokenizer(model_dir: str, run_dir: str):
-    if not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
-        raise FlaxlmError(
-            f"{model_dir} has no tokenizer.json, so the run's tokenizer is unknown. Pass the "
-            "directory of a flaxlm-train run (it saves its tokenizer to model/ before training "
-            f"starts); is run_dir={run_dir} one?"
-        )
-    return transformers.AutoTokenizer.from_pretrained(model_dir)
-
-
-def _trained_model_config(run_dir: str, run_config: dict) -> ModelConfig:
-    """The shape the run trained, as it recorded it when it started. A run that predates that
-    record has it in its config, or (model.init_from's shape) in its model/config.json."""
-    recorded = run_path(run_dir, layout.MODEL_CONFIG_FILE)
-    if os.path.isfile(recorded):
-        return _as_model_config(OmegaConf.load(recorded))
-    model_config = _model_config(run_config, run_dir)
-    if model_config.init_from:
-        model_config = pretrained.pretrained_model_config(run_path(run_dir, MODEL_SUBDIR),
-                                                          model_config)
-    return model_config
-
-
-def _as_model_config(values) -> ModelConfig:
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), values))
-
-
-def _model_config(run_config: dict, run_dir: str) -> ModelConfig:
-    if "model" not in run_config:
-        raise FlaxlmError(
-            f"The checkpoint of {run_dir} has no model config in its metadata, so it was not "
-            "written by flaxlm-train. Point run_dir at a flaxlm-train run directory."
-        )
-    return _as_model_config(run_config["model"])
-
-
-def _from_export(model_dir: str, run_dir: str, tokenizer) -> RunModel:
-    if not os.path.isfile(os.path.join(model_dir, "model.safetensors")):
-        raise FlaxlmError(
-            f"run_dir={run_dir} has no checkpoint (no checkpoints/ folder) and no exported "
-            f"model ({model_dir}/model.safetensors): the run stopped before saving its weights. "
-            "Point run_dir at a run that finished or saved a checkpoint."
-        )
-    run_config = _saved_run_config(run_dir)
-    if os.path.isfile(run_path(run_dir, layout.MODEL_CONFIG_FILE)):
-        model_config = _trained_model_config(run_dir, run_config)
-    else:  # the export's own config.json gives the shape
-        base = _model_config(run_config, run_dir) if "model" in run_config else ModelConfig(
-            name=os.path.basename(run_dir))
-        model_config = pretrained.pretrained_model_config(model_dir, base)
-    hf_config = None
-    if _is_classifier_run(run_config):
-        hf_config = transformers.AutoConfig.from_pretrained(model_dir)
-        model = nnx.eval_shape(lambda: build_classifier(
-            TransformerSpec(model_config), hf_config.num_labels, nnx.Rngs(0)))
-    else:
-        model = nnx.eval_shape(lambda: build_lm(TransformerSpec(model_config), nnx.Rngs(0)))
-    # Raises if any weight is missing.
-    pretrained.load_pretrained_weights(model, model_dir, source=model_dir)
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    marker = _read_marker(model_dir)
-    step = (marker.get("eval_metrics") or {}).get("steps")
-    return RunModel(params, model_config, tokenizer, run_config, step,
-                    f"{model_dir} (final export)", hf_config)
-
-
-def _is_classifier_run(run_config: dict) -> bool:
-    return ((run_config or {}).get("task") or {}).get("name") == "classify"
-
-
-def _saved_run_config(run_dir: str) -> dict:
-    path = run_path(run_dir, layout.CONFIG_FILE)
-    if not os.path.isfile(path):
-        return {}
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-
-
-def _read_marker(model_dir: str) -> dict:
+def read_marker(model_dir: str) -> dict:
+    """An export's flaxlm_export.json ({} if it has none that reads)."""
     try:
         with open(os.path.join(model_dir, MARKER)) as f:
             return json.load(f)

@@ -144,13 +144,13 @@ def check_settings(config: TrainConfig, num_devices: int) -> int:
     for key, value in [
         ("hardware.per_device_batch_size", config.hardware.per_device_batch_size),
         ("trainer.num_epochs", config.trainer.num_epochs),
-        ("trainer.log_every", config.trainer.log_every),
+        ("trainer.log_every_steps", config.trainer.log_every_steps),
         ("trainer.grad_accum_steps", config.trainer.grad_accum_steps),
     ]:
         if value < 1:
             raise FlaxlmError(f"{key}={value} must be at least 1.")
     for key, value in [("trainer.max_steps", config.trainer.max_steps),
-                       ("trainer.eval_every", config.trainer.eval_every),
+                       ("trainer.eval_every_steps", config.trainer.eval_every_steps),
                        ("hardware.per_device_eval_batch_size",
                         config.hardware.per_device_eval_batch_size)]:
         if value is not None and value < 1:

@@ -14,6 +14,16 @@
       model/              the run's Hugging Face export: tokenizer and config from the start,
                           weights and model card at the end
       predictions.jsonl   task=classify: the last evaluation's prediction for every example
+
+A multirun's sweep directory holds its jobs' run directories (named by job number) and:
+
+    <sweep_dir>/
+      job-status/<job folder>.json  one JSON object per job (flaxlm.run_records writes and
+                          reads it): `job` (its number), `status` (JOB_RUNNING from its start,
+                          then JOB_OK, JOB_FAILED or JOB_PREEMPTED), `reason` (one line),
+                          `overrides` (its command-line overrides), `run_dir`, and for an ok
+                          job `objective` and `objective_value`
+      .sweep-lock         held (shared) by every flaxlm-train invocation that runs jobs there
 """
 
 from __future__ import annotations
@@ -34,9 +44,21 @@ TENSORBOARD_SUBDIR = "tensorboard"
 # metrics.jsonl's second x axis beside `step`: runs with different batch sizes compare by it.
 TOKENS_SEEN = "tokens_seen"
 
+JOB_STATUS_SUBDIR = "job-status"  # in a sweep directory
+SWEEP_LOCK_FILE = ".sweep-lock"  # in a sweep directory
+JOB_RUNNING, JOB_OK, JOB_FAILED, JOB_PREEMPTED = "running", "ok", "failed", "preempted"
+
 RUN_FILES = (METRICS_FILE, CONFIG_FILE, LOCK_FILE)  # every run directory has these
 
 
 def run_path(run_dir: str, name: str) -> str:
     """`name` (one of the constants above) inside `run_dir`."""
     return os.path.join(run_dir, name)
+
+
+def job_status_path(sweep_dir: str, run_dir: str, job: int) -> str:
+    """The status file of the job `job` of the sweep in `sweep_dir`, whose run is `run_dir`.
+    Named by the job's folder, not its number: a continued Optuna study numbers its new jobs
+    from 0 again."""
+    name = os.path.basename(os.path.normpath(run_dir)) or str(job)
+    return os.path.join(sweep_dir, JOB_STATUS_SUBDIR, f"{name}.json")

@@ -114,7 +114,8 @@ def make_mesh(num_devices: int | None, mesh: MeshConfig | None = None) -> Mesh:
                 "hardware.num_devices must be null (all devices) when training on several hosts."
             )
         devices = devices[:num_devices]
-    shape = mesh_shape(mesh or MeshConfig(), len(devices))
+    # No mesh settings (tests, benchmarks): plain data parallelism over every device.
+    shape = mesh_shape(mesh or MeshConfig(data=-1, fsdp=1, tensor=1), len(devices))
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
 
 

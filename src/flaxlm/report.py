@@ -20,15 +20,23 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import yaml
 
-from flaxlm.config import dotted
+from flaxlm.config import dotted, upgrade_saved_config
 from flaxlm.errors import FlaxlmError
-from flaxlm.layout import CONFIG_FILE, METRICS_FILE, TOKENS_SEEN, run_path
-from flaxlm.run_records import read_metrics, read_status
+from flaxlm.layout import (
+    CONFIG_FILE,
+    JOB_FAILED,
+    JOB_OK,
+    JOB_PREEMPTED,
+    METRICS_FILE,
+    TOKENS_SEEN,
+    run_path,
+)
+from flaxlm.run_records import job_statuses, read_metrics, read_status
 
 # Metrics where lower is better; every other eval metric (accuracy, F1, correlations) is better
 # higher. Perplexity and bits per byte are the loss again in other units, so the table skips them.
@@ -37,7 +45,7 @@ DERIVED_FROM_LOSS = ("eval/perplexity", "eval/bits_per_byte")
 # Settings every run has its own value of, whatever the sweep changed.
 PER_RUN_KEYS = ("run_dir", "resume_from")
 # A sweep job's status file (written by flaxlm-train's multirun callbacks) → the report's word.
-STATUS_WORDS = {"ok": "finished", "failed": "failed", "preempted": "preempted"}
+STATUS_WORDS = {JOB_OK: "finished", JOB_FAILED: "failed", JOB_PREEMPTED: "preempted"}
 DAMAGED = "damaged"
 CURVES_FILE = "curves.png"
 REPORT_FILE = "report.md"
@@ -87,19 +95,16 @@ class Run:
         return times[-1] - times[0] if len(times) > 1 else None
 
 
-StatusReader = Callable[[str], list[dict[str, Any]]]
-
-
-def collect_runs(paths: Sequence[str], job_statuses: StatusReader) -> list[Run]:
+def collect_runs(paths: Sequence[str]) -> list[Run]:
     """The runs named by `paths`: each a run directory, or a multirun directory whose numbered
-    job folders are runs (their status read with `job_statuses(multirun_dir)`). Damaged runs
+    job folders are runs (with their job statuses). Damaged runs
     are among them (status `damaged`); if no run has a metric to report, that is an error."""
     runs: list[Run] = []
     for path in paths:
         if is_run_dir(path):
             runs.append(read_run(path, os.path.basename(os.path.normpath(path))))
         elif _job_dirs(path):
-            runs.extend(_read_multirun(path, _sweep_statuses(path, job_statuses)))
+            runs.extend(_read_multirun(path, _sweep_statuses(path)))
         else:
             what = "does not exist" if not os.path.exists(path) else (
                 f"is neither a run directory (no {CONFIG_FILE} and {METRICS_FILE}) nor a "
@@ -157,7 +162,7 @@ def status_notes(runs: Sequence[Run]) -> list[str]:
             if run.reason and run.status != "finished"]
 
 
-def _sweep_statuses(sweep_dir: str, job_statuses: StatusReader) -> list[dict[str, Any]]:
+def _sweep_statuses(sweep_dir: str) -> list[dict[str, Any]]:
     """The sweep's job statuses; unreadable ones are one warning, since each run's own
     status.json says the same."""
     try:
@@ -203,7 +208,7 @@ def _read_config(path: str) -> dict[str, Any]:
             tree = yaml.safe_load(f)
         except yaml.YAMLError as err:
             raise FlaxlmError(f"{path} is not a YAML config: {err}") from None
-    return dotted(tree) if isinstance(tree, dict) else {}
+    return dotted(upgrade_saved_config(tree)) if isinstance(tree, dict) else {}
 
 
 def differing_keys(runs: Sequence[Run]) -> list[str]:

@@ -1,5 +1,6 @@
 """What a run directory records as it goes, read back the same way by every reader: its
-`metrics.jsonl` and its `status.json` (how the run ended, or that it is running).
+`metrics.jsonl` and its `status.json` (how the run ended, or that it is running); and what a
+sweep directory records of its jobs (`job-status/`, see flaxlm.layout).
 
 One policy for metrics.jsonl, wherever it is read (resume, the objective handed to a sweeper,
 the report, an export's model card): a last line that is not a whole JSON object is what a run
@@ -13,6 +14,7 @@ Nothing here needs JAX or the network: the report reads run directories on any m
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 import socket
@@ -21,7 +23,7 @@ import time
 from typing import Any
 
 from flaxlm.errors import FlaxlmError
-from flaxlm.layout import STATUS_FILE, run_path
+from flaxlm.layout import JOB_STATUS_SUBDIR, STATUS_FILE, run_path
 
 # status.json's `status`: "running" from the start until the run ends with one of the others.
 RUNNING, FINISHED, PREEMPTED, FAILED = "running", "finished", "preempted", "failed"
@@ -117,6 +119,67 @@ def _gone(record: dict[str, Any]) -> bool:
     except OSError:  # someone else's process: alive
         return False
     return False
+
+
+def plain(value: Any) -> Any:
+    """numpy / JAX scalars, and dicts and lists of them, as plain Python: what JSON, YAML and
+    W&B take."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value.item() if hasattr(value, "item") else value
+
+
+# ---------------------------------------------------------------- a sweep's job statuses
+
+
+def job_status_record(job: int, status: str, reason: str, overrides: list[str], run_dir: str,
+                      **extra: Any) -> dict[str, Any]:
+    """A job status file's content (see flaxlm.layout): the reason's first line, shortened."""
+    lines = reason.strip().splitlines() or [""]
+    return {"job": job, "status": status, "reason": _shorten(lines[0]),
+            "overrides": overrides, "run_dir": run_dir, **extra}
+
+
+def write_job_status(path: str, record: dict[str, Any]) -> None:
+    """Write a job status file (`layout.job_status_path`), renamed into place."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    # A name of its own for the temporary file: before the processes of a multi-host job
+    # have joined, each of them takes itself for process 0.
+    temporary = f"{path}.{socket.gethostname()}-{os.getpid()}.tmp"
+    with open(temporary, "w", encoding="utf-8") as f:
+        json.dump(record, f)
+    os.replace(temporary, path)
+
+
+def read_job_statuses(sweep_dir: str) -> dict[str, dict[str, Any]]:
+    """Each job status file's record in `sweep_dir`, by file path (a file that is not JSON is
+    a ValueError)."""
+    records = {}
+    for path in _job_status_files(sweep_dir):
+        with open(path, encoding="utf-8") as f:
+            records[path] = json.load(f)
+    return records
+
+
+def job_statuses(sweep_dir: str) -> list[dict[str, Any]]:
+    """The job status records of the sweep in `sweep_dir`, by job number."""
+    return sorted(read_job_statuses(sweep_dir).values(), key=lambda r: r["job"])
+
+
+def job_status_times(sweep_dir: str) -> dict[str, int]:
+    """Each job status file's modification time (ns), by path: what an invocation finds when
+    it starts tells its own jobs' files (new or rewritten since) from earlier invocations'."""
+    return {path: os.stat(path).st_mtime_ns for path in _job_status_files(sweep_dir)}
+
+
+def _job_status_files(sweep_dir: str) -> list[str]:
+    return glob.glob(os.path.join(sweep_dir, JOB_STATUS_SUBDIR, "*.json"))
+
+
+def _shorten(text: str, limit: int = 240) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _warn(message: str) -> None:

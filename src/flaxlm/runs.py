@@ -25,7 +25,13 @@ import yaml
 from omegaconf import OmegaConf
 
 from flaxlm import distributed
-from flaxlm.config import CheckpointConfig, ResumeMode, TrainConfig, dotted
+from flaxlm.config import (
+    CheckpointConfig,
+    ResumeMode,
+    TrainConfig,
+    dotted,
+    upgrade_saved_config,
+)
 from flaxlm.data.loader import DATA_SIZE_KEYS
 from flaxlm.errors import FlaxlmError, writable_dir, yaml_error_text
 from flaxlm.layout import (
@@ -88,9 +94,9 @@ def _failed_start(run_dir: str) -> bool:
 # Anything else (model, tokenizer, data, optimizer, seed, ...) would make it another run.
 RESUMABLE_CHANGES = (
     "run_dir", "resume_from", "cache_dir", "logger.", "checkpoint.", "samples.",
-    "trainer.log_every", "trainer.eval_every", "trainer.max_steps", "trainer.num_epochs",
-    "trainer.eval_before_training", "trainer.resume", "trainer.resume_on_changed_data",
-    "trainer.skip_nonfinite",
+    "trainer.log_every_steps", "trainer.eval_every_steps", "trainer.max_steps",
+    "trainer.num_epochs", "trainer.eval_before_training", "trainer.resume",
+    "trainer.resume_on_changed_data", "trainer.skip_nonfinite",
     "trainer.objective",
     "hardware.name", "hardware.cpu_devices", "hardware.num_devices",
     "hardware.per_device_batch_size", "hardware.per_device_eval_batch_size",
@@ -258,7 +264,8 @@ def _config_changes(saved_config_path: str, resolved: dict) -> list[str] | None:
     if not os.path.exists(saved_config_path):
         return None
     try:
-        saved = dotted(OmegaConf.to_container(OmegaConf.load(saved_config_path), resolve=True))
+        saved = dotted(upgrade_saved_config(
+            OmegaConf.to_container(OmegaConf.load(saved_config_path), resolve=True)))
     except yaml.YAMLError as err:
         raise FlaxlmError(
             f"Cannot resume the run in {os.path.dirname(saved_config_path)}: the config it is "

@@ -23,7 +23,7 @@ from flaxlm import distributed
 from flaxlm.config import LoggerConfig, dotted
 from flaxlm.errors import FlaxlmError
 from flaxlm.layout import METRICS_FILE, TENSORBOARD_SUBDIR, TOKENS_SEEN, run_path
-from flaxlm.run_records import read_metrics
+from flaxlm.run_records import plain, read_metrics
 
 _MODES = ("auto", "online", "offline", "disabled")
 STEP_AXIS = "step"  # the training step, logged with every W&B row as the charts' x axis
@@ -72,7 +72,7 @@ class Tracker:
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         if self._jsonl is None:
             return
-        record = {k: _plain(v) for k, v in metrics.items()}
+        record = {k: plain(v) for k, v in metrics.items()}
         self._jsonl.write(json.dumps({"step": step, "time": time.time(), **record}) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log({**record, STEP_AXIS: step}, step=step)
@@ -86,7 +86,7 @@ class Tracker:
         TensorBoard's text tab."""
         if self._jsonl is None:
             return
-        records = [{c: _plain(v) for c, v in zip(columns, row)} for row in rows]
+        records = [{c: plain(v) for c, v in zip(columns, row)} for row in rows]
         self._jsonl.write(json.dumps({"step": step, "time": time.time(), key: records}) + "\n")
         if self.wandb_run is not None:
             import wandb
@@ -100,7 +100,7 @@ class Tracker:
         """End-of-run values for the W&B summary, all but the objective's: its summary stays
         the best value over the run (declared at start), which sweeps compare runs by."""
         if self.wandb_run is not None:
-            self.wandb_run.summary.update({k: _plain(v) for k, v in values.items()
+            self.wandb_run.summary.update({k: plain(v) for k, v in values.items()
                                            if k != self.objective})
 
     def finish(self, exit_code: int = 0, preempted: bool = False) -> None:
@@ -250,7 +250,7 @@ def _session_end(status: str):
 
 def _markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     def cell(value: Any) -> str:
-        return str(_plain(value)).replace("|", "\\|").replace("\n", " ")
+        return str(plain(value)).replace("|", "\\|").replace("\n", " ")
 
     lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
@@ -280,8 +280,3 @@ def logged_in_to_wandb() -> bool:
     except (OSError, netrc.NetrcParseError):
         return False
     return entry is not None and bool(entry[2])  # (login, account, password=API key)
-
-
-def _plain(value: Any) -> Any:
-    """numpy / JAX scalars as Python numbers, for JSON and W&B."""
-    return value.item() if hasattr(value, "item") else value

@@ -16,11 +16,9 @@ report, is one paragraph on stderr and exit status 2.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 
-from flaxlm.cli.export import run_command
-from flaxlm.cli.sweep import job_statuses
+from flaxlm.cli.common import Parser, run_command
 from flaxlm.errors import writable_dir
 from flaxlm.report import (
     build_table,
@@ -33,10 +31,9 @@ from flaxlm.report import (
 )
 
 
-def parser() -> argparse.ArgumentParser:
-    parse = argparse.ArgumentParser(
-        prog="flaxlm-report",
-        description="Compare flaxlm runs: a table sorted by the objective, report.md and plots.")
+def parser() -> Parser:
+    parse = Parser("flaxlm-report",
+                   "Compare flaxlm runs: a table sorted by the objective, report.md and plots.")
     parse.add_argument("dirs", nargs="+", metavar="DIR",
                        help="a run directory, or a multirun directory of numbered job folders")
     parse.add_argument("--objective",
@@ -44,9 +41,10 @@ def parser() -> argparse.ArgumentParser:
                             "were trained for, else eval/loss)")
     direction = parse.add_mutually_exclusive_group()
     direction.add_argument("--maximize", dest="maximize", action="store_const", const=True,
-                           help="higher objective is better (eval/accuracy, eval/f1, ...)")
+                           help="higher objective is better (default: the direction the runs "
+                                "were trained for, else lower for a loss, higher for the rest)")
     direction.add_argument("--minimize", dest="maximize", action="store_const", const=False,
-                           help="lower objective is better (default for losses)")
+                           help="lower objective is better")
     parse.add_argument("--out", metavar="DIR",
                        help="where report.md and the plots go (default: the first DIR)")
     return parse
@@ -54,8 +52,8 @@ def parser() -> argparse.ArgumentParser:
 
 def run(argv: Sequence[str]) -> str:
     """Report as the command line says; returns the path of report.md."""
-    args = parser().parse_args(list(argv))
-    runs = collect_runs(args.dirs, job_statuses)
+    args = parser().parse_args(argv)
+    runs = collect_runs(args.dirs)
     out = writable_dir(args.out or args.dirs[0], "--out",
                        "Choose an --out you can write to." if args.out else
                        "report.md and the plots go into the first DIR unless --out names "

@@ -4,9 +4,9 @@ cannot be written, and, for a multirun, one status file per job and a summary at
 A job of a multirun that fails records why and the sweep goes on with the next job; the
 summary then lists every job (ok / failed with the reason / preempted) with its run directory,
 and the command exits 1 if any failed. The statuses are files in the sweep directory
-(`<sweep dir>/job-status/<job folder>.json`), not state in this process, so a launcher that
-runs jobs elsewhere (submitit) reports the same way. A preempted job stops the sweep: the
-machine is being taken away, so the jobs after it are not started.
+(`<sweep dir>/job-status/<job folder>.json`, see flaxlm.layout), not state in this process,
+so a launcher that runs jobs elsewhere (submitit) reports the same way. A preempted job stops
+the sweep: the machine is being taken away, so the jobs after it are not started.
 
 The same sweep run again in its directory (a continued Optuna study) keeps the earlier
 invocations' status files; its summary and exit code are about its own jobs. A job records
@@ -19,12 +19,9 @@ that runs alone there takes such records (and an Optuna study's running trials) 
 from __future__ import annotations
 
 import fcntl
-import glob
-import json
 import math
 import os
 import shlex
-import socket
 import sys
 import time
 from collections.abc import Mapping
@@ -35,16 +32,29 @@ from omegaconf import DictConfig
 
 from flaxlm.cli.optuna_study import continue_study, is_optuna
 from flaxlm.errors import FlaxlmError, writable_dir
+from flaxlm.layout import (
+    JOB_FAILED,
+    JOB_OK,
+    JOB_PREEMPTED,
+    JOB_RUNNING,
+    JOB_STATUS_SUBDIR,
+    SWEEP_LOCK_FILE,
+    job_status_path,
+)
+from flaxlm.run_records import (
+    job_status_record,
+    job_status_times,
+    read_job_statuses,
+    write_job_status,
+)
 
-STATUS_SUBDIR = "job-status"
-SWEEP_LOCK_FILE = ".sweep-lock"  # in the sweep directory
 FAILED_EXIT_CODE = 1
-RUNNING = "running"
 LOCK_WAIT_S = 60  # another invocation holds the lock exclusively only while it tidies up
 
 
 class SweepJob:
-    """The status file of one multirun job, written once the job ends."""
+    """The status file of one multirun job (its format: flaxlm.layout), written as it starts and
+    once it ends."""
 
     def __init__(self, sweep_dir: str, number: int, overrides: list[str], run_dir: str):
         self.sweep_dir, self.number = sweep_dir, number
@@ -52,23 +62,23 @@ class SweepJob:
 
     def started(self) -> None:
         """Record that the job runs: a record left "running" names a job the sweep was killed in."""
-        self._record(RUNNING, "started")
+        self._record(JOB_RUNNING, "started")
 
     def done(self, objective: str, value: float) -> float | None:
         """Record the job's objective (trainer.objective) and return it to the sweeper; one
         that is not a number (e.g. a correlation of constant predictions) as None, as for a
         failed job."""
-        self._record("ok", f"{objective} {value:.4f}", objective=objective,
+        self._record(JOB_OK, f"{objective} {value:.4f}", objective=objective,
                      objective_value=value)
         return value if math.isfinite(value) else None
 
     def failed(self, reason: str) -> None:
         """Record the failure. The job's value for the sweeper is None, not a number: Optuna's
         sweeper then records a failed trial and goes on (a NaN would stop it)."""
-        self._record("failed", reason)
+        self._record(JOB_FAILED, reason)
 
     def preempted(self, reason: str) -> None:
-        self._record("preempted", reason)
+        self._record(JOB_PREEMPTED, reason)
         print_summary(self.sweep_dir, stopped_after=self.number)
 
     def _record(self, status: str, reason: str, **extra: Any) -> None:
@@ -76,59 +86,27 @@ class SweepJob:
 
         if not is_primary():  # every host of a multi-host job runs it; one records it
             return
-        lines = reason.strip().splitlines() or [""]
-        record = {"job": self.number, "status": status, "reason": _shorten(lines[0]),
-                  "overrides": self.overrides, "run_dir": self.run_dir, **extra}
-        directory = os.path.join(self.sweep_dir, STATUS_SUBDIR)
-        os.makedirs(directory, exist_ok=True)
-        # Named by the job's folder: a continued Optuna study numbers its new jobs from 0 again.
-        name = os.path.basename(os.path.normpath(self.run_dir)) or str(self.number)
-        _write_record(os.path.join(directory, f"{name}.json"), record)
-
-
-def _write_record(path: str, record: dict[str, Any]) -> None:
-    # A name of its own for the temporary file: before the processes of a multi-host job
-    # have joined, each of them takes itself for process 0.
-    temporary = f"{path}.{socket.gethostname()}-{os.getpid()}.tmp"
-    with open(temporary, "w", encoding="utf-8") as f:
-        json.dump(record, f)
-    os.replace(temporary, path)
-
-
-def _status_files(sweep_dir: str) -> dict[str, dict[str, Any]]:
-    """Each status file's record, by file path."""
-    records = {}
-    for path in glob.glob(os.path.join(sweep_dir, STATUS_SUBDIR, "*.json")):
-        with open(path, encoding="utf-8") as f:
-            records[path] = json.load(f)
-    return records
-
-
-def job_statuses(sweep_dir: str) -> list[dict[str, Any]]:
-    return sorted(_status_files(sweep_dir).values(), key=lambda r: r["job"])
-
-
-def status_file_times(sweep_dir: str) -> dict[str, int]:
-    """Each status file's modification time (ns), by path: what an invocation finds when it
-    starts tells its own jobs' files (new or rewritten since) from earlier invocations'."""
-    return {path: os.stat(path).st_mtime_ns
-            for path in glob.glob(os.path.join(sweep_dir, STATUS_SUBDIR, "*.json"))}
+        write_job_status(
+            job_status_path(self.sweep_dir, self.run_dir, self.number),
+            job_status_record(self.number, status, reason, self.overrides, self.run_dir,
+                              **extra))
 
 
 def print_summary(sweep_dir: str, stopped_after: int | None = None,
                   earlier: Mapping[str, int] | None = None) -> bool:
     """Print one line per job of the sweep in `sweep_dir`, leaving out the status files of
-    earlier invocations (`earlier`: `status_file_times` when this one started); True if every
+    earlier invocations (`earlier`: `job_status_times` when this one started); True if every
     job succeeded."""
     earlier = earlier or {}
     records, left_out = [], 0
-    for path, record in _status_files(sweep_dir).items():
+    for path, record in read_job_statuses(sweep_dir).items():
         if earlier.get(path) == os.stat(path).st_mtime_ns:
             left_out += 1
         else:
             records.append(record)
     records.sort(key=lambda r: r["job"])
-    counts = {s: sum(r["status"] == s for r in records) for s in ("ok", "failed", "preempted")}
+    counts = {s: sum(r["status"] == s for r in records)
+              for s in (JOB_OK, JOB_FAILED, JOB_PREEMPTED)}
     print(f"flaxlm: multirun in {sweep_dir}: " + ", ".join(
         f"{n} {status}" for status, n in counts.items() if n), flush=True)
     # Overrides that every job shares are left out: the rest is what sets a job apart.
@@ -141,11 +119,11 @@ def print_summary(sweep_dir: str, stopped_after: int | None = None,
               f"run dir {r['run_dir']}", flush=True)
     if left_out:
         print(f"  (not shown: {left_out} job(s) of earlier invocations in this directory, "
-              f"see {os.path.join(sweep_dir, STATUS_SUBDIR)})", flush=True)
+              f"see {os.path.join(sweep_dir, JOB_STATUS_SUBDIR)})", flush=True)
     if stopped_after is not None:
         print(f"flaxlm: the multirun stopped at job #{stopped_after} (preempted); the jobs after "
               "it were not started", flush=True)
-    return counts["ok"] == len(records)
+    return counts[JOB_OK] == len(records)
 
 
 class HydraCallbacks(Callback):
@@ -169,7 +147,7 @@ class HydraCallbacks(Callback):
                 continue_study(config.hydra.sweeper, alone)
         finally:
             _share_lock(self.lock, sweep_dir)
-        self.earlier = status_file_times(sweep_dir)
+        self.earlier = job_status_times(sweep_dir)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         ok = print_summary(os.path.abspath(config.hydra.sweep.dir), earlier=self.earlier)
@@ -215,15 +193,15 @@ def _fail_interrupted_jobs(sweep_dir: str) -> None:
     the sweep was killed while they ran. A run with a checkpoint can be resumed by hand."""
     from flaxlm.runs import has_checkpoint  # here: the callbacks load before JAX is configured
 
-    for path, record in _status_files(sweep_dir).items():
-        if record["status"] != RUNNING:
+    for path, record in read_job_statuses(sweep_dir).items():
+        if record["status"] != JOB_RUNNING:
             continue
         run_dir = record["run_dir"]
         reason = "the sweep was stopped while this job ran"
         if has_checkpoint(run_dir):
             command = shlex.join(["flaxlm-train", *record["overrides"], f"resume_from={run_dir}"])
             reason += f"; its checkpoint continues with: {command}"
-        _write_record(path, {**record, "status": "failed", "reason": reason})
+        write_job_status(path, {**record, "status": JOB_FAILED, "reason": reason})
         print(f"flaxlm: job #{record['job']} ({run_dir}): {reason}", flush=True)
 
 
@@ -234,6 +212,3 @@ def _check_writable(path: str, setting: str) -> str:
         print(f"flaxlm: error: {err}", file=sys.stderr)
         sys.exit(2)
 
-
-def _shorten(text: str, limit: int = 240) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"

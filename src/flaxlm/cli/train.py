@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.resources
 import os
+import re
 import sys
 import traceback
 
@@ -24,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from flaxlm.cli.sweep import SweepJob
-from flaxlm.config import register_configs
+from flaxlm.config import register_configs, renamed_keys
 from flaxlm.errors import FlaxlmError, yaml_error_text
 
 
@@ -127,7 +128,16 @@ def main() -> None:
         message = str(err).split("\nConfig search path")[0]
         if isinstance(err.__cause__, OmegaConfBaseException):
             message += f" ({str(err.__cause__).splitlines()[0]})"
-        exit_with_config_error(" ".join(message.split()))
+        message = " ".join(message.split())
+        # A key an earlier release spelt otherwise: Hydra only says it is unknown.
+        renamed = renamed_keys(f"{err}\n{err.__cause__ or ''}")
+        if renamed:
+            source = re.match(r"In '([^']+)'", message)
+            where = f"config {source.group(1)}" if source else "the command line"
+            print(f"flaxlm: error: {'; '.join(renamed)} ({where}): use the new name; "
+                  "docs/configuration.md lists the renamed keys.", file=sys.stderr)
+            sys.exit(2)
+        exit_with_config_error(message)
     except (yaml.YAMLError, UnicodeDecodeError) as err:  # a file of the user's (--config-dir)
         if full_error_asked or raised_by_the_job(err):
             raise

@@ -1,7 +1,7 @@
 """The examples of `task=classify`, loaded and normalised.
 
-Data come from a Hub dataset (`task.dataset`, e.g. nyu-mll/glue with config mrpc, or a local
-directory laid out like one) or, when `task.train_files` is set, from local tsv / csv / jsonl /
+Data come from a Hub dataset (`task.hub_path`, e.g. nyu-mll/glue with config mrpc, or a local
+directory laid out like one) or, when `task.files` is set, from local tsv / csv / jsonl /
 json / parquet files. Either way every split ends as a `datasets.Dataset` with the columns
 `text`, optional `text_pair`, and `label` (int class ids, or float32 targets for regression,
 resolved by data/labels.py), so that nothing downstream knows where the data came from.
@@ -48,25 +48,25 @@ class Examples:
 def load_examples(task: TaskConfig) -> Examples:
     """Both splits of the data `task` names, with normalised columns and checked labels.
 
-    Local files win when `task.train_files` is set (so a Hub preset can be pointed at local
-    copies by adding files); otherwise `task.dataset` is loaded.
+    Local files win when `task.files` is set (so a Hub preset can be pointed at local
+    copies by adding files); otherwise `task.hub_path` is loaded.
     """
-    if task.train_files or task.eval_files:
+    if task.files or task.eval_files:
         _check_both_files(task)
-        train = _load_files(task.train_files, "task.train_files", task)
+        train = _load_files(task.files, "task.files", task)
         evaluation = _load_files(task.eval_files, "task.eval_files", task)
-        train_where = f"task.train_files={list(task.train_files)}"
+        train_where = f"task.files={list(task.files)}"
         eval_where = f"task.eval_files={list(task.eval_files)}"
-    elif task.dataset:
-        train = _load_hub(task, task.train_split)
-        evaluation = _load_hub(task, task.eval_split)
-        train_where = _hub_where(task, task.train_split)
-        eval_where = _hub_where(task, task.eval_split)
+    elif task.hub_path:
+        train = _load_hub(task, task.hub_split)
+        evaluation = _load_hub(task, task.hub_eval_split)
+        train_where = _hub_where(task, task.hub_split)
+        eval_where = _hub_where(task, task.hub_eval_split)
     else:
         raise FlaxlmError(
-            "task=classify needs data: set task.dataset to a Hub dataset (e.g. "
-            "task.dataset=nyu-mll/glue task.dataset_config=mrpc) or a local directory laid out "
-            "like one, or set task.train_files and task.eval_files to local tsv / csv / jsonl / "
+            "task=classify needs data: set task.hub_path to a Hub dataset (e.g. "
+            "task.hub_path=nyu-mll/glue task.hub_config=mrpc) or a local directory laid out "
+            "like one, or set task.files and task.eval_files to local tsv / csv / jsonl / "
             "parquet files."
         )
     labels = resolve_labels(train, evaluation, task, train_where, eval_where)
@@ -81,33 +81,33 @@ def load_examples(task: TaskConfig) -> Examples:
 
 def _hub_where(task: TaskConfig, split: str) -> str:
     return (
-        f"task.dataset={task.dataset!r} (task.dataset_config={task.dataset_config!r}) "
+        f"task.hub_path={task.hub_path!r} (task.hub_config={task.hub_config!r}) "
         f"split {split!r}"
     )
 
 
 def _load_hub(task: TaskConfig, split: str) -> datasets.Dataset:
-    """One split of `task.dataset`, with its columns mapped; every failure as a FlaxlmError."""
+    """One split of `task.hub_path`, with its columns mapped; every failure as a FlaxlmError."""
     try:
-        table = datasets.load_dataset(task.dataset, task.dataset_config, split=split)
+        table = datasets.load_dataset(task.hub_path, task.hub_config, split=split)
     except Exception as err:  # not found, offline, unknown config or split, bad files
         raise FlaxlmError(
             f"Could not load {_hub_where(task, split)}: {root_cause(err)}. Check the dataset, "
-            "config and split names (GLUE: task.dataset=nyu-mll/glue with task.dataset_config "
+            "config and split names (GLUE: task.hub_path=nyu-mll/glue with task.hub_config "
             "cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte or wnli; mnli's eval split is "
             "validation_matched), and that this machine can reach the Hub or, with "
             "HF_HUB_OFFLINE=1, has the dataset in its cache. Without the Hub, use local copies: "
-            "task.train_files=[train.tsv] task.eval_files=[dev.tsv]."
+            "task.files=[train.tsv] task.eval_files=[dev.tsv]."
         ) from err
     return _map_columns(table, task, _hub_where(task, split))
 
 
 def _check_both_files(task: TaskConfig) -> None:
-    for setting, other in (("train_files", "eval_files"), ("eval_files", "train_files")):
+    for setting, other in (("files", "eval_files"), ("eval_files", "files")):
         if not getattr(task, setting):
             raise FlaxlmError(
                 f"task.{other} is set but task.{setting} is empty: local data need both, e.g. "
-                "task.train_files=[train.tsv] task.eval_files=[dev.tsv]."
+                "task.files=[train.tsv] task.eval_files=[dev.tsv]."
             )
 
 

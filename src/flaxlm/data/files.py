@@ -1,4 +1,4 @@
-"""Local data files named by a setting (language.files, task.train_files, ...): matching the
+"""Local data files named by a setting (language.files, task.files, ...): matching the
 patterns, checking each file before `datasets` reads it, and turning `datasets`' failures into
 one readable line."""
 

@@ -93,7 +93,7 @@ def _check_not_unlabeled(labels: np.ndarray, where: str, everywhere: bool) -> No
             f"{where} has label -1 on {int(unlabeled.sum())} of {len(labels)} examples: that "
             "split has no labels (GLUE's test splits are unlabeled; their answers are scored "
             "only by the GLUE server). Evaluate on a labelled split instead, e.g. "
-            "task.eval_split=validation (validation_matched for mnli)."
+            "task.hub_eval_split=validation (validation_matched for mnli)."
         )
 
 

@@ -1,6 +1,6 @@
 """A sentence-pair dataset made offline from the built-in corpus, laid out like GLUE MRPC.
 
-    python -m flaxlm.data.pairs pairs/            # pairs/train.tsv, pairs/validation.tsv
+    flaxlm-pairs pairs/            # pairs/train.tsv, pairs/validation.tsv
 
 Each row is `sentence1 <TAB> sentence2 <TAB> label`. A positive pair (label 1) is a sentence of
 the interpreter's documentation and a noisy rewording of it (a fifth of its words dropped, two
@@ -12,13 +12,15 @@ easier than MRPC, so its scores are not MRPC scores.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import os
 import random
 import re
 
 from flaxlm.data.corpus import builtin_documents
+
+# MRPC's split sizes.
+TRAIN_ROWS, VALIDATION_ROWS = 3668, 408
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
 
@@ -73,23 +75,17 @@ def write_tsv(path: str, rows: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out_dir")
-    parser.add_argument("--train", type=int, default=3668, help="rows (MRPC's train size)")
-    parser.add_argument("--validation", type=int, default=408, help="rows (MRPC's)")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+def write_pair_dataset(out_dir: str, train_rows: int = TRAIN_ROWS,
+                       validation_rows: int = VALIDATION_ROWS, seed: int = 0) -> list[str]:
+    """`out_dir`/train.tsv and validation.tsv from the built-in corpus; returns their paths.
+    The documents are split first, so that no sentence is in both."""
     documents = list(builtin_documents())
-    # Documents split first, so that no sentence is in both train and validation.
     cut = len(documents) // 10
-    os.makedirs(args.out_dir, exist_ok=True)
-    for name, docs, count in [("validation", documents[:cut], args.validation),
-                              ("train", documents[cut:], args.train)]:
-        path = os.path.join(args.out_dir, f"{name}.tsv")
-        write_tsv(path, make_pairs(docs, count, args.seed))
-        print(f"wrote {count} pairs to {path}")
-
-
-if __name__ == "__main__":
-    main()
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for name, docs, count in [("validation", documents[:cut], validation_rows),
+                              ("train", documents[cut:], train_rows)]:
+        path = os.path.join(out_dir, f"{name}.tsv")
+        write_tsv(path, make_pairs(docs, count, seed))
+        paths.append(path)
+    return paths

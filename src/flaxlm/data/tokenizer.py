@@ -30,7 +30,7 @@ from flaxlm import distributed
 from flaxlm.config import TokenConvention, TokenizerConfig
 from flaxlm.data import cache
 from flaxlm.data.fingerprint import settings_fingerprint, text_fingerprint
-from flaxlm.errors import FlaxlmError
+from flaxlm.errors import FlaxlmError, first_line
 
 PIECE_CHARS = 1 << 16  # the longest string handed to the tokenizer: a piece of a long document
 ENCODE_CHARS = 1 << 20  # characters tokenised (or counted for training) together
@@ -303,7 +303,7 @@ def _cached_tokenizer(directory: str, settings: TokenizerConfig,
             try:
                 tokenizer = load_tokenizer(directory, settings)
             except FlaxlmError as err:  # its message names tokenizer.path, not set here
-                problem = f"it does not load: {_first_line(err.__cause__ or err)}"
+                problem = f"it does not load: {first_line(err.__cause__ or err)}"
             else:
                 if unrecorded:
                     cache.write_record(record, _entry_files(directory))
@@ -318,10 +318,6 @@ def _entry_files(directory: str) -> list[str]:
     return sorted(name for name in os.listdir(directory)
                   if name != RECORD_FILE and os.path.isfile(os.path.join(directory, name)))
 
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0][:200] if lines else type(err).__name__
 
 
 def _save_atomically(tokenizer: transformers.PreTrainedTokenizerFast, directory: str) -> None:

@@ -147,7 +147,7 @@ def prepare_training(
     spec = TransformerSpec(
         start.model,
         compute_dtype=jnp.dtype(config.hardware.compute_dtype),
-        param_dtype=jnp.dtype(start.model.param_dtype or config.hardware.param_dtype),
+        param_dtype=jnp.dtype(config.hardware.param_dtype),
     )
     init_key, dropout_key = jax.random.split(jax.random.key(config.seed))
     model = build_model(spec, nnx.Rngs(params=init_key))

@@ -51,19 +51,19 @@ class Classification:
         task = config.task
         if config.language is not None:
             raise FlaxlmError(
-                f"task=classify reads its examples from task.dataset or task.train_files, so "
+                f"task=classify reads its examples from task.hub_path or task.files, so "
                 f"language={config.language.name} (a corpus for task=clm) would be ignored. "
                 "Drop the language override."
             )
-        if task.dataset is None and not task.train_files:
+        if task.hub_path is None and not task.files:
             raise FlaxlmError(
-                "task=classify needs examples: set task.dataset (a Hub dataset, e.g. "
-                "task.dataset=nyu-mll/glue task.dataset_config=mrpc, or experiment=glue-mrpc) "
-                "or local files with task.train_files=[...] and task.eval_files=[...]."
+                "task=classify needs examples: set task.hub_path (a Hub dataset, e.g. "
+                "task.hub_path=nyu-mll/glue task.hub_config=mrpc, or experiment=glue-mrpc) "
+                "or local files with task.files=[...] and task.eval_files=[...]."
             )
-        if task.dataset is None and not task.eval_files:
+        if task.hub_path is None and not task.eval_files:
             raise FlaxlmError(
-                "task.train_files is set but task.eval_files is empty: fine-tuning evaluates "
+                "task.files is set but task.eval_files is empty: fine-tuning evaluates "
                 "on held-out examples. Give task.eval_files=[...] (e.g. a validation.tsv)."
             )
         return max_length_for(task)  # the model's positions are checked once known

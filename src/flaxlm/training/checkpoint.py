@@ -50,7 +50,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
-from flaxlm.errors import FlaxlmError
+from flaxlm.errors import FlaxlmError, first_line
 from flaxlm.layout import CHECKPOINT_SUBDIR
 
 BEST_METRIC = "eval/loss"  # lower is better
@@ -169,7 +169,7 @@ class Checkpointer:
             except Exception as err:  # noqa: BLE001 — any failure means: not usable
                 print(
                     f"flaxlm: checkpoint step {step} in {self.directory} is incomplete or "
-                    f"unreadable ({type(err).__name__}: {_first_line(err)}); falling back to "
+                    f"unreadable ({type(err).__name__}: {first_line(err)}); falling back to "
                     "the previous checkpoint", file=sys.stderr, flush=True,
                 )
                 continue
@@ -217,7 +217,7 @@ def restore_params(run_dir: str, step: int | None = None) -> tuple[dict, dict, i
         )
     if step is not None and step not in steps:
         raise FlaxlmError(f"{run_dir} has no checkpoint for step {step}; it has steps {steps}. "
-                          "Pass one of those as step=, or leave step unset for the latest.")
+                          "Pass one of those as --step, or leave it out for the latest.")
     candidates = [step] if step is not None else list(reversed(steps))
     for candidate in candidates:
         try:
@@ -226,7 +226,7 @@ def restore_params(run_dir: str, step: int | None = None) -> tuple[dict, dict, i
             if step is not None:
                 raise
             print(f"flaxlm: checkpoint step {candidate} in {directory} is unreadable "
-                  f"({_first_line(err)}); trying the previous one", file=sys.stderr, flush=True)
+                  f"({first_line(err)}); trying the previous one", file=sys.stderr, flush=True)
     raise FlaxlmError(
         f"No checkpoint in {directory} could be read (steps {steps}; the messages above say "
         "why). If the run also finished, its final model is in model/ beside checkpoints/: move "
@@ -458,8 +458,4 @@ def _quiet_closed_loop_callbacks() -> None:
     if not isinstance(sys.unraisablehook, _DropClosedLoopCallbacks):
         sys.unraisablehook = _DropClosedLoopCallbacks(sys.unraisablehook)
 
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0][:300] if text else ""
 

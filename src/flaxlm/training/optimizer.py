@@ -9,7 +9,7 @@ from collections.abc import Callable
 import jax
 import optax
 
-from flaxlm.config import OptimizerConfig, OptimizerKind, Schedule
+from flaxlm.config import OptimizerConfig, OptimizerName, Schedule
 from flaxlm.errors import FlaxlmError
 
 
@@ -76,12 +76,13 @@ def check_optimizer_settings(opt: OptimizerConfig) -> None:
     """The optimizer's numbers, checked before any data is read. nan fails no comparison
     (`nan <= 0` is False), so finiteness comes first: a nan or inf would otherwise surface
     only as a loss that diverges at step 1."""
+    optimizer = OptimizerName(opt.name).value
     for name in ("lr", "b1", "b2", "eps", "weight_decay", "momentum", "end_lr",
                  "decay_fraction", "max_grad_norm"):
         value = getattr(opt, name)
         if value is not None and not math.isfinite(value):
             raise FlaxlmError(
-                f"optimizer.{name}={value} is not a finite number (optimizer={opt.name}). Set "
+                f"optimizer.{name}={value} is not a finite number (optimizer={optimizer}). Set "
                 f"optimizer.{name} to a real value, or drop the override to use the default."
             )
     if opt.lr <= 0:
@@ -105,7 +106,7 @@ def check_optimizer_settings(opt: OptimizerConfig) -> None:
 
 def make_optimizer(opt: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
     check_optimizer_settings(opt)
-    tx = _OPTIMIZERS[opt.kind](opt, schedule)
+    tx = _OPTIMIZERS[opt.name](opt, schedule)
     if opt.max_grad_norm is None:
         return tx
     return optax.chain(optax.clip_by_global_norm(opt.max_grad_norm), tx)
@@ -144,9 +145,9 @@ def _adafactor(opt: OptimizerConfig, schedule: optax.Schedule) -> optax.Gradient
     )
 
 
-_OPTIMIZERS: dict[OptimizerKind, Callable[..., optax.GradientTransformation]] = {
-    OptimizerKind.adamw: _adamw,
-    OptimizerKind.adafactor: _adafactor,
-    OptimizerKind.lion: _lion,
-    OptimizerKind.sgd: _sgd,
+_OPTIMIZERS: dict[OptimizerName, Callable[..., optax.GradientTransformation]] = {
+    OptimizerName.adamw: _adamw,
+    OptimizerName.adafactor: _adafactor,
+    OptimizerName.lion: _lion,
+    OptimizerName.sgd: _sgd,
 }

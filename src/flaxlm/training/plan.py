@@ -40,8 +40,8 @@ def make_plan(config: TrainConfig, steps_per_epoch: int) -> Plan:
     return Plan(
         steps_per_epoch=steps_per_epoch,
         total_steps=total,
-        eval_every=trainer.eval_every,
-        log_every=trainer.log_every,
+        eval_every=trainer.eval_every_steps,
+        log_every=trainer.log_every_steps,
         eval_before_training=trainer.eval_before_training,
         checkpoint_every=config.checkpoint.every_steps,
         checkpoint_at_epoch_end=config.checkpoint.at_epoch_end,

@@ -1,0 +1,168 @@
+"""A run directory read back as a model: its latest or a given checkpoint, or, for a run without
+checkpoints, the Hugging Face model it exported at its end (`model/`), with the run's tokenizer
+and config. flaxlm-export writes it out; flaxlm-generate samples from it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+import transformers
+from flax import nnx
+from omegaconf import OmegaConf
+
+from flaxlm import layout
+from flaxlm.config import ModelConfig, Remat, upgrade_saved_config
+from flaxlm.data.tokenizer import keeps_own_conventions
+from flaxlm.errors import FlaxlmError
+from flaxlm.export import read_marker
+from flaxlm.layout import CHECKPOINT_SUBDIR, MODEL_SUBDIR, run_path
+from flaxlm.models import pretrained
+from flaxlm.models.build import build_classifier, build_lm, lm_from_params
+from flaxlm.models.layers import TransformerSpec
+from flaxlm.training.checkpoint import restore_params
+
+
+class RunModel(NamedTuple):
+    """A run's trained model, ready to export or generate with."""
+
+    params: dict  # nested, as nnx.to_pure_dict gives
+    model_config: ModelConfig
+    tokenizer: Any
+    run_config: dict  # the run's resolved config ({} if unknown)
+    step: int | None
+    source: str  # e.g. "/runs/x checkpoint step 200", for messages and the model card
+    hf_config: Any = None  # a task=classify run's HF classifier config; None for an LM
+
+    @property
+    def own_conventions(self) -> bool:
+        """Whether the run kept its tokenizer's own special tokens (`keeps_own_conventions`):
+        how generation and export read a prompt."""
+        tokenizer = self.run_config.get("tokenizer") or {}
+        model = self.run_config.get("model") or {}
+        return keeps_own_conventions(tokenizer.get("convention", "auto"), model.get("init_from"))
+
+    def model(self) -> nnx.Module:
+        if self.hf_config is not None:
+            raise FlaxlmError(
+                f"{self.source} is a classifier ({self.hf_config.architectures[0]}, from a "
+                "task=classify run), not a language model, so it cannot generate text. Give "
+                "flaxlm-generate the directory of a task=clm run."
+            )
+        return lm_from_params(self.model_config, self.params)
+
+
+def load_run_model(run_dir: str, step: int | None = None) -> RunModel:
+    """The parameters of `run_dir`'s latest complete checkpoint (or of `step`), with the run's
+    config and its tokenizer (from `run_dir/model/`). A run without checkpoints falls back to
+    the HF model it exported at its end, `run_dir/model/` (then `step` must be unset)."""
+    run_dir = os.path.abspath(os.path.expanduser(run_dir))
+    if not os.path.isdir(run_dir):
+        raise FlaxlmError(
+            f"The run directory {run_dir} does not exist. Give the directory of a flaxlm-train "
+            "run, e.g. outputs/clm/runs/<timestamp>."
+        )
+    model_dir = run_path(run_dir, MODEL_SUBDIR)
+    tokenizer = _load_tokenizer(model_dir, run_dir)
+    if os.path.isdir(run_path(run_dir, CHECKPOINT_SUBDIR)):
+        params, run_config, step = restore_params(run_dir, step)
+        run_config = upgrade_saved_config(run_config)  # an earlier release's keys too
+        model_config = _trained_model_config(run_dir, run_config)
+        hf_config = None
+        if _is_classifier_run(run_config):
+            hf_config = transformers.AutoConfig.from_pretrained(model_dir)
+        return RunModel(params, model_config, tokenizer, run_config, step,
+                        f"{run_dir} checkpoint step {step}", hf_config)
+    if step is not None:
+        raise FlaxlmError(
+            f"The run directory {run_dir} has no checkpoints/ folder, so there is no checkpoint "
+            f"at step {step}. Leave --step out to use the model the run exported at its end "
+            f"({model_dir})."
+        )
+    return _from_export(model_dir, run_dir, tokenizer)
+
+
+def _load_tokenizer(model_dir: str, run_dir: str):
+    if not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        raise FlaxlmError(
+            f"{model_dir} has no tokenizer.json, so the run's tokenizer is unknown. Pass the "
+            "directory of a flaxlm-train run (it saves its tokenizer to model/ before training "
+            f"starts); is {run_dir} one?"
+        )
+    return transformers.AutoTokenizer.from_pretrained(model_dir)
+
+
+def _trained_model_config(run_dir: str, run_config: dict) -> ModelConfig:
+    """The shape the run trained, as it recorded it when it started. A run that predates that
+    record has it in its config, or (model.init_from's shape) in its model/config.json."""
+    recorded = run_path(run_dir, layout.MODEL_CONFIG_FILE)
+    if os.path.isfile(recorded):
+        return _as_model_config(OmegaConf.load(recorded))
+    model_config = _model_config(run_config, run_dir)
+    if model_config.init_from:
+        model_config = pretrained.pretrained_model_config(run_path(run_dir, MODEL_SUBDIR),
+                                                          model_config)
+    return model_config
+
+
+def _as_model_config(values) -> ModelConfig:
+    """A saved model config (a run's model_config.yaml, or its config's model node)."""
+    if not isinstance(values, dict):
+        values = OmegaConf.to_container(values, resolve=True)
+    values = upgrade_saved_config({"model": values})["model"]
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), values))
+
+
+def _model_config(run_config: dict, run_dir: str) -> ModelConfig:
+    if "model" not in run_config:
+        raise FlaxlmError(
+            f"The checkpoint of {run_dir} has no model config in its metadata, so it was not "
+            "written by flaxlm-train. Give the directory of a flaxlm-train run."
+        )
+    return _as_model_config(run_config["model"])
+
+
+def _from_export(model_dir: str, run_dir: str, tokenizer) -> RunModel:
+    if not os.path.isfile(os.path.join(model_dir, "model.safetensors")):
+        raise FlaxlmError(
+            f"The run directory {run_dir} has no checkpoint (no checkpoints/ folder) and no "
+            f"exported model ({model_dir}/model.safetensors): the run stopped before saving its "
+            "weights. "
+            "Give the directory of a run that finished or saved a checkpoint."
+        )
+    run_config = _saved_run_config(run_dir)
+    if os.path.isfile(run_path(run_dir, layout.MODEL_CONFIG_FILE)):
+        model_config = _trained_model_config(run_dir, run_config)
+    else:  # the export's own config.json gives the shape
+        # Without a saved config, what config.json leaves out is what generation needs:
+        # no dropout, no recomputation.
+        base = _model_config(run_config, run_dir) if "model" in run_config else ModelConfig(
+            name=os.path.basename(run_dir), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            remat=Remat.none)
+        model_config = pretrained.pretrained_model_config(model_dir, base)
+    hf_config = None
+    if _is_classifier_run(run_config):
+        hf_config = transformers.AutoConfig.from_pretrained(model_dir)
+        model = nnx.eval_shape(lambda: build_classifier(
+            TransformerSpec(model_config), hf_config.num_labels, nnx.Rngs(0)))
+    else:
+        model = nnx.eval_shape(lambda: build_lm(TransformerSpec(model_config), nnx.Rngs(0)))
+    # Raises if any weight is missing.
+    pretrained.load_pretrained_weights(model, model_dir, source=model_dir)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    marker = read_marker(model_dir)
+    step = (marker.get("eval_metrics") or {}).get("steps")
+    return RunModel(params, model_config, tokenizer, run_config, step,
+                    f"{model_dir} (final export)", hf_config)
+
+
+def _is_classifier_run(run_config: dict) -> bool:
+    return ((run_config or {}).get("task") or {}).get("name") == "classify"
+
+
+def _saved_run_config(run_dir: str) -> dict:
+    path = run_path(run_dir, layout.CONFIG_FILE)
+    if not os.path.isfile(path):
+        return {}
+    return upgrade_saved_config(OmegaConf.to_container(OmegaConf.load(path), resolve=False))
