@@ -10,9 +10,10 @@ import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import CHECKPOINT_LOADER as LOADER
+from conftest import bumped, leaves_equal, save_steps
 from flax import nnx
 
 from flaxlm.errors import FlaxlmError
@@ -26,19 +27,6 @@ from flaxlm.training.checkpoint.manager import (
 from flaxlm.training.step import TrainState
 from flaxlm.training.stop import StopRequest
 
-LOADER = {"kind": "blocks", "epoch": 1, "step_in_epoch": 3, "seed": 0}
-
-
-def bumped(state: TrainState, by: float) -> TrainState:
-    """A distinct state per step: every float leaf + by, step = by."""
-    moved = jax.tree.map(lambda x: x + by if jnp.issubdtype(x.dtype, jnp.inexact) else x, state)
-    return moved.replace(step=jnp.asarray(int(by), jnp.int32))
-
-
-def leaves_equal(a, b) -> bool:
-    pairs = zip(jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b)), strict=True)
-    return all(np.array_equal(x, y) for x, y in pairs)
-
 
 def restore_latest(directory, abstract_state):
     checkpointer = Checkpointer(str(directory))
@@ -46,15 +34,6 @@ def restore_latest(directory, abstract_state):
         return checkpointer.restore_latest(abstract_state)
     finally:
         checkpointer.close()
-
-
-def save_steps(directory, state, steps, **options) -> Checkpointer:
-    checkpointer = Checkpointer(str(directory), **options)
-    for step in steps:
-        checkpointer.save(step, bumped(state, step), {**LOADER, "step": step},
-                          {"config": {"model": {"n_layer": 2}}})
-    checkpointer.wait()
-    return checkpointer
 
 
 def test_a_checkpoint_restores_state_loader_and_metadata_exactly(tmp_path, train_state):

@@ -21,9 +21,16 @@ import jax
 import numpy as np
 import pytest
 import safetensors.numpy
-from conftest import TINY, compose, trained_run
-from test_checkpoint import bumped, leaves_equal, save_steps
-from test_resume import assert_same_params, metrics_of
+from conftest import (
+    TINY,
+    assert_same_params,
+    bumped,
+    compose,
+    leaves_equal,
+    metrics_of,
+    save_steps,
+    trained_run,
+)
 
 from flaxlm.errors import FlaxlmError
 from flaxlm.job import train

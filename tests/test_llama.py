@@ -11,7 +11,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY, compose, config_node, mesh_config
+from conftest import (
+    TINY,
+    assert_same_params,
+    compose,
+    config_node,
+    files_overrides,
+    mesh_config,
+    metrics_of,
+    stop_at,
+    write_pairs,
+)
 from conftest import model_config as family_config
 from flax import nnx
 from omegaconf import OmegaConf
@@ -396,8 +406,6 @@ def test_a_tiny_llama_trains_the_same_on_8_devices_as_on_1(tmp_path):
 
 @pytest.mark.slow
 def test_a_stopped_llama_run_resumes_to_the_same_parameters_and_metrics(tmp_path, monkeypatch):
-    from test_resume import assert_same_params, metrics_of, stop_at
-
     from flaxlm.job import train
     from flaxlm.training.stop import Preempted
 
@@ -416,8 +424,6 @@ def test_a_stopped_llama_run_resumes_to_the_same_parameters_and_metrics(tmp_path
 @pytest.mark.slow
 def test_a_llama_pretrained_here_finetunes_as_a_classifier(tmp_path):
     """task=clm with model=llama-tiny, then task=classify from its exported model/."""
-    from test_finetune import files_overrides, write_pairs
-
     from flaxlm.job import train
 
     tiny = [*TINY, "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
