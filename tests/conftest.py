@@ -406,7 +406,7 @@ def assert_same_params(run_dir, reference_dir) -> None:
     """The two runs' latest checkpoints hold bitwise the same parameters, at the same step."""
     import numpy as np
 
-    from flaxlm.training.checkpoint import restore_params
+    from flaxlm.training.checkpoint.manager import restore_params
 
     params, _, step = restore_params(str(run_dir))
     expected, _, expected_step = restore_params(str(reference_dir))
@@ -459,7 +459,7 @@ def leaves_equal(a, b) -> bool:
 
 def save_steps(directory, state, steps, **options):
     """A Checkpointer in `directory` that saved `bumped(state, step)` for each of `steps`."""
-    from flaxlm.training.checkpoint import Checkpointer
+    from flaxlm.training.checkpoint.manager import Checkpointer
 
     checkpointer = Checkpointer(str(directory), **options)
     for step in steps:
