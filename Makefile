@@ -1,6 +1,7 @@
 # The two commands of the README. Each creates/updates the local virtual environment first.
 #   make train [ARGS="model=distilgpt2 trainer.max_steps=100"]   the offline quickstart
 #   make test  [PYTEST_ARGS="-k packing"]                          lint, docs, then the test suite
+#   make test-fast [PYTEST_ARGS=...]                                the suite without `slow` tests
 PYTHON ?= python3
 VENV ?= .venv
 ARGS ?=
@@ -8,7 +9,7 @@ PYTEST_ARGS ?=
 # The tests are independent: one pytest-xdist worker per core of the 2-core CI machine.
 PYTEST_WORKERS ?= 2
 
-.PHONY: train test lint docs bench bench-accelerator clean-venv
+.PHONY: train test test-fast lint docs bench bench-accelerator clean-venv
 
 # Reinstall only when the package's requirements change.
 $(VENV)/.installed: pyproject.toml setup.py
@@ -26,6 +27,10 @@ train: $(VENV)/.installed
 
 test: lint docs
 	$(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+
+# The inner loop: every test but the end-to-end runs marked `slow` (make test runs those too).
+test-fast: $(VENV)/.installed-test
+	$(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
 
 # Style and import order (ruff), and the package's layering with no import cycles
 # (import-linter's contracts in pyproject.toml).

@@ -63,10 +63,9 @@ def flax_worker(config, tokens_np, args) -> None:
     from flax import nnx
 
     from flaxlm.hardware_peak import peak_flops
-    from flaxlm.models.build import build_lm
+    from flaxlm.models.build import build_lm, lm_flops_per_token
     from flaxlm.models.layers import TransformerSpec, count_params
     from flaxlm.parallel import configure_platform, global_batch, make_mesh, replicated
-    from flaxlm.tasks.clm import flops_per_token
     from flaxlm.training.optimizer import make_optimizer, make_schedule
     from flaxlm.training.step import compile_steps, create_state
 
@@ -94,7 +93,7 @@ def flax_worker(config, tokens_np, args) -> None:
     seconds = harness.time_steps(step, args.warmup, args.steps)
     kinds = [device.device_kind for device in mesh.devices.flat]
     memory = mesh.devices.flat[0].memory_stats() or {}  # None where the platform keeps none
-    harness.emit(seconds, flops_per_token=flops_per_token(config.model, num_params, args.seq),
+    harness.emit(seconds, flops_per_token=lm_flops_per_token(config.model, num_params, args.seq),
                  peak_flops=peak_flops(config.hardware.peak_tflops_per_device, kinds),
                  devices=f"{mesh.size} × {kinds[0]}", num_params=num_params,
                  peak_bytes_in_use=memory.get("peak_bytes_in_use"),

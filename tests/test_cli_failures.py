@@ -10,27 +10,18 @@ import fcntl
 import json
 import os
 import shutil
-import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
-from conftest import TINY, compose
-from test_bad_input import ENGLISH, SHORT, assert_names, write
+from conftest import ENGLISH, SHORT, TINY, assert_names, compose, write
 
 from flaxlm.errors import FlaxlmError
 from flaxlm.job import train
-from flaxlm.training.checkpoint import Checkpointer
+from flaxlm.training.checkpoint.manager import Checkpointer
 
 
-def flaxlm_train(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    return subprocess.run([sys.executable, "-m", "flaxlm.cli.train", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def error_lines(result: subprocess.CompletedProcess) -> list[str]:
+def error_lines(result) -> list[str]:
     assert "Traceback" not in result.stderr + result.stdout, result.stderr[-3000:]
     return [line for line in result.stderr.splitlines() if line.startswith("flaxlm: error:")]
 
@@ -43,9 +34,9 @@ def error_lines(result: subprocess.CompletedProcess) -> list[str]:
     ("model=gpt9", "Could not find 'model/gpt9'"),
     ("trainer.max_steps=many", "Value 'many' of type 'str' could not be converted to Integer"),
 ], ids=["misspelt-key", "unknown-option", "wrong-type"])
-def test_a_config_hydra_cannot_compose_exits_2_with_hydras_message(tmp_path, override,
+def test_a_config_hydra_cannot_compose_exits_2_with_hydras_message(tmp_path, train_cli, override,
                                                                    hydra_says):
-    result = flaxlm_train(override, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    result = train_cli(override, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert hydra_says in result.stderr
 
@@ -93,28 +84,17 @@ def test_a_config_file_that_is_not_yaml_exits_2_naming_the_file_and_line(
     assert not (tmp_path / "outputs").exists()
 
 
-def test_the_resolved_config_prints(tmp_path):
-    result = flaxlm_train("--cfg", "job", "--resolve", cwd=tmp_path)
+def test_the_resolved_config_prints(tmp_path, train_cli):
+    result = train_cli("--cfg", "job", "--resolve", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert "run_dir: null" in lines  # Hydra runs no job, so there is no output directory
     assert "  name: gpt2-tiny" in lines and any(line.startswith("cache_dir: ") for line in lines)
 
 
-@pytest.mark.slow
-def test_a_missing_accelerator_is_one_message(tmp_path):
-    # JAX raises a bare AssertionError when asked for a GPU on a machine without one.
-    result = flaxlm_train("hardware=gpu", "logger=none", f"hydra.run.dir={tmp_path / 'run'}",
-                          cwd=tmp_path)
-    assert result.returncode == 2, result.stderr
-    [error] = error_lines(result)
-    assert_names(error, "hardware.platform='gpu'", "hardware=gpu", "no gpu device found")
-
-
-@pytest.mark.slow
-def test_an_unwritable_hydra_run_dir_is_one_message(tmp_path, unwritable):
+def test_an_unwritable_hydra_run_dir_is_one_message(tmp_path, unwritable, train_cli):
     run_dir = unwritable / "run"
-    result = flaxlm_train("logger=none", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    result = train_cli("logger=none", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     [error] = error_lines(result)
     assert_names(error, f"hydra.run.dir={run_dir}", "Set hydra.run.dir")
@@ -191,6 +171,7 @@ def test_a_start_that_failed_before_its_first_step_does_not_block_the_retry(tmp_
         train(compose(retry, run_dir))
 
 
+@pytest.mark.slow
 def test_a_run_stopped_before_its_first_checkpoint_starts_again_with_the_same_config(tmp_path):
     run_dir = tmp_path / "run"
     english = write(tmp_path / "english.txt", ENGLISH)
@@ -239,10 +220,9 @@ def test_a_checkpointer_leaves_no_orbax_thread_running(tmp_path, monkeypatch):
     checkpointer.close()
 
 
-@pytest.mark.slow
-def test_early_input_errors_print_one_message_and_leave_the_run_dir_reusable(tmp_path):
+def test_early_input_errors_print_one_message_and_leave_the_run_dir_reusable(tmp_path, train_cli):
     for _ in range(3):  # the same command again, in the same run directory
-        result = flaxlm_train(*TINY, "language=files", "language.files=[missing.txt]",
+        result = train_cli(*TINY, "language=files", "language.files=[missing.txt]",
                               f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
         assert result.returncode == 2, result.stderr
         [error] = error_lines(result)
@@ -253,13 +233,13 @@ def test_early_input_errors_print_one_message_and_leave_the_run_dir_reusable(tmp
 
 
 @pytest.mark.slow
-def test_a_multirun_runs_every_job_and_sums_them_up(tmp_path):
+def test_a_multirun_runs_every_job_and_sums_them_up(tmp_path, train_cli):
     english = write(tmp_path / "english.txt", "\n\n".join([ENGLISH] * 10))
     sweep_dir = tmp_path / "sweep"
-    result = flaxlm_train(
+    result = train_cli(
         "-m", *TINY, "language=files", f"language.files=[missing.txt],[{english}]",
         "task.max_seq_length=16", "trainer.max_steps=1", "trainer.eval_before_training=false",
-        "samples.prompts=[]", f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path, timeout=600,
+        "samples.prompts=[]", f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path,
     )
     assert result.returncode == 1, result.stderr[-3000:]
     [error] = error_lines(result)

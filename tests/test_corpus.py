@@ -24,20 +24,6 @@ from flaxlm.data.corpus import CorpusSplits, builtin_documents, load_corpus
 from flaxlm.errors import FlaxlmError
 
 
-@pytest.fixture(autouse=True)
-def isolated_hf_cache(tmp_path_factory, monkeypatch):
-    """Keep `datasets` off the user's cache and off the network."""
-    cache = tmp_path_factory.mktemp("hf_cache")
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
-    # `datasets` reads its settings once, at import: patch them where it looks them up.
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
-    monkeypatch.setattr(datasets.config, "DOWNLOADED_DATASETS_PATH", cache / "downloads")
-    monkeypatch.setattr(
-        datasets.config, "EXTRACTED_DATASETS_PATH", cache / "downloads" / "extracted"
-    )
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-
-
 def files_config(*files: object, **settings) -> LanguageConfig:
     return config_node("language", name="t", source=CorpusSource.files,
                        files=[str(f) for f in files], **settings)

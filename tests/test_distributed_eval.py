@@ -24,7 +24,6 @@ from flaxlm.config import Padding
 from flaxlm.data.encoding import bucket_lengths, encode
 from flaxlm.errors import FlaxlmError
 from flaxlm.parallel import make_mesh
-from flaxlm.training.checkpoint import EvaluationCut, StopRequest
 from flaxlm.training.evaluation import (
     compute_metrics,
     default_metrics,
@@ -34,6 +33,7 @@ from flaxlm.training.evaluation import (
     to_predictions,
     write_predictions,
 )
+from flaxlm.training.stop import EvaluationCut, StopRequest
 
 VOCAB, DIM, MAX_LENGTH = 1024, 16, 24
 GLOBAL_BATCH = 32  # 8 devices × 4

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import tokenizers
 import transformers
-from conftest import TINY, compose, model_config
+from conftest import TINY, compose, make_tokenizer, model_config
+from conftest import TOKENIZER_TEXT as TEXT
 from flax import nnx
 
 from flaxlm.errors import FlaxlmError
@@ -23,25 +24,8 @@ from flaxlm.models.gpt2 import GPT2LMHeadModel
 from flaxlm.models.layers import TransformerSpec
 
 CONFIG = model_config(name="t", vocab_size=97, n_positions=32, n_embd=64, n_layer=2, n_head=4)
-TEXT = ["the cat sat on the mat", "a much longer prompt on the mat", "the dog ate the cat"] * 5
 FIGURES = {"eval/loss": 6.398, "eval/perplexity": 600.4, "eval/bits_per_byte": 2.56,
            "steps": 230, "tokens_seen": 471040}
-
-
-def make_tokenizer(vocab_size: int = 97) -> transformers.PreTrainedTokenizerFast:
-    """A small byte-level BPE over the letters of TEXT (no full byte alphabet, so it fits a
-    97-token model), with flaxlm's special tokens."""
-    model = tokenizers.Tokenizer(tokenizers.models.BPE())
-    model.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    model.decoder = tokenizers.decoders.ByteLevel()
-    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
-    model.train_from_iterator(
-        TEXT, tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials)
-    )
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=model, bos_token="<s>", pad_token="<pad>", eos_token="</s>",
-        unk_token="<unk>", mask_token="<mask>",
-    )
 
 
 def make_params(config=CONFIG):

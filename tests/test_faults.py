@@ -21,20 +21,23 @@ import jax
 import numpy as np
 import pytest
 import safetensors.numpy
-from conftest import TINY, compose, trained_run
-from test_checkpoint import bumped, leaves_equal, save_steps
-from test_resume import assert_same_params, metrics_of
+from conftest import (
+    TINY,
+    assert_same_params,
+    bumped,
+    compose,
+    leaves_equal,
+    metrics_of,
+    save_steps,
+    trained_run,
+)
 
 from flaxlm.errors import FlaxlmError
 from flaxlm.job import train
 from flaxlm.models import hf
 from flaxlm.tracking import Tracker
-from flaxlm.training.checkpoint import (
-    PREEMPTED_EXIT_CODE,
-    Checkpointer,
-    finalised_steps,
-    restore_params,
-)
+from flaxlm.training.checkpoint.manager import Checkpointer, finalised_steps, restore_params
+from flaxlm.training.stop import PREEMPTED_EXIT_CODE
 
 # 2 epochs of 10 steps: checkpoints at 4, 8, 10, 12, 16, 20 (the last 3 and the best kept),
 # evaluations at 0, 6, 10, 12, 18, 20.

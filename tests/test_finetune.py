@@ -3,59 +3,15 @@
 import csv
 import json
 import os
-import random
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, compose
+from conftest import TINY_CLASSIFY, compose, files_overrides, write_pairs
 from omegaconf import OmegaConf
 
 from flaxlm.errors import FlaxlmError
 from flaxlm.job import train
 from flaxlm.run_model import load_run_model
-
-# Small enough for a few seconds on 2 cores; 8 simulated devices × 2 rows.
-TINY_CLASSIFY = [
-    "task=classify",
-    "model=bert-tiny",
-    "model.n_layer=1",
-    "model.n_embd=32",
-    "model.n_head=2",
-    "model.n_inner=64",
-    "model.vocab_size=512",
-    "task.max_seq_length=24",
-    "task.text_pair_column=sentence2",
-    "task.metrics=[accuracy,f1]",
-    "hardware=cpu-8",
-    "hardware.per_device_batch_size=2",
-    "logger=none",
-    "optimizer.lr=3e-3",
-    "optimizer.warmup_steps=0",
-    "trainer.log_every_steps=5",
-]
-
-_A = "alpha bravo charlie delta echo foxtrot golf hotel".split()
-_B = "india juliet kilo lima mike november oscar papa".split()
-_SHARED = "the a of to and in is it that was for on".split()
-
-
-def write_pairs(path, num_rows, seed):
-    """A pair task a tiny model learns in a few dozen steps: label 1 when the second sentence
-    is drawn from one word pool, 0 from another; both share filler words."""
-    rng = random.Random(seed)
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f, delimiter="\t")
-        writer.writerow(["sentence1", "sentence2", "label"])
-        for _ in range(num_rows):
-            label = rng.randrange(2)
-            pool = _A if label else _B
-            first = " ".join(rng.choice(_SHARED + _A + _B) for _ in range(6))
-            second = " ".join(rng.choice(pool if rng.random() < 0.5 else _SHARED)
-                              for _ in range(6))
-            writer.writerow([first, second, label])
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +19,6 @@ def pair_files(tmp_path_factory):
     directory = tmp_path_factory.mktemp("pairs")
     return (write_pairs(directory / "train.tsv", 512, 0),
             write_pairs(directory / "validation.tsv", 99, 1))
-
-
-def files_overrides(pair_files):
-    train, validation = pair_files
-    return [f"task.files=[{train}]", f"task.eval_files=[{validation}]"]
 
 
 def test_finetuning_raises_accuracy_above_chance(pair_files, tmp_path):
@@ -108,22 +59,20 @@ def test_label_outside_num_labels_fails_clearly(pair_files, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_finetunes_gpt2_pretrained_here(pair_files, tmp_path):
+def test_cli_finetunes_gpt2_pretrained_here(pair_files, tmp_path, train_cli):
     """task=clm here, then task=classify from its model/ directory, both through the CLI."""
     clm_dir = tmp_path / "clm"
     tiny_gpt2 = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=32",
                  "model.vocab_size=512", "hardware=cpu-8", "hardware.per_device_batch_size=2",
                  "logger=none"]
-    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "src")}
-    train = [sys.executable, "-m", "flaxlm.cli.train"]
-    subprocess.run([*train, *tiny_gpt2, "trainer.max_steps=2", f"hydra.run.dir={clm_dir}"],
-                   check=True, env=env, capture_output=True)
+    done = train_cli(*tiny_gpt2, "trainer.max_steps=2", f"hydra.run.dir={clm_dir}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / "classify"
-    done = subprocess.run(
-        [*train, "task=classify", "model=gpt2-tiny", f"model.init_from={clm_dir}/model",
-         *tiny_gpt2, "task.max_seq_length=24", "task.text_pair_column=sentence2",
-         *files_overrides(pair_files), "trainer.max_steps=4", f"hydra.run.dir={run_dir}"],
-        env=env, capture_output=True, text=True,
+    done = train_cli(
+        "task=classify", "model=gpt2-tiny", f"model.init_from={clm_dir}/model",
+        *tiny_gpt2, "task.max_seq_length=24", "task.text_pair_column=sentence2",
+        *files_overrides(pair_files), "trainer.max_steps=4", f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "score" in done.stdout  # the fresh head is reported

@@ -5,7 +5,7 @@ sampling settings behave as documented."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import model_config
+from conftest import make_tokenizer, model_config
 from flax import nnx
 
 from flaxlm.errors import FlaxlmError
@@ -129,8 +129,6 @@ def test_errors_name_the_setting(model):
 
 
 def test_text_generation_with_a_tokenizer(model):
-    from test_export import make_tokenizer
-
     tokenizer = make_tokenizer(vocab_size=97)
     settings = GenerationSettings(max_new_tokens=8, seed=1)
     texts = generate(model, tokenizer, ["the cat", "", "a much longer prompt on the mat"], settings)
@@ -143,7 +141,6 @@ def test_text_generation_with_a_tokenizer(model):
 def test_greedy_equals_transformers_generate_on_the_export(model, prompts, tmp_path):
     torch = pytest.importorskip("torch")
     import transformers
-    from test_export import make_tokenizer
 
     from flaxlm.export import export_hf
 

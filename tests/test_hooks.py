@@ -5,21 +5,18 @@ the uninterrupted run would have."""
 from __future__ import annotations
 
 import functools
-import os
-import signal
 
 import pytest
-from conftest import TINY, compose
+from conftest import TINY, compose, stop_at
 
 from flaxlm.job import train
 from flaxlm.tasks import base
-from flaxlm.tracking import Tracker
-from flaxlm.training.checkpoint import Preempted
 from flaxlm.training.loop import END, EPOCH_END, START, STEP, Hook, Loop
+from flaxlm.training.stop import Preempted
 
 # 2 epochs of 4 steps (39 blocks, 8 rows per step).
 RUN = [*TINY, "hardware.per_device_batch_size=1", "language.max_train_docs=6",
-       "language.max_eval_docs=2", "trainer.num_epochs=2", "trainer.log_every=2",
+       "language.max_eval_docs=2", "trainer.num_epochs=2", "trainer.log_every_steps=2",
        "checkpoint.every_steps=5", "samples.prompts=[]"]
 
 
@@ -64,14 +61,7 @@ def test_a_custom_hook_runs_at_its_steps_and_the_resumed_run_at_the_same_ones(
     run_dir = tmp_path / "stopped"
     with monkeypatch.context() as patch:
         with_hook(patch, first)
-        log = Tracker.log
-
-        def log_then_signal(self, metrics, step):
-            log(self, metrics, step=step)
-            if step == 6 and "train/loss" in metrics:
-                os.kill(os.getpid(), signal.SIGTERM)
-
-        patch.setattr(Tracker, "log", log_then_signal)
+        stop_at(patch, 6)
         with pytest.raises(Preempted) as stopped:
             train(compose(RUN, run_dir=run_dir))
     assert stopped.value.step == 6

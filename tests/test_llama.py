@@ -11,7 +11,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY, compose, config_node, mesh_config
+from conftest import (
+    TINY,
+    assert_same_params,
+    compose,
+    config_node,
+    files_overrides,
+    mesh_config,
+    metrics_of,
+    stop_at,
+    write_pairs,
+)
 from conftest import model_config as family_config
 from flax import nnx
 from omegaconf import OmegaConf
@@ -156,14 +166,14 @@ def test_llama_tiny_is_about_gpt2_tiny_in_size():
 def test_training_flops_count_the_matrices_that_multiply_whether_tied_or_not():
     """An untied head is a matrix of its own and the token table then only a lookup, so tying
     changes the parameter count but not the FLOPs; GPT-2's position table never multiplies."""
-    from flaxlm.tasks.clm import flops_per_token
+    from flaxlm.models.build import lm_flops_per_token
 
     flops = {}
     for option, tied in (("llama-tiny", True), ("llama-tiny", False), ("gpt2-tiny", True)):
         model_config = OmegaConf.to_object(compose([f"model={option}"])).model
         model_config = dataclasses.replace(model_config, tie_word_embeddings=tied)
         model = nnx.eval_shape(lambda c=model_config: build_lm(TransformerSpec(c), nnx.Rngs(0)))
-        flops[option, tied] = flops_per_token(model_config, count_params(model), 256)
+        flops[option, tied] = lm_flops_per_token(model_config, count_params(model), 256)
         if option == "gpt2-tiny":  # the tied head counts once; positions only look up
             matmul = count_params(model) - 256 * model_config.n_embd
             assert flops[option, tied] == 6 * matmul + 12 * 6 * 256 * 256
@@ -396,10 +406,8 @@ def test_a_tiny_llama_trains_the_same_on_8_devices_as_on_1(tmp_path):
 
 @pytest.mark.slow
 def test_a_stopped_llama_run_resumes_to_the_same_parameters_and_metrics(tmp_path, monkeypatch):
-    from test_resume import assert_same_params, metrics_of, stop_at
-
     from flaxlm.job import train
-    from flaxlm.training.checkpoint import Preempted
+    from flaxlm.training.stop import Preempted
 
     run = ["model=llama-tiny", *TINY, "trainer.max_steps=6", "trainer.log_every_steps=1",
            "checkpoint.every_steps=4", "language.max_train_docs=60", "model.attn_pdrop=0.1"]
@@ -416,8 +424,6 @@ def test_a_stopped_llama_run_resumes_to_the_same_parameters_and_metrics(tmp_path
 @pytest.mark.slow
 def test_a_llama_pretrained_here_finetunes_as_a_classifier(tmp_path):
     """task=clm with model=llama-tiny, then task=classify from its exported model/."""
-    from test_finetune import files_overrides, write_pairs
-
     from flaxlm.job import train
 
     tiny = [*TINY, "model.n_layer=1", "model.n_embd=32", "model.n_head=2",

@@ -77,8 +77,8 @@ def test_logits_match_pytorch_gpt2(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["n_layer"] == 2
 
 
-def test_bfloat16_parameters_reproduce_the_seed_and_still_train():
-    """hardware.param_dtype=bfloat16: the seed's bfloat16 parameters (and AdamW moments)."""
+def test_bfloat16_parameters_stay_bfloat16_through_training_and_the_loss_falls():
+    """hardware.param_dtype=bfloat16: parameters (and AdamW moments) in bfloat16 train."""
     from flaxlm.parallel import global_batch, make_mesh, replicated
     from flaxlm.training.optimizer import make_optimizer, make_schedule
     from flaxlm.training.step import compile_steps, create_state

@@ -23,8 +23,9 @@ from conftest import TINY, trained_run
 from flaxlm import distributed
 from flaxlm.config import DistributedConfig, HardwareConfig
 from flaxlm.errors import PEER_EXIT_CODE, FlaxlmError
-from flaxlm.runs import PER_PROCESS_KEY, own_loader_state
-from flaxlm.training.checkpoint import PREEMPTED_EXIT_CODE, restore_params
+from flaxlm.training.checkpoint.manager import restore_params
+from flaxlm.training.checkpoint.resume import PER_PROCESS_KEY, own_loader_state
+from flaxlm.training.stop import PREEMPTED_EXIT_CODE
 
 # 3 epochs of 10 steps; a checkpoint every 4 steps and at each epoch end.
 RUN = [*TINY, "language.max_train_docs=12", "language.max_eval_docs=2", "trainer.num_epochs=3",

@@ -185,7 +185,7 @@ def test_wsd_is_flat_until_its_last_decay_fraction_then_decays_every_step():
     assert values[110] == 0.0
 
 
-def test_without_warmup_the_first_step_runs_at_full_lr_as_in_the_seed():
+def test_without_warmup_every_schedule_starts_at_the_full_learning_rate():
     for schedule in Schedule:
         opt = config_node("optimizer", lr=3e-4, schedule=schedule)
         np.testing.assert_allclose(float(make_schedule(opt, total_steps=100)(0)), 3e-4)

@@ -262,12 +262,11 @@ def test_preempted_failed_and_killed_runs_copied_out_of_their_sweep_keep_their_s
     """What each run recorded in its own directory: no sweep status files are needed."""
     import shutil
 
-    from conftest import compose
-    from test_resume import stop_at
+    from conftest import compose, stop_at
 
     from flaxlm.job import train
     from flaxlm.tracking import Tracker
-    from flaxlm.training.checkpoint import Preempted
+    from flaxlm.training.stop import Preempted
 
     sweep, copies = tmp_path / "multirun", tmp_path / "copied"
     with monkeypatch.context() as patch:

@@ -19,60 +19,33 @@ from pathlib import Path
 import numpy as np
 import pytest
 import safetensors.numpy
-from conftest import TINY, compose, trained_run
+from conftest import (
+    TINY,
+    assert_same_params,
+    compose,
+    flat,
+    metrics_of,
+    stop_at,
+    streaming_run,
+    trained_run,
+)
 from wandb_records import of_type, read_wandb_records
 
 from flaxlm.data.loader import RowLoader
 from flaxlm.errors import FlaxlmError
 from flaxlm.job import train
 from flaxlm.models import hf
-from flaxlm.tracking import Tracker
 from flaxlm.training import evaluation
-from flaxlm.training.checkpoint import PREEMPTED_EXIT_CODE, Preempted, restore_params
+from flaxlm.training.checkpoint.manager import restore_params
+from flaxlm.training.stop import PREEMPTED_EXIT_CODE, Preempted
 
 # 2 epochs of 10 steps; a checkpoint every 4 steps and at each epoch end.
 RUN = [*TINY, "language.max_train_docs=12", "language.max_eval_docs=2", "trainer.num_epochs=2",
        "trainer.log_every_steps=2", "checkpoint.every_steps=4", "optimizer.warmup_steps=2"]
-VOLATILE = {"time", "train/tokens_per_second", "train/mfu"}  # wall-clock dependent
-
-
-def metrics_of(run_dir) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items() if k not in VOLATILE} for line in f]
-
-
-def assert_same_params(run_dir, reference_dir):
-    params, _, step = restore_params(str(run_dir))
-    expected, _, expected_step = restore_params(str(reference_dir))
-    assert step == expected_step
-    for (path, leaf), (_, other) in zip(flat(params), flat(expected), strict=True):
-        assert np.array_equal(leaf, other), path  # bitwise
-
-
-def flat(tree, path=()):
-    if isinstance(tree, dict):
-        for key in sorted(tree, key=str):
-            yield from flat(tree[key], (*path, key))
-    else:
-        yield path, tree
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The uninterrupted run every resumed run is compared with."""
     return trained_run(tmp_path_factory, "reference", RUN)
-
-
-def stop_at(monkeypatch, stop_step: int, sig=signal.SIGTERM):
-    """Send `sig` to this process while the loop logs `step`'s train metrics."""
-    log = Tracker.log
-
-    def log_then_signal(self, metrics, step):  # noqa: F811 — Tracker.log's own signature
-        log(self, metrics, step=step)
-        if step == stop_step and "train/loss" in metrics:
-            os.kill(os.getpid(), sig)
-
-    monkeypatch.setattr(Tracker, "log", log_then_signal)
 
 
 def test_a_run_stopped_by_sigterm_resumes_to_the_same_parameters_and_metrics(
@@ -219,8 +192,6 @@ def test_restore_params_equals_the_exported_model(reference):
 def test_a_streaming_run_resumes_from_its_stream_position(tmp_path, monkeypatch, capsys):
     """language.streaming: the checkpoint holds the StreamState, and the resumed run reads the
     same next batches as the run that never stopped."""
-    from test_streaming import streaming_run
-
     settings = ["trainer.max_steps=8", "checkpoint.every_steps=3", "trainer.log_every_steps=2",
                 "language.shuffle_buffer=5"]
     (tmp_path / "a").mkdir()

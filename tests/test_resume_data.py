@@ -15,9 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TINY, compose
-from test_finetune import TINY_CLASSIFY, write_pairs
-from test_streaming import streaming_run
+from conftest import TINY, TINY_CLASSIFY, compose, streaming_run, write_pairs
 
 from flaxlm.errors import FlaxlmError
 from flaxlm.job import train

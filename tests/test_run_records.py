@@ -122,7 +122,7 @@ LOGGED = [{"step": 2, "time": 1.0, "train/loss": 3.0},
 
 def _objective(run_dir: str) -> float:
     from flaxlm.config import ObjectiveMode, ObjectiveValue
-    from flaxlm.job import Objective, objective_result
+    from flaxlm.tasks.objective import Objective, objective_result
 
     objective = Objective("eval/loss", ObjectiveMode.min, ObjectiveValue.best)
     return objective_result(objective, run_dir, {"eval/loss": float("nan")})

@@ -21,7 +21,7 @@ from flaxlm.models.bert import BertForSequenceClassification
 from flaxlm.models.gpt2 import GPT2ForSequenceClassification, GPT2LMHeadModel
 from flaxlm.models.layers import TransformerSpec
 from flaxlm.parallel import global_batch, make_mesh
-from flaxlm.training.checkpoint import Checkpointer
+from flaxlm.training.checkpoint.manager import Checkpointer
 from flaxlm.training.optimizer import make_optimizer, make_schedule
 from flaxlm.training.step import compile_steps, create_state, lm_loss
 

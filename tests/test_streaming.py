@@ -10,12 +10,10 @@ import threading
 import time
 
 import datasets
-import huggingface_hub
 import numpy as np
 import pytest
-from conftest import TINY, compose, config_node
+from conftest import compose, config_node, documents, streaming_run, write_hub_stand_in
 from omegaconf import OmegaConf
-from test_presets import documents, write_hub_stand_in
 
 from flaxlm.data.corpus import load_corpus_stream
 from flaxlm.data.packing import cut_blocks, join_documents
@@ -26,13 +24,6 @@ from flaxlm.job import train
 from flaxlm.parallel import make_mesh
 
 SEQ = 16
-
-
-@pytest.fixture(autouse=True)
-def isolated_hub_caches(tmp_path, monkeypatch):
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-datasets")
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
 
 @pytest.fixture(scope="module")
@@ -220,19 +211,6 @@ def test_a_loader_stops_its_thread_when_the_consumer_stops(hub_dir, tokenizer):
 
 
 # --- end to end -----------------------------------------------------------------------------------
-
-
-def streaming_run(tmp_path, *extra):
-    docs = documents(300, seed=4)
-    for shard in range(3):
-        part = docs[shard * 100 : (shard + 1) * 100]
-        (tmp_path / f"c{shard}.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in part))
-    return compose(
-        [*TINY, "language=files", f"language.files=[{tmp_path}/*.jsonl]",
-         "language.streaming=true", "language.max_eval_docs=30", "language.shuffle_buffer=16",
-         "tokenizer.train_docs=100", "task.max_seq_length=32", "trainer.log_every_steps=1", *extra],
-        run_dir=tmp_path / "run",
-    )
 
 
 def test_a_short_streaming_run_trains_to_a_finite_loss(tmp_path):

@@ -23,14 +23,9 @@ from flaxlm.cli.sweep import SweepJob
 from flaxlm.cli.train import check_sweep_direction
 from flaxlm.config import ObjectiveMode, ObjectiveValue
 from flaxlm.errors import FlaxlmError
-from flaxlm.job import (
-    OBJECTIVE_SUMMARY,
-    Objective,
-    check_settings,
-    choose_objective,
-    objective_result,
-)
+from flaxlm.job import OBJECTIVE_SUMMARY, check_settings
 from flaxlm.runs import open_run_dir
+from flaxlm.tasks.objective import Objective, choose_objective, objective_result
 
 
 def objective_of(*overrides: str) -> Objective:

@@ -98,7 +98,7 @@ def test_no_temporary_directory_is_left_in_the_cache(saved_dir):
 
 
 @pytest.mark.parametrize(("token", "token_id"), SPECIAL_IDS.items())
-def test_special_tokens_have_the_seed_ids(tokenizer, token, token_id):
+def test_special_tokens_have_fixed_ids_and_are_never_split(tokenizer, token, token_id):
     assert tokenizer.convert_tokens_to_ids(token) == token_id
     assert tokenizer(token)["input_ids"] == [token_id]  # one token, never split
     role = {"<s>": "bos", "<pad>": "pad", "</s>": "eos", "<unk>": "unk", "<mask>": "mask"}[token]

@@ -325,8 +325,3 @@ def test_logger_options_compose_into_flags(option, wandb, tensorboard):
     config = OmegaConf.to_object(compose([option]))
     assert isinstance(config, TrainConfig)
     assert (config.logger.wandb, config.logger.tensorboard) == (wandb, tensorboard)
-
-
-def test_default_logger_is_wandb_alone():
-    logger = OmegaConf.to_object(compose()).logger
-    assert (logger.wandb, logger.tensorboard, logger.mode) == (True, False, "auto")

@@ -340,6 +340,28 @@ def announced(name: str) -> Any | None:
     return json.loads(text)
 
 
+def lost_peer_error(err: BaseException, run_dir: str) -> PeerError | None:
+    """A collective that failed because another process of the run is gone, as one message;
+    None for any other error."""
+    if jax.process_count() == 1 or isinstance(err, FlaxlmError):
+        return None
+    text = str(err)
+    if not any(sign in text for sign in _LOST_PEER_SIGNS):
+        return None
+    return PeerError(
+        f"Process {jax.process_index()} of {jax.process_count()} lost contact with another "
+        f"process of the run in {run_dir} ({text.strip().splitlines()[0][:300]}): it stopped "
+        "or crashed; its own log says why. Rerun the same command on every host to resume from "
+        "the last checkpoint."
+    )
+
+
+# What a collective's error says when a peer process is gone: gloo's (CPU) socket errors and
+# the coordination service's verdict.
+_LOST_PEER_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Gloo",
+                    "heartbeat", "tasks are unhealthy")
+
+
 def _key(name: str) -> str:
     return f"flaxlm/{_run.job}/{next(_run.messages)}/{name}"
 

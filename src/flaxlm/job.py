@@ -4,7 +4,9 @@ The job owns what every run needs whatever it trains: the platform and the devic
 compilation cache, the run directory (fresh, or a stopped run resumed), the tracker (W&B and
 metrics.jsonl), the checkpointer, and the SIGTERM / SIGINT handler. It hands these to the task
 named by `task.name` (`flaxlm.tasks.registry`) as a `JobContext`. This is the config edge:
-the composed config becomes typed objects here.
+the composed config becomes typed objects here. The job wires pieces that live elsewhere: the
+objective (`flaxlm.tasks.objective`), the run directory (`flaxlm.runs`), checkpoints
+(`flaxlm.training.checkpoint`) and stopping (`flaxlm.training.stop`).
 
 On several hosts (hardware.distributed) every process runs this same job: process 0 decides
 the run directory and whether it resumes and tells the others, writes the run's files and
@@ -13,8 +15,6 @@ its W&B run alone; a stop signal is acted on at one agreed step by every process
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 import sys
 import time
@@ -23,24 +23,20 @@ import jax
 from omegaconf import DictConfig, OmegaConf
 
 from flaxlm import distributed
-from flaxlm.config import ObjectiveMode, ObjectiveValue, TrainConfig
-from flaxlm.errors import FlaxlmError, PeerError, writable_dir
-from flaxlm.layout import METRICS_FILE, run_path
+from flaxlm.config import ObjectiveMode, TrainConfig
+from flaxlm.errors import FlaxlmError, writable_dir
 from flaxlm.parallel import configure_platform, make_mesh
-from flaxlm.run_records import FAILED, FINISHED, PREEMPTED, RUNNING, read_metrics, write_status
-from flaxlm.runs import (
-    close_quietly,
-    disk_full_error,
-    make_checkpointer,
-    open_shared_run_dir,
-)
+from flaxlm.run_records import FAILED, FINISHED, PREEMPTED, RUNNING, write_status
+from flaxlm.runs import open_shared_run_dir
 from flaxlm.tasks.base import JobContext
+from flaxlm.tasks.objective import choose_objective, objective_result
 from flaxlm.tasks.registry import task_named
 from flaxlm.tracking import start_tracker
-from flaxlm.training.checkpoint import PREEMPTED_EXIT_CODE, Preempted, StopRequest
-from flaxlm.training.evaluation import default_metrics, describe
+from flaxlm.training.checkpoint.manager import close_quietly, disk_full_error, make_checkpointer
+from flaxlm.training.evaluation import describe
 from flaxlm.training.optimizer import check_optimizer_settings
 from flaxlm.training.plan import global_batch_size
+from flaxlm.training.stop import PREEMPTED_EXIT_CODE, AgreedStopRequest, Preempted
 
 OBJECTIVE_SUMMARY = "objective"  # the W&B summary key of the value a sweeper is handed
 
@@ -110,7 +106,7 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         if tracker is not None:
             tracker.finish(exit_code=1)
         full = disk_full_error(err, run.path)
-        lost = lost_peer_error(err, run.path)
+        lost = distributed.lost_peer_error(err, run.path)
         _record_status(run.path, FAILED, _failure_reason(full or lost or err))
         if full is not None:
             raise full from err
@@ -158,126 +154,6 @@ def check_settings(config: TrainConfig, num_devices: int) -> int:
     check_optimizer_settings(config.optimizer)
     choose_objective(config)
     return seq_len
-
-
-@dataclasses.dataclass(frozen=True)
-class Objective:
-    """The eval metric a run returns to a sweeper, which way is better, and which value."""
-
-    name: str
-    mode: ObjectiveMode
-    value: ObjectiveValue
-
-
-# Eval metrics that are better lower; every other one is better higher.
-_LOSSES = ("eval/loss", "eval/perplexity", "eval/bits_per_byte")
-
-
-def choose_objective(config: TrainConfig) -> Objective:
-    """trainer.objective and its mode, checked against the eval metrics this run will log."""
-    logged, main = _eval_metrics(config)
-    name = config.trainer.objective or main
-    if name not in logged:
-        raise FlaxlmError(
-            f"trainer.objective={name} is not a metric this run logs: task={config.task.name} "
-            f"evaluates {list(logged)}. Pick one of those (or null for {main}); a classify "
-            "metric must be in task.metrics (or, with none listed, among the defaults "
-            "task.num_labels gives)."
-        )
-    mode = config.trainer.objective_mode
-    if mode is None:
-        mode = ObjectiveMode.min if name in _LOSSES else ObjectiveMode.max
-    return Objective(name, mode, config.trainer.objective_value)
-
-
-def _eval_metrics(config: TrainConfig) -> tuple[tuple[str, ...], str]:
-    """The eval metrics the task logs, and its main one."""
-    if config.task.name != "classify":
-        return _LOSSES, "eval/loss"
-    num_labels = config.task.num_labels
-    names = config.task.metrics
-    if not names and num_labels is not None:
-        names = default_metrics(num_labels, is_regression=num_labels == 1)
-    if not names:  # the defaults depend on labels only the data will tell
-        return ("eval/loss",), "eval/loss"
-    main = "f1" if "f1" in names else names[0]  # f1: GLUE's headline metric where it applies
-    return ("eval/loss", *(f"eval/{n}" for n in names)), f"eval/{main}"
-
-
-def objective_result(objective: Objective, run_dir: str, final: dict) -> float:
-    """The objective's best or last value over the run's evaluations, read back from its
-    metrics.jsonl (a resumed run's earlier evaluations included); a process without that file
-    (not process 0) returns the final evaluation's."""
-    values = [float(record[objective.name])
-              for record in read_metrics(run_path(run_dir, METRICS_FILE)).records
-              if isinstance(record.get(objective.name), (int, float))]
-    if not values:
-        return float(final.get(objective.name, math.nan))
-    if objective.value == ObjectiveValue.last:
-        return values[-1]
-    finite = [v for v in values if math.isfinite(v)] or values
-    return min(finite) if objective.mode == ObjectiveMode.min else max(finite)
-
-
-class AgreedStopRequest(StopRequest):
-    """A stop signal acted on by every process at the same point of the loop: a process that
-    stopped alone would leave the others waiting in a collective for it.
-
-    The loop asks `requested` at the same points on every process, so the n-th question is
-    the same moment everywhere. The first process to get a signal announces a question a few
-    ahead (`STOP_MARGIN`: the processes are never that far apart, as every step waits for the
-    previous one's collectives); every process answers yes from that one on. One process:
-    a plain `StopRequest`."""
-
-    STOP_MARGIN = 8
-
-    def __init__(self):
-        super().__init__()
-        self._asked = 0
-        self._stop_at: int | None = None
-
-    @property
-    def requested(self) -> bool:
-        if jax.process_count() == 1:
-            return self.signal_name is not None
-        self._asked += 1
-        if self._stop_at is None:
-            if self.signal_name is not None:
-                agreed = distributed.announce("stop", [self._asked + self.STOP_MARGIN,
-                                                       self.signal_name])
-            else:
-                agreed = distributed.announced("stop")
-            if agreed is not None:
-                self._stop_at, self.signal_name = agreed
-                if self._asked > self._stop_at:
-                    raise FlaxlmError(
-                        f"Process {jax.process_index()} learnt of the stop signal too late to "
-                        "stop with the others; the run stops without a new checkpoint. Rerun "
-                        "the same command to resume from its last checkpoint."
-                    )
-        return self._stop_at is not None and self._asked >= self._stop_at
-
-
-def lost_peer_error(err: BaseException, run_dir: str) -> PeerError | None:
-    """A collective that failed because another process of the run is gone, as one message;
-    None for any other error."""
-    if jax.process_count() == 1 or isinstance(err, FlaxlmError):
-        return None
-    text = str(err)
-    if not any(sign in text for sign in _LOST_PEER_SIGNS):
-        return None
-    return PeerError(
-        f"Process {jax.process_index()} of {jax.process_count()} lost contact with another "
-        f"process of the run in {run_dir} ({text.strip().splitlines()[0][:300]}): it stopped "
-        "or crashed; its own log says why. Rerun the same command on every host to resume from "
-        "the last checkpoint."
-    )
-
-
-# What a collective's error says when a peer process is gone: gloo's (CPU) socket errors and
-# the coordination service's verdict.
-_LOST_PEER_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Gloo",
-                    "heartbeat", "tasks are unhealthy")
 
 
 def enable_compilation_cache(cache_dir: str) -> None:

@@ -21,7 +21,7 @@ from flaxlm.layout import CHECKPOINT_SUBDIR, MODEL_SUBDIR, run_path
 from flaxlm.models import pretrained
 from flaxlm.models.build import build_classifier, build_lm, lm_from_params
 from flaxlm.models.layers import TransformerSpec
-from flaxlm.training.checkpoint import restore_params
+from flaxlm.training.checkpoint.manager import restore_params
 
 
 class RunModel(NamedTuple):

@@ -86,7 +86,7 @@ def run_command(run: Callable[[Sequence[str]], Any], argv: Sequence[str] | None)
     except FlaxlmError as err:
         exit_with_error(str(err), err.exit_code)
     except Exception as err:
-        from flaxlm.training.checkpoint import disk_full_text  # only now: it loads JAX
+        from flaxlm.training.checkpoint.manager import disk_full_text  # only now: it loads JAX
 
         text = disk_full_text(err)
         if text is None:

@@ -47,8 +47,9 @@ register_configs()
 def train_job(cfg: DictConfig) -> float | None:
     # After Hydra: JAX starts only once the config is known.
     from flaxlm import distributed
-    from flaxlm.job import choose_objective, train
-    from flaxlm.training.checkpoint import PREEMPTED_EXIT_CODE, Preempted
+    from flaxlm.job import train
+    from flaxlm.tasks.objective import choose_objective
+    from flaxlm.training.stop import PREEMPTED_EXIT_CODE, Preempted
 
     hydra_cfg = HydraConfig.get()
     overrides = [o for o in hydra_cfg.overrides.task if not o.startswith("hparams_search")]
@@ -97,7 +98,7 @@ def check_sweep_direction(direction, cfg: DictConfig) -> None:
     """A sweeper that optimises (Optuna's `direction`) must go the objective's way: minimising
     an F1 would search for the worst model without a word."""
     from flaxlm.config import ObjectiveMode
-    from flaxlm.job import choose_objective
+    from flaxlm.tasks.objective import choose_objective
 
     if not isinstance(direction, str):  # no such setting (grid), or several objectives
         return

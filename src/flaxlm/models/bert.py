@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import transformers
 from flax import nnx
 
-from flaxlm.config import Remat
+from flaxlm.config import ModelConfig, Remat
 from flaxlm.models.dropout import Dropout
 from flaxlm.models.layers import (
     ACTIVATIONS,
@@ -188,6 +188,12 @@ class BertForSequenceClassification(nnx.Module):
         self.dropout = Dropout(dropout)
         self.classifier = dense(cfg.n_embd, num_labels, spec, rngs, cfg.initializer_range,
                                 logical_axes=("embed", "classes"))
+
+    @staticmethod
+    def lookup_params(cfg: ModelConfig) -> int:
+        """Parameters only looked up, never multiplied: the token, position and segment
+        tables."""
+        return (cfg.vocab_size + cfg.n_positions + cfg.type_vocab_size) * cfg.n_embd
 
     def __call__(self, input_ids_BxL, attention_mask_BxL, token_type_ids_BxL,
                  rngs: nnx.Rngs | None = None) -> jax.Array:

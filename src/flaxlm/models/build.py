@@ -13,7 +13,7 @@ from flax import nnx
 from flaxlm.config import ModelConfig, ModelFamily
 from flaxlm.errors import FlaxlmError
 from flaxlm.models import hf
-from flaxlm.models.layers import TransformerSpec
+from flaxlm.models.layers import TransformerSpec, training_flops_per_token
 
 
 def check_lm_family(model: ModelConfig) -> None:
@@ -38,6 +38,19 @@ def build_lm(spec: TransformerSpec, rngs: nnx.Rngs) -> nnx.Module:
 def build_classifier(spec: TransformerSpec, num_labels: int, rngs: nnx.Rngs) -> nnx.Module:
     """A classifier with `num_labels` outputs (1 → regression) for `spec.model.family`."""
     return hf.classifier_architecture(spec.model.family).model_class(spec, num_labels, rngs)
+
+
+def lm_flops_per_token(model: ModelConfig, num_params: int, seq_len: int) -> float:
+    """Training FLOPs per token of the language model of `model`'s family, with `num_params`
+    parameters, on sequences of `seq_len` tokens."""
+    lookups = hf.lm_architecture(model.family).model_class.lookup_params(model)
+    return training_flops_per_token(model, num_params - lookups, seq_len)
+
+
+def classifier_flops_per_token(model: ModelConfig, num_params: int, seq_len: int) -> float:
+    """Training FLOPs per token of the classifier of `model`'s family (as `lm_flops_per_token`)."""
+    lookups = hf.classifier_architecture(model.family).model_class.lookup_params(model)
+    return training_flops_per_token(model, num_params - lookups, seq_len)
 
 
 def lm_from_params(model_config: ModelConfig, params: dict) -> nnx.Module:

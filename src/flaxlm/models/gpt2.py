@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import transformers
 from flax import nnx
 
-from flaxlm.config import Remat
+from flaxlm.config import ModelConfig, Remat
 from flaxlm.models.dropout import Dropout
 from flaxlm.models.layers import (
     ACTIVATIONS,
@@ -133,6 +133,12 @@ class GPT2LMHeadModel(nnx.Module):
         self.ln_f = layer_norm(spec, rngs)
         self.remat = Remat(cfg.remat)
 
+    @staticmethod
+    def lookup_params(cfg: ModelConfig) -> int:
+        """Parameters only looked up, never multiplied: the position table. The token table
+        multiplies, as the tied LM head, and counts once."""
+        return cfg.n_positions * cfg.n_embd
+
     def __call__(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
         # Tied head: logits against the token embeddings, in the compute dtype.
         return self.wte.attend(self.hidden_states(input_ids_BxL, rngs))
@@ -197,6 +203,12 @@ class GPT2ForSequenceClassification(nnx.Module):
         self.transformer = GPT2LMHeadModel(spec, rngs)
         self.score = dense(cfg.n_embd, num_labels, spec, rngs, cfg.initializer_range,
                            use_bias=False, logical_axes=("embed", "classes"))
+
+    @staticmethod
+    def lookup_params(cfg: ModelConfig) -> int:
+        """Parameters only looked up, never multiplied: the token and position tables (the
+        tied LM head that would multiply the token table is unused)."""
+        return (cfg.vocab_size + cfg.n_positions) * cfg.n_embd
 
     def __call__(self, input_ids_BxL, attention_mask_BxL, token_type_ids_BxL=None,
                  rngs: nnx.Rngs | None = None) -> jax.Array:

@@ -257,6 +257,13 @@ def count_params(model: nnx.Module) -> int:
     return sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
+def training_flops_per_token(model: ModelConfig, matmul_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per weight that multiplies (each family's `lookup_params`,
+    tables that are only looked up, are not among them) plus attention's
+    12·layers·width·length (PaLM, appendix B)."""
+    return 6 * matmul_params + 12 * model.n_layer * model.n_embd * seq_len
+
+
 @dataclasses.dataclass(frozen=True)
 class HFNames:
     """How transformers names one family's configs and checkpoints. Our modules carry HF's

@@ -216,6 +216,13 @@ class LlamaForCausalLM(nnx.Module):
         self.context_length = cfg.n_positions
         self.num_kv_heads, self.head_width = kv_heads(cfg), cfg.n_embd // cfg.n_head
 
+    @staticmethod
+    def lookup_params(cfg: ModelConfig) -> int:
+        """Parameters only looked up, never multiplied: an untied token table (its LM head is a
+        matrix of its own); a tied one multiplies, as the LM head, and counts once. Rotary
+        positions have no table."""
+        return 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.n_embd
+
     def __call__(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
         return self._logits(self.hidden_states(input_ids_BxL, rngs))
 
@@ -269,6 +276,12 @@ class LlamaForSequenceClassification(nnx.Module):
         self.model = LlamaModel(spec, rngs)
         self.score = dense(cfg.n_embd, num_labels, spec, rngs, cfg.initializer_range,
                            use_bias=False, logical_axes=("embed", "classes"))
+
+    @staticmethod
+    def lookup_params(cfg: ModelConfig) -> int:
+        """Parameters only looked up, never multiplied: the token table (a classifier has no LM
+        head). Rotary positions have no table."""
+        return cfg.vocab_size * cfg.n_embd
 
     def __call__(self, input_ids_BxL, attention_mask_BxL, token_type_ids_BxL=None,
                  rngs: nnx.Rngs | None = None) -> jax.Array:

@@ -27,15 +27,17 @@ from flaxlm.errors import FlaxlmError
 from flaxlm.export import export_hf
 from flaxlm.models import pretrained
 from flaxlm.models.layers import TransformerSpec, count_params
-from flaxlm.runs import DATA_FINGERPRINT_KEY, CheckpointSaver, RunDir, restore_run
+from flaxlm.runs import RunDir
 from flaxlm.tracking import Tracker
-from flaxlm.training.checkpoint import Checkpointer, StopRequest, key_to_json
+from flaxlm.training.checkpoint.manager import Checkpointer, key_to_json
+from flaxlm.training.checkpoint.resume import DATA_FINGERPRINT_KEY, CheckpointSaver, restore_run
 from flaxlm.training.evaluation import Evaluate
 from flaxlm.training.hooks import standard_hooks
 from flaxlm.training.loop import Hook, LoopState, Throughput, fit
 from flaxlm.training.optimizer import make_optimizer, make_schedule
 from flaxlm.training.plan import Plan, make_plan
 from flaxlm.training.step import CompiledSteps, TrainState, create_state
+from flaxlm.training.stop import StopRequest
 
 
 @dataclasses.dataclass
@@ -66,12 +68,26 @@ class JobContext:
         return layout.run_path(self.run.path, name)
 
 
+@dataclasses.dataclass(frozen=True)
+class EvalMetrics:
+    """The eval metrics a task logs (as metrics.jsonl names them), the one a run returns to a
+    sweeper unless trainer.objective names another, and those that are better lower (every
+    other one is better higher)."""
+
+    logged: tuple[str, ...]
+    default: str
+    lower_is_better: tuple[str, ...] = ("eval/loss",)
+
+
 class Task(Protocol):
     """One objective flaxlm trains for; `flaxlm.tasks.registry` registers each by name."""
 
     def check_settings(self, config: TrainConfig) -> int:
         """Check what can be checked before any data is read (raising FlaxlmError); return the
         sequence length the task trains on."""
+
+    def eval_metrics(self, config: TrainConfig) -> EvalMetrics:
+        """The eval metrics a run of `config` will log, known before any data is read."""
 
     def run(self, job: JobContext, seq_len: int) -> dict[str, float]:
         """Train; return the final metrics (`eval/loss` and `steps` among them)."""
@@ -230,12 +246,6 @@ def eval_batch_size(job: JobContext) -> int:
     hardware = job.config.hardware
     per_device = hardware.per_device_eval_batch_size or hardware.per_device_batch_size
     return per_device * job.mesh.size
-
-
-def training_flops_per_token(model: ModelConfig, matmul_params: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per weight that multiplies (embedding lookups excluded)
-    plus attention's 12·layers·width·length (PaLM, appendix B)."""
-    return 6 * matmul_params + 12 * model.n_layer * model.n_embd * seq_len
 
 
 def banner(job: JobContext, training: Training, model: ModelConfig, what: str,

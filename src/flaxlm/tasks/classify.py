@@ -19,7 +19,7 @@ import tokenizers
 from flax import nnx
 
 from flaxlm import layout
-from flaxlm.config import ModelConfig, ModelFamily, TrainConfig
+from flaxlm.config import ModelConfig, TrainConfig
 from flaxlm.data.encoding import encode, example_loader, max_length_for
 from flaxlm.data.examples import load_examples
 from flaxlm.data.fingerprint import arrays_fingerprint
@@ -65,6 +65,18 @@ class Classification:
             )
         return max_length_for(task)  # the model's positions are checked once known
 
+    def eval_metrics(self, config: TrainConfig) -> base.EvalMetrics:
+        """The loss and task.metrics (or the defaults task.num_labels gives); the main one is
+        f1 where it is logged (GLUE's headline metric where it applies), else the first."""
+        num_labels = config.task.num_labels
+        names = config.task.metrics
+        if not names and num_labels is not None:
+            names = evaluation.default_metrics(num_labels, is_regression=num_labels == 1)
+        if not names:  # the defaults depend on labels only the data will tell
+            return base.EvalMetrics(("eval/loss",), "eval/loss")
+        main = "f1" if "f1" in names else names[0]
+        return base.EvalMetrics(("eval/loss", *(f"eval/{n}" for n in names)), f"eval/{main}")
+
     def run(self, job: JobContext, max_length: int) -> dict[str, float]:
         config = job.config
         start = base.model_start(config)
@@ -109,8 +121,8 @@ class Classification:
             training.steps, eval_arrays, base.eval_batch_size(job), job.mesh, metrics,
             examples.is_regression, examples.num_labels, config.task.padding,
         )
-        speed = base.throughput(job, batch_size * max_length,
-                           flops_per_token(start.model, training.num_params, max_length))
+        flops = build.classifier_flops_per_token(start.model, training.num_params, max_length)
+        speed = base.throughput(job, batch_size * max_length, flops)
         labels = ("regression" if examples.is_regression
                   else f"{examples.num_labels} labels")
         print(base.banner(job, training, start.model, labels,
@@ -129,17 +141,6 @@ class Classification:
 
 def _build_classifier(spec, rngs, *, num_labels: int):
     return build.build_classifier(spec, num_labels, rngs)
-
-
-def flops_per_token(model: ModelConfig, num_params: int, seq_len: int) -> float:
-    """Training FLOPs per token of a classifier: embedding tables are lookups, and it leaves
-    GPT-2's tied LM head unused (a Llama classifier has no LM head)."""
-    tables = model.vocab_size
-    if model.family != ModelFamily.llama:  # rotary positions have no table
-        tables += model.n_positions
-    if model.family == ModelFamily.bert:
-        tables += model.type_vocab_size
-    return base.training_flops_per_token(model, num_params - tables * model.n_embd, seq_len)
 
 
 def _tokenizer(config: TrainConfig, start: Start, train: datasets.Dataset):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import transformers
 
-from flaxlm.config import ModelConfig, ModelFamily, TrainConfig
+from flaxlm.config import TrainConfig
 from flaxlm.data.corpus import load_corpus, load_corpus_stream
 from flaxlm.data.fingerprint import documents_fingerprint, text_fingerprint
 from flaxlm.data.loader import BatchSource, block_loader
@@ -43,6 +43,8 @@ from flaxlm.training.step import compile_steps
 
 # Training documents of a streamed corpus that its fingerprint covers, from the stream's start.
 STREAM_CHECKED_DOCS = 1000
+# What its evaluation (the LM `Evaluator`) logs: every one of them is better lower.
+EVAL_METRICS = ("eval/loss", "eval/perplexity", "eval/bits_per_byte")
 # A default block length (the model's n_positions) above this is announced: activation memory
 # grows with it, and a checkpoint's context (8,192 positions is common) can exhaust a host.
 LONG_BLOCK = 2048
@@ -64,6 +66,9 @@ class CausalLM:
         if config.language.streaming:
             check_streaming_settings(config)
         return seq_len
+
+    def eval_metrics(self, config: TrainConfig) -> base.EvalMetrics:
+        return base.EvalMetrics(EVAL_METRICS, "eval/loss", lower_is_better=EVAL_METRICS)
 
     def run(self, job: JobContext, seq_len: int) -> dict[str, float]:
         config = job.config
@@ -101,8 +106,8 @@ class CausalLM:
                                      replicated(job.mesh))
         evaluator = LMEvaluator(training.steps, eval_blocks, base.eval_batch_size(job), job.mesh,
                               token_bytes)
-        speed = base.throughput(job, batch_size * seq_len,
-                           flops_per_token(config.model, training.num_params, seq_len))
+        flops = build.lm_flops_per_token(config.model, training.num_params, seq_len)
+        speed = base.throughput(job, batch_size * seq_len, flops)
         print(base.banner(job, training, config.model, "",
                      f"{data.train_size} train / {len(eval_blocks)} eval blocks of {seq_len} "
                      f"tokens | global batch {batch_size} ({batch_size * seq_len} tokens/step)"))
@@ -115,17 +120,6 @@ class CausalLM:
         log_samples(lm_from_params(config.model, params), tokenizer, config.samples.prompts,
                     sample_settings, job.tracker, step=final["steps"], own_conventions=own)
         return final
-
-
-def flops_per_token(model: ModelConfig, num_params: int, seq_len: int) -> float:
-    """Training FLOPs per token of an LM. Tables that are only looked up do not multiply: GPT-2's
-    position table, and an untied token table (its LM head is a matrix of its own); a tied
-    token table counts once, as the LM head."""
-    if model.family == ModelFamily.gpt2:
-        lookups = model.n_positions
-    else:  # rotary positions have no table
-        lookups = 0 if model.tie_word_embeddings else model.vocab_size
-    return base.training_flops_per_token(model, num_params - lookups * model.n_embd, seq_len)
 
 
 class LMData(NamedTuple):

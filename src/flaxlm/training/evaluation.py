@@ -35,10 +35,10 @@ from flaxlm.config import Padding
 from flaxlm.data.encoding import example_rows
 from flaxlm.data.loader import block_rows, eval_batches, num_eval_batches
 from flaxlm.errors import FlaxlmError
-from flaxlm.training.checkpoint import StopRequest, unless_stopped
 from flaxlm.training.inflight import ready_in_order
 from flaxlm.training.progress import progress_file
 from flaxlm.training.step import CompiledSteps
+from flaxlm.training.stop import StopRequest, unless_stopped
 
 CLASSIFICATION_METRICS = ("accuracy", "f1", "matthews")
 REGRESSION_METRICS = ("pearson", "spearman")

@@ -17,10 +17,10 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from flaxlm.training.checkpoint import EvaluationCut
 from flaxlm.training.evaluation import Evaluate, describe
 from flaxlm.training.loop import END, EPOCH_END, START, Hook, Loop
 from flaxlm.training.plan import Plan
+from flaxlm.training.stop import EvaluationCut
 
 
 def standard_hooks(plan: Plan, evaluate: Evaluate, extra: Sequence[Hook] = ()) -> list[Hook]:

@@ -26,10 +26,10 @@ from flaxlm.data.loader import Batch, BatchSource
 from flaxlm.errors import FlaxlmError
 from flaxlm.layout import TOKENS_SEEN
 from flaxlm.tracking import Tracker
-from flaxlm.training.checkpoint import Preempted, StopRequest
 from flaxlm.training.plan import Plan
 from flaxlm.training.progress import progress_file
 from flaxlm.training.step import CompiledSteps, TrainState
+from flaxlm.training.stop import Preempted, StopRequest
 
 # The events a hook can run at, besides its `every`: the loop starts (or resumes) before its
 # first step; a step ends an epoch (or is the last step); the last step.

@@ -31,18 +31,14 @@ saved between evaluations, which a resume needs, would be kept forever or droppe
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import itertools
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 import traceback
-from collections.abc import Iterable, Iterator
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -50,27 +46,12 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
+from flaxlm.config import CheckpointConfig
 from flaxlm.errors import FlaxlmError, first_line
-from flaxlm.layout import CHECKPOINT_SUBDIR
+from flaxlm.layout import CHECKPOINT_SUBDIR, run_path
 
 BEST_METRIC = "eval/loss"  # lower is better
 SET_ASIDE_TIMEOUT_S = 300  # how long other processes wait for process 0 to set a step aside
-
-T = TypeVar("T")
-
-# Exit status of a run stopped by SIGTERM / SIGINT after saving its checkpoint: BSD sysexits'
-# EX_TEMPFAIL ("temporary failure, try again"). It is distinct from a failure (1), a user error
-# (2) and a process killed by a signal before saving (128 + signal, e.g. 137, 143): a job
-# scheduler that sees 75 knows that the run can be resumed from its run directory.
-PREEMPTED_EXIT_CODE = 75
-
-
-class Preempted(Exception):
-    """The run was asked to stop (SIGTERM / SIGINT) and saved a checkpoint at `step`."""
-
-    def __init__(self, step: int, signal_name: str, run_dir: str | None = None):
-        self.step, self.signal_name, self.run_dir = step, signal_name, run_dir
-        super().__init__(f"stopped by {signal_name} after step {step}; checkpoint saved")
 
 
 class Restored(NamedTuple):
@@ -308,79 +289,6 @@ def key_from_json(data: list[int], like: jax.Array) -> jax.Array:
                                     impl=jax.random.key_impl(like))
 
 
-class StopRequest:
-    """Set by SIGTERM or SIGINT while `catching_signals()` is active: the training loop
-    finishes its current step (or evaluation batch), saves a checkpoint and raises `Preempted`.
-
-    Once a stop is requested, a repeated SIGTERM is ignored: schedulers and wrappers often
-    deliver it twice (to the process group and to the process), and the grace period it
-    announces is what the save needs. A second SIGINT (Ctrl-C: a person at the keyboard) stops
-    at once, without the checkpoint: it goes to the previous handler, except Python's own, whose
-    KeyboardInterrupt would wait for the save's threads; the process ends by SIGINT instead."""
-
-    def __init__(self):
-        self.signal_name: str | None = None
-
-    @property
-    def requested(self) -> bool:
-        return self.signal_name is not None
-
-    @contextlib.contextmanager
-    def catching_signals(self) -> Iterator[StopRequest]:
-        if threading.current_thread() is not threading.main_thread():
-            yield self  # signal handlers can only be set from the main thread
-            return
-        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-        def put_back() -> None:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-        def handle(signum, _frame):
-            name = signal.Signals(signum).name
-            if self.signal_name is None:
-                self.signal_name = name
-                print(f"\nflaxlm: {name} received; saving a checkpoint after this step "
-                      "(Ctrl-C again stops at once, without it)", file=sys.stderr, flush=True)
-            elif signum == signal.SIGINT:
-                print("\nflaxlm: SIGINT again: stopping at once, without the checkpoint",
-                      file=sys.stderr, flush=True)
-                put_back()
-                if previous[signal.SIGINT] is signal.default_int_handler:
-                    signal.signal(signal.SIGINT, signal.SIG_DFL)
-                signal.raise_signal(signum)
-            else:
-                print(f"\nflaxlm: {name} again: ignored while the checkpoint is saved "
-                      "(Ctrl-C, SIGINT, stops at once)", file=sys.stderr, flush=True)
-
-        for sig in previous:
-            signal.signal(sig, handle)
-        try:
-            yield self
-        finally:
-            put_back()
-
-
-class EvaluationCut(Exception):
-    """A stop request cut an evaluation short after `done` of its `total` batches: its
-    numbers cover part of the data, so they are not the run's evaluation."""
-
-    def __init__(self, done: int, total: int):
-        self.done, self.total = done, total
-        super().__init__(f"evaluation cut after {done} of {total} batches")
-
-
-def unless_stopped(batches: Iterable[T], stop: StopRequest | None, total: int) -> Iterator[T]:
-    """Each of an evaluation's `total` batch results; raises `EvaluationCut` when `stop` is
-    requested before the last one. A preemption's grace period is short, and an evaluation may
-    be long. `stop` is asked after each batch but the last, on every process alike, so an
-    `AgreedStopRequest` cuts every process's evaluation at the same batch."""
-    for done, result in enumerate(batches, start=1):
-        yield result
-        if stop is not None and done < total and stop.requested:
-            raise EvaluationCut(done, total)
-
-
 # How an error says that a disk or a quota is full: an OSError's errno, or the status text of
 # tensorstore, which orbax writes arrays through and whose errors arrive as ValueError.
 _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -447,11 +355,14 @@ class _DropClosedLoopCallbacks:
 
 
 def _is_closed_loop_callback(unraisable) -> bool:
-    if not (isinstance(unraisable.exc_value, RuntimeError) and unraisable.object is None
+    """The closed loop's complaint, whichever callback (and so whichever `object`, if any)
+    tensorstore reports it for: asyncio raises it from `call_soon_threadsafe`, or from the
+    check that method makes first."""
+    if not (isinstance(unraisable.exc_value, RuntimeError)
             and str(unraisable.exc_value) == "Event loop is closed"):
         return False
-    frames = [frame.f_code.co_name for frame, _ in traceback.walk_tb(unraisable.exc_traceback)]
-    return frames[:1] == ["call_soon_threadsafe"]
+    frames = {frame.f_code.co_name for frame, _ in traceback.walk_tb(unraisable.exc_traceback)}
+    return not frames or bool(frames & {"call_soon_threadsafe", "_check_closed"})
 
 
 def _quiet_closed_loop_callbacks() -> None:
@@ -459,3 +370,36 @@ def _quiet_closed_loop_callbacks() -> None:
         sys.unraisablehook = _DropClosedLoopCallbacks(sys.unraisablehook)
 
 
+def make_checkpointer(run_dir: str, settings: CheckpointConfig) -> Checkpointer:
+    if settings.every_steps is not None and settings.every_steps < 1:
+        raise FlaxlmError(f"checkpoint.every_steps={settings.every_steps} must be at least 1 "
+                          "(or null: only at epoch ends, the last step and on SIGTERM).")
+    return Checkpointer(run_path(run_dir, CHECKPOINT_SUBDIR), keep_last=settings.keep_last,
+                        keep_best=settings.keep_best, async_save=settings.async_save)
+
+
+def close_quietly(checkpointer: Checkpointer | None) -> None:
+    if checkpointer is None:
+        return
+    try:
+        checkpointer.close()
+    except Exception as err:  # noqa: BLE001 — already failing; say so, keep the first error
+        if disk_full_cause(err) is None:  # a full disk is reported once, by disk_full_error
+            print(f"flaxlm: closing the checkpointer failed too: {err}", file=sys.stderr)
+
+
+def disk_full_error(err: BaseException, run_dir: str) -> FlaxlmError | None:
+    """A full disk or quota, met anywhere in the run (a checkpoint, metrics.jsonl, the
+    export, a cache), as a message saying what is kept and how to go on; None for any other
+    error. orbax saves a step under a temporary name, so a save that ran out of space never
+    replaces the last complete checkpoint."""
+    text = disk_full_text(err)
+    if text is None:
+        return None
+    steps = finalised_steps(run_path(run_dir, CHECKPOINT_SUBDIR))
+    kept = (f"Its last complete checkpoint, step {steps[-1]}, is intact: free some space and "
+            "run the same command to resume."
+            if steps else "It had saved no checkpoint yet: free some space and run the same "
+            "command, which starts it again from step 0.")
+    return FlaxlmError(f"A disk is full (or over its quota), so the run in {run_dir} stopped: "
+                       f"{text}. {kept}")

@@ -1,0 +1,56 @@
+"""The objective: the eval metric a run returns to a sweeper (trainer.objective, or the task's
+default), which way is better and which of the run's values counts. Each task says which eval
+metrics it logs (`Task.eval_metrics`); this module checks the choice against them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from flaxlm.config import ObjectiveMode, ObjectiveValue, TrainConfig
+from flaxlm.errors import FlaxlmError
+from flaxlm.layout import METRICS_FILE, run_path
+from flaxlm.run_records import read_metrics
+from flaxlm.tasks.registry import task_named
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """The eval metric a run returns to a sweeper, which way is better, and which value."""
+
+    name: str
+    mode: ObjectiveMode
+    value: ObjectiveValue
+
+
+def choose_objective(config: TrainConfig) -> Objective:
+    """trainer.objective and its mode, checked against the eval metrics this run will log."""
+    metrics = task_named(config.task.name).eval_metrics(config)
+    name = config.trainer.objective or metrics.default
+    if name not in metrics.logged:
+        raise FlaxlmError(
+            f"trainer.objective={name} is not a metric this run logs: task={config.task.name} "
+            f"evaluates {list(metrics.logged)}. Pick one of those (or null for "
+            f"{metrics.default}); a classify metric must be in task.metrics (or, with none "
+            "listed, among the defaults task.num_labels gives)."
+        )
+    mode = config.trainer.objective_mode
+    if mode is None:
+        mode = ObjectiveMode.min if name in metrics.lower_is_better else ObjectiveMode.max
+    return Objective(name, mode, config.trainer.objective_value)
+
+
+def objective_result(objective: Objective, run_dir: str, final: dict) -> float:
+    """The objective's best or last value over the run's evaluations, read back from its
+    metrics.jsonl (a resumed run's earlier evaluations included); a process without that file
+    (not process 0) returns the final evaluation's."""
+    values = [float(record[objective.name])
+              for record in read_metrics(run_path(run_dir, METRICS_FILE)).records
+              if isinstance(record.get(objective.name), (int, float))]
+    if not values:
+        return float(final.get(objective.name, math.nan))
+    if objective.value == ObjectiveValue.last:
+        return values[-1]
+    finite = [v for v in values if math.isfinite(v)] or values
+    return min(finite) if objective.mode == ObjectiveMode.min else max(finite)
