@@ -3,6 +3,8 @@ long documents tokenised in bounded pieces."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import random
 import subprocess
@@ -348,15 +350,17 @@ def test_a_tokenizer_that_prepends_to_every_string_has_its_cuts_reported(tokeniz
 
 
 _PEAK_MEMORY_SCRIPT = textwrap.dedent("""
-    import resource, sys, tempfile
+    import json, resource, sys, tempfile
     import datasets
+    from omegaconf import OmegaConf
     from flaxlm.config import TokenizerConfig
     from flaxlm.data.packing import tokenize_and_pack
     from flaxlm.data.tokenizer import prepare_tokenizer
 
-    paragraphs = sys.argv[1:]
+    settings, paragraphs = json.loads(sys.argv[1]), sys.argv[2:]
     cache = tempfile.mkdtemp()
-    tokenizer = prepare_tokenizer(config_node("tokenizer", vocab_size=320),
+    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TokenizerConfig), settings))
+    tokenizer = prepare_tokenizer(config,
                                   datasets.Dataset.from_dict({"text": paragraphs}), 512, cache)
     line = " ".join(paragraphs * 20_000)  # one document of ~8 MB on one line
     texts = datasets.Dataset.from_dict({"text": [*paragraphs, line, *paragraphs]})
@@ -371,7 +375,8 @@ _PEAK_MEMORY_SCRIPT = textwrap.dedent("""
 def test_packing_one_long_line_takes_memory_bounded_by_the_pieces_not_the_line():
     """Tokenising ~8 MB as one string took the tokenizer over 1 GB; in pieces it takes a working
     set of one encode group plus the int32 ids."""
-    done = subprocess.run([sys.executable, "-c", _PEAK_MEMORY_SCRIPT, *PARAGRAPHS[:5]],
+    settings = json.dumps(dataclasses.asdict(config_node("tokenizer", vocab_size=320)))
+    done = subprocess.run([sys.executable, "-c", _PEAK_MEMORY_SCRIPT, settings, *PARAGRAPHS[:5]],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     chars, num_blocks, growth_mb = map(int, done.stdout.split()[-3:])
