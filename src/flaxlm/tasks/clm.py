@@ -45,7 +45,7 @@ from flaxlm.training.step import compile_steps
 STREAM_CHECKED_DOCS = 1000
 # What its evaluation (the LM `Evaluator`) logs: every one of them is better lower.
 EVAL_METRICS = ("eval/loss", "eval/perplexity", "eval/bits_per_byte")
-# A default block length (the model's n_positions) above this is announced: activation memory
+# A default block length (the model's max_positions) above this is announced: activation memory
 # grows with it, and a checkpoint's context (8,192 positions is common) can exhaust a host.
 LONG_BLOCK = 2048
 
@@ -61,7 +61,7 @@ class CausalLM:
                 "language=en-builtin (offline English) or language=files "
                 "'language.files=[data/*.txt]'."
             )
-        seq_len = config.task.max_seq_length or config.model.n_positions
+        seq_len = config.task.max_seq_length or config.model.max_positions
         check_block_length(config, seq_len)
         if config.language.streaming:
             check_streaming_settings(config)
@@ -75,7 +75,7 @@ class CausalLM:
         start = base.model_start(config)
         if start.checkpoint_dir:  # the checkpoint's shape decides the default block length
             config = dataclasses.replace(config, model=start.model)
-            seq_len = config.task.max_seq_length or config.model.n_positions
+            seq_len = config.task.max_seq_length or config.model.max_positions
             check_block_length(config, seq_len)
         announce_long_blocks(config, seq_len)
         batch_size = global_batch_size(config, job.mesh.size)
@@ -208,16 +208,16 @@ def announce_long_blocks(config: TrainConfig, seq_len: int) -> None:
     """One line when the default block length, the model's context, is long."""
     if config.task.max_seq_length is None and seq_len > LONG_BLOCK:
         origin = "from model.init_from's config.json" if config.model.init_from else "the preset's"
-        print(f"flaxlm: note: blocks of {seq_len} tokens, model.n_positions ({origin}), since "
+        print(f"flaxlm: note: blocks of {seq_len} tokens, model.max_positions ({origin}), since "
               "task.max_seq_length is null; activation memory grows with the block length. "
               "Set task.max_seq_length (e.g. 1024) for shorter blocks.")
 
 
 def check_block_length(config: TrainConfig, seq_len: int) -> None:
-    if not 2 <= seq_len <= config.model.n_positions:
+    if not 2 <= seq_len <= config.model.max_positions:
         raise FlaxlmError(
             f"task.max_seq_length={seq_len} must be between 2 and the model's context length "
-            f"model.n_positions={config.model.n_positions} ({config.model.name}). Lower "
+            f"model.max_positions={config.model.max_positions} ({config.model.name}). Lower "
             "task.max_seq_length, or pick a model with more positions."
         )
 
