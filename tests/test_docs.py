@@ -59,6 +59,6 @@ def test_the_models_page_tables_every_model_setting_as_each_family_names_it():
     own = {"name", "family", "init_from", "remat"}  # flaxlm's, no HF counterpart
     assert set(cells) | own == {field.name for field in dataclasses.fields(ModelConfig)}
     for names in hf.FAMILY_NAMES.values():
-        column = header.index(names.config_class.__name__)
+        column = header.index(names.config_class_name)
         for theirs, ours in {**names.shape_fields, **names.dropout_fields}.items():
             assert f"`{theirs}`" in cells[ours][column], (names.model_type, ours, theirs)

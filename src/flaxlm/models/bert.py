@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import transformers
 from flax import nnx
 
 from flaxlm.config import ModelConfig, Remat
@@ -215,7 +214,7 @@ def _unsupported_variant(raw: dict) -> str | None:
 
 HF_NAMES = HFNames(
     model_type="bert",
-    config_class=transformers.BertConfig,
+    config_class_name="BertConfig",
     shape_fields={
         "vocab_size": "vocab_size",
         "max_position_embeddings": "max_positions",

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import transformers
 from flax import nnx
 
 from flaxlm.config import ModelConfig, Remat
@@ -227,7 +226,7 @@ def _unsupported_variant(raw: dict) -> str | None:
 
 HF_NAMES = HFNames(
     model_type="gpt2",
-    config_class=transformers.GPT2Config,
+    config_class_name="GPT2Config",
     shape_fields={
         "vocab_size": "vocab_size",
         "n_positions": "max_positions",

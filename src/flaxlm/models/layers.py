@@ -276,7 +276,7 @@ class HFNames:
     """
 
     model_type: str  # config.json's `model_type`
-    config_class: type  # the transformers config class
+    config_class_name: str  # the transformers config class: `config_class`
     shape_fields: dict[str, str]
     dropout_fields: dict[str, str]
     special_tokens: tuple[str, ...]  # which of bos/eos/pad_token_id the HF config carries
@@ -296,3 +296,12 @@ class HFNames:
     # our ModelConfig (export), and ModelConfig fields from an HF config object (import).
     config_to_hf: Callable[[ModelConfig], dict] = lambda model: {}
     config_from_hf: Callable[[object], dict] = lambda config: {}
+
+    @property
+    def config_class(self) -> type:
+        # Looked up when a config is read or written, not when the family's module is
+        # imported: transformers' config classes import PyTorch where it is installed, seconds
+        # at the start of every process that never needs them.
+        import transformers
+
+        return getattr(transformers, self.config_class_name)

@@ -320,7 +320,7 @@ def _unsupported_variant(raw: dict) -> str | None:
 
 HF_NAMES = HFNames(
     model_type="llama",
-    config_class=transformers.LlamaConfig,
+    config_class_name="LlamaConfig",
     shape_fields={
         "vocab_size": "vocab_size",
         "max_position_embeddings": "max_positions",

@@ -137,7 +137,7 @@ def _packed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, token
     """The whole corpus tokenised (by `tokenizer`, or one prepared from the config) and packed
     (cached), shuffled per epoch. Its fingerprint is the text's content hash, which keys the
     block cache too (hashed once per process)."""
-    corpus = load_corpus(config.language)
+    corpus = load_corpus(config.language, config.cache_dir)
     tokenizer = tokenizer or prepare_tokenizer(
         config.tokenizer, corpus.train, config.model.vocab_size, config.cache_dir
     )
