@@ -216,7 +216,7 @@ def test_remat_saves_memory_on_a_cpu(requested):
     anyway; configure_platform picks the scheduler that frees them when the run asks for remat
     (a fresh process: the scheduler is fixed when JAX starts)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    model = model_config(name="t", num_layers=8, hidden_size=64, num_heads=2, max_positions=128,
+    model = model_config(name="t", num_layers=4, hidden_size=64, num_heads=2, max_positions=128,
                          vocab_size=512)
     hardware = config_node("hardware", cpu_devices=1)
     settings = [json.dumps(OmegaConf.to_container(OmegaConf.structured(node)))
