@@ -38,10 +38,13 @@ lengths = st.lists(st.integers(1, 2 * BLOCK), min_size=1, max_size=8).filter(
     lambda ls: sum(ls) >= BLOCK)
 
 
-def reference_layout(doc_lengths: list[int], first: int, length: int):
+def reference_layout(doc_lengths: list[int], first: int, length: int, prefixed: bool = True):
     """Segment ids and positions of the stream's tokens [first, first+length), spelt out: a
-    new segment at every document start and at the block's first token."""
-    owner = [doc for doc, n in enumerate(doc_lengths) for _ in range(n)][first:first + length]
+    new segment at every document and at the block's first token. A document's tokens are
+    its own, but for its closing EOS, which opens the next document unless documents are
+    `prefixed` (their prefix opens them)."""
+    owner = [doc + (i == n - 1 and not prefixed) for doc, n in enumerate(doc_lengths)
+             for i in range(n)][first:first + length]
     segments, positions = [], []
     for i, doc in enumerate(owner):
         new = i == 0 or doc != owner[i - 1]
@@ -98,8 +101,25 @@ def test_streamed_and_cached_packing_agree_on_segment_ids_and_positions(tmp_path
     # ... and both are where the documents really start in the stream.
     doc_lengths = [len(tokenizer(text, add_special_tokens=False).input_ids) + 1 for text in texts]
     for row in range(len(packed)):
-        expected = reference_layout(doc_lengths, row * block_length, block_length)
+        expected = reference_layout(doc_lengths, row * block_length, block_length, False)
         assert [list(a[row]) for a in layout(cached_starts)] == list(expected)
+
+
+def test_a_document_is_read_after_the_eos_before_it_as_a_prompt_is(tmp_path):
+    """flaxlm's convention joins documents with EOS alone, and generation reads a prompt after
+    an EOS: so the EOS before a document opens its segment, at position 0."""
+    tokenizer = make_tokenizer()
+    texts = ["the cat sat on the mat", "a dog", "the dog ate the cat"]
+    ids = [tokenizer(text, add_special_tokens=False).input_ids for text in texts]
+    block = sum(len(doc) + 1 for doc in ids)  # the whole stream in one block
+    packed = pack_blocks(datasets.Dataset.from_dict({"text": texts}), tokenizer, block,
+                         str(tmp_path), documents=True)
+    [tokens] = packed.tokens
+    [segment_ids], [positions] = layout(block_starts(packed.document_starts, np.arange(1), block))
+    eos = tokenizer.eos_token_id
+    segments = [tokens[segment_ids == s].tolist() for s in range(segment_ids.max() + 1)]
+    assert segments == [ids[0], [eos, *ids[1]], [eos, *ids[2]], [eos]]
+    assert [positions[segment_ids == s][0] for s in range(len(segments))] == [0] * 4
 
 
 def test_the_cache_key_changes_with_document_masking_and_stays_without(tmp_path):
@@ -209,22 +229,23 @@ def test_attention_with_dropout_keeps_to_the_segment_as_the_fused_path_does():
     np.testing.assert_allclose(spelled, fused, rtol=1e-5, atol=1e-6)
 
 
-def test_evaluation_counts_each_documents_own_predictions(model):
-    """Eval sums over a packed block are the sums over its pieces run alone: a document's
-    first token is predicted by nothing, as it is run alone; bytes count the same targets."""
+def test_evaluation_scores_every_target_from_its_own_document(model):
+    """Eval sums over a packed block: every next token of the block is a target, as without
+    masking (the same count and bytes), each scored from the logits of its predictor's
+    document run alone."""
     batch = packed_block([5, 9, 4, 11], 3, seed=1)
     graphdef, params = nnx.split(model, nnx.Param)
     token_bytes = jnp.arange(97, dtype=jnp.float32) % 3 + 1
     sums = eval_step(params, {k: jnp.asarray(v) for k, v in batch.items()}, jnp.ones(1),
                      token_bytes, graphdef=graphdef)
-    loss_sum = tokens = byte_count = 0.0
-    for _, ids, logits in run_alone(model, batch):
-        loss_sum += float(next_token_losses(logits[None], jnp.asarray(ids)[None]).sum())
-        tokens += len(ids) - 1
-        byte_count += float(token_bytes[ids[1:]].sum())
-    assert float(sums["tokens"]) == tokens
-    assert float(sums["bytes"]) == byte_count
-    assert float(sums["loss_sum"]) == pytest.approx(loss_sum, rel=1e-5)
+    plain = eval_step(params, jnp.asarray(batch["input_ids"]), jnp.ones(1), token_bytes,
+                      graphdef=graphdef)
+    alone_logits = jnp.concatenate([logits for _, _, logits in run_alone(model, batch)])
+    ids = jnp.asarray(batch["input_ids"])
+    assert float(sums["tokens"]) == float(plain["tokens"]) == BLOCK - 1
+    assert float(sums["bytes"]) == float(plain["bytes"])
+    assert float(sums["loss_sum"]) == pytest.approx(
+        float(next_token_losses(alone_logits[None], ids).sum()), rel=1e-5)
 
 
 # --- the runs ------------------------------------------------------------------------------------

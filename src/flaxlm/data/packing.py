@@ -10,9 +10,11 @@ A long document is tokenised in pieces (`DocumentEncoder`), so one huge line cos
 proportion to its int32 ids, not the tokenizer's far larger working set for one string.
 
 Packed blocks are cached as `.npy` under `<cache_dir>/blocks/`, keyed by the text, the tokenizer,
-its EOS id and the block length, written in a scratch folder then renamed into place, with a record
-beside them (`<key>.json`: size and sampled checksum, data/cache.py) that is checked before they are
-read back memory-mapped; damaged blocks are packed again. On several hosts process 0 packs while the
+its EOS id, the block length and whether the stream offsets where documents start are kept
+beside them (`<key>.starts.npy`, for task.document_masking: data/documents.py); written in a
+scratch folder then renamed into place, with a record beside them (`<key>.json`: size and
+sampled checksum, data/cache.py) that is checked before they are read back memory-mapped;
+damaged blocks are packed again. On several hosts process 0 packs while the
 others wait, then all read the file (a host without the shared cache packs its own copy). Packing
 holds one batch of documents in memory at a time, so corpora far larger than RAM pack too.
 """
@@ -30,6 +32,7 @@ from tqdm.auto import tqdm
 
 from flaxlm import distributed
 from flaxlm.data import cache
+from flaxlm.data.documents import opening_tokens
 from flaxlm.data.fingerprint import settings_fingerprint, text_fingerprint
 from flaxlm.data.tokenizer import DocumentEncoder
 
@@ -59,8 +62,9 @@ class PackedBlocks:
     """Token blocks, and (with `documents`) where in their stream each document starts."""
 
     tokens: np.ndarray  # (num_blocks, max_seq_length) int32, memory-mapped
-    # Sorted int64 offsets in the token stream (block r is tokens [r·L, (r+1)·L)) where a
-    # document starts; None where packing did not record them (task.document_masking off).
+    # Sorted int64 offsets in the token stream (block r is tokens [r·L, (r+1)·L)) of the
+    # tokens that open a document's segment (`documents.opening_tokens`); None where packing
+    # did not record them (task.document_masking off).
     document_starts: np.ndarray | None = None
 
     def __len__(self) -> int:
@@ -179,7 +183,8 @@ def _pack(texts, tokenizer, max_seq_length: int, desc: str, path: str,
         blocks_path = os.path.join(scratch, os.path.basename(path))
         _write_blocks(stream_path, blocks_path, max_seq_length)
         if starts_path:
-            _write_starts(lengths_path, os.path.join(scratch, os.path.basename(starts_path)))
+            _write_starts(lengths_path, os.path.join(scratch, os.path.basename(starts_path)),
+                          prefixed=bool(prefix))
         names = _entry_files(path, starts_path)
         record_path = os.path.join(scratch, os.path.basename(_record_path(path)))
         cache.write_record(record_path, names)
@@ -219,16 +224,12 @@ def _write_blocks(stream_path: str, blocks_path: str, max_seq_length: int) -> No
     blocks.flush()
 
 
-def _write_starts(lengths_path: str, starts_path: str) -> None:
-    """The stream offset where each document starts, from the documents' lengths."""
-    lengths = np.memmap(lengths_path, dtype=np.int64, mode="r") if os.path.getsize(lengths_path) \
-        else np.zeros(0, np.int64)
-    starts = np.lib.format.open_memmap(starts_path, mode="w+", dtype=np.int64,
-                                       shape=(len(lengths),))
-    if len(lengths):
-        starts[0] = 0
-        np.cumsum(lengths[:-1], out=starts[1:])
-    starts.flush()
+def _write_starts(lengths_path: str, starts_path: str, prefixed: bool) -> None:
+    """The stream offsets of the tokens that open each document's segment
+    (`documents.opening_tokens`), from the documents' lengths."""
+    lengths = (np.fromfile(lengths_path, dtype=np.int64) if os.path.getsize(lengths_path)
+               else np.zeros(0, np.int64))
+    np.save(starts_path, opening_tokens(lengths, prefixed))
 
 
 def cut_blocks(stream: np.ndarray, max_seq_length: int) -> np.ndarray:

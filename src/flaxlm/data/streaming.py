@@ -35,7 +35,7 @@ import transformers
 from datasets.distributed import split_dataset_by_node
 from jax.sharding import Mesh
 
-from flaxlm.data.documents import with_documents
+from flaxlm.data.documents import opening_tokens, with_documents
 from flaxlm.data.loader import check_same_loader
 from flaxlm.data.packing import join_documents
 from flaxlm.data.tokenizer import DocumentEncoder
@@ -77,8 +77,8 @@ def pack_stream(
     prefix: Sequence[int] = (),
 ) -> Iterator[tuple[np.ndarray, np.ndarray, int, int]]:
     """(block, starts, document, offset): each block of `max_seq_length` tokens, which of its
-    tokens start a document (bool, for `documents.layout`), and the position right after it
-    (`offset` tokens of document `document` consumed). `texts` starts at document
+    tokens open a document's segment (bool, `documents.opening_tokens`), and the position
+    right after it (`offset` tokens of document `document` consumed). `texts` starts at document
     `first_document`, of which the first `token_offset` tokens are skipped. The incomplete
     tail at the end of the stream is dropped, as by `cut_blocks`. `prefix` goes in front of
     every document, as in `join_documents`."""
@@ -96,7 +96,8 @@ def pack_stream(
         ends = np.cumsum([len(prefix) + len(doc) + 1 for doc in ids])  # in `joined`, EOS included
         starts = np.concatenate([[0], ends])  # starts[len(ids)] is the end of the batch
         joined_starts = np.zeros(len(joined), bool)
-        joined_starts[starts[:-1]] = True
+        lengths = np.diff(starts)
+        joined_starts[opening_tokens(lengths, bool(prefix))] = True
         stream = np.concatenate([carry, joined[skip:]])
         stream_starts = np.concatenate([carry_starts, joined_starts[skip:]])
         shift = skip - len(carry)  # index in `joined` = index in `stream` + shift

@@ -68,27 +68,23 @@ def next_token_losses(logits_BxLxV: jax.Array, inputs_BxL: jax.Array) -> jax.Arr
     return losses_BxL[:, :-1]
 
 
-def lm_outputs(model, batch, rngs: nnx.Rngs | None = None) -> tuple[jax.Array, jax.Array | None]:
-    """Next-token losses (B, L-1) of a batch of token blocks, and which of them count: None
-    for every one (a plain (B, L) batch: one sequence per row), or, for a batch with its
-    documents (data/documents.py), those whose target lies in the same document as the token
-    that predicts it. A document's first token has no prediction, as when it is run alone."""
+def lm_logits(model, batch, rngs: nnx.Rngs | None = None) -> tuple[jax.Array, jax.Array]:
+    """Next-token logits (B, L, V) of a batch of token blocks, and its token ids (B, L). A plain
+    (B, L) batch is one sequence per row; a batch with its documents (data/documents.py)
+    attends within each document, at positions counted from its start. Either way every
+    position predicts the next token of the block: the same targets, each predicted from its
+    own document only with document masking."""
     if not isinstance(batch, dict):
-        return next_token_losses(model(batch, rngs=rngs), batch), None
-    inputs_BxL, segment_ids_BxL = batch[INPUT_IDS], batch[SEGMENT_IDS]
-    logits_BxLxV = model(inputs_BxL, rngs=rngs, segment_ids_BxL=segment_ids_BxL,
+        return model(batch, rngs=rngs), batch
+    inputs_BxL = batch[INPUT_IDS]
+    logits_BxLxV = model(inputs_BxL, rngs=rngs, segment_ids_BxL=batch[SEGMENT_IDS],
                          positions_BxL=batch[POSITIONS])
-    same_document_BxL = segment_ids_BxL[:, 1:] == segment_ids_BxL[:, :-1]
-    return next_token_losses(logits_BxLxV, inputs_BxL), same_document_BxL
+    return logits_BxLxV, inputs_BxL
 
 
 def lm_loss(model, batch, rngs: nnx.Rngs) -> jax.Array:
-    """Causal LM: the mean next-token cross-entropy of a batch of token blocks (within each
-    document, for a batch that carries its documents: `lm_outputs`)."""
-    losses_BxL, counted_BxL = lm_outputs(model, batch, rngs)
-    if counted_BxL is None:
-        return losses_BxL.mean()
-    return (losses_BxL * counted_BxL).sum() / jnp.maximum(counted_BxL.sum(), 1)
+    """Causal LM: the mean next-token cross-entropy of a batch of token blocks (`lm_logits`)."""
+    return next_token_losses(*lm_logits(model, batch, rngs)).mean()
 
 
 def train_step(state: TrainState, batch_K, dropout_key: jax.Array, *, graphdef,
@@ -202,14 +198,11 @@ def split_micro_batches(batch_N, num_micro: int, sharding: NamedSharding):
 def eval_step(params, batch, row_mask_B: jax.Array, token_bytes_V: jax.Array,
               *, graphdef) -> dict[str, jax.Array]:
     """Sums, not means: loss summed over real tokens, their count and their UTF-8 bytes, so
-    batches (and padding) combine exactly. A batch with its documents counts the targets
-    `lm_outputs` counts, in the loss and in the bytes alike."""
+    batches (and padding) combine exactly. `batch`: as `lm_logits` reads it."""
     model = nnx.merge(graphdef, params)
-    losses_BxL, counted_BxL = lm_outputs(model, batch)
+    logits_BxLxV, inputs_BxL = lm_logits(model, batch)
+    losses_BxL = next_token_losses(logits_BxLxV, inputs_BxL)
     mask_BxL = jnp.broadcast_to(row_mask_B[:, None], losses_BxL.shape).astype(jnp.float32)
-    if counted_BxL is not None:
-        mask_BxL = mask_BxL * counted_BxL
-    inputs_BxL = batch[INPUT_IDS] if isinstance(batch, dict) else batch
     targets_BxL = inputs_BxL[:, 1:]
     return {
         "loss_sum": (losses_BxL * mask_BxL).sum(),
