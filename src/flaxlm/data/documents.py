@@ -29,14 +29,16 @@ INPUT_IDS, SEGMENT_IDS, POSITIONS = "input_ids", "segment_ids", "positions"
 DOCUMENT_KEYS = (INPUT_IDS, SEGMENT_IDS, POSITIONS)
 
 
-def opening_tokens(lengths: np.ndarray, prefixed: bool) -> np.ndarray:
+def opening_tokens(lengths: np.ndarray, prefixed: bool, out: np.ndarray | None = None):
     """Offsets, from the first of these documents' tokens, of the tokens that open a segment:
     each document's first prefix token when documents are `prefixed`, else each document's
     closing EOS (which opens the next one; the first document is opened by the start of the
     stream, as every block's first token opens a segment). `lengths`: each document's tokens,
-    prefix and EOS included (int64)."""
-    ends = np.cumsum(lengths, dtype=np.int64)
-    return ends - lengths if prefixed else ends - 1
+    prefix and EOS included (int64). Written into `out` if given (a memory map: the offsets of
+    a corpus need not fit in memory)."""
+    offsets = np.cumsum(lengths, dtype=np.int64, out=out)
+    offsets -= lengths if prefixed else 1
+    return offsets
 
 
 def layout(starts_BxL: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

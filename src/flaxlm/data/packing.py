@@ -59,7 +59,8 @@ def join_documents(token_ids: list[Sequence[int]], eos_id: int,
 
 @dataclasses.dataclass(frozen=True)
 class PackedBlocks:
-    """Token blocks, and (with `documents`) where in their stream each document starts."""
+    """Token blocks, and (with `documents`) where in their stream each document's segment
+    opens."""
 
     tokens: np.ndarray  # (num_blocks, max_seq_length) int32, memory-mapped
     # Sorted int64 offsets in the token stream (block r is tokens [r·L, (r+1)·L)) of the
@@ -227,9 +228,11 @@ def _write_blocks(stream_path: str, blocks_path: str, max_seq_length: int) -> No
 def _write_starts(lengths_path: str, starts_path: str, prefixed: bool) -> None:
     """The stream offsets of the tokens that open each document's segment
     (`documents.opening_tokens`), from the documents' lengths."""
-    lengths = (np.fromfile(lengths_path, dtype=np.int64) if os.path.getsize(lengths_path)
-               else np.zeros(0, np.int64))
-    np.save(starts_path, opening_tokens(lengths, prefixed))
+    count = os.path.getsize(lengths_path) // 8
+    offsets = np.lib.format.open_memmap(starts_path, mode="w+", dtype=np.int64, shape=(count,))
+    if count:
+        opening_tokens(np.memmap(lengths_path, dtype=np.int64, mode="r"), prefixed, out=offsets)
+    offsets.flush()
 
 
 def cut_blocks(stream: np.ndarray, max_seq_length: int) -> np.ndarray:

@@ -84,7 +84,7 @@ def pack_stream(
     every document, as in `join_documents`."""
     encoder, eos = DocumentEncoder(tokenizer.backend_tokenizer), tokenizer.eos_token_id
     carry = np.zeros(0, np.int32)  # tokens after the last whole block, always < max_seq_length
-    carry_starts = np.zeros(0, bool)  # which of them start a document
+    carry_starts = np.zeros(0, bool)  # which of them open a segment
     first, skip = first_document, token_offset
     warned = False  # about inexact cuts: once per pass, as soon as one is made
     for batch in _batched(texts, ENCODE_DOCS):
