@@ -305,3 +305,16 @@ def test_an_earlier_run_resumed_with_masking_on_is_refused_naming_it(tmp_path):
     check_resumable(str(path), {**resolved, "task": {**resolved["task"],
                                                       "document_masking": False}})
 
+
+
+@pytest.mark.parametrize(("experiment", "masking"), [
+    ("quickstart", False),  # its published figure was measured with blocks as one sequence
+    ("oscar-is-distilgpt2", False), ("distilgpt2-en-builtin", False), ("gpt2-no", False),
+    ("llama-tiny-en-builtin", True),  # a preset of flaxlm's own: documents on their own
+])
+def test_presets_that_reproduce_group_texts_recipes_attend_across_documents(experiment,
+                                                                            masking):
+    from omegaconf import OmegaConf
+
+    assert OmegaConf.to_object(compose([f"experiment={experiment}"])).task.document_masking \
+        is masking
