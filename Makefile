@@ -26,11 +26,11 @@ train: $(VENV)/.installed
 	$(VENV)/bin/flaxlm-train $(ARGS)
 
 test: lint docs
-	$(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
-# The inner loop: every test but the end-to-end runs marked `slow` (make test runs those too).
+# The inner loop: every test but those marked `slow`, longer than a few seconds (make test runs them too).
 test-fast: $(VENV)/.installed-test
-	$(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 # Style and import order (ruff), and the package's layering with no import cycles
 # (import-linter's contracts in pyproject.toml).

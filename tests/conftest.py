@@ -28,6 +28,22 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
 
+# A module's end-to-end tests (`slow`, `multiprocess`) take ten times an ordinary test's time, or
+# more: its weight, for the order below.
+_LONG_MARKERS = {"slow", "multiprocess"}
+
+
+def pytest_collection_modifyitems(items):
+    """The heaviest modules first, each module's tests together and in their order. With
+    `pytest -n 2 --dist loadfile` (`make test`) a module runs on one worker, so its
+    module-scoped runs are trained once, and the longest modules start first so that the last
+    to finish is a short one."""
+    weights: dict[str, int] = {}
+    for item in items:
+        long = any(item.get_closest_marker(name) for name in _LONG_MARKERS)
+        weights[item.module.__name__] = weights.get(item.module.__name__, 0) + (10 if long else 1)
+    items.sort(key=lambda item: -weights[item.module.__name__])
+
 
 @pytest.fixture(autouse=True)
 def isolated_caches(tmp_path_factory, monkeypatch):

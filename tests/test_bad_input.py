@@ -185,6 +185,7 @@ def test_train_never_writes_into_an_earlier_runs_directory(tmp_path, english):
 # --- the command line -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_prints_one_paragraph_without_traceback_and_exits_2(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env["FLAXLM_CACHE"] = str(tmp_path / "cache")

@@ -132,6 +132,7 @@ def test_cpu_description_names_the_model_and_matmul_flags():
     assert description.endswith("flags: avx2 fma avx512f avx512_bf16")
 
 
+@pytest.mark.slow
 def test_profile_traces_a_jax_workers_steps_and_the_summary_names_its_operations(tmp_path):
     """`--profile DIR`: each JAX worker traces steps after its timed ones into
     DIR/<contender>/round-<n>; profile_summary prints time per step by operation."""

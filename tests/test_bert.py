@@ -62,6 +62,7 @@ def test_bert_names_and_shapes_follow_hf():
     assert sum(v.size for v in flat.values()) == count_params(model)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [BERT, GPT2], ids=["bert", "gpt2"])
 def test_padding_never_changes_a_row(config):
     """A row's logits do not depend on how much padding follows it (nor on the pad ids)."""
@@ -74,6 +75,7 @@ def test_padding_never_changes_a_row(config):
     np.testing.assert_allclose(short, full[2:], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_an_all_padding_row_stays_finite():
     """The last eval batch is filled with empty rows; they must not poison the sums with NaN."""
     ids, mask, segments = batch()
@@ -107,6 +109,7 @@ def test_classifier_configs_carry_labels_and_problem_type():
     assert regression.pad_token_id == 1
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.parametrize("config", [BERT, GPT2], ids=["bert", "gpt2"])
 def test_export_loads_in_transformers_with_equal_logits(config, tmp_path):

@@ -83,6 +83,7 @@ def scratch_folders(folder: Path) -> list[Path]:
     return sorted(folder.glob(cache.SCRATCH_PREFIX + "*"))
 
 
+@pytest.mark.slow
 def test_packing_killed_with_sigkill_leaves_scratch_that_the_next_use_removes(tmp_path, capsys):
     settings = json.dumps(dataclasses.asdict(config_node("tokenizer", vocab_size=300)))
     packer, _ = start(f"TEXTS = {TEXTS!r}\n" + STALLED_PACKING, str(tmp_path), settings)

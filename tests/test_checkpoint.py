@@ -51,6 +51,7 @@ def test_a_checkpoint_restores_state_loader_and_metadata_exactly(tmp_path, train
     assert np.array_equal(jax.random.key_data(same_key), jax.random.key_data(key))
 
 
+@pytest.mark.slow
 def test_an_async_save_is_not_changed_by_the_steps_that_donate_the_state_after_it(tmp_path,
                                                                                    train_state):
     """The loop dispatches the next step (which donates and overwrites the state's buffers)
@@ -153,6 +154,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
+@pytest.mark.slow
 def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_as_the_latest(tmp_path):
     """A real kill -9 while the background thread writes step 2: step 2 is not listed, and
     step 1 restores."""

@@ -281,6 +281,7 @@ def pair_split(n: int) -> datasets.Dataset:
     )
 
 
+@pytest.mark.slow
 def test_encode_matches_the_tokenizers_own_padding():
     split = pair_split(40)
     tokenizer = minilm_tokenizer()

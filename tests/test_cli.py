@@ -135,6 +135,7 @@ def test_an_error_from_below_is_its_paragraph_and_its_exit_code(error, code, cap
     assert capsys.readouterr().err == f"flaxlm: error: {error}\n"
 
 
+@pytest.mark.slow
 def test_flaxlm_pairs_writes_a_pair_dataset(tmp_path, capsys):
     from flaxlm.cli import pairs
 

@@ -168,6 +168,7 @@ def test_the_default_run_steps_as_adamw_with_linear_decay_to_zero():
 @pytest.mark.parametrize(("option", "num_params"), [
     ("distilgpt2", 81_912_576), ("gpt2", 124_439_808), ("gpt2-medium", 354_823_168),
     ("gpt2-large", 774_030_080), ("gpt2-xl", 1_557_611_200)])
+@pytest.mark.slow
 def test_the_gpt2_options_build_the_published_networks(option, num_params):
     """The parameter counts of HF's GPT-2 checkpoints of these names (tied LM head)."""
     from flax import nnx

@@ -168,6 +168,7 @@ def test_an_imported_model_is_described_as_the_checkpoints(checkpoint, imported_
     assert "max_positions: 256" not in card
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_generation_and_export_follow_the_convention(checkpoint, tmp_path):
     """The imported model generates what transformers generates on the original checkpoint

@@ -64,6 +64,7 @@ _DIGEST = (
 )
 
 
+@pytest.mark.slow
 def test_builtin_is_deterministic_across_calls_and_processes():
     documents = builtin_documents()
     assert documents == builtin_documents()
@@ -91,6 +92,7 @@ def test_builtin_is_substantial_english_prose():
     assert not any(phrase in doc for doc in documents for phrase in skipped)  # test/, idlelib/
 
 
+@pytest.mark.slow
 def test_builtin_is_kept_in_the_cache_and_read_again_when_its_copy_is_damaged(
         tmp_path, monkeypatch):
     documents = builtin_documents()
@@ -124,6 +126,7 @@ def test_builtin_splits_first_5_percent_for_validation():
     assert texts(splits) == documents
 
 
+@pytest.mark.slow
 def test_builtin_without_pydoc_data_says_what_to_do(monkeypatch):
     # A fresh cache, so the real one (built once for the other tests) stays untouched.
     monkeypatch.setattr(

@@ -305,6 +305,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_gather_every_example_once_in_order(tmp_path):
     """Real multi-host: two processes of 4 CPU devices each, one 8-device mesh (gloo)."""
     script = tmp_path / "two_processes.py"

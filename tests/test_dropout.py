@@ -4,6 +4,7 @@ probability, key and sharding, without the loop that JAX's CPU lowering of Three
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,6 +19,7 @@ shapes = st.lists(st.integers(1, 40), min_size=0, max_size=4).map(tuple)
 seeds = st.integers(0, 2**32 - 1)
 
 
+@pytest.mark.slow
 @SOME
 @given(seed=seeds, shape=shapes)
 def test_bits_equal_jax_random_bits(seed, shape):
@@ -25,6 +27,7 @@ def test_bits_equal_jax_random_bits(seed, shape):
     np.testing.assert_array_equal(random_bits(key, shape), jax.random.bits(key, shape))
 
 
+@pytest.mark.slow
 @SOME
 @given(seed=seeds, shape=shapes, p=st.floats(0.0, 1.0) | st.sampled_from([0.9, 0.5, 1 - 2**-24]))
 def test_bernoulli_equals_jax_random_bernoulli(seed, shape, p):

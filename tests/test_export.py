@@ -40,6 +40,7 @@ def export(out, **kwargs):
                      eval_metrics=FIGURES, **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_transformers_loads_the_export_cleanly_and_its_logits_match_ours(tmp_path):
     torch = pytest.importorskip("torch")
@@ -146,6 +147,7 @@ def run_dir(tmp_path_factory):
     return str(directory)
 
 
+@pytest.mark.slow
 def test_a_run_ends_with_samples_in_metrics_jsonl_and_wandb(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
@@ -162,6 +164,7 @@ def test_a_run_ends_with_samples_in_metrics_jsonl_and_wandb(run_dir):
     assert "| optimizer steps | 2 |" in card and "eval perplexity" in card
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_flaxlm_export_and_generate_on_a_run(run_dir, tmp_path, capsys):
     from flaxlm.cli import export as export_cli
@@ -180,6 +183,7 @@ def test_flaxlm_export_and_generate_on_a_run(run_dir, tmp_path, capsys):
     assert printed.count("\n---\n") == 4 and "Return the" + completions[0] in printed
 
 
+@pytest.mark.slow
 def test_cli_errors_are_one_paragraph_with_exit_status_2(run_dir, tmp_path, capsys,
                                                           unwritable):
     from flaxlm.cli import export as export_cli
@@ -210,6 +214,7 @@ def test_cli_errors_are_one_paragraph_with_exit_status_2(run_dir, tmp_path, caps
         assert message in err and "Traceback" not in err, (argv, err)
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_flaxlm_export_is_one_paragraph(run_dir, tmp_path, monkeypatch,
                                                            capsys):
     """Issue 20's class of defect: a destination that fills up ended flaxlm-export in a
@@ -230,6 +235,7 @@ def test_a_full_disk_during_flaxlm_export_is_one_paragraph(run_dir, tmp_path, mo
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_generate_falls_back_to_the_runs_export_without_checkpoints(run_dir, tmp_path):
     import shutil
 
@@ -292,6 +298,7 @@ def test_a_document_start_tokenizer_packs_and_classifies_as_before(tmp_path):
             "input_ids"]
 
 
+@pytest.mark.slow
 def test_flaxlm_export_never_replaces_a_run_or_its_checkpoints(run_dir, tmp_path, capsys):
     import shutil
 
@@ -329,6 +336,7 @@ def test_flaxlm_export_never_replaces_a_run_or_its_checkpoints(run_dir, tmp_path
     assert (copy / "model" / MARKER).exists()
 
 
+@pytest.mark.slow
 def test_reading_a_run_back_logs_no_warnings(run_dir, caplog):
     from flaxlm.run_model import load_run_model
 

@@ -258,6 +258,7 @@ DAMAGE = {
 }
 
 
+@pytest.mark.slow
 @orbax_closed_loop
 def test_a_run_whose_last_checkpoint_is_damaged_sets_it_aside_and_finishes_from_the_one_before(
         tmp_path, reference, capsys):
@@ -366,8 +367,8 @@ def test_a_save_that_fails_midway_leaves_no_callback_tracebacks(tmp_path, train_
     assert [str(u.exc_value) for u in unraisable] == []
 
 
-@orbax_closed_loop
 @pytest.mark.slow
+@orbax_closed_loop
 def test_a_full_disk_stops_the_run_with_a_message_and_it_resumes_when_there_is_room(
         tmp_path, reference, monkeypatch):
     """Disk full at a checkpoint (tensorstore's error, in orbax's background thread) and at a
@@ -453,6 +454,7 @@ def wait_for_logged_step(run_dir, step: int, process, timeout: float = 300) -> N
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 @orbax_closed_loop
 def test_a_failed_asynchronous_save_stops_the_run_at_the_next_step(tmp_path, monkeypatch):
     """Issue 20: after a save that failed in the background, training ran on until the next

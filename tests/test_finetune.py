@@ -21,6 +21,7 @@ def pair_files(tmp_path_factory):
             write_pairs(directory / "validation.tsv", 99, 1))
 
 
+@pytest.mark.slow
 def test_finetuning_raises_accuracy_above_chance(pair_files, tmp_path):
 
     run_dir = tmp_path / "run"
@@ -79,6 +80,7 @@ def test_cli_finetunes_gpt2_pretrained_here(pair_files, tmp_path, train_cli):
     assert "eval/accuracy" in open(run_dir / "metrics.jsonl").read()
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_a_classify_run_exports_to_transformers_with_our_logits(pair_files, tmp_path):
     """flaxlm-export on a task=classify run → AutoModelForSequenceClassification loads it with
@@ -127,6 +129,7 @@ def test_a_classify_run_exports_to_transformers_with_our_logits(pair_files, tmp_
         generate([str(run_dir), "--prompt", "hello"])
 
 
+@pytest.mark.slow
 def test_clm_continues_pre_training_from_a_runs_exported_model(tmp_path):
     """model.init_from with task=clm: the continued run starts where the first one ended — its
     eval before training is the first run's final eval, on the same tokenizer and blocks."""

@@ -50,6 +50,7 @@ def greedy_by_recomputing(model, prompt: list[int], new_tokens: int, eos=None) -
     return ids[len(prompt):]
 
 
+@pytest.mark.slow
 def test_cached_decode_matches_the_full_forward_pass_with_left_padding(model):
     ids_BxL = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 10)))
     full_BxLxV = _full_forward(model, ids_BxL)
@@ -67,6 +68,7 @@ def test_cached_decode_matches_the_full_forward_pass_with_left_padding(model):
     assert int(cache.index) == padded_BxP.shape[1] + 1
 
 
+@pytest.mark.slow
 def test_greedy_with_the_cache_equals_recomputing_the_prefix(model, prompts):
     settings = GenerationSettings(max_new_tokens=16, greedy=True)
     batched = generate_ids(model, prompts, settings, eos_token_id=None)
@@ -77,6 +79,7 @@ def test_greedy_with_the_cache_equals_recomputing_the_prefix(model, prompts):
     assert alone == expected[:2]
 
 
+@pytest.mark.slow
 def test_each_row_stops_at_its_own_eos(model, prompts):
     settings = GenerationSettings(max_new_tokens=16, greedy=True)
     free = generate_ids(model, prompts, settings, eos_token_id=None)
@@ -88,6 +91,7 @@ def test_each_row_stops_at_its_own_eos(model, prompts):
     assert stopped == [greedy_by_recomputing(model, p, 16, eos=eos) for p in prompts]
 
 
+@pytest.mark.slow
 def test_sampling_settings(model, prompts):
     def run(**kwargs):
         return generate_ids(model, prompts, GenerationSettings(max_new_tokens=12, **kwargs),
@@ -103,6 +107,7 @@ def test_sampling_settings(model, prompts):
     assert run(top_k=2, top_p=0.5, temperature=0.01, seed=3) == greedy  # cuts compose
 
 
+@pytest.mark.slow
 def test_top_k_and_top_p_keep_only_the_likeliest_tokens():
     import jax
 
@@ -128,6 +133,7 @@ def test_errors_name_the_setting(model):
         GenerationSettings(max_new_tokens=0)
 
 
+@pytest.mark.slow
 def test_text_generation_with_a_tokenizer(model):
     tokenizer = make_tokenizer(vocab_size=97)
     settings = GenerationSettings(max_new_tokens=8, seed=1)
@@ -137,6 +143,7 @@ def test_text_generation_with_a_tokenizer(model):
                              settings)
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_greedy_equals_transformers_generate_on_the_export(model, prompts, tmp_path):
     torch = pytest.importorskip("torch")
@@ -158,6 +165,7 @@ def test_greedy_equals_transformers_generate_on_the_export(model, prompts, tmp_p
         assert our_tokens == (theirs[: theirs.index(EOS)] if EOS in theirs else theirs)
 
 
+@pytest.mark.slow
 def test_larger_prompt_buckets_change_nothing(model, prompts):
     """Padding to a longer bucket (more left padding) gives the same tokens."""
     import flaxlm.generate as gen

@@ -102,6 +102,7 @@ def torch_logits(torch_model, ids, mask, segments=None):
 # ---------------------------------------------------------------- logits equal PyTorch's
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_bert_classifier_checkpoint_gives_torch_logits(bert_dir):
     local_dir, torch_model = bert_dir
@@ -114,6 +115,7 @@ def test_bert_classifier_checkpoint_gives_torch_logits(bert_dir):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_gpt2_classifier_checkpoint_gives_torch_logits(tmp_path):
     import transformers
@@ -148,6 +150,7 @@ def test_gpt2_lm_checkpoint_with_or_without_transformer_prefix(tmp_path):
         np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids))), expected, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_pytorch_bin_loads_through_the_weights_only_unpickler(bert_dir, tmp_path, monkeypatch):
     import torch
@@ -298,6 +301,7 @@ def test_checkpoint_sources_that_do_not_resolve(tmp_path):
 # ---------------------------------------------------------------- the real MiniLM
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_real_minilm_encoder_matches_torch():
     """all-MiniLM-L6-v2 (a BertModel: no `bert.` prefix, with a pooler) from its package."""

@@ -32,6 +32,7 @@ def flaxlm_train(*args, env=None, timeout=600):
                           env={**os.environ, **(env or {})}, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_the_default_launcher_is_hydras_basic_one_and_needs_no_submitit():
     # submitit made unimportable: the CLI and the job module must not need it to start.
     blocked = ("import sys; sys.modules['submitit'] = None; import flaxlm.job; "
@@ -86,8 +87,8 @@ def stand_in_slurm(bin_dir: Path, capture: Path) -> dict:
     return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
 
 
-@needs_plugin
 @pytest.mark.slow
+@needs_plugin
 def test_launcher_slurm_submits_one_array_job_a_task_per_host_a_point_per_array_task(tmp_path):
     captures = tmp_path / "submitted"
     captures.mkdir()
@@ -108,8 +109,8 @@ def test_launcher_slurm_submits_one_array_job_a_task_per_host_a_point_per_array_
     assert shown.stdout.strip() == "0,1,2,3"
 
 
-@needs_plugin
 @pytest.mark.slow
+@needs_plugin
 def test_a_sweep_on_submitits_local_executor_runs_each_point_in_a_fresh_process(tmp_path):
     """Each job is its own process, so each sets its own device count: with Hydra's basic
     launcher the first job of a sweep fixes it for all."""

@@ -104,6 +104,7 @@ def test_kv_cache_holds_only_the_key_value_heads():
     assert cache.keys_BxSxGxH[0].shape == (3, 10, 2, 8)
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_keeps_float32_params_and_norms():
     model = make_model(compute_dtype=jnp.bfloat16)
     logits = model(jnp.asarray(token_ids()))
@@ -114,6 +115,7 @@ def test_bfloat16_compute_keeps_float32_params_and_norms():
         jnp.dtype(jnp.float32)}
 
 
+@pytest.mark.slow
 def test_remat_gives_the_same_gradients():
     ids = jnp.asarray(token_ids())
 
@@ -183,6 +185,7 @@ def test_training_flops_count_the_matrices_that_multiply_whether_tied_or_not():
 # ---------------------------------------------------------------- against PyTorch
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_export_loads_in_transformers_with_nothing_missing_and_equal_logits(variant, tmp_path):
@@ -269,6 +272,7 @@ def test_an_unsupported_rope_type_in_a_checkpoint_is_a_clear_error(tmp_path):
         pretrained.pretrained_model_config(directory, LLAMA_BASE)
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_classifier_equals_transformers_on_right_padded_rows(tmp_path):
     torch = pytest.importorskip("torch")
@@ -314,6 +318,7 @@ def greedy_by_recomputing(model, prompt, new_tokens):
     return ids[len(prompt):]
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_greedy_kv_cache_generation_equals_recomputation_and_transformers(tmp_path):
     torch = pytest.importorskip("torch")

@@ -47,6 +47,7 @@ def test_replicated_state_is_three_copies_of_the_parameters_on_every_device():
     assert memory.state_bytes_by_kind(memory.abstract(state)) == kinds
 
 
+@pytest.mark.slow
 def test_fsdp_splits_every_divisible_array_eight_ways():
     _, state, _ = setup("fsdp=8")
     kinds = memory.state_bytes_by_kind(state)
@@ -58,6 +59,7 @@ def test_fsdp_splits_every_divisible_array_eight_ways():
     assert kinds["mu"] == kinds["nu"] == kinds["params"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", MESHES)
 def test_the_train_step_holds_its_state_and_batch_and_writes_over_the_state(mesh_name):
     mesh, state, steps = setup(mesh_name)

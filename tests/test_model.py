@@ -35,6 +35,7 @@ def test_parameter_names_and_shapes_follow_hf():
     assert sum(v.size for v in flat.values()) == count_params(make_model())
 
 
+@pytest.mark.slow
 def test_eval_mode_is_deterministic_and_train_mode_uses_dropout():
     model, ids = make_model(), jnp.asarray(token_ids())
     np.testing.assert_array_equal(model(ids), model(ids))
@@ -44,6 +45,7 @@ def test_eval_mode_is_deterministic_and_train_mode_uses_dropout():
     assert not np.allclose(train_a, model(ids))
 
 
+@pytest.mark.slow
 def test_causal_logits_do_not_see_the_future():
     model, ids = make_model(), token_ids()
     changed = ids.copy()
@@ -53,6 +55,7 @@ def test_causal_logits_do_not_see_the_future():
     assert not np.allclose(a[:, 20:], b[:, 20:])
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_keeps_float32_params():
     model = make_model(compute_dtype=jnp.bfloat16)
     logits = model(jnp.asarray(token_ids()))
@@ -78,6 +81,7 @@ def test_logits_match_pytorch_gpt2(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["n_layer"] == 2
 
 
+@pytest.mark.slow
 def test_bfloat16_parameters_stay_bfloat16_through_training_and_the_loss_falls():
     """hardware.param_dtype=bfloat16: parameters (and AdamW moments) in bfloat16 train."""
     from flaxlm.parallel import global_batch, make_mesh, replicated

@@ -203,6 +203,7 @@ def test_a_killed_process_makes_the_other_stop_with_an_error_not_hang(tmp_path):
     assert "Rerun the same command on every host" in error or "timeout_s" in error
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("process_id", "reason"), [
     # Nobody listens at the coordinator: checked before JAX's client starts.
@@ -249,6 +250,7 @@ if pid == 1:  # process 0 has left
 """
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_messages_between_processes_carry_errors_and_time_out(tmp_path):
     """Process 0's decision and its failure reach the others; a cache build longer than the

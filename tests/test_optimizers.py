@@ -74,6 +74,7 @@ def test_every_optimizer_option_composes_to_its_kind(configs):
         assert config.optimizer.name == kind
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)
 @pytest.mark.parametrize("kind", list(OptimizerName), ids=lambda k: k.value)
 def test_every_optimizer_and_schedule_lowers_the_loss_on_a_fixed_batch(configs, tiny, kind,
@@ -93,6 +94,7 @@ def test_every_optimizer_and_schedule_lowers_the_loss_on_a_fixed_batch(configs, 
     assert losses[-1] < losses[0] - 0.03, losses  # lion, the slowest here, drops 0.07
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(OptimizerName), ids=lambda k: k.value)
 def test_weight_decay_skips_biases_and_layernorm_scales(tiny, kind):
     """With zero gradients only weight decay moves the parameters: kernels and embeddings
@@ -123,6 +125,7 @@ def test_decay_mask_names_matrices_and_embeddings_only(tiny):
     assert masked_in == {"kernel", "embedding"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(OptimizerName), ids=lambda k: k.value)
 def test_gradient_clipping_comes_before_every_optimizer(tiny, kind):
     """Two steps, a large gradient then a small one: the clipping optimizer does exactly what the
@@ -265,6 +268,7 @@ def test_each_micro_batch_draws_its_own_dropout_key():
     np.testing.assert_allclose(float(grads["w"]), np.mean(draws), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_four_accumulated_micro_batches_equal_one_step_on_the_four_times_batch(configs):
     """On 8 devices, no dropout: 4 micro-batches of 16 rows (2 per device) make the same loss,
     gradient norm and parameters as one step on all 64 rows, and the step counts as one.

@@ -33,6 +33,7 @@ def blocks(num, seed=0):
     return np.random.default_rng(seed).integers(0, 128, (num, 16)).astype(np.int32)
 
 
+@pytest.mark.slow
 def test_one_step_on_8_devices_equals_one_step_on_1_device():
     batch = blocks(16)
     results = []
@@ -51,6 +52,7 @@ def test_one_step_on_8_devices_equals_one_step_on_1_device():
     assert max(moved) > 1e-4  # the step did update the parameters
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_blocks", [1, 13, 37])
 def test_eval_on_8_devices_counts_every_token_once(num_blocks):
     """37 blocks over a global eval batch of 16 (8 devices × 2): the last batch is padded."""

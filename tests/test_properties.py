@@ -173,6 +173,7 @@ def check_epoch_and_resume(make_loader, first_tokens, num_rows, batch_size, epoc
 @FEW
 @given(num_blocks=st.integers(0, 40), devices=device_counts, rows_per_device=per_device,
        seed=st.integers(0, 2**31 - 1), epoch=st.integers(0, 3), start=st.integers(0, 10**6))
+@pytest.mark.slow
 def test_train_loader_reads_every_block_at_most_once_per_epoch_and_resumes_to_the_same_rest(
     num_blocks, devices, rows_per_device, seed, epoch, start
 ):
@@ -183,6 +184,7 @@ def test_train_loader_reads_every_block_at_most_once_per_epoch_and_resumes_to_th
                            start)
 
 
+@pytest.mark.slow
 @FEW
 @given(lengths=st.lists(st.integers(1, 24), max_size=40), devices=device_counts,
        rows_per_device=per_device, seed=st.integers(0, 2**31 - 1), epoch=st.integers(0, 3),
@@ -255,6 +257,7 @@ def test_classification_eval_predicts_every_example_once_in_order(lengths, devic
 @settings(max_examples=30, deadline=None)
 @given(batch=st.integers(1, 3), length=st.integers(2, 9), vocab=st.integers(2, 17),
        seed=st.integers(0, 2**31 - 1))
+@pytest.mark.slow
 def test_next_token_losses_are_each_position_predicting_the_next(batch, length, vocab, seed):
     """Position t's loss is -log softmax(logits[t])[token t+1]; the last position, which has no
     next token, has none."""

@@ -162,6 +162,7 @@ def _png_height(path) -> int:
     return struct.unpack(">I", path.read_bytes()[20:24])[0]
 
 
+@pytest.mark.slow
 def test_runs_are_sorted_by_the_objective_they_were_trained_for(tmp_path, capsys):
     """A classifier sweep saved trainer.objective=eval/accuracy (max): the report sorts by it
     without being told, and a flag still overrides it."""

@@ -48,6 +48,7 @@ def reference(tmp_path_factory):
     return trained_run(tmp_path_factory, "reference", RUN)
 
 
+@pytest.mark.slow
 def test_a_run_stopped_by_sigterm_resumes_to_the_same_parameters_and_metrics(
         tmp_path, reference, monkeypatch, capsys):
     run_dir = tmp_path / "run"
@@ -111,6 +112,7 @@ def _read_if_any(run_dir):
         return []
 
 
+@pytest.mark.slow
 def test_resuming_with_another_model_shape_fails_listing_the_differences(tmp_path, reference):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
@@ -121,6 +123,7 @@ def test_resuming_with_another_model_shape_fails_listing_the_differences(tmp_pat
     assert "trainer.resume=never" in message
 
 
+@pytest.mark.slow
 def test_resuming_with_a_new_log_cadence_and_length_continues(tmp_path, reference, capsys):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
@@ -165,6 +168,7 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_good_checkpoint(
     assert all(np.isfinite(leaf).all() for _, leaf in flat(params))
 
 
+@pytest.mark.slow
 def test_skip_nonfinite_skips_the_bad_step_and_counts_it(tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "run"
     corrupt_batch_at(monkeypatch, 3)
@@ -178,6 +182,7 @@ def test_skip_nonfinite_skips_the_bad_step_and_counts_it(tmp_path, monkeypatch, 
     assert all(np.isfinite(leaf).all() for _, leaf in flat(params))
 
 
+@pytest.mark.slow
 def test_restore_params_equals_the_exported_model(reference):
     params, config, step = restore_params(str(reference))
     assert step == 20 and config["model"]["num_layers"] == 2

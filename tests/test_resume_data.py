@@ -80,6 +80,7 @@ def copy_of(run_dir, tmp_path, docs, monkeypatch):
     return copy
 
 
+@pytest.mark.slow
 def test_a_changed_validation_document_stops_the_resume_naming_the_validation_data(
         stopped, tmp_path, monkeypatch, capsys):
     run_dir = copy_of(stopped, tmp_path, with_first_word_changed(DOCS, 0), monkeypatch)
@@ -107,6 +108,7 @@ def test_a_changed_validation_document_stops_the_resume_naming_the_validation_da
     assert len([r for r in records(run_dir) if CHANGED_DATA_RECORD in r]) == 1
 
 
+@pytest.mark.slow
 def test_swapped_words_in_every_training_document_stop_the_resume_with_a_fixed_tokenizer(
         stopped, tmp_path_factory, tmp_path, monkeypatch):
     """The same tokens in another order: the block count, the batch and the tokenizer are the
@@ -130,6 +132,7 @@ def test_swapped_words_in_every_training_document_stop_the_resume_with_a_fixed_t
     assert max(r["step"] for r in records(run_dir)) == 6
 
 
+@pytest.mark.slow
 def test_a_retrained_tokenizer_names_the_changed_training_data_as_its_cause(
         stopped, tmp_path, monkeypatch):
     """The tokenizer is trained on the training documents: a new word in each changes it."""
@@ -140,6 +143,7 @@ def test_a_retrained_tokenizer_names_the_changed_training_data_as_its_cause(
                       run_dir=run_dir))
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_a_fingerprint_or_config_yaml_still_resumes(
         stopped, tmp_path, monkeypatch, capsys):
     """As a checkpoint written before fingerprints existed; config.yaml lost too: the error
@@ -166,6 +170,7 @@ def test_a_checkpoint_without_a_fingerprint_or_config_yaml_still_resumes(
     assert max(r["step"] for r in records(run_dir)) == 6
 
 
+@pytest.mark.slow
 def test_changed_evaluation_examples_stop_a_classifier_resume(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     write_pairs(tmp_path / "train.tsv", 64, 0)
@@ -178,6 +183,7 @@ def test_changed_evaluation_examples_stop_a_classifier_resume(tmp_path, monkeypa
         train(compose([*run, "trainer.max_steps=4"], run_dir=tmp_path / "run"))
 
 
+@pytest.mark.slow
 def test_a_changed_start_of_a_training_stream_stops_the_resume(tmp_path):
     """Streaming: the training stream is checked by its first documents, here one that the
     tokenizer (trained on the first tokenizer.train_docs=100) never saw."""

@@ -107,6 +107,7 @@ def test_every_parameter_names_its_logical_axes(build):
         assert names is not None and len(names) == variable.ndim, path
 
 
+@pytest.mark.slow
 def test_fsdp_keeps_one_eighth_of_parameters_and_optimizer_state_per_device():
     sizes = {}
     for name in ("data=8", "fsdp=8"):
@@ -120,6 +121,7 @@ def test_fsdp_keeps_one_eighth_of_parameters_and_optimizer_state_per_device():
     assert sizes["fsdp=8"] == arrays // 8 + scalars
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp=8", "data=2 fsdp=4", "data=2 tensor=4"])
 def test_sharded_meshes_train_like_data_parallelism(name, data_parallel):
     reference_losses, reference_params = data_parallel
@@ -133,6 +135,7 @@ def test_sharded_meshes_train_like_data_parallelism(name, data_parallel):
     }[name]  # the state stays laid out as placed, step after step
 
 
+@pytest.mark.slow
 def test_fsdp_with_gradient_accumulation_trains_like_data_parallelism():
     reference_state, reference_losses = train(MESHES["data=8"], num_steps=2,
                                               grad_accum_steps=2)
@@ -169,6 +172,7 @@ class BertLoss:
         return model(ids, mask, np.zeros_like(ids), rngs=rngs).sum()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family_loss", [GPT2Loss, BertLoss], ids=["gpt2", "bert"])
 @pytest.mark.parametrize("remat", [Remat.block, Remat.full])
 def test_remat_gives_the_same_gradients(family_loss, remat):
@@ -210,6 +214,7 @@ for remat in (Remat.none, Remat.full):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("requested", [Remat.none, Remat.full])
 def test_remat_saves_memory_on_a_cpu(requested):
     """On a CPU, XLA's default scheduler runs the recomputation early and keeps the activations
@@ -232,6 +237,7 @@ def test_remat_saves_memory_on_a_cpu(requested):
         assert saved > 0.1, temp
 
 
+@pytest.mark.slow
 def test_a_checkpoint_moves_between_meshes(tmp_path, data_parallel):
     """data=8 → fsdp=8 → 4 devices: each restore holds the saved values in the new layout and
     trains on exactly as the run that saved it would have."""

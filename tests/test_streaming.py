@@ -213,6 +213,7 @@ def test_a_loader_stops_its_thread_when_the_consumer_stops(hub_dir, tokenizer):
 # --- end to end -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_short_streaming_run_trains_to_a_finite_loss(tmp_path):
     loss = train(streaming_run(tmp_path, "trainer.max_steps=3"))
     assert math.isfinite(loss)

@@ -178,6 +178,7 @@ def test_an_optuna_search_names_its_best_trial_and_the_same_command_continues_it
     assert len(run_dirs) == 4  # the new trial did not land in (and resume) an old one's
 
 
+@pytest.mark.slow
 def test_a_continued_study_fails_what_a_killed_sweep_left_running_and_samples_anew(tmp_path):
     """A sweep killed during a trial leaves the trial RUNNING and its job "running"; the next
     invocation in the directory marks both failed, unless another invocation still runs there,
@@ -304,6 +305,7 @@ def _agent_commands(sweep: dict):
         yield values, command
 
 
+@pytest.mark.slow
 def test_the_wandb_sweep_example_runs_flaxlm_train_with_arguments_that_compose():
     text = WANDB_SWEEP.read_text()
     sweep = yaml.safe_load(text)

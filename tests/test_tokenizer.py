@@ -84,6 +84,7 @@ def test_encode_decode_round_trip_is_exact(tokenizer, text):
     assert tokenizer.decode(ids) == text
 
 
+@pytest.mark.slow
 def test_saved_directory_loads_with_auto_tokenizer_and_gives_the_same_ids(tokenizer, saved_dir):
     assert (saved_dir / "tokenizer.json").is_file()
     loaded = transformers.AutoTokenizer.from_pretrained(saved_dir)
