@@ -83,6 +83,7 @@ words = st.lists(st.sampled_from(["the", "cat", "sat", "on", "mat", "a", "dog", 
                  max_size=12).map(" ".join)
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(texts=st.lists(words, min_size=1, max_size=10), block_length=st.integers(2, 9))
 def test_streamed_and_cached_packing_agree_on_segment_ids_and_positions(tmp_path_factory, texts,
@@ -197,6 +198,7 @@ def run_alone(model, batch):
             for row, piece in enumerate(pieces(batch))]
 
 
+@pytest.mark.slow
 @FEW
 @given(doc_lengths=lengths, offset=st.integers(0, BLOCK))
 def test_a_packed_blocks_logits_are_each_documents_logits_run_alone(model, doc_lengths, offset):
@@ -216,6 +218,7 @@ def test_one_document_filling_the_block_is_the_plain_block(model):
     np.testing.assert_array_equal(masked, plain)
 
 
+@pytest.mark.slow
 def test_attention_with_dropout_keeps_to_the_segment_as_the_fused_path_does():
     """The spelled-out path (training with attention dropout) masks as the fused one: at a
     vanishing rate the two agree."""
@@ -253,6 +256,7 @@ def test_evaluation_scores_every_target_from_its_own_document(model):
 
 
 
+@pytest.mark.slow
 def test_a_run_with_document_masking_trains_and_evaluates(tmp_path, capsys):
     """llama-tiny on cached blocks (gpt2-tiny trains streamed, below)."""
     from flaxlm.job import train
@@ -269,6 +273,7 @@ def test_a_run_with_document_masking_trains_and_evaluates(tmp_path, capsys):
     assert np.isfinite(final["eval/loss"]) and np.isfinite(final["eval/bits_per_byte"])
 
 
+@pytest.mark.slow
 def test_a_streamed_run_with_document_masking_trains(tmp_path):
     from conftest import streaming_run
 
