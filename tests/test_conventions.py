@@ -299,7 +299,7 @@ def test_streaming_packs_the_same_blocks_and_resumes_inside_a_prefixed_document(
     packed = tokenize_and_pack(datasets.Dataset.from_dict({"text": texts}), tokenizer, 7,
                                str(tmp_path), prefix=prefix)
     streamed = list(pack_stream(texts, tokenizer, 7, prefix=prefix))
-    np.testing.assert_array_equal(np.stack([block for block, _, _ in streamed]), packed)
-    for index, (_, document, offset) in enumerate(streamed[:-1]):  # each position resumes
+    np.testing.assert_array_equal(np.stack([block for block, _, _, _ in streamed]), packed)
+    for index, (_, _, document, offset) in enumerate(streamed[:-1]):  # each position resumes
         rest = pack_stream(texts[document:], tokenizer, 7, document, offset, prefix=prefix)
         np.testing.assert_array_equal(next(rest)[0], packed[index + 1])

@@ -90,15 +90,15 @@ def test_the_stream_packs_as_the_split_and_resumes_from_any_block(docs, max_seq_
     texts = [" ".join(map(str, doc)) for doc in docs]
     packed = list(pack_stream(texts, WORDS, max_seq_length))
     expected = cut_blocks(join_documents(docs, EOS), max_seq_length)
-    assert [block.tolist() for block, _, _ in packed] == expected.tolist()
+    assert [block.tolist() for block, _, _, _ in packed] == expected.tolist()
     if not packed:
         return
     # Restart from the position recorded after block k: the same blocks after it.
     k = restart % len(packed)
-    _, document, offset = packed[k]
+    _, _, document, offset = packed[k]
     rest = list(pack_stream(texts[document:], WORDS, max_seq_length, document, offset))
-    assert [b.tolist() for b, _, _ in rest] == [b.tolist() for b, _, _ in packed[k + 1 :]]
-    assert [(d, o) for _, d, o in rest] == [(d, o) for _, d, o in packed[k + 1 :]]
+    assert [(b.tolist(), s.tolist(), d, o) for b, s, d, o in rest] == [
+        (b.tolist(), s.tolist(), d, o) for b, s, d, o in packed[k + 1 :]]
 
 
 @pytest.fixture(scope="module")

@@ -237,6 +237,11 @@ class TaskConfig:
     # clm: blocks of this many tokens; null → the model's context length (model.max_positions).
     # classify: examples truncated and padded to this many tokens (conf/task/classify.yaml).
     max_seq_length: Optional[int] = None
+    # clm: each token attends only to its own document in a packed block, and positions
+    # restart at every document (docs/recipes.md, "Documents in packed blocks"). Off: a block
+    # is one sequence, documents see the ones before them, as in HF's `group_texts` recipes.
+    # Off is also how every run saved before this key existed trained (`ADDED`).
+    document_masking: bool = False
     # classify only, below. The data: a Hub dataset (hub_path and hub_config,
     # e.g. nyu-mll/glue with config mrpc; spelt as in the language group), or local tsv / csv /
     # jsonl / parquet files.
@@ -437,6 +442,15 @@ RENAMED = {
 }
 
 
+# Keys added since earlier releases whose runs behaved as a value other than the one a run
+# composes today may get, by dotted key → that value. `upgrade_saved_config` fills them into
+# a saved config that lacks them, so a resumed run is checked against what it really did: an
+# earlier run resumed with a setting that would change what it trains is refused, naming it.
+ADDED = {
+    "task.document_masking": False,  # blocks were one sequence each
+}
+
+
 def renamed_keys(text: str) -> list[str]:
     """"<old> was renamed <new>" for each renamed key that `text` (an error message naming
     keys, e.g. Hydra's "Could not override 'trainer.eval_every'") names in full."""
@@ -446,9 +460,15 @@ def renamed_keys(text: str) -> list[str]:
 
 def upgrade_saved_config(tree: dict) -> dict:
     """A saved config (nested, as config.yaml holds it) with every key of `RENAMED` under its
-    name now. A value moves unless it is null where the new key already has one: an earlier
-    model.param_dtype of null meant "hardware.param_dtype's"."""
+    name now, and every key of `ADDED` it lacks at the value its run behaved as. A value moves
+    unless it is null where the new key already has one: an earlier model.param_dtype of null
+    meant "hardware.param_dtype's"."""
     tree = copy.deepcopy(tree)
+    for added, value in ADDED.items():
+        *path, leaf = added.split(".")
+        parent = _node(tree, path)
+        if isinstance(parent, dict) and leaf not in parent:
+            parent[leaf] = value
     for old, new in RENAMED.items():
         *old_path, old_leaf = old.split(".")
         parent = _node(tree, old_path)

@@ -25,10 +25,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from flaxlm.data.documents import block_starts, with_documents
 from flaxlm.errors import FlaxlmError
 from flaxlm.parallel import global_batch, process_rows
 
-Batch = jax.Array | dict[str, jax.Array]  # packed blocks, or named arrays (examples)
+# Packed blocks (B, L), or named arrays: examples, or blocks with their documents' segment ids
+# and positions (data/documents.py).
+Batch = jax.Array | dict[str, jax.Array]
 
 # The global batch whose rows are the given indices, as this process's part of global arrays.
 # Fewer indices than the batch size (only evaluation's last batch) are filled up with zero rows.
@@ -117,28 +120,43 @@ def local_part(
     """This process's rows of `array` among a global batch's `batch_rows`, as its part of one
     global array; a batch short of `global_batch_size` rows is filled up with zero rows."""
     first, count = process_rows(global_batch_size, mesh)
-    values = array[batch_rows[first : first + count]]
+    return global_batch(_filled(array[batch_rows[first : first + count]], count), mesh)
+
+
+def _filled(values: np.ndarray, count: int) -> np.ndarray:
+    """`values` filled up with zero rows to `count` rows."""
     pad = count - len(values)
     if pad:
         values = np.concatenate([values, np.zeros((pad, *values.shape[1:]), values.dtype)])
-    return global_batch(values, mesh)
+    return values
 
 
-def block_rows(blocks: np.ndarray, global_batch_size: int, mesh: Mesh) -> RowGather:
-    """Gathers packed token blocks (num_blocks, max_seq_length): a batch is one (B, L) array."""
+def block_rows(blocks: np.ndarray, global_batch_size: int, mesh: Mesh,
+               document_starts: np.ndarray | None = None) -> RowGather:
+    """Gathers packed token blocks (num_blocks, max_seq_length): a batch is one (B, L) array;
+    with `document_starts` (`packing.PackedBlocks`), a dict with the blocks' segment ids and
+    positions too (`documents.with_documents`)."""
 
-    def gather(batch_rows: np.ndarray) -> jax.Array:
-        return local_part(blocks, batch_rows, global_batch_size, mesh)
+    def gather(batch_rows: np.ndarray) -> Batch:
+        if document_starts is None:
+            return local_part(blocks, batch_rows, global_batch_size, mesh)
+        first, count = process_rows(global_batch_size, mesh)
+        rows = batch_rows[first : first + count]
+        starts_BxL = block_starts(document_starts, rows, blocks.shape[1])
+        local = with_documents(_filled(blocks[rows], count), _filled(starts_BxL, count))
+        return {key: global_batch(value, mesh) for key, value in local.items()}
 
     return gather
 
 
 def block_loader(
-    blocks: np.ndarray, global_batch_size: int, mesh: Mesh, *, seed: int
+    blocks: np.ndarray, global_batch_size: int, mesh: Mesh, *, seed: int,
+    document_starts: np.ndarray | None = None,
 ) -> RowLoader:
-    """The training loader of packed token blocks (num_blocks, max_seq_length)."""
+    """The training loader of packed token blocks (num_blocks, max_seq_length), with their
+    documents' segment ids and positions where `document_starts` is given (`block_rows`)."""
     return RowLoader(len(blocks), global_batch_size, seed,
-                     block_rows(blocks, global_batch_size, mesh),
+                     block_rows(blocks, global_batch_size, mesh, document_starts),
                      kind="blocks", rows_key="num_blocks")
 
 

@@ -35,6 +35,7 @@ import transformers
 from datasets.distributed import split_dataset_by_node
 from jax.sharding import Mesh
 
+from flaxlm.data.documents import opening_tokens, with_documents
 from flaxlm.data.loader import check_same_loader
 from flaxlm.data.packing import join_documents
 from flaxlm.data.tokenizer import DocumentEncoder
@@ -74,14 +75,16 @@ def pack_stream(
     first_document: int = 0,
     token_offset: int = 0,
     prefix: Sequence[int] = (),
-) -> Iterator[tuple[np.ndarray, int, int]]:
-    """(block, document, offset): each block of `max_seq_length` tokens and the position right
-    after it (`offset` tokens of document `document` consumed). `texts` starts at document
+) -> Iterator[tuple[np.ndarray, np.ndarray, int, int]]:
+    """(block, starts, document, offset): each block of `max_seq_length` tokens, which of its
+    tokens open a document's segment (bool, `documents.opening_tokens`), and the position
+    right after it (`offset` tokens of document `document` consumed). `texts` starts at document
     `first_document`, of which the first `token_offset` tokens are skipped. The incomplete
     tail at the end of the stream is dropped, as by `cut_blocks`. `prefix` goes in front of
     every document, as in `join_documents`."""
     encoder, eos = DocumentEncoder(tokenizer.backend_tokenizer), tokenizer.eos_token_id
     carry = np.zeros(0, np.int32)  # tokens after the last whole block, always < max_seq_length
+    carry_starts = np.zeros(0, bool)  # which of them open a segment
     first, skip = first_document, token_offset
     warned = False  # about inexact cuts: once per pass, as soon as one is made
     for batch in _batched(texts, ENCODE_DOCS):
@@ -92,7 +95,11 @@ def pack_stream(
         joined = join_documents(ids, eos, prefix)
         ends = np.cumsum([len(prefix) + len(doc) + 1 for doc in ids])  # in `joined`, EOS included
         starts = np.concatenate([[0], ends])  # starts[len(ids)] is the end of the batch
+        joined_starts = np.zeros(len(joined), bool)
+        lengths = np.diff(starts)
+        joined_starts[opening_tokens(lengths, bool(prefix))] = True
         stream = np.concatenate([carry, joined[skip:]])
+        stream_starts = np.concatenate([carry_starts, joined_starts[skip:]])
         shift = skip - len(carry)  # index in `joined` = index in `stream` + shift
         num_blocks = len(stream) // max_seq_length
         for b in range(num_blocks):
@@ -100,8 +107,10 @@ def pack_stream(
             doc = int(np.searchsorted(ends, end, side="right"))
             # A copy: a view would keep the whole encode batch alive while it waits to be shuffled.
             block = stream[b * max_seq_length : end - shift].copy()
-            yield block, first + doc, int(end - starts[doc])
+            block_starts = stream_starts[b * max_seq_length : end - shift].copy()
+            yield block, block_starts, first + doc, int(end - starts[doc])
         carry = stream[num_blocks * max_seq_length :]
+        carry_starts = stream_starts[num_blocks * max_seq_length :]
         first, skip = first + len(ids), 0
 
 
@@ -113,9 +122,10 @@ def shuffled_blocks(
     shuffle_buffer: int,
     start: StreamState = StreamState(),
     prefix: Sequence[int] = (),
-) -> Iterator[tuple[np.ndarray, StreamState]]:
+) -> Iterator[tuple[tuple[np.ndarray, np.ndarray], StreamState]]:
     """Every block of `shard` from `start` on, pass after pass (endless), shuffled a window at
-    a time; with each block the state right after it. `prefix`: as in `pack_stream`."""
+    a time, as (tokens, document starts) (`pack_stream`); with each block the state right after
+    it. `prefix`: as in `pack_stream`."""
     state = start
     while True:
         fresh = state == StreamState(passes=state.passes)
@@ -146,14 +156,14 @@ def _one_pass(shard, tokenizer, max_seq_length, seed, shuffle_buffer, state: Str
         # Seeded by where the window starts, so a restart re-draws the same permutation.
         rng = np.random.default_rng([seed % 2**32, state.passes, *window_start])
         order = rng.permutation(len(window))
-        window_end = window[-1][1:]  # the position after the window's last block
+        window_end = window[-1][2:]  # the position after the window's last block
         for j in range(already_emitted, len(window)):
             after = (
                 StreamState(state.passes, *window_start, j + 1)
                 if j + 1 < len(window)
                 else StreamState(state.passes, *window_end, 0)
             )
-            yield window[order[j]][0], after
+            yield window[order[j]][:2], after
             emitted += 1
         window_start, already_emitted = window_end, 0
     return emitted
@@ -237,12 +247,14 @@ class StreamingLoader:
         prefetch: int = PREFETCH_BATCHES,
         start_from: StreamState | None = None,
         prefix: Sequence[int] = (),
+        documents: bool = False,
     ):
         self.shard, self.tokenizer, self.max_seq_length = shard, tokenizer, max_seq_length
         self.prefix = tuple(prefix)  # in front of every document (`join_documents`)
         self.global_batch_size, self.mesh, self.seed = global_batch_size, mesh, seed
         self.shuffle_buffer, self.max_steps, self.prefetch = shuffle_buffer, max_steps, prefetch
         self._state = start_from or StreamState()
+        self.documents = documents  # batches carry segment ids and positions (data/documents.py)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -271,21 +283,27 @@ class StreamingLoader:
             self.shard, self.tokenizer, self.max_seq_length, self.seed, self.shuffle_buffer,
             self._state, self.prefix,
         )
-        batches = Prefetcher(_local_batches(blocks, local_rows), self.prefetch)
+        batches = Prefetcher(_local_batches(blocks, local_rows, self.documents), self.prefetch)
         try:
             # range first: zip then takes no batch beyond the last step
             for _, (rows, state) in zip(range(start_step, self.steps_per_epoch), batches):
                 self._state = state
-                yield global_batch(rows, self.mesh)
+                yield jax.tree.map(lambda local: global_batch(local, self.mesh), rows)
         finally:
             batches.close()
 
 
-def _local_batches(blocks, rows: int) -> Iterator[tuple[np.ndarray, StreamState]]:
-    """This process's rows of each global batch, with the stream state after them."""
+def _local_batches(blocks, rows: int, documents: bool = False):
+    """This process's rows of each global batch (tokens, or with `documents` the dict of
+    `documents.with_documents`), with the stream state after them."""
     for group in _batched(blocks, rows):
         if len(group) == rows:  # `blocks` is endless; a short group only if it raised
-            yield np.stack([block for block, _ in group]), group[-1][1]
+            tokens_BxL = np.stack([tokens for (tokens, _), _ in group])
+            if documents:
+                starts_BxL = np.stack([starts for (_, starts), _ in group])
+                yield with_documents(tokens_BxL, starts_BxL), group[-1][1]
+            else:
+                yield tokens_BxL, group[-1][1]
 
 
 def _batched(items: Iterable[T], size: int) -> Iterator[list[T]]:

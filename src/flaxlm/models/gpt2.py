@@ -54,10 +54,12 @@ class Attention(nnx.Module):
                             logical_axes=("heads", "embed"))
         self.resid_dropout = Dropout(cfg.hidden_dropout)
 
-    def __call__(self, x_BxLxD: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, rngs: nnx.Rngs | None,
+                 segment_ids_BxL: jax.Array | None = None) -> jax.Array:
         B, L, D = x_BxLxD.shape
         q_BxLxNxH, k_BxLxNxH, v_BxLxNxH = self._heads(x_BxLxD)
         out_BxLxNxH = attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, is_causal=True,
+                                segment_ids_BxL=segment_ids_BxL,
                                 dropout_rate=self.attention_dropout, rngs=rngs)
         out_BxLxD = self.c_proj(out_BxLxNxH.reshape(B, L, D))
         return self.resid_dropout(out_BxLxD, deterministic=rngs is None, rngs=rngs)
@@ -106,8 +108,9 @@ class Block(nnx.Module):
         self.ln_2 = layer_norm(spec, rngs)
         self.mlp = MLP(spec, rngs)
 
-    def __call__(self, x_BxLxD: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:
-        x_BxLxD = x_BxLxD + self.attn(self.ln_1(x_BxLxD), rngs)
+    def __call__(self, x_BxLxD: jax.Array, rngs: nnx.Rngs | None,
+                 segment_ids_BxL: jax.Array | None = None) -> jax.Array:
+        x_BxLxD = x_BxLxD + self.attn(self.ln_1(x_BxLxD), rngs, segment_ids_BxL)
         return x_BxLxD + self.mlp(self.ln_2(x_BxLxD), rngs)
 
     def decode(self, x_BxLxD, keys_BxSxNxH, values_BxSxNxH, index, mask_BxLxS):
@@ -138,17 +141,27 @@ class GPT2LMHeadModel(nnx.Module):
         multiplies, as the tied LM head, and counts once."""
         return cfg.max_positions * cfg.hidden_size
 
-    def __call__(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
+    def __call__(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None = None, *,
+                 segment_ids_BxL: jax.Array | None = None,
+                 positions_BxL: jax.Array | None = None) -> jax.Array:
         # Tied head: logits against the token embeddings, in the compute dtype.
-        return self.wte.attend(self.hidden_states(input_ids_BxL, rngs))
+        return self.wte.attend(self.hidden_states(
+            input_ids_BxL, rngs, segment_ids_BxL=segment_ids_BxL, positions_BxL=positions_BxL))
 
-    def hidden_states(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
-        """The final (ln_f-normalised) hidden state of every position: (B, L, D)."""
-        positions_L = jnp.arange(input_ids_BxL.shape[1])
-        x_BxLxD = self.wte(input_ids_BxL) + self.wpe(positions_L)[None]
+    def hidden_states(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None = None, *,
+                      segment_ids_BxL: jax.Array | None = None,
+                      positions_BxL: jax.Array | None = None) -> jax.Array:
+        """The final (ln_f-normalised) hidden state of every position: (B, L, D). With
+        `segment_ids_BxL` each token attends within its segment only, and `positions_BxL`
+        (each token's position within its document) picks its position embedding; without,
+        the row is one sequence at positions 0..L-1."""
+        if positions_BxL is None:
+            x_BxLxD = self.wte(input_ids_BxL) + self.wpe(jnp.arange(input_ids_BxL.shape[1]))[None]
+        else:
+            x_BxLxD = self.wte(input_ids_BxL) + self.wpe(positions_BxL)
         x_BxLxD = self.drop(x_BxLxD, deterministic=rngs is None, rngs=rngs)
         for block in self.h:
-            x_BxLxD = run_block(block, self.remat, x_BxLxD, rngs)
+            x_BxLxD = run_block(block, self.remat, x_BxLxD, rngs, segment_ids_BxL)
         return self.ln_f(x_BxLxD)
 
     @property

@@ -141,11 +141,20 @@ def run_block(block: nnx.Module, remat: Remat, *args):
 
 def attention(q_BxLxNxH: jax.Array, k_BxKxNxH: jax.Array, v_BxKxNxH: jax.Array, *,
               dropout_rate: float, rngs: nnx.Rngs | None, mask=None,
-              is_causal: bool = False) -> jax.Array:
+              is_causal: bool = False, segment_ids_BxL: jax.Array | None = None) -> jax.Array:
     """Multi-head attention, (B, L, N, H); keys and values may have fewer heads, G dividing N
     (grouped-query attention). `mask` (broadcastable to B×N×L×K) says which keys
-    each query sees; `is_causal` adds the causal mask. Training (`rngs` given, rate > 0) drops
-    attention probabilities out; otherwise this is the fused `jax.nn.dot_product_attention`."""
+    each query sees; `is_causal` adds the causal mask; `segment_ids_BxL` (self-attention: the
+    same ids for queries and keys) keeps each query to the keys of its own segment, its
+    document in a packed block. Training (`rngs` given, rate > 0) drops attention
+    probabilities out; otherwise this is the fused `jax.nn.dot_product_attention`.
+
+    Segment ids, not a ready mask, are what this takes: the fused kernels (cuDNN's, TPU
+    splash attention) take them as such and never build the L×L mask."""
+    if segment_ids_BxL is not None:
+        same_segment_Bx1xLxK = (segment_ids_BxL[:, None, :, None]
+                                == segment_ids_BxL[:, None, None, :])
+        mask = same_segment_Bx1xLxK if mask is None else mask & same_segment_Bx1xLxK
     if rngs is None or dropout_rate <= 0:
         return jax.nn.dot_product_attention(q_BxLxNxH, k_BxKxNxH, v_BxKxNxH, mask=mask,
                                             is_causal=is_causal)

@@ -112,9 +112,10 @@ class LlamaAttention(nnx.Module):
         self.o_proj = projection(cfg.hidden_size, cfg.hidden_size, ("heads", "embed"))
 
     def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
-                 rngs: nnx.Rngs | None) -> jax.Array:
+                 rngs: nnx.Rngs | None, segment_ids_BxL: jax.Array | None = None) -> jax.Array:
         B, L, D = x_BxLxD.shape
         out_BxLxNxH = attention(*self._heads(x_BxLxD, positions_BxL), is_causal=True,
+                                segment_ids_BxL=segment_ids_BxL,
                                 dropout_rate=self.attention_dropout, rngs=rngs)
         return self.o_proj(out_BxLxNxH.reshape(B, L, D))
 
@@ -167,8 +168,10 @@ class LlamaDecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(spec)
         self.mlp = LlamaMLP(spec, rngs)
 
-    def __call__(self, x_BxLxD, positions_BxL, rngs: nnx.Rngs | None) -> jax.Array:
-        x_BxLxD = x_BxLxD + self.self_attn(self.input_layernorm(x_BxLxD), positions_BxL, rngs)
+    def __call__(self, x_BxLxD, positions_BxL, rngs: nnx.Rngs | None,
+                 segment_ids_BxL: jax.Array | None = None) -> jax.Array:
+        x_BxLxD = x_BxLxD + self.self_attn(self.input_layernorm(x_BxLxD), positions_BxL, rngs,
+                                           segment_ids_BxL)
         return x_BxLxD + self.mlp(self.post_attention_layernorm(x_BxLxD))
 
     def decode(self, x_BxLxD, positions_BxL, keys_BxSxGxH, values_BxSxGxH, index, mask_BxLxS):
@@ -192,11 +195,17 @@ class LlamaModel(nnx.Module):
         self.norm = RMSNorm(spec)
         self.remat = Remat(cfg.remat)
 
-    def __call__(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:
-        positions_1xL = jnp.arange(input_ids_BxL.shape[1])[None]
+    def __call__(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None, *,
+                 segment_ids_BxL: jax.Array | None = None,
+                 positions_BxL: jax.Array | None = None) -> jax.Array:
+        """Hidden states (B, L, D). With `segment_ids_BxL` each token attends within its
+        segment only; `positions_BxL` (each token's position within its document) sets its
+        rotary angles; without, the row is one sequence at positions 0..L-1."""
+        if positions_BxL is None:
+            positions_BxL = jnp.arange(input_ids_BxL.shape[1])[None]
         x_BxLxD = self.embed_tokens(input_ids_BxL)
         for layer in self.layers:
-            x_BxLxD = run_block(layer, self.remat, x_BxLxD, positions_1xL, rngs)
+            x_BxLxD = run_block(layer, self.remat, x_BxLxD, positions_BxL, rngs, segment_ids_BxL)
         return self.norm(x_BxLxD)
 
 
@@ -223,12 +232,19 @@ class LlamaForCausalLM(nnx.Module):
         positions have no table."""
         return 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
 
-    def __call__(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
-        return self._logits(self.hidden_states(input_ids_BxL, rngs))
+    def __call__(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None = None, *,
+                 segment_ids_BxL: jax.Array | None = None,
+                 positions_BxL: jax.Array | None = None) -> jax.Array:
+        return self._logits(self.hidden_states(
+            input_ids_BxL, rngs, segment_ids_BxL=segment_ids_BxL, positions_BxL=positions_BxL))
 
-    def hidden_states(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
-        """The final (normalised) hidden state of every position: (B, L, D)."""
-        return self.model(input_ids_BxL, rngs)
+    def hidden_states(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None = None, *,
+                      segment_ids_BxL: jax.Array | None = None,
+                      positions_BxL: jax.Array | None = None) -> jax.Array:
+        """The final (normalised) hidden state of every position: (B, L, D); documents as
+        `LlamaModel` says."""
+        return self.model(input_ids_BxL, rngs, segment_ids_BxL=segment_ids_BxL,
+                          positions_BxL=positions_BxL)
 
     def _logits(self, x_BxLxD: jax.Array) -> jax.Array:
         if self.tie_word_embeddings:

@@ -14,14 +14,13 @@ from typing import NamedTuple
 import datasets
 import jax
 import jax.numpy as jnp
-import numpy as np
 import transformers
 
 from flaxlm.config import TrainConfig
 from flaxlm.data.corpus import load_corpus, load_corpus_stream
 from flaxlm.data.fingerprint import documents_fingerprint, text_fingerprint
 from flaxlm.data.loader import BatchSource, block_loader
-from flaxlm.data.packing import tokenize_and_pack
+from flaxlm.data.packing import PackedBlocks, pack_blocks
 from flaxlm.data.streaming import StreamingLoader, process_shard
 from flaxlm.data.tokenizer import (
     document_prefix,
@@ -45,6 +44,9 @@ from flaxlm.training.step import compile_steps
 STREAM_CHECKED_DOCS = 1000
 # What its evaluation (the LM `Evaluator`) logs: every one of them is better lower.
 EVAL_METRICS = ("eval/loss", "eval/perplexity", "eval/bits_per_byte")
+# What the banner says of the blocks, by task.document_masking.
+_DOCUMENTS = {True: ", each document attending to itself only",
+              False: ", documents attending across their boundaries"}
 # A default block length (the model's max_positions) above this is announced: activation memory
 # grows with it, and a checkpoint's context (8,192 positions is common) can exhaust a host.
 LONG_BLOCK = 2048
@@ -84,7 +86,7 @@ class CausalLM:
         own = keeps_own_conventions(config.tokenizer.convention, config.model.init_from)
         prepare = _streamed_data if config.language.streaming else _packed_data
         data = prepare(config, job.mesh, seq_len, batch_size, fixed_tokenizer, own)
-        tokenizer, loader, eval_blocks = data.tokenizer, data.loader, data.eval_blocks
+        tokenizer, loader, eval_blocks = data.tokenizer, data.loader, data.eval_blocks.tokens
         sample_settings = settings_from_samples(config.samples)  # a bad setting fails now
         skip_nonfinite = config.trainer.skip_nonfinite
 
@@ -105,12 +107,13 @@ class CausalLM:
         token_bytes = jax.device_put(jnp.asarray(token_byte_lengths(tokenizer)),
                                      replicated(job.mesh))
         evaluator = LMEvaluator(training.steps, eval_blocks, base.eval_batch_size(job), job.mesh,
-                              token_bytes)
+                                token_bytes, data.eval_blocks.document_starts)
         flops = build.lm_flops_per_token(config.model, training.num_params, seq_len)
         speed = base.throughput(job, batch_size * seq_len, flops)
         print(base.banner(job, training, config.model, "",
                      f"{data.train_size} train / {len(eval_blocks)} eval blocks of {seq_len} "
-                     f"tokens | global batch {batch_size} ({batch_size * seq_len} tokens/step)"))
+                     f"tokens{_DOCUMENTS[config.task.document_masking]} | global batch "
+                     f"{batch_size} ({batch_size * seq_len} tokens/step)"))
         state, last_eval = base.run_loop(job, training, loader, evaluator, speed)
         final = {**last_eval, "tokens_seen": int(state.step) * batch_size * seq_len,
                  "steps": int(state.step)}
@@ -127,7 +130,7 @@ class LMData(NamedTuple):
 
     tokenizer: transformers.PreTrainedTokenizerFast
     loader: BatchSource
-    eval_blocks: np.ndarray
+    eval_blocks: PackedBlocks
     train_size: int | str  # training blocks, or "streamed"
     fingerprint: dict[str, str]  # what a checkpoint records of the data (see prepare_training)
 
@@ -142,13 +145,14 @@ def _packed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, token
         config.tokenizer, corpus.train, config.model.vocab_size, config.cache_dir
     )
     prefix = _document_prefix(tokenizer, own_conventions)
-    train_blocks = tokenize_and_pack(corpus.train, tokenizer, seq_len, config.cache_dir,
-                                     "tokenize train", prefix)
-    eval_blocks = tokenize_and_pack(
-        corpus.validation, tokenizer, seq_len, config.cache_dir, "tokenize validation", prefix
-    )
+    documents = config.task.document_masking
+    train_blocks = pack_blocks(corpus.train, tokenizer, seq_len, config.cache_dir,
+                               "tokenize train", prefix, documents)
+    eval_blocks = pack_blocks(corpus.validation, tokenizer, seq_len, config.cache_dir,
+                              "tokenize validation", prefix, documents)
     check_corpus_size(config, len(train_blocks), len(eval_blocks), seq_len, batch_size)
-    loader = block_loader(train_blocks, batch_size, mesh, seed=config.seed)
+    loader = block_loader(train_blocks.tokens, batch_size, mesh, seed=config.seed,
+                          document_starts=train_blocks.document_starts)
     fingerprint = {"training data": text_fingerprint(corpus.train),
                    "validation data": text_fingerprint(corpus.validation)}
     return LMData(tokenizer, loader, eval_blocks, len(train_blocks), fingerprint)
@@ -170,9 +174,8 @@ def _streamed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, tok
             config.tokenizer, sample, config.model.vocab_size, config.cache_dir
         )
     prefix = _document_prefix(tokenizer, own_conventions)
-    eval_blocks = tokenize_and_pack(
-        validation, tokenizer, seq_len, config.cache_dir, "tokenize validation", prefix
-    )
+    eval_blocks = pack_blocks(validation, tokenizer, seq_len, config.cache_dir,
+                              "tokenize validation", prefix, config.task.document_masking)
     check_eval_size(config, len(eval_blocks), seq_len)
     loader = StreamingLoader(
         process_shard(train_stream, jax.process_index(), jax.process_count()),
@@ -184,6 +187,7 @@ def _streamed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, tok
         shuffle_buffer=config.language.shuffle_buffer,
         max_steps=config.trainer.max_steps,
         prefix=prefix,
+        documents=config.task.document_masking,
     )
     head = documents_fingerprint(row["text"] for row in train_stream.take(STREAM_CHECKED_DOCS))
     fingerprint = {f"training data (first {STREAM_CHECKED_DOCS} documents of the stream)": head,

@@ -69,6 +69,9 @@ class LMEvaluator:
     global_batch_size: int
     mesh: Mesh
     token_bytes: jax.Array  # (vocab,) UTF-8 bytes per token id
+    # Where the blocks' documents start (`packing.PackedBlocks`): given, each document is
+    # evaluated on its own, as it is trained (task.document_masking).
+    document_starts: np.ndarray | None = None
 
     def __call__(self, params, stop: StopRequest | None = None) -> dict[str, float]:
         """Loss over every validation token exactly once: sums over all batches, divided once.
@@ -78,7 +81,7 @@ class LMEvaluator:
         programs are ever queued (see `inflight` for why that matters), and are added up on
         the host in float64.
         """
-        gather = block_rows(self.blocks, self.global_batch_size, self.mesh)
+        gather = block_rows(self.blocks, self.global_batch_size, self.mesh, self.document_starts)
         batches = eval_batches(len(self.blocks), self.global_batch_size, self.mesh, gather)
         dispatched = (self.steps.eval(params, inputs, mask, self.token_bytes)
                       for inputs, mask in batches)

@@ -21,6 +21,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from flaxlm.data.documents import INPUT_IDS, POSITIONS, SEGMENT_IDS
 from flaxlm.parallel import (
     BATCH_AXES,
     batch_sharded,
@@ -67,9 +68,23 @@ def next_token_losses(logits_BxLxV: jax.Array, inputs_BxL: jax.Array) -> jax.Arr
     return losses_BxL[:, :-1]
 
 
-def lm_loss(model, inputs_BxL: jax.Array, rngs: nnx.Rngs) -> jax.Array:
-    """Causal LM: the mean next-token cross-entropy of a batch of token blocks."""
-    return next_token_losses(model(inputs_BxL, rngs=rngs), inputs_BxL).mean()
+def lm_logits(model, batch, rngs: nnx.Rngs | None = None) -> tuple[jax.Array, jax.Array]:
+    """Next-token logits (B, L, V) of a batch of token blocks, and its token ids (B, L). A plain
+    (B, L) batch is one sequence per row; a batch with its documents (data/documents.py)
+    attends within each document, at positions counted from its start. Either way every
+    position predicts the next token of the block: the same targets, each predicted from its
+    own document only with document masking."""
+    if not isinstance(batch, dict):
+        return model(batch, rngs=rngs), batch
+    inputs_BxL = batch[INPUT_IDS]
+    logits_BxLxV = model(inputs_BxL, rngs=rngs, segment_ids_BxL=batch[SEGMENT_IDS],
+                         positions_BxL=batch[POSITIONS])
+    return logits_BxLxV, inputs_BxL
+
+
+def lm_loss(model, batch, rngs: nnx.Rngs) -> jax.Array:
+    """Causal LM: the mean next-token cross-entropy of a batch of token blocks (`lm_logits`)."""
+    return next_token_losses(*lm_logits(model, batch, rngs)).mean()
 
 
 def train_step(state: TrainState, batch_K, dropout_key: jax.Array, *, graphdef,
@@ -180,12 +195,13 @@ def split_micro_batches(batch_N, num_micro: int, sharding: NamedSharding):
     return jax.tree.map(split, batch_N)
 
 
-def eval_step(params, inputs_BxL: jax.Array, row_mask_B: jax.Array, token_bytes_V: jax.Array,
+def eval_step(params, batch, row_mask_B: jax.Array, token_bytes_V: jax.Array,
               *, graphdef) -> dict[str, jax.Array]:
     """Sums, not means: loss summed over real tokens, their count and their UTF-8 bytes, so
-    batches (and padding) combine exactly."""
+    batches (and padding) combine exactly. `batch`: as `lm_logits` reads it."""
     model = nnx.merge(graphdef, params)
-    losses_BxL = next_token_losses(model(inputs_BxL), inputs_BxL)
+    logits_BxLxV, inputs_BxL = lm_logits(model, batch)
+    losses_BxL = next_token_losses(logits_BxLxV, inputs_BxL)
     mask_BxL = jnp.broadcast_to(row_mask_B[:, None], losses_BxL.shape).astype(jnp.float32)
     targets_BxL = inputs_BxL[:, 1:]
     return {
