@@ -162,11 +162,7 @@ def prepare_training(
     plan = make_plan(config, loader.steps_per_epoch)
     schedule = make_schedule(config.optimizer, plan.total_steps)
     tx = make_optimizer(config.optimizer, schedule)
-    spec = TransformerSpec(
-        start.model,
-        compute_dtype=jnp.dtype(config.hardware.compute_dtype),
-        param_dtype=jnp.dtype(config.hardware.param_dtype),
-    )
+    spec = model_spec(config, start.model)
     init_key, dropout_key = jax.random.split(jax.random.key(config.seed))
     model = build_model(spec, nnx.Rngs(params=init_key))
     if start.checkpoint_dir and not job.run.resuming:  # else the weights come from the run's
@@ -188,6 +184,12 @@ def prepare_training(
         state, dropout_key, resume = resumed.state, resumed.dropout_key, resumed.loop
         announce_new_length(config, resumed.saved_config, plan, schedule, resume.step)
     return Training(state, steps, plan, dropout_key, metadata, count_params(model), resume)
+
+
+def model_spec(config: TrainConfig, model: ModelConfig) -> TransformerSpec:
+    """`model`'s shape with the hardware's compute and parameter dtypes."""
+    return TransformerSpec(model, compute_dtype=jnp.dtype(config.hardware.compute_dtype),
+                           param_dtype=jnp.dtype(config.hardware.param_dtype))
 
 
 def announce_new_length(config: TrainConfig, saved_config: dict, plan: Plan, schedule,

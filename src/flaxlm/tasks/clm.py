@@ -9,6 +9,7 @@ samples.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple
 
 import datasets
@@ -39,7 +40,7 @@ from flaxlm.tasks import base
 from flaxlm.tasks.base import JobContext
 from flaxlm.training.evaluation import LMEvaluator
 from flaxlm.training.plan import global_batch_size
-from flaxlm.training.step import compile_steps
+from flaxlm.training.step import CompiledSteps, compile_steps
 
 # Training documents of a streamed corpus that its fingerprint covers, from the stream's start.
 STREAM_CHECKED_DOCS = 1000
@@ -86,14 +87,8 @@ class CausalLM:
         data = prepare(config, job.mesh, seq_len, batch_size, fixed_tokenizer, own)
         tokenizer, loader, eval_blocks = data.tokenizer, data.loader, data.eval_blocks
         sample_settings = settings_from_samples(config.samples)  # a bad setting fails now
-        skip_nonfinite = config.trainer.skip_nonfinite
-
-        def compile_lm_steps(mesh, graphdef, tx, schedule):
-            return compile_steps(mesh, graphdef, tx, schedule, config.trainer.grad_accum_steps,
-                                 skip_nonfinite=skip_nonfinite)
-
-        training = base.prepare_training(job, start, build.build_lm, compile_lm_steps, loader,
-                                         tokenizer, data.fingerprint)
+        training = base.prepare_training(job, start, build.build_lm, lm_steps_compiler(config),
+                                         loader, tokenizer, data.fingerprint)
         hf_config = hf.to_lm_config(
             config.model,
             bos_token_id=tokenizer.bos_token_id,
@@ -120,6 +115,17 @@ class CausalLM:
         log_samples(lm_from_params(config.model, params), tokenizer, config.samples.prompts,
                     sample_settings, job.tracker, step=final["steps"], own_conventions=own)
         return final
+
+
+def lm_steps_compiler(config: TrainConfig) -> Callable[..., CompiledSteps]:
+    """`compile(mesh, graphdef, tx, schedule)`: the LM's train and eval steps as this run
+    jits them (its gradient accumulation, its handling of non-finite steps)."""
+
+    def compile_lm_steps(mesh, graphdef, tx, schedule) -> CompiledSteps:
+        return compile_steps(mesh, graphdef, tx, schedule, config.trainer.grad_accum_steps,
+                             skip_nonfinite=config.trainer.skip_nonfinite)
+
+    return compile_lm_steps
 
 
 class LMData(NamedTuple):

@@ -25,6 +25,7 @@ from flaxlm.parallel import (
     BATCH_AXES,
     batch_sharded,
     constrain_state,
+    is_abstract,
     place_state,
     replicated,
     state_shardings,
@@ -42,14 +43,21 @@ def create_state(model: nnx.Module, tx: optax.GradientTransformation,
                  mesh: Mesh | None = None) -> tuple[Any, TrainState]:
     """Split the model into its static graph and its parameters; start the optimizer. With a
     `mesh`, the state is laid out on it by its logical axes (`flaxlm.parallel`), the optimizer
-    state made there directly: it is never whole on one device."""
+    state made there directly: it is never whole on one device.
+
+    An abstract model (`nnx.eval_shape`) gives the abstract state, each leaf a
+    `jax.ShapeDtypeStruct` with the sharding training gives it: no parameter is allocated,
+    and the steps compile for it (flaxlm-plan)."""
     graphdef, params = nnx.split(model, nnx.Param)
-    step = jnp.zeros((), jnp.int32)
+    abstract = is_abstract(params)
+    step = jax.ShapeDtypeStruct((), jnp.int32) if abstract else jnp.zeros((), jnp.int32)
     if mesh is None:
-        return graphdef, TrainState(step=step, params=params, opt_state=tx.init(params))
+        init = jax.eval_shape if abstract else lambda fn, tree: fn(tree)
+        return graphdef, TrainState(step=step, params=params, opt_state=init(tx.init, params))
     params = place_state(params, mesh)
     opt_state_sharding = state_shardings(jax.eval_shape(tx.init, params), mesh)
-    opt_state = jax.jit(tx.init, out_shardings=opt_state_sharding)(params)
+    init_opt_state = jax.jit(tx.init, out_shardings=opt_state_sharding)
+    opt_state = jax.eval_shape(init_opt_state, params) if abstract else init_opt_state(params)
     return graphdef, place_state(TrainState(step=step, params=params, opt_state=opt_state), mesh)
 
 

@@ -1,0 +1,190 @@
+"""`flaxlm-plan`: a run compiled for its hardware without running it, through the functions
+training uses: the abstract train state carries training's shardings, the real train and eval
+steps compile for a TPU slice on this CPU (XLA's TPU compiler from libtpu), and the figures
+the plan prints follow from them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import optax
+import pytest
+from conftest import REPO, TINY, compose
+from omegaconf import OmegaConf
+
+from flaxlm import aot
+from flaxlm.cli import plan as plan_cli
+from flaxlm.config import MeshConfig
+from flaxlm.errors import FlaxlmError
+from flaxlm.parallel import configure_platform, make_mesh, place_state
+from flaxlm.training.step import create_state
+
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+
+
+def needs_libtpu(test):
+    """Compiles for a TPU slice: skipped, with the reason, only where libtpu is missing."""
+    skip = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (the `tpu` "
+                              "extra, which `make test` installs): no TPU compiler")
+    return pytest.mark.libtpu(skip(test))
+
+
+# TINY's model on a 4-chip TPU v4 slice (one host), 2 rows of 64 tokens per chip.
+SMALL = [o for o in TINY if not o.startswith("hardware=")] + [
+    "hardware=tpu-v4-8", "task.max_seq_length=64"]
+LLAMA = ["model=llama-tiny", "model.n_kv_head=2", "model.n_inner=192"]
+# Without dropout, whose random bits XLA counts as FLOPs (threefry's integer arithmetic) and
+# the analytic count does not.
+GPT2 = ["model.resid_pdrop=0", "model.embd_pdrop=0", "model.attn_pdrop=0"]
+MESHES = {"data": ["hardware.mesh.data=4"],
+          "fsdp": ["hardware.mesh.data=1", "hardware.mesh.fsdp=4"],
+          "tensor": ["hardware.mesh.data=2", "hardware.mesh.tensor=2"]}
+# Compiled FLOPs per chip against 6·N + 12·L·D·S per token: XLA also counts the softmax,
+# the norms, the activations and the optimizer's elementwise work, which the analytic count
+# leaves out; at this width they are a few per cent of the matmuls.
+FLOPS_TOLERANCE = 0.15
+
+
+@pytest.fixture(scope="module")
+def plans():
+    """The plan of each family on each mesh, compiled once for the module."""
+    return {(family, mesh): aot.plan(compose([*SMALL, *(LLAMA if family == "llama" else GPT2),
+                                              *MESHES[mesh]]))
+            for family in ("gpt2", "llama") for mesh in MESHES}
+
+
+@needs_libtpu
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("mesh", sorted(MESHES))
+def test_the_real_steps_compile_for_a_tpu_slice_with_the_state_donated(plans, family, mesh):
+    run = plans[family, mesh]
+    assert (run.device_kind, run.num_devices, run.topology) == ("TPU v4", 4, "v4:2x2x1")
+    assert run.mesh == {"data": {"data": 4, "fsdp": 1, "tensor": 2}[mesh],
+                        "fsdp": 4 if mesh == "fsdp" else 1, "tensor": 2 if mesh == "tensor" else 1}
+    # The compiler's arguments are the plan's state and batch (and the dropout key), laid out
+    # in the TPU's tiles (padded: more than their logical bytes at these small shapes); the new
+    # state is written over the donated one, so all but the batch and key are aliased.
+    assert run.train.argument_bytes >= run.state_bytes + run.batch_bytes
+    assert run.train.alias_bytes >= run.state_bytes
+    assert run.train.argument_bytes - run.train.alias_bytes < 16 * run.batch_bytes + 2**16
+    assert run.train.flops > 0 and run.eval.flops > 0
+    assert run.fits and run.peak_bytes < run.hbm_bytes
+
+
+@needs_libtpu
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_fsdp_holds_exactly_a_quarter_of_the_parameters_per_chip(plans, family):
+    """Every parameter here has a dimension of the model's width (64, which 4 divides): each
+    chip holds a quarter of each (LOGICAL_AXIS_RULES)."""
+    data, fsdp = plans[family, "data"], plans[family, "fsdp"]
+    assert fsdp.param_bytes * 4 == data.param_bytes
+    assert data.fsdp_state_bytes == fsdp.state_bytes  # the figure the advice quotes
+    assert data.param_bytes == data.num_params * 4  # float32, all of them on every chip
+    assert fsdp.opt_state_bytes < data.opt_state_bytes / 3
+
+
+@needs_libtpu
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("mesh", sorted(MESHES))
+def test_the_compiled_flops_agree_with_the_analytic_count(plans, family, mesh):
+    run = plans[family, mesh]
+    assert run.step_flops == pytest.approx(run.model_flops, rel=FLOPS_TOLERANCE)
+    assert 0 < run.mfu <= 1 and run.tokens_per_s > 0
+
+
+@needs_libtpu
+def test_gradient_accumulation_counts_its_loop_in_full(plans):
+    """cost_analysis counts a loop's body once; the plan multiplies by the micro-batches."""
+    one = plans["gpt2", "data"]
+    four = aot.plan(compose([*SMALL, *GPT2, "trainer.grad_accum_steps=4"]))
+    assert four.tokens_per_step == 4 * one.tokens_per_step
+    assert four.step_flops == pytest.approx(4 * one.step_flops, rel=0.05)
+    assert four.batch_bytes == 4 * one.batch_bytes
+
+
+@needs_libtpu
+def test_a_run_that_does_not_fit_exits_2_naming_what_to_change(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        plan_cli.main([*SMALL, "hardware.hbm_gib_per_device=0.001"])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert "per chip:" in captured.out  # the plan is printed before the verdict
+    [message] = captured.err.strip().splitlines()
+    assert message.startswith("flaxlm: error: model=gpt2-tiny does not fit hardware=tpu-v4-8")
+    for change in ("hardware.mesh.fsdp=-1", "model.remat=full",
+                   "hardware.per_device_batch_size=1 with trainer.grad_accum_steps=2"):
+        assert change in message, message
+
+
+def test_a_cpu_group_is_planned_for_its_own_devices(tmp_path, capsys):
+    """No libtpu needed: hardware=cpu-8 compiles for the 8 CPU devices; a CPU's memory is not
+    known, so there is no verdict, and no peak, so no roofline."""
+    plan_cli.main([*TINY, "task.max_seq_length=32", "--json", str(tmp_path / "plan.json")])
+    out = capsys.readouterr().out
+    assert "hardware=cpu-8: 8 × cpu (the devices attached)" in out
+    assert "roofline estimate     none" in out and "flaxlm: fits" not in out
+    run = json.loads((tmp_path / "plan.json").read_text())
+    assert (run["num_devices"], run["topology"], run["fits"], run["mfu"]) == (8, None, None, None)
+    # Unpadded on a CPU: the compiler's arguments are the state, the batch and the key.
+    assert run["train"]["argument_bytes"] == run["state_bytes"] + run["batch_bytes"] + 8
+    assert run["train"]["alias_bytes"] == run["state_bytes"]
+
+
+def test_the_abstract_state_has_the_shardings_training_gives_the_real_one():
+    """create_state on an abstract model: ShapeDtypeStructs laid out as place_state lays out
+    the arrays."""
+    model = aot.abstract_model(OmegaConf.to_object(compose(TINY)))
+    mesh = make_mesh(None, MeshConfig(data=2, fsdp=4, tensor=1))
+    _, abstract = create_state(model, optax.adamw(1e-3), mesh)
+    assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(abstract))
+    real = place_state(jax.tree.map(lambda leaf: jax.numpy.zeros(leaf.shape, leaf.dtype),
+                                    abstract), mesh)
+    for leaf, array in zip(jax.tree.leaves(abstract), jax.tree.leaves(real)):
+        assert leaf.sharding == array.sharding
+
+
+def test_make_mesh_lays_out_the_devices_it_is_given():
+    devices = jax.devices()[4:]
+    mesh = make_mesh(None, MeshConfig(data=-1, fsdp=2, tensor=1), devices)
+    assert list(mesh.devices.flat) == devices and dict(mesh.shape)["data"] == 2
+    with pytest.raises(FlaxlmError, match="there are 4 device"):
+        make_mesh(8, None, devices)
+
+
+def test_planning_a_tpu_group_on_a_cpu_does_not_ask_for_a_tpu():
+    """Training with hardware=tpu on this CPU is refused; planning it runs JAX on the CPU."""
+    hardware = OmegaConf.to_object(compose(SMALL)).hardware
+    configure_platform(hardware, compile_only=True)
+    with pytest.raises(FlaxlmError, match="asks for platform 'tpu'"):
+        configure_platform(hardware)
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_planning_llama_1b_allocates_no_parameters(tmp_path):
+    """llama-1b holds 1.24B float32 parameters (~5 GB, ~15 GB with AdamW's moments); its plan,
+    compiled for a v5p-8 in a process of its own, peaks far below that."""
+    script = textwrap.dedent("""
+        import resource, sys
+        from flaxlm.cli import plan
+        try:
+            plan.main(sys.argv[1:])
+        finally:
+            print("peak_rss_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                  file=sys.stderr)
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    result = subprocess.run(
+        [sys.executable, "-c", script, "model=llama-1b", "hardware=tpu-v5p-8",
+         "model.n_layer=2", "task.max_seq_length=256", "hardware.per_device_batch_size=1",
+         "--json", str(tmp_path / "plan.json")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    peak_gib = int(result.stderr.rsplit("peak_rss_kib", 1)[1].split()[0]) / 2**20
+    assert peak_gib < 2.0, peak_gib
