@@ -26,6 +26,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +51,7 @@ from flaxlm.tasks import base
 from flaxlm.tasks.clm import lm_steps_compiler
 from flaxlm.training.optimizer import make_optimizer, make_schedule
 from flaxlm.training.plan import global_batch_size
-from flaxlm.training.step import create_state
+from flaxlm.training.step import CompiledSteps, TrainState, create_state
 
 GIB = 2**30
 
@@ -167,15 +168,43 @@ class RunPlan:
         return {**dataclasses.asdict(self), **{name: getattr(self, name) for name in derived}}
 
 
-def plan(cfg: DictConfig | TrainConfig) -> RunPlan:
-    """Compile the run `cfg` describes for its hardware, without running it."""
+@dataclasses.dataclass(frozen=True)
+class AbstractRun:
+    """A run laid out on its hardware as shapes: the jitted steps and the abstract arguments
+    they take, ready to lower and compile; nothing allocated."""
+
+    config: TrainConfig
+    devices: list
+    mesh: Mesh
+    seq_len: int
+    model: nnx.Module  # abstract
+    tx: Any
+    state: TrainState  # abstract, with training's shardings
+    steps: CompiledSteps  # jitted, not yet compiled
+    train_args: tuple  # (state, batch, dropout key)
+    eval_args: tuple  # (params, inputs, row mask, token bytes)
+
+
+def abstract_run(cfg: DictConfig | TrainConfig) -> AbstractRun:
+    """The run `cfg` describes, as training would set it up, with shapes for arrays."""
     config: TrainConfig = cfg if isinstance(cfg, TrainConfig) else OmegaConf.to_object(cfg)
     if config.task.name != "clm":
         raise FlaxlmError(
             f"flaxlm-plan plans task=clm runs; task={config.task.name} is not one yet."
         )
     hardware = config.hardware
-    configure_platform(hardware, config.model.remat, compile_only=True)
+    try:
+        configure_platform(hardware, config.model.remat, compile_only=True)
+    except FlaxlmError as err:
+        if hardware.platform != "tpu":
+            raise
+        raise FlaxlmError(
+            f"{err} Without a TPU attached, flaxlm-plan compiles for the slice that "
+            f"hardware.topology names, and hardware={hardware.name} names none: pick a preset "
+            "(hardware=tpu-v4-8, tpu-v5e-8, tpu-v5p-8, tpu-v6e-8, ...) or set "
+            "hardware.topology.name (e.g. v4:2x2x1 with hardware.topology.chip_config="
+            "megacore)."
+        ) from err
     devices = target_devices(hardware)
     mesh = make_mesh(hardware.num_devices, hardware.mesh, devices)
     seq_len = check_settings(config, mesh.size)
@@ -183,39 +212,47 @@ def plan(cfg: DictConfig | TrainConfig) -> RunPlan:
     if start.checkpoint_dir:
         config = dataclasses.replace(config, model=start.model)
         seq_len = config.task.max_seq_length or config.model.n_positions
-    rows = global_batch_size(config, mesh.size)
-    accum = config.trainer.grad_accum_steps
     schedule = make_schedule(config.optimizer, _schedule_length(config))
     tx = make_optimizer(config.optimizer, schedule)
     model = abstract_model(config)
     graphdef, state = create_state(model, tx, mesh)
     steps = lm_steps_compiler(config)(mesh, graphdef, tx, schedule)
-    batch = batch_spec((rows, seq_len), jnp.int32, mesh)
-    train = compile_step(steps.train, state, batch, abstract_key(mesh))
+    batch = batch_spec((global_batch_size(config, mesh.size), seq_len), jnp.int32, mesh)
     eval_rows = (hardware.per_device_eval_batch_size or hardware.per_device_batch_size) \
         * mesh.size
-    evaluate = compile_step(steps.eval, state.params,
-                            batch_spec((eval_rows, seq_len), jnp.int32, mesh),
-                            batch_spec((eval_rows,), jnp.int32, mesh),
-                            jax.ShapeDtypeStruct((config.model.vocab_size,), jnp.int32,
-                                                 sharding=replicated(mesh)))
-    num_params = count_params(model)
-    kind = devices[0].device_kind
+    eval_args = (state.params, batch_spec((eval_rows, seq_len), jnp.int32, mesh),
+                 batch_spec((eval_rows,), jnp.int32, mesh),
+                 jax.ShapeDtypeStruct((config.model.vocab_size,), jnp.int32,
+                                      sharding=replicated(mesh)))
+    return AbstractRun(config, list(devices), mesh, seq_len, model, tx, state, steps,
+                       (state, batch, abstract_key(mesh)), eval_args)
+
+
+def plan(cfg: DictConfig | TrainConfig) -> RunPlan:
+    """Compile the run `cfg` describes for its hardware, without running it."""
+    run = abstract_run(cfg)
+    config, hardware, mesh, state = run.config, run.config.hardware, run.mesh, run.state
+    train = compile_step(run.steps.train, *run.train_args)
+    evaluate = compile_step(run.steps.eval, *run.eval_args)
+    batch = run.train_args[1]
+    rows, accum = batch.shape[0], config.trainer.grad_accum_steps
+    num_params = count_params(run.model)
+    kind = run.devices[0].device_kind
     return RunPlan(
         model=config.model.name, hardware=hardware.name, device_kind=kind,
         num_devices=mesh.size, mesh=dict(mesh.shape), topology=hardware.topology.name
         if hardware.platform == "tpu" else None, remat=Remat(config.model.remat).value,
         per_device_batch=rows // accum // mesh.size, grad_accum_steps=accum, global_batch=rows,
-        seq_len=seq_len, num_params=num_params,
+        seq_len=run.seq_len, num_params=num_params,
         param_bytes=per_device_bytes(state.params), opt_state_bytes=per_device_bytes(
             (state.step, state.opt_state)), batch_bytes=per_device_bytes(batch),
         train=train, eval=evaluate,
-        flops_per_token=build.lm_flops_per_token(config.model, num_params, seq_len),
-        hbm_bytes=_hbm_bytes(hardware.hbm_gib_per_device, devices[0]),
+        flops_per_token=build.lm_flops_per_token(config.model, num_params, run.seq_len),
+        hbm_bytes=_hbm_bytes(hardware.hbm_gib_per_device, run.devices[0]),
         peak_flops=hardware_peak.peak_flops(hardware.peak_tflops_per_device, [kind]),
         hbm_bandwidth=None if hardware.hbm_gbps_per_device is None
         else hardware.hbm_gbps_per_device * 1e9,
-        fsdp_state_bytes=_fsdp_state_bytes(config, mesh, model, tx),
+        fsdp_state_bytes=_fsdp_state_bytes(mesh, run.model, run.tx),
     )
 
 
@@ -275,7 +312,7 @@ def _hbm_bytes(configured_gib: float | None, device) -> float | None:
     return stats.get("bytes_limit")
 
 
-def _fsdp_state_bytes(config: TrainConfig, mesh: Mesh, model, tx) -> int | None:
+def _fsdp_state_bytes(mesh: Mesh, model, tx) -> int | None:
     """Per-chip parameter and optimizer bytes with every device on `fsdp` (the tensor axis
     kept), computed from the shardings alone; None when that is the mesh already."""
     tensor = mesh.shape["tensor"]

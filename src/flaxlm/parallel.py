@@ -131,6 +131,9 @@ def target_devices(hardware: HardwareConfig) -> list:
     # libtpu reads these at start-up; without them it looks for a TPU's metadata and warns.
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", hardware.name.removeprefix("tpu-"))
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # Only compiling, it opens no chip: other processes (plans, tests) may load libtpu too,
+    # which its lock file (/tmp/libtpu_lockfile) otherwise refuses.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     extra = {"chips_per_host_bounds": tuple(topology.chips_per_host)} if topology.chips_per_host \
         else {}
     try:
