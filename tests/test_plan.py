@@ -22,7 +22,8 @@ from flaxlm import aot
 from flaxlm.cli import plan as plan_cli
 from flaxlm.config import MeshConfig
 from flaxlm.errors import FlaxlmError
-from flaxlm.parallel import configure_platform, make_mesh, place_state
+from flaxlm.hardware_peak import known_peak_tflops
+from flaxlm.parallel import configure_platform, make_mesh, place_state, target_devices
 from flaxlm.training.step import create_state
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -163,6 +164,24 @@ def test_planning_a_tpu_group_on_a_cpu_does_not_ask_for_a_tpu():
     configure_platform(hardware, compile_only=True)
     with pytest.raises(FlaxlmError, match="asks for platform 'tpu'"):
         configure_platform(hardware)
+
+
+TPU_PRESETS = sorted(name[:-5] for name in os.listdir(os.path.join(REPO, "conf", "hardware"))
+                     if name.startswith("tpu-"))
+
+
+@needs_libtpu
+@pytest.mark.parametrize("preset", TPU_PRESETS)
+def test_each_tpu_preset_names_a_slice_libtpu_knows_and_its_chips_peak(preset):
+    """A preset's name counts TensorCores (v2-v5p) or chips (v5e, v6e); a megacore chip's two
+    cores are one device. Its peak is the one MFU takes for that device (hardware_peak)."""
+    hardware = OmegaConf.to_object(compose([f"hardware={preset}"])).hardware
+    devices = target_devices(hardware)
+    count = int(preset.rsplit("-", 1)[1])
+    assert len(devices) == (count // 2 if hardware.topology.chip_config == "megacore" else count)
+    assert hardware.num_devices in (None, len(devices))
+    assert hardware.peak_tflops_per_device == known_peak_tflops(devices[0].device_kind)
+    assert hardware.hbm_gib_per_device > 0 and hardware.hbm_gbps_per_device > 0
 
 
 def test_planning_a_tpu_group_without_a_topology_names_the_presets():

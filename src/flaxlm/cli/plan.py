@@ -31,9 +31,9 @@ _NO_RUN_DIR = "run_dir=unused-by-flaxlm-plan"
 
 def parser() -> Parser:
     parse = Parser("flaxlm-plan",
-                   "Compile a flaxlm-train run for its hardware without running it: per-chip "
-                   "memory against the chip's, FLOPs, a roofline time estimate, tokens/s and "
-                   "MFU. Exit 0 if it fits, 2 if not.")
+                   "Compile a flaxlm-train run for its hardware without running it: per-chip\n"
+                   "memory against the chip's, FLOPs, a roofline time estimate, tokens/s and\n"
+                   "MFU. Exit status 0 if it fits, 2 if not (docs/planning.md).")
     parse.add_argument("overrides", nargs="*", metavar="OVERRIDE",
                        help="a flaxlm-train override (model=llama-1b hardware=tpu-v5p-8 "
                             "model.remat=full ...): the run to plan")
