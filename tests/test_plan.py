@@ -123,6 +123,19 @@ def test_a_run_that_does_not_fit_exits_2_naming_what_to_change(capsys):
         assert change in message, message
 
 
+@needs_libtpu
+def test_a_step_the_tpu_compiler_cannot_fit_exits_2_with_its_figures(capsys):
+    """XLA's TPU compiler refuses a program larger than the chip: that refusal is the plan."""
+    with pytest.raises(SystemExit) as exit_info:
+        plan_cli.main([*SMALL, "hardware.per_device_batch_size=131072"])
+    assert exit_info.value.code == 2
+    [message] = capsys.readouterr().err.strip().splitlines()
+    assert message.startswith("flaxlm: error: model=gpt2-tiny does not fit hardware=tpu-v4-8: "
+                              "XLA's compiler cannot fit the train step in a TPU v4's memory "
+                              "(Ran out of memory on HBM"), message
+    assert "hardware.per_device_batch_size=65536 with trainer.grad_accum_steps=2" in message
+
+
 def test_a_cpu_group_is_planned_for_its_own_devices(tmp_path, capsys):
     """No libtpu needed: hardware=cpu-8 compiles for the 8 CPU devices; a CPU's memory is not
     known, so there is no verdict, and no peak, so no roofline."""

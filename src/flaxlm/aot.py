@@ -228,32 +228,75 @@ def abstract_run(cfg: DictConfig | TrainConfig) -> AbstractRun:
                        (state, batch, abstract_key(mesh)), eval_args)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """What a plan knows before it compiles: the run's shape on the mesh and per-chip state."""
+
+    num_devices: int
+    remat: str
+    per_device_batch: int
+    grad_accum_steps: int
+    param_bytes: int
+    opt_state_bytes: int
+    fsdp_state_bytes: int | None
+
+    @property
+    def state_bytes(self) -> int:
+        return self.param_bytes + self.opt_state_bytes
+
+
 def plan(cfg: DictConfig | TrainConfig) -> RunPlan:
-    """Compile the run `cfg` describes for its hardware, without running it."""
+    """Compile the run `cfg` describes for its hardware, without running it. A run whose
+    step the compiler cannot fit in a chip's memory is a FlaxlmError saying what to change."""
     run = abstract_run(cfg)
     config, hardware, mesh, state = run.config, run.config.hardware, run.mesh, run.state
-    train = compile_step(run.steps.train, *run.train_args)
-    evaluate = compile_step(run.steps.eval, *run.eval_args)
     batch = run.train_args[1]
     rows, accum = batch.shape[0], config.trainer.grad_accum_steps
+    layout = _Layout(
+        num_devices=mesh.size, remat=Remat(config.model.remat).value,
+        per_device_batch=rows // accum // mesh.size, grad_accum_steps=accum,
+        param_bytes=per_device_bytes(state.params),
+        opt_state_bytes=per_device_bytes((state.step, state.opt_state)),
+        fsdp_state_bytes=_fsdp_state_bytes(mesh, run.model, run.tx))
+    train = _compile_or_refuse(run, layout, "train", run.steps.train, run.train_args)
+    evaluate = _compile_or_refuse(run, layout, "eval", run.steps.eval, run.eval_args)
     num_params = count_params(run.model)
     kind = run.devices[0].device_kind
     return RunPlan(
         model=config.model.name, hardware=hardware.name, device_kind=kind,
         num_devices=mesh.size, mesh=dict(mesh.shape), topology=hardware.topology.name
-        if hardware.platform == "tpu" else None, remat=Remat(config.model.remat).value,
-        per_device_batch=rows // accum // mesh.size, grad_accum_steps=accum, global_batch=rows,
-        seq_len=run.seq_len, num_params=num_params,
-        param_bytes=per_device_bytes(state.params), opt_state_bytes=per_device_bytes(
-            (state.step, state.opt_state)), batch_bytes=per_device_bytes(batch),
+        if hardware.platform == "tpu" else None, remat=layout.remat,
+        per_device_batch=layout.per_device_batch, grad_accum_steps=accum, global_batch=rows,
+        seq_len=run.seq_len, num_params=num_params, param_bytes=layout.param_bytes,
+        opt_state_bytes=layout.opt_state_bytes, batch_bytes=per_device_bytes(batch),
         train=train, eval=evaluate,
         flops_per_token=build.lm_flops_per_token(config.model, num_params, run.seq_len),
         hbm_bytes=_hbm_bytes(hardware.hbm_gib_per_device, run.devices[0]),
         peak_flops=hardware_peak.peak_flops(hardware.peak_tflops_per_device, [kind]),
         hbm_bandwidth=None if hardware.hbm_gbps_per_device is None
         else hardware.hbm_gbps_per_device * 1e9,
-        fsdp_state_bytes=_fsdp_state_bytes(mesh, run.model, run.tx),
+        fsdp_state_bytes=layout.fsdp_state_bytes,
     )
+
+
+def _compile_or_refuse(run: AbstractRun, layout: _Layout, phase: str, step, args
+                       ) -> CompiledStep:
+    """`compile_step`; XLA's TPU compiler refuses a program that cannot fit the chip's
+    memory, which is the plan's answer, said as one paragraph with what to change."""
+    try:
+        return compile_step(step, *args)
+    except Exception as err:  # noqa: BLE001 — JaxRuntimeError, whatever XLA raises
+        text = str(err)
+        if "RESOURCE_EXHAUSTED" not in text:
+            raise
+        reason = text.split("RESOURCE_EXHAUSTED:", 1)[1].strip().splitlines()[0].rstrip(".")
+        raise FlaxlmError(
+            f"model={run.config.model.name} does not fit hardware={run.config.hardware.name}: "
+            f"XLA's compiler cannot fit the {phase} step in a {run.devices[0].device_kind}'s "
+            f"memory ({reason}); parameters {_gib(layout.param_bytes)} and optimizer state "
+            f"{_gib(layout.opt_state_bytes)} per chip. "
+            + _changes(layout, "temporaries are mostly activations")
+        ) from err
 
 
 def abstract_model(config: TrainConfig) -> nnx.Module:
@@ -387,6 +430,16 @@ def verdict(run: RunPlan) -> str | None:
     phase = "train" if run.train.total_bytes >= run.eval_total_bytes else "eval"
     need = run.train.total_bytes if phase == "train" else run.eval_total_bytes
     temps = run.train.temp_bytes if phase == "train" else run.eval.temp_bytes
+    return (f"model={run.model} does not fit hardware={run.hardware}: the {phase} step needs "
+            f"{_gib(need)} per chip, more than the {_gib(run.hbm_bytes)} of a "
+            f"{run.device_kind} (parameters {_gib(run.param_bytes)}, optimizer state "
+            f"{_gib(run.opt_state_bytes)}, temporaries {_gib(temps)}). "
+            + _changes(run, f"most of the {_gib(temps)} of temporaries are activations"))
+
+
+def _changes(run: RunPlan | _Layout, temporaries: str) -> str:
+    """What to change so that the run needs less memory per chip, with the figure that can
+    be had without compiling again."""
     advice = []
     if run.fsdp_state_bytes is not None:
         advice.append(
@@ -395,7 +448,7 @@ def verdict(run: RunPlan) -> str | None:
             f"{_gib(run.fsdp_state_bytes)} per chip)")
     if run.remat != Remat.full.value:
         advice.append("model.remat=full (each block keeps only its input for the backward "
-                      f"pass: most of the {_gib(temps)} of temporaries are activations)")
+                      f"pass: {temporaries})")
     if run.per_device_batch > 1:
         half = run.per_device_batch // 2
         advice.append(
@@ -405,11 +458,7 @@ def verdict(run: RunPlan) -> str | None:
     if not advice:
         advice.append("a slice with more chips (hardware=...), or a smaller model or sequence "
                       "(task.max_seq_length)")
-    return (f"model={run.model} does not fit hardware={run.hardware}: the {phase} step needs "
-            f"{_gib(need)} per chip, more than the {_gib(run.hbm_bytes)} of a "
-            f"{run.device_kind} (parameters {_gib(run.param_bytes)}, optimizer state "
-            f"{_gib(run.opt_state_bytes)}, temporaries {_gib(temps)}). Try "
-            + "; or ".join(advice) + "; then plan again.")
+    return "Try " + "; or ".join(advice) + "; then plan again."
 
 
 def _si(value: float, unit: str) -> str:
