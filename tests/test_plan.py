@@ -150,6 +150,21 @@ def test_a_cpu_group_is_planned_for_its_own_devices(tmp_path, capsys):
     assert run["train"]["alias_bytes"] == run["state_bytes"]
 
 
+@pytest.mark.slow
+def test_under_fsdp_each_device_holds_the_activations_of_its_own_rows():
+    """fsdp is data parallelism for the activations: the hidden states keep their rows split
+    over data × fsdp (`parallel.constrain_batch`), so a device's temporaries under fsdp=8 are
+    those of data=8 plus at most one gathered copy of the weights, not the whole global
+    batch's activations (which made them grow with the number of devices)."""
+    data, fsdp = (aot.plan(compose([*TINY, "task.max_seq_length=32", *mesh]))
+                  for mesh in (["hardware.mesh.data=8"],
+                               ["hardware.mesh.data=1", "hardware.mesh.fsdp=8"]))
+    assert fsdp.param_bytes * 8 == data.param_bytes
+    for step in ("train", "eval"):
+        data_temps, fsdp_temps = getattr(data, step).temp_bytes, getattr(fsdp, step).temp_bytes
+        assert fsdp_temps <= data_temps + data.param_bytes, (step, data_temps, fsdp_temps)
+
+
 def test_the_abstract_state_has_the_shardings_training_gives_the_real_one():
     """create_state on an abstract model: ShapeDtypeStructs laid out as place_state lays out
     the arrays."""
