@@ -40,10 +40,10 @@ def needs_libtpu(test):
 # TINY's model on a 4-chip TPU v4 slice (one host), 2 rows of 64 tokens per chip.
 SMALL = [o for o in TINY if not o.startswith("hardware=")] + [
     "hardware=tpu-v4-8", "task.max_seq_length=64"]
-LLAMA = ["model=llama-tiny", "model.n_kv_head=2", "model.n_inner=192"]
+LLAMA = ["model=llama-tiny", "model.num_kv_heads=2", "model.mlp_size=192"]
 # Without dropout, whose random bits XLA counts as FLOPs (threefry's integer arithmetic) and
 # the analytic count does not.
-GPT2 = ["model.resid_pdrop=0", "model.embd_pdrop=0", "model.attn_pdrop=0"]
+GPT2 = ["model.hidden_dropout=0", "model.embedding_dropout=0", "model.attention_dropout=0"]
 MESHES = {"data": ["hardware.mesh.data=4"],
           "fsdp": ["hardware.mesh.data=1", "hardware.mesh.fsdp=4"],
           "tensor": ["hardware.mesh.data=2", "hardware.mesh.tensor=2"]}
