@@ -18,8 +18,9 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(VENV)/bin/python -m pip install --quiet -e .
 	touch $@
 
+# The tpu extra (libtpu) too: tests/test_plan.py compiles for TPU slices with it on the CPU.
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
+	$(VENV)/bin/python -m pip install --quiet -e '.[test,tpu]'
 	touch $@
 
 train: $(VENV)/.installed

@@ -201,6 +201,16 @@ class MeshConfig:
 
 
 @dataclasses.dataclass
+class TopologyConfig:
+    """The TPU slice `flaxlm-plan` compiles for when it is not attached, in the terms of
+    `jax.experimental.topologies.get_topology_desc`."""
+
+    name: Optional[str] = None  # e.g. "v4:2x2x1" (generation:chips per axis); null → none
+    chip_config: str = "default"  # "megacore": a v4 / v5p chip's two cores as one JAX device
+    chips_per_host: Optional[list[int]] = None  # chips of one host per axis; null → libtpu's
+
+
+@dataclasses.dataclass
 class HardwareConfig:
     """WHERE: platform, devices, per-device batch and dtypes."""
 
@@ -219,6 +229,11 @@ class HardwareConfig:
     # Denominator of MFU, per device; null → the device's known bfloat16 peak
     # (flaxlm.hardware_peak), and no MFU at all on a device without one (a CPU).
     peak_tflops_per_device: Optional[float] = None
+    # A device's memory (GiB) and its bandwidth (GB/s), for flaxlm-plan's verdict and roofline;
+    # null → unknown (no verdict, and a roofline of FLOPs alone).
+    hbm_gib_per_device: Optional[float] = None
+    hbm_gbps_per_device: Optional[float] = None
+    topology: TopologyConfig = dataclasses.field(default_factory=TopologyConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 

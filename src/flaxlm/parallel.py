@@ -55,9 +55,14 @@ _JAX_PLATFORM_NAMES = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 _CPU_REMAT_SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
-def configure_platform(hardware: HardwareConfig, remat: Remat = Remat.none) -> None:
+def configure_platform(hardware: HardwareConfig, remat: Remat = Remat.none,
+                       compile_only: bool = False) -> None:
     """Point JAX at the hardware group's platform (and, on CPU, its device count, and the
     scheduler that lets `remat` save memory when the model rematerialises).
+
+    `compile_only` (flaxlm-plan): no other hosts are joined, and a TPU group with a
+    `hardware.topology` runs JAX on the CPU, compiling for the slice's chips
+    (`target_devices`), so that no TPU need be attached.
 
     Must run before JAX starts its backend; once it has (an earlier run in this process, or a
     test's conftest), the settings are fixed and only checked.
@@ -67,9 +72,10 @@ def configure_platform(hardware: HardwareConfig, remat: Remat = Remat.none) -> N
             f"hardware.platform={hardware.platform!r} is not one of "
             f"{sorted(_JAX_PLATFORM_NAMES)}; fix it in conf/hardware/{hardware.name}.yaml."
         )
+    platform = "cpu" if compile_only and compiles_for_topology(hardware) else hardware.platform
     if not xla_bridge.backends_are_initialized():
-        jax.config.update("jax_platforms", _JAX_PLATFORM_NAMES[hardware.platform])
-        if hardware.platform == "cpu":
+        jax.config.update("jax_platforms", _JAX_PLATFORM_NAMES[platform])
+        if hardware.platform == "cpu":  # not a TPU group planned from the CPU: one device does
             count = hardware.cpu_devices or os.cpu_count() or 1
             flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
             flags.append(f"--xla_force_host_platform_device_count={count}")
@@ -78,7 +84,8 @@ def configure_platform(hardware: HardwareConfig, remat: Remat = Remat.none) -> N
                 flags.append(_CPU_REMAT_SCHEDULER)
             os.environ["XLA_FLAGS"] = " ".join(flags)
     # Joining the other hosts reads XLA_FLAGS, and must come before the backend starts.
-    distributed.initialize(hardware)
+    if not compile_only:
+        distributed.initialize(hardware)
     try:
         backend = jax.default_backend()
     except Exception as err:  # noqa: BLE001 — JAX raises AssertionError when it finds no GPU
@@ -89,7 +96,7 @@ def configure_platform(hardware: HardwareConfig, remat: Remat = Remat.none) -> N
             "machine (cpu, cpu-8, gpu, tpu) or install the matching jax extra, e.g. "
             "`pip install -U 'jax[cuda12]'`."
         ) from err
-    wanted = "gpu" if hardware.platform == "gpu" else hardware.platform
+    wanted = "gpu" if platform == "gpu" else platform
     if backend != wanted:
         raise FlaxlmError(
             f"hardware={hardware.name} asks for platform {hardware.platform!r}, but JAX in this "
@@ -98,18 +105,64 @@ def configure_platform(hardware: HardwareConfig, remat: Remat = Remat.none) -> N
         )
 
 
-def make_mesh(num_devices: int | None, mesh: MeshConfig | None = None) -> Mesh:
-    """The (data, fsdp, tensor) mesh over the first `num_devices` devices (all when None), with
-    `mesh`'s axis sizes (default: every device on `data`)."""
-    devices = jax.devices()
+def compiles_for_topology(hardware: HardwareConfig) -> bool:
+    """Whether a plan of this hardware compiles for `hardware.topology`'s TPU slice rather
+    than for the devices attached."""
+    return hardware.platform == "tpu" and hardware.topology.name is not None
+
+
+def target_devices(hardware: HardwareConfig) -> list:
+    """The devices a plan compiles for: the chips of `hardware.topology`'s slice (XLA's TPU
+    compiler, from libtpu, need not see them), else the devices JAX runs on."""
+    if not compiles_for_topology(hardware):
+        return jax.devices()
+    topology = hardware.topology
+    try:
+        import libtpu  # noqa: F401 — the TPU compiler comes with it
+    except ImportError as err:
+        raise FlaxlmError(
+            f"Planning hardware={hardware.name} compiles for a TPU slice "
+            f"(hardware.topology.name={topology.name}) with XLA's TPU compiler, which comes "
+            "with libtpu: `pip install 'flaxlm[tpu]'` (or 'jax[tpu]' of the installed jax's "
+            "version)."
+        ) from err
+    from jax.experimental import topologies
+
+    # libtpu reads these at start-up; without them it looks for a TPU's metadata and warns.
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", hardware.name.removeprefix("tpu-"))
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # Only compiling, it opens no chip: other processes (plans, tests) may load libtpu too,
+    # which its lock file (/tmp/libtpu_lockfile) otherwise refuses.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    extra = {"chips_per_host_bounds": tuple(topology.chips_per_host)} if topology.chips_per_host \
+        else {}
+    try:
+        return topologies.get_topology_desc(platform="tpu", topology_name=topology.name,
+                                            chip_config_name=topology.chip_config,
+                                            **extra).devices
+    except Exception as err:  # noqa: BLE001 — libtpu raises XlaRuntimeError / ValueError
+        raise FlaxlmError(
+            f"libtpu does not accept hardware.topology (name={topology.name}, chip_config="
+            f"{topology.chip_config}, chips_per_host={topology.chips_per_host}) of "
+            f"hardware={hardware.name}: {str(err).strip().splitlines()[0]}. Use a topology "
+            "such as v4:2x2x1 (chip_config megacore) or v5e:2x4 (default)."
+        ) from err
+
+
+def make_mesh(num_devices: int | None, mesh: MeshConfig | None = None,
+              devices: Sequence | None = None) -> Mesh:
+    """The (data, fsdp, tensor) mesh over the first `num_devices` of `devices` (default: the
+    devices JAX runs on; all when `num_devices` is None), with `mesh`'s axis sizes (default:
+    every device on `data`)."""
+    devices = list(jax.devices() if devices is None else devices)
     if num_devices is not None:
         if not 1 <= num_devices <= len(devices):
             raise FlaxlmError(
-                f"hardware.num_devices={num_devices}, but JAX sees {len(devices)} device(s): "
+                f"hardware.num_devices={num_devices}, but there are {len(devices)} device(s): "
                 f"{devices}. Set hardware.num_devices between 1 and {len(devices)}, or null "
                 "for all of them."
             )
-        if jax.process_count() > 1 and num_devices != len(devices):
+        if _process_count(devices) > 1 and num_devices != len(devices):
             raise FlaxlmError(
                 "hardware.num_devices must be null (all devices) when training on several hosts."
             )
@@ -117,6 +170,10 @@ def make_mesh(num_devices: int | None, mesh: MeshConfig | None = None) -> Mesh:
     # No mesh settings (tests, benchmarks): plain data parallelism over every device.
     shape = mesh_shape(mesh or MeshConfig(data=-1, fsdp=1, tensor=1), len(devices))
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+def _process_count(devices: Sequence) -> int:
+    return len({device.process_index for device in devices})
 
 
 def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int]:
@@ -187,8 +244,46 @@ def state_shardings(tree, mesh: Mesh):
 
 
 def place_state(tree, mesh: Mesh):
-    """`tree` laid out on `mesh` by its logical axes (see `state_shardings`)."""
-    return jax.device_put(tree, state_shardings(tree, mesh))
+    """`tree` laid out on `mesh` by its logical axes (see `state_shardings`). An abstract tree
+    (`jax.ShapeDtypeStruct` leaves, as `nnx.eval_shape` and `jax.eval_shape` make) gets the
+    same layout as its leaves' `sharding`: what a plan compiles the steps for."""
+    shardings = state_shardings(tree, mesh)
+    if is_abstract(tree):
+        return jax.tree.map(
+            lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                                        sharding=sharding), tree, shardings)
+    return jax.device_put(tree, shardings)
+
+
+def is_abstract(tree) -> bool:
+    """Whether `tree` holds shapes only (ShapeDtypeStruct leaves), no arrays."""
+    leaves = jax.tree.leaves(tree)
+    return bool(leaves) and all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves)
+
+
+def traced_on(mesh: Mesh, fn):
+    """`fn`, which `jax.jit` traces with `mesh` as the mesh in context: what lets the models'
+    `constrain_batch` lay activations out on it without being given the mesh."""
+
+    def on_mesh(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return on_mesh
+
+
+def constrain_batch(x_BxE: jax.Array) -> jax.Array:
+    """Inside a step traced on a mesh (`traced_on`): `x_BxE`'s leading (batch) axis split over
+    `data` × `fsdp` as the batch is, the rest whole; outside one, `x_BxE` unchanged.
+
+    Without it the compiler may lay activations out as the weights that make them are laid
+    out: with parameters split over `fsdp` on the model width, it then gathers the whole
+    global batch's activations onto every device, and a device's temporaries grow with the
+    number of devices instead of shrinking (fsdp is data parallelism for the activations)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or any(axis not in mesh.axis_names for axis in BATCH_AXES):
+        return x_BxE
+    return jax.lax.with_sharding_constraint(x_BxE, PartitionSpec(BATCH_AXES))
 
 
 def constrain_state(tree, mesh: Mesh):
@@ -213,6 +308,12 @@ def process_rows(global_rows: int, mesh: Mesh) -> tuple[int, int]:
             "fsdp axes (hardware.mesh)."
         )
     return starts[0], stops[-1] - starts[0]
+
+
+def batch_spec(shape: Sequence[int], dtype, mesh: Mesh) -> jax.ShapeDtypeStruct:
+    """The shape, dtype and layout of a global batch (rows split over `data` × `fsdp`), as
+    `global_batch` makes one: what a plan compiles the steps for, with no data."""
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=batch_sharded(mesh))
 
 
 def global_batch(local_rows: np.ndarray, mesh: Mesh) -> jax.Array:

@@ -84,7 +84,9 @@ RESUMABLE_CHANGES = (
     "trainer.objective",
     "hardware.name", "hardware.cpu_devices", "hardware.num_devices",
     "hardware.per_device_batch_size", "hardware.per_device_eval_batch_size",
-    "hardware.peak_tflops_per_device", "hardware.distributed.", "hardware.mesh.", "model.remat",
+    "hardware.peak_tflops_per_device", "hardware.hbm_gib_per_device",
+    "hardware.hbm_gbps_per_device", "hardware.topology.", "hardware.distributed.",
+    "hardware.mesh.", "model.remat",
 )
 
 

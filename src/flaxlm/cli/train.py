@@ -124,26 +124,31 @@ def main() -> None:
     except (CompactHydraException, OmegaConfBaseException) as err:
         if full_error_asked:
             raise
-        # The first line of each says what is wrong; the rest (Hydra's search path,
-        # OmegaConf's key bookkeeping) is noise to a user.
-        message = str(err).split("\nConfig search path")[0]
-        if isinstance(err.__cause__, OmegaConfBaseException):
-            message += f" ({str(err.__cause__).splitlines()[0]})"
-        message = " ".join(message.split())
-        # A key an earlier release spelt otherwise: Hydra only says it is unknown.
-        renamed = renamed_keys(f"{err}\n{err.__cause__ or ''}")
-        if renamed:
-            source = re.match(r"In '([^']+)'", message)
-            where = f"config {source.group(1)}" if source else "the command line"
-            print(f"flaxlm: error: {'; '.join(renamed)} ({where}): use the new name; "
-                  "docs/configuration.md lists the renamed keys.", file=sys.stderr)
-            sys.exit(2)
-        exit_with_config_error(message)
+        print(f"flaxlm: error: {composition_error(err)}", file=sys.stderr)
+        sys.exit(2)
     except (yaml.YAMLError, UnicodeDecodeError) as err:  # a file of the user's (--config-dir)
         if full_error_asked or raised_by_the_job(err):
             raise
         exit_with_config_error(f"{config_file_problem(err)}. Fix the file, or choose another "
                                "option of its config group")
+
+
+def composition_error(err: CompactHydraException | OmegaConfBaseException) -> str:
+    """One paragraph for a config that cannot be composed: what is wrong, and where to look."""
+    # The first line of each says what is wrong; the rest (Hydra's search path,
+    # OmegaConf's key bookkeeping) is noise to a user.
+    message = str(err).split("\nConfig search path")[0]
+    if isinstance(err.__cause__, OmegaConfBaseException):
+        message += f" ({str(err.__cause__).splitlines()[0]})"
+    message = " ".join(message.split())
+    # A key an earlier release spelt otherwise: Hydra only says it is unknown.
+    renamed = renamed_keys(f"{err}\n{err.__cause__ or ''}")
+    if renamed:
+        source = re.match(r"In '([^']+)'", message)
+        where = f"config {source.group(1)}" if source else "the command line"
+        return (f"{'; '.join(renamed)} ({where}): use the new name; docs/configuration.md "
+                "lists the renamed keys.")
+    return config_error_text(message)
 
 
 def config_file_problem(err: yaml.YAMLError | UnicodeDecodeError) -> str:
@@ -162,9 +167,13 @@ def raised_by_the_job(err: BaseException) -> bool:
     return any(frame.f_code is job for frame, _ in traceback.walk_tb(err.__traceback__))
 
 
+def config_error_text(message: str) -> str:
+    return (f"{message}. Run `flaxlm-train --help` for the config groups and `flaxlm-train "
+            "--cfg job` for the composed config.")
+
+
 def exit_with_config_error(message: str) -> None:
-    print(f"flaxlm: error: {message}. Run `flaxlm-train --help` for the config groups "
-          "and `flaxlm-train --cfg job` for the composed config.", file=sys.stderr)
+    print(f"flaxlm: error: {config_error_text(message)}", file=sys.stderr)
     sys.exit(2)
 
 

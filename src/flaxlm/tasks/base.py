@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from omegaconf import OmegaConf
 
 from flaxlm import hardware_peak, layout
-from flaxlm.config import ModelConfig, TrainConfig
+from flaxlm.config import HardwareConfig, ModelConfig, TrainConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import export_hf
 from flaxlm.models import pretrained
@@ -162,11 +162,7 @@ def prepare_training(
     plan = make_plan(config, loader.steps_per_epoch)
     schedule = make_schedule(config.optimizer, plan.total_steps)
     tx = make_optimizer(config.optimizer, schedule)
-    spec = TransformerSpec(
-        start.model,
-        compute_dtype=jnp.dtype(config.hardware.compute_dtype),
-        param_dtype=jnp.dtype(config.hardware.param_dtype),
-    )
+    spec = model_spec(config, start.model)
     init_key, dropout_key = jax.random.split(jax.random.key(config.seed))
     model = build_model(spec, nnx.Rngs(params=init_key))
     if start.checkpoint_dir and not job.run.resuming:  # else the weights come from the run's
@@ -188,6 +184,12 @@ def prepare_training(
         state, dropout_key, resume = resumed.state, resumed.dropout_key, resumed.loop
         announce_new_length(config, resumed.saved_config, plan, schedule, resume.step)
     return Training(state, steps, plan, dropout_key, metadata, count_params(model), resume)
+
+
+def model_spec(config: TrainConfig, model: ModelConfig) -> TransformerSpec:
+    """`model`'s shape with the hardware's compute and parameter dtypes."""
+    return TransformerSpec(model, compute_dtype=jnp.dtype(config.hardware.compute_dtype),
+                           param_dtype=jnp.dtype(config.hardware.param_dtype))
 
 
 def announce_new_length(config: TrainConfig, saved_config: dict, plan: Plan, schedule,
@@ -241,11 +243,10 @@ def throughput(job: JobContext, tokens_per_step: int, flops_per_token: float) ->
     return Throughput(tokens_per_step, flops_per_token, peak)
 
 
-def eval_batch_size(job: JobContext) -> int:
+def eval_batch_size(hardware: HardwareConfig, num_devices: int) -> int:
     """Rows per evaluation batch over the whole mesh."""
-    hardware = job.config.hardware
     per_device = hardware.per_device_eval_batch_size or hardware.per_device_batch_size
-    return per_device * job.mesh.size
+    return per_device * num_devices
 
 
 def banner(job: JobContext, training: Training, model: ModelConfig, what: str,

@@ -9,6 +9,7 @@ samples.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple
 
 import datasets
@@ -38,7 +39,7 @@ from flaxlm.tasks import base
 from flaxlm.tasks.base import JobContext
 from flaxlm.training.evaluation import LMEvaluator
 from flaxlm.training.plan import global_batch_size
-from flaxlm.training.step import compile_steps
+from flaxlm.training.step import CompiledSteps, compile_steps
 
 # Training documents of a streamed corpus that its fingerprint covers, from the stream's start.
 STREAM_CHECKED_DOCS = 1000
@@ -74,11 +75,7 @@ class CausalLM:
 
     def run(self, job: JobContext, seq_len: int) -> dict[str, float]:
         config = job.config
-        start = base.model_start(config)
-        if start.checkpoint_dir:  # the checkpoint's shape decides the default block length
-            config = dataclasses.replace(config, model=start.model)
-            seq_len = config.task.max_seq_length or config.model.max_positions
-            check_block_length(config, seq_len)
+        config, start, seq_len = lm_start(config, seq_len)
         announce_long_blocks(config, seq_len)
         batch_size = global_batch_size(config, job.mesh.size)
         fixed_tokenizer = (pretrained.load_pretrained_tokenizer(start.checkpoint_dir)
@@ -88,14 +85,8 @@ class CausalLM:
         data = prepare(config, job.mesh, seq_len, batch_size, fixed_tokenizer, own)
         tokenizer, loader, eval_blocks = data.tokenizer, data.loader, data.eval_blocks.tokens
         sample_settings = settings_from_samples(config.samples)  # a bad setting fails now
-        skip_nonfinite = config.trainer.skip_nonfinite
-
-        def compile_lm_steps(mesh, graphdef, tx, schedule):
-            return compile_steps(mesh, graphdef, tx, schedule, config.trainer.grad_accum_steps,
-                                 skip_nonfinite=skip_nonfinite)
-
-        training = base.prepare_training(job, start, build.build_lm, compile_lm_steps, loader,
-                                         tokenizer, data.fingerprint)
+        training = base.prepare_training(job, start, build.build_lm, lm_steps_compiler(config),
+                                         loader, tokenizer, data.fingerprint)
         hf_config = hf.to_lm_config(
             config.model,
             bos_token_id=tokenizer.bos_token_id,
@@ -106,7 +97,8 @@ class CausalLM:
 
         token_bytes = jax.device_put(jnp.asarray(token_byte_lengths(tokenizer)),
                                      replicated(job.mesh))
-        evaluator = LMEvaluator(training.steps, eval_blocks, base.eval_batch_size(job), job.mesh,
+        evaluator = LMEvaluator(training.steps, eval_blocks,
+                                base.eval_batch_size(config.hardware, job.mesh.size), job.mesh,
                                 token_bytes, data.eval_blocks.document_starts)
         flops = build.lm_flops_per_token(config.model, training.num_params, seq_len)
         speed = base.throughput(job, batch_size * seq_len, flops)
@@ -123,6 +115,28 @@ class CausalLM:
         log_samples(lm_from_params(config.model, params), tokenizer, config.samples.prompts,
                     sample_settings, job.tracker, step=final["steps"], own_conventions=own)
         return final
+
+
+def lm_start(config: TrainConfig, seq_len: int) -> tuple[TrainConfig, base.Start, int]:
+    """The run's start (`base.model_start`), the config with the model it starts from, and the
+    block length: with model.init_from, the checkpoint's shape decides its default."""
+    start = base.model_start(config)
+    if start.checkpoint_dir:
+        config = dataclasses.replace(config, model=start.model)
+        seq_len = config.task.max_seq_length or config.model.max_positions
+        check_block_length(config, seq_len)
+    return config, start, seq_len
+
+
+def lm_steps_compiler(config: TrainConfig) -> Callable[..., CompiledSteps]:
+    """`compile(mesh, graphdef, tx, schedule)`: the LM's train and eval steps as this run
+    jits them (its gradient accumulation, its handling of non-finite steps)."""
+
+    def compile_lm_steps(mesh, graphdef, tx, schedule) -> CompiledSteps:
+        return compile_steps(mesh, graphdef, tx, schedule, config.trainer.grad_accum_steps,
+                             skip_nonfinite=config.trainer.skip_nonfinite)
+
+    return compile_lm_steps
 
 
 class LMData(NamedTuple):

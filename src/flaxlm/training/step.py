@@ -26,9 +26,11 @@ from flaxlm.parallel import (
     BATCH_AXES,
     batch_sharded,
     constrain_state,
+    is_abstract,
     place_state,
     replicated,
     state_shardings,
+    traced_on,
 )
 
 
@@ -43,14 +45,21 @@ def create_state(model: nnx.Module, tx: optax.GradientTransformation,
                  mesh: Mesh | None = None) -> tuple[Any, TrainState]:
     """Split the model into its static graph and its parameters; start the optimizer. With a
     `mesh`, the state is laid out on it by its logical axes (`flaxlm.parallel`), the optimizer
-    state made there directly: it is never whole on one device."""
+    state made there directly: it is never whole on one device.
+
+    An abstract model (`nnx.eval_shape`) gives the abstract state, each leaf a
+    `jax.ShapeDtypeStruct` with the sharding training gives it: no parameter is allocated,
+    and the steps compile for it (flaxlm-plan)."""
     graphdef, params = nnx.split(model, nnx.Param)
-    step = jnp.zeros((), jnp.int32)
+    abstract = is_abstract(params)
+    step = jax.ShapeDtypeStruct((), jnp.int32) if abstract else jnp.zeros((), jnp.int32)
     if mesh is None:
-        return graphdef, TrainState(step=step, params=params, opt_state=tx.init(params))
+        init = jax.eval_shape if abstract else lambda fn, tree: fn(tree)
+        return graphdef, TrainState(step=step, params=params, opt_state=init(tx.init, params))
     params = place_state(params, mesh)
     opt_state_sharding = state_shardings(jax.eval_shape(tx.init, params), mesh)
-    opt_state = jax.jit(tx.init, out_shardings=opt_state_sharding)(params)
+    init_opt_state = jax.jit(tx.init, out_shardings=opt_state_sharding)
+    opt_state = jax.eval_shape(init_opt_state, params) if abstract else init_opt_state(params)
     return graphdef, place_state(TrainState(step=step, params=params, opt_state=opt_state), mesh)
 
 
@@ -228,11 +237,11 @@ def compile_train_step(mesh: Mesh, graphdef, tx, schedule, loss_fn: Callable = l
     rep, data = replicated(mesh), batch_sharded(mesh)
     micro_batches = NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))
     return jax.jit(
-        lambda state, batch, key: train_step(
+        traced_on(mesh, lambda state, batch, key: train_step(
             state, split_micro_batches(batch, grad_accum_steps, micro_batches), key,
             graphdef=graphdef, tx=tx, schedule=schedule, loss_fn=loss_fn,
             skip_nonfinite=skip_nonfinite, layout=lambda tree: constrain_state(tree, mesh),
-        ),
+        )),
         in_shardings=(None, data, rep),
         out_shardings=(None, rep),
         donate_argnums=0,
@@ -246,9 +255,9 @@ def compile_steps(mesh: Mesh, graphdef, tx, schedule, grad_accum_steps: int = 1,
     train = compile_train_step(mesh, graphdef, tx, schedule, lm_loss, grad_accum_steps,
                                skip_nonfinite)
     evaluate = jax.jit(
-        lambda params, inputs, mask, token_bytes: eval_step(
+        traced_on(mesh, lambda params, inputs, mask, token_bytes: eval_step(
             params, inputs, mask, token_bytes, graphdef=graphdef
-        ),
+        )),
         in_shardings=(None, data, data, rep),  # the parameters as the train state holds them
         out_shardings=rep,
     )

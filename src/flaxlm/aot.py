@@ -1,0 +1,476 @@
+"""A run planned ahead of time (`flaxlm-plan`): will it fit, and how fast might it go.
+
+The plan takes the path training takes, with shapes instead of arrays: the typed config, the
+model built under `nnx.eval_shape` (no parameter is allocated), the train state made by
+`create_state` with the shardings training gives it, the batch as `ShapeDtypeStruct`s laid out
+as the loader lays it out, and the train and eval steps the task jits, compiled for the
+hardware's devices: a TPU slice's chips (`hardware.topology`, XLA's TPU compiler from libtpu,
+no TPU attached) or, for the other groups, the devices JAX runs on. What compiles here is what
+training runs. It reads no data and trains no tokenizer: the vocabulary is the model's.
+
+What the compiler reports, and how far to trust it:
+- per-chip memory (`memory_analysis`): arguments + outputs − donated (aliased) + temporaries,
+  the figure the chip must hold; dependable;
+- FLOPs and bytes (`cost_analysis`) of the compiled per-chip program: a loop's body counts
+  once, so the step's figures are multiplied by its micro-batches (the optimizer update,
+  outside the loop, is then over-counted, by a little); kernels the compiler cannot see
+  (Pallas) would count nothing;
+- the time is a roofline, not a measurement: the larger of FLOPs over the chip's peak and
+  bytes over its HBM bandwidth; communication between chips and imperfect overlap are not in
+  it, so the tokens/s and MFU it projects are upper bounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+from omegaconf import DictConfig, OmegaConf
+
+from flaxlm import hardware_peak
+from flaxlm.config import MeshConfig, Remat, TrainConfig
+from flaxlm.errors import FlaxlmError
+from flaxlm.job import check_settings
+from flaxlm.models import build
+from flaxlm.models.layers import count_params
+from flaxlm.parallel import (
+    batch_spec,
+    compiles_for_topology,
+    configure_platform,
+    make_mesh,
+    replicated,
+    target_devices,
+)
+from flaxlm.tasks import base
+from flaxlm.tasks.clm import lm_start, lm_steps_compiler
+from flaxlm.training.optimizer import make_optimizer, make_schedule
+from flaxlm.training.plan import global_batch_size
+from flaxlm.training.step import CompiledSteps, TrainState, create_state
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+    """One compiled step's per-chip figures, as XLA reports them."""
+
+    compile_s: float
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int  # outputs written into donated arguments
+    temp_bytes: int  # the compiler's temporaries: activations, gathered weights, buffers
+    code_bytes: int
+    flops: float  # the program's, a loop's body once
+    bytes_accessed: float
+
+    @property
+    def total_bytes(self) -> int:
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """What a run of a config needs per chip and per step; see the module's docstring."""
+
+    model: str
+    hardware: str
+    device_kind: str
+    num_devices: int
+    mesh: dict[str, int]
+    topology: str | None
+    remat: str
+    per_device_batch: int  # rows of one micro-batch on one device
+    grad_accum_steps: int
+    global_batch: int  # rows per optimizer step
+    seq_len: int
+    num_params: int
+    param_bytes: int  # per chip, as the state's shardings split them
+    opt_state_bytes: int
+    batch_bytes: int
+    train: CompiledStep
+    eval: CompiledStep
+    flops_per_token: float  # analytic (models.build.lm_flops_per_token)
+    hbm_bytes: float | None  # one chip's; None: unknown
+    peak_flops: float | None  # one chip's
+    hbm_bandwidth: float | None  # bytes/s, one chip's
+    # Per-chip parameter and optimizer bytes with fsdp over all devices, when that differs.
+    fsdp_state_bytes: int | None = None
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    @property
+    def state_bytes(self) -> int:
+        return self.param_bytes + self.opt_state_bytes
+
+    @property
+    def eval_total_bytes(self) -> int:
+        """Evaluation runs while the train state stays on the chip."""
+        return self.eval.total_bytes + self.opt_state_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.train.total_bytes, self.eval_total_bytes)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.hbm_bytes is None else self.peak_bytes <= self.hbm_bytes
+
+    @property
+    def step_flops(self) -> float:
+        """The compiled step's FLOPs per chip, its micro-batch loop counted in full."""
+        return self.train.flops * self.grad_accum_steps
+
+    @property
+    def step_bytes_accessed(self) -> float:
+        return self.train.bytes_accessed * self.grad_accum_steps
+
+    @property
+    def model_flops(self) -> float:
+        """The analytic FLOPs of one step per chip (no recomputation counted)."""
+        return self.flops_per_token * self.tokens_per_step / self.num_devices
+
+    @property
+    def compute_s(self) -> float | None:
+        return None if self.peak_flops is None else self.step_flops / self.peak_flops
+
+    @property
+    def memory_s(self) -> float | None:
+        return None if self.hbm_bandwidth is None else self.step_bytes_accessed / self.hbm_bandwidth
+
+    @property
+    def roofline_s(self) -> float | None:
+        """The step's time estimate: the slower of compute and HBM traffic."""
+        if self.compute_s is None:
+            return None
+        return max(self.compute_s, self.memory_s or 0.0)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return None if self.roofline_s is None else self.tokens_per_step / self.roofline_s
+
+    @property
+    def mfu(self) -> float | None:
+        if self.roofline_s is None:
+            return None
+        return self.model_flops / (self.roofline_s * self.peak_flops)
+
+    def as_dict(self) -> dict:
+        derived = ("tokens_per_step", "state_bytes", "eval_total_bytes", "peak_bytes", "fits",
+                   "step_flops", "step_bytes_accessed", "model_flops", "compute_s",
+                   "memory_s", "roofline_s", "tokens_per_s", "mfu")
+        return {**dataclasses.asdict(self), **{name: getattr(self, name) for name in derived}}
+
+
+@dataclasses.dataclass(frozen=True)
+class AbstractRun:
+    """A run laid out on its hardware as shapes: the jitted steps and the abstract arguments
+    they take, ready to lower and compile; nothing allocated."""
+
+    config: TrainConfig
+    devices: list
+    mesh: Mesh
+    seq_len: int
+    model: nnx.Module  # abstract
+    tx: Any
+    state: TrainState  # abstract, with training's shardings
+    steps: CompiledSteps  # jitted, not yet compiled
+    train_args: tuple  # (state, batch, dropout key)
+    eval_args: tuple  # (params, inputs, row mask, token bytes)
+
+
+def abstract_run(cfg: DictConfig | TrainConfig) -> AbstractRun:
+    """The run `cfg` describes, as training would set it up, with shapes for arrays."""
+    config: TrainConfig = cfg if isinstance(cfg, TrainConfig) else OmegaConf.to_object(cfg)
+    if config.task.name != "clm":
+        raise FlaxlmError(
+            f"flaxlm-plan plans task=clm runs; task={config.task.name} is not one yet."
+        )
+    hardware = config.hardware
+    try:
+        configure_platform(hardware, config.model.remat, compile_only=True)
+    except FlaxlmError as err:
+        if hardware.platform != "tpu":
+            raise
+        raise FlaxlmError(
+            f"{err} Without a TPU attached, flaxlm-plan compiles for the slice that "
+            f"hardware.topology names, and hardware={hardware.name} names none: pick a preset "
+            "(hardware=tpu-v4-8, tpu-v5e-8, tpu-v5p-8, tpu-v6e-8, ...) or set "
+            "hardware.topology.name (e.g. v4:2x2x1 with hardware.topology.chip_config="
+            "megacore)."
+        ) from err
+    devices = target_devices(hardware)
+    mesh = make_mesh(hardware.num_devices, hardware.mesh, devices)
+    # model.init_from: its config.json's shape, no weights
+    config, _, seq_len = lm_start(config, check_settings(config, mesh.size))
+    schedule = make_schedule(config.optimizer, _schedule_length(config))
+    tx = make_optimizer(config.optimizer, schedule)
+    model = abstract_model(config)
+    graphdef, state = create_state(model, tx, mesh)
+    steps = lm_steps_compiler(config)(mesh, graphdef, tx, schedule)
+    batch = batch_spec((global_batch_size(config, mesh.size), seq_len), jnp.int32, mesh)
+    eval_rows = base.eval_batch_size(hardware, mesh.size)
+    eval_args = (state.params, batch_spec((eval_rows, seq_len), jnp.int32, mesh),
+                 batch_spec((eval_rows,), jnp.int32, mesh),
+                 jax.ShapeDtypeStruct((config.model.vocab_size,), jnp.int32,
+                                      sharding=replicated(mesh)))
+    return AbstractRun(config, list(devices), mesh, seq_len, model, tx, state, steps,
+                       (state, batch, abstract_key(mesh)), eval_args)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """What a plan knows before it compiles: the run's shape on the mesh and per-chip state."""
+
+    num_devices: int
+    remat: str
+    per_device_batch: int
+    grad_accum_steps: int
+    param_bytes: int
+    opt_state_bytes: int
+    fsdp_state_bytes: int | None
+
+    @property
+    def state_bytes(self) -> int:
+        return self.param_bytes + self.opt_state_bytes
+
+
+def plan(cfg: DictConfig | TrainConfig) -> RunPlan:
+    """Compile the run `cfg` describes for its hardware, without running it. A run whose
+    step the compiler cannot fit in a chip's memory is a FlaxlmError saying what to change."""
+    run = abstract_run(cfg)
+    config, hardware, mesh, state = run.config, run.config.hardware, run.mesh, run.state
+    batch = run.train_args[1]
+    rows, accum = batch.shape[0], config.trainer.grad_accum_steps
+    layout = _Layout(
+        num_devices=mesh.size, remat=Remat(config.model.remat).value,
+        per_device_batch=rows // accum // mesh.size, grad_accum_steps=accum,
+        param_bytes=per_device_bytes(state.params),
+        opt_state_bytes=per_device_bytes((state.step, state.opt_state)),
+        fsdp_state_bytes=_fsdp_state_bytes(mesh, run.model, run.tx))
+    train = _compile_or_refuse(run, layout, "train", run.steps.train, run.train_args)
+    evaluate = _compile_or_refuse(run, layout, "eval", run.steps.eval, run.eval_args)
+    num_params = count_params(run.model)
+    kind = run.devices[0].device_kind
+    return RunPlan(
+        model=config.model.name, hardware=hardware.name, device_kind=kind,
+        num_devices=mesh.size, mesh=dict(mesh.shape),
+        topology=hardware.topology.name if compiles_for_topology(hardware) else None,
+        remat=layout.remat,
+        per_device_batch=layout.per_device_batch, grad_accum_steps=accum, global_batch=rows,
+        seq_len=run.seq_len, num_params=num_params, param_bytes=layout.param_bytes,
+        opt_state_bytes=layout.opt_state_bytes, batch_bytes=per_device_bytes(batch),
+        train=train, eval=evaluate,
+        flops_per_token=build.lm_flops_per_token(config.model, num_params, run.seq_len),
+        hbm_bytes=_hbm_bytes(hardware.hbm_gib_per_device, run.devices[0]),
+        peak_flops=hardware_peak.peak_flops(hardware.peak_tflops_per_device, [kind]),
+        hbm_bandwidth=None if hardware.hbm_gbps_per_device is None
+        else hardware.hbm_gbps_per_device * 1e9,
+        fsdp_state_bytes=layout.fsdp_state_bytes,
+    )
+
+
+def _compile_or_refuse(run: AbstractRun, layout: _Layout, phase: str, step, args
+                       ) -> CompiledStep:
+    """`compile_step`; XLA's TPU compiler refuses a program that cannot fit the chip's
+    memory, which is the plan's answer, said as one paragraph with what to change."""
+    try:
+        return compile_step(step, *args)
+    except Exception as err:  # noqa: BLE001 — JaxRuntimeError, whatever XLA raises
+        text = str(err)
+        if "RESOURCE_EXHAUSTED" not in text:
+            raise
+        reason = text.split("RESOURCE_EXHAUSTED:", 1)[1].strip().splitlines()[0].rstrip(".")
+        raise FlaxlmError(
+            f"model={run.config.model.name} does not fit hardware={run.config.hardware.name}: "
+            f"XLA's compiler cannot fit the {phase} step in a {run.devices[0].device_kind}'s "
+            f"memory ({reason}); parameters {_gib(layout.param_bytes)} and optimizer state "
+            f"{_gib(layout.opt_state_bytes)} per chip. "
+            + _changes(layout, "temporaries are mostly activations")
+        ) from err
+
+
+def abstract_model(config: TrainConfig) -> nnx.Module:
+    """The run's language model as shapes, dtypes and logical axes: nothing allocated."""
+    spec = base.model_spec(config, config.model)
+    return nnx.eval_shape(lambda: build.build_lm(spec, nnx.Rngs(params=0)))
+
+
+def abstract_key(mesh: Mesh) -> jax.ShapeDtypeStruct:
+    """The step's dropout key, replicated as training passes it."""
+    key = jax.eval_shape(jax.random.key, 0)
+    return jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated(mesh))
+
+
+def compile_step(step, *args) -> CompiledStep:
+    """`step` (a jitted function) lowered for `args` (shapes with shardings) and compiled."""
+    started = time.perf_counter()
+    compiled = step.lower(*args).compile()
+    seconds = time.perf_counter() - started
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, Sequence):  # one dict per program in some jax versions
+        cost = cost[0] if cost else {}
+    return CompiledStep(
+        compile_s=seconds, argument_bytes=memory.argument_size_in_bytes,
+        output_bytes=memory.output_size_in_bytes, alias_bytes=memory.alias_size_in_bytes,
+        temp_bytes=memory.temp_size_in_bytes, code_bytes=memory.generated_code_size_in_bytes,
+        flops=float(cost.get("flops", 0.0)), bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+    )
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes one device holds of the abstract `tree`, by each leaf's sharding (the largest
+    device's share; they are equal unless a dimension does not divide evenly)."""
+    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+               for leaf in jax.tree.leaves(tree) if not _is_key(leaf))
+
+
+def _is_key(leaf) -> bool:
+    return jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
+def _schedule_length(config: TrainConfig) -> int:
+    """Steps the learning-rate schedule spans; without data the epoch's length is unknown, and
+    the schedule's length does not change the compiled step."""
+    return config.trainer.max_steps or max(10 * config.optimizer.warmup_steps, 1000)
+
+
+def _hbm_bytes(configured_gib: float | None, device) -> float | None:
+    if configured_gib is not None:
+        return configured_gib * GIB
+    try:  # an attached accelerator says what it holds; a CPU or a topology's chip does not
+        stats = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 — compile-only devices raise
+        return None
+    return stats.get("bytes_limit")
+
+
+def _fsdp_state_bytes(mesh: Mesh, model, tx) -> int | None:
+    """Per-chip parameter and optimizer bytes with every device on `fsdp` (the tensor axis
+    kept), computed from the shardings alone; None when that is the mesh already."""
+    tensor = mesh.shape["tensor"]
+    if mesh.shape["fsdp"] * tensor == mesh.size:
+        return None
+    fsdp_mesh = make_mesh(None, MeshConfig(data=1, fsdp=-1, tensor=tensor),
+                          list(mesh.devices.flat))
+    _, state = create_state(model, tx, fsdp_mesh)
+    return per_device_bytes(state.params) + per_device_bytes((state.step, state.opt_state))
+
+
+# ------------------------------------------------------------------------------ the report
+
+
+def report(run: RunPlan) -> str:
+    """The plan as lines a person reads: per chip, per step, the compile."""
+    mesh = " ".join(f"{axis}={size}" for axis, size in run.mesh.items())
+    where = f"topology {run.topology}" if run.topology else "the devices attached"
+    lines = [
+        f"flaxlm: plan of model={run.model} ({run.num_params / 1e6:,.1f}M params) on "
+        f"hardware={run.hardware}: {run.num_devices} × {run.device_kind} ({where}), mesh "
+        f"{mesh}, remat {run.remat}",
+        f"  batch: {run.global_batch} rows × {run.seq_len} tokens = {run.tokens_per_step:,} "
+        f"tokens per step ({run.per_device_batch} rows per device × {run.num_devices} devices "
+        f"× {run.grad_accum_steps} micro-batch(es))",
+        "  per chip:",
+        f"    parameters            {_gib(run.param_bytes)}",
+        f"    optimizer state       {_gib(run.opt_state_bytes)}",
+        f"    batch                 {_gib(run.batch_bytes)}",
+        f"    compiler temporaries  {_gib(run.train.temp_bytes)} (train step); "
+        f"{_gib(run.eval.temp_bytes)} (eval step)",
+        f"    total                 {_gib(run.train.total_bytes)} (train step); "
+        f"{_gib(run.eval_total_bytes)} (eval step, the train state kept)"
+        + (f" of {_gib(run.hbm_bytes)} HBM ({run.peak_bytes / run.hbm_bytes:.0%})"
+           if run.hbm_bytes else " (the chip's memory is unknown: hardware.hbm_gib_per_device)"),
+        "  per step, per chip:",
+        f"    FLOPs (compiled)      {_si(run.step_flops, 'FLOP')}: XLA's cost analysis of "
+        "the compiled train step (recomputation and optimizer included"
+        + (f"; its micro-batch loop × {run.grad_accum_steps}" if run.grad_accum_steps > 1
+           else "") + ")",
+        f"    FLOPs (analytic)      {_si(run.model_flops, 'FLOP')}: "
+        f"{_si(run.flops_per_token, 'FLOP')} per token (6 per weight that multiplies + attention's "
+        "12·layers·width·length), the model FLOPs of MFU",
+        f"    HBM traffic           {_si(run.step_bytes_accessed, 'B')} (cost analysis)",
+    ]
+    lines += _roofline_lines(run)
+    lines.append(f"  compile: train step {run.train.compile_s:.1f} s, eval step "
+                 f"{run.eval.compile_s:.1f} s")
+    return "\n".join(lines)
+
+
+def _roofline_lines(run: RunPlan) -> list[str]:
+    if run.roofline_s is None:
+        return ["    roofline estimate     none: the chip's peak FLOP/s is unknown (set "
+                "hardware.peak_tflops_per_device)"]
+    parts = [f"compute {_si(run.compute_s, 's')} at {_si(run.peak_flops, 'FLOP/s')}"]
+    if run.memory_s is not None:
+        parts.append(f"HBM {_si(run.memory_s, 's')} at {_si(run.hbm_bandwidth, 'B/s')}")
+    return [
+        f"    roofline estimate     {_si(run.roofline_s, 's')} per step ({'; '.join(parts)}; "
+        "communication not counted)",
+        f"    projected (estimate)  {run.tokens_per_s:,.0f} tokens/s, MFU {run.mfu:.1%} "
+        "(upper bounds)",
+    ]
+
+
+def verdict(run: RunPlan) -> str | None:
+    """None when the run fits (or the chip's memory is unknown); else one paragraph: what
+    does not fit, and what to change."""
+    if run.fits is not False:
+        return None
+    phase = "train" if run.train.total_bytes >= run.eval_total_bytes else "eval"
+    need = run.train.total_bytes if phase == "train" else run.eval_total_bytes
+    temps = run.train.temp_bytes if phase == "train" else run.eval.temp_bytes
+    return (f"model={run.model} does not fit hardware={run.hardware}: the {phase} step needs "
+            f"{_gib(need)} per chip, more than the {_gib(run.hbm_bytes)} of a "
+            f"{run.device_kind} (parameters {_gib(run.param_bytes)}, optimizer state "
+            f"{_gib(run.opt_state_bytes)}, temporaries {_gib(temps)}). "
+            + _changes(run, f"most of the {_gib(temps)} of temporaries are activations"))
+
+
+def _changes(run: RunPlan | _Layout, temporaries: str) -> str:
+    """What to change so that the run needs less memory per chip, with the figure that can
+    be had without compiling again."""
+    advice = []
+    if run.fsdp_state_bytes is not None:
+        advice.append(
+            f"hardware.mesh.data=1 hardware.mesh.fsdp=-1 (parameters and optimizer state "
+            f"split over all {run.num_devices} chips: {_gib(run.state_bytes)} → "
+            f"{_gib(run.fsdp_state_bytes)} per chip)")
+    if run.remat != Remat.full.value:
+        advice.append("model.remat=full (each block keeps only its input for the backward "
+                      f"pass: {temporaries})")
+    if run.per_device_batch > 1:
+        half = run.per_device_batch // 2
+        advice.append(
+            f"hardware.per_device_batch_size={half} with trainer.grad_accum_steps="
+            f"{run.grad_accum_steps * run.per_device_batch // half} (the same global batch; "
+            "activations shrink with the micro-batch)")
+    if not advice:
+        advice.append("a slice with more chips (hardware=...), or a smaller model or sequence "
+                      "(task.max_seq_length)")
+    return "Try " + "; or ".join(advice) + "; then plan again."
+
+
+def _si(value: float, unit: str) -> str:
+    """`value` with the SI prefix that leaves 1 to 999 of it: 2.47e8 FLOP → 247 MFLOP."""
+    prefixes = [(1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1.0, ""),
+                (1e-3, "m"), (1e-6, "µ")]
+    scale, prefix = next(((s, p) for s, p in prefixes if abs(value) >= s), prefixes[-1])
+    return f"{value / scale:.3g} {prefix}{unit}"
+
+
+def _gib(num_bytes: float) -> str:
+    if num_bytes < 2**20:
+        return f"{num_bytes / 2**10:,.1f} KiB"
+    if num_bytes < GIB:
+        return f"{num_bytes / 2**20:,.1f} MiB"
+    return f"{num_bytes / GIB:,.2f} GiB"
