@@ -2,7 +2,7 @@
 FLOPs per train step of the same model shape, batch and sequence (not part of `make test`).
 
     python benchmarks/maxtext_compare.py --shape llama-1b --topology v5e-8
-    python benchmarks/maxtext_compare.py --shape llama2-7b --topology v5e-8 --contenders flaxlm maxtext
+    python benchmarks/maxtext_compare.py --shape llama2-7b --contenders flaxlm maxtext
 
 Each contender compiles in its own process, with MaxText's venv (`--maxtext-python`, default
 /work/mt-venv: `pip install "maxtext[tpu]==0.2.5" "jax[tpu]==0.11.1"` on Python 3.12) so both
@@ -38,7 +38,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -119,11 +118,29 @@ def describe(compiled, started: float) -> dict:
         - memory.alias_size_in_bytes + memory.temp_size_in_bytes,
         "flops": float(cost.get("flops", 0.0)),
         "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-        "while_loops": len(re.findall(r"\bwhile\(", text)),
-        "all_gathers": len(re.findall(r"\ball-gather(?:-start)?\(", text)),
-        "reduce_scatters": len(re.findall(r"\breduce-scatter\(", text)),
-        "all_reduces": len(re.findall(r"\ball-reduce(?:-start)?\(", text)),
+        **collectives(text),
     }
+
+
+def collectives(text: str) -> dict:
+    """Loops and collectives in a compiled TPU program's text. A reduce-scatter is an
+    all-reduce inside a fused `all-reduce-scatter` computation there, called once per use."""
+    def count(op: str) -> int:
+        return len(re.findall(rf"^\s*(?:ROOT )?%\S+ = .* {op}\(", text, re.MULTILINE))
+
+    scatters = len(re.findall(r"calls=%all-reduce-scatter", text))
+    scatter_bodies = len(re.findall(r"^%all-reduce-scatter\S* \(", text, re.MULTILINE))
+    return {"while_loops": count("while"), "all_gathers": count("all-gather"),
+            "reduce_scatters": scatters, "all_reduces": count("all-reduce") - scatter_bodies}
+
+
+def dumped_collectives(dump_dir: str) -> dict:
+    """`collectives` of the train step XLA dumped into `dump_dir` (empty if none)."""
+    programs = glob.glob(os.path.join(dump_dir, "*train_step*after_optimizations.txt"))
+    if not programs:
+        return {}
+    with open(max(programs, key=os.path.getsize), encoding="utf-8", errors="replace") as f:
+        return collectives(f.read())
 
 
 def flaxlm_worker(args) -> dict:
@@ -160,22 +177,15 @@ def maxtext_worker(args) -> dict:
     return captured
 
 
-def peak_buffers(dump_dir: str, limit: int = 12) -> list[str]:
-    """The largest buffers live at the train step's peak, from XLA's buffer-assignment dump."""
-    reports = [p for p in glob.glob(os.path.join(dump_dir, "*train_step*buffer-assignment.txt"))]
-    if not reports:
-        reports = glob.glob(os.path.join(dump_dir, "*buffer-assignment.txt"))
+def peak_buffers(dump_dir: str, limit: int = 15) -> list[str]:
+    """The train step's largest allocations (size; the values sharing it), from XLA's
+    memory-usage report in `dump_dir`: what the temporaries are made of."""
+    reports = glob.glob(os.path.join(dump_dir, "*train_step*memory-usage-report.txt"))
     if not reports:
         return []
-    text = open(max(reports, key=os.path.getsize), encoding="utf-8", errors="replace").read()
-    peak = text.split("Peak buffers:", 1)
-    if len(peak) < 2:
-        return []
-    lines = []
-    for block in re.split(r"\n\s*Buffer \d+:", peak[1])[1:limit + 1]:
-        rows = [line.strip() for line in block.strip().splitlines() if line.strip()]
-        lines.append(" | ".join(rows[:3])[:300])
-    return lines
+    with open(max(reports, key=os.path.getsize), encoding="utf-8", errors="replace") as f:
+        rows = [line.strip() for line in f if re.match(r"\s+[\d.]+[KMG]i?B\(", line)]
+    return [" ".join(f.strip() for f in row.split(";")[1::3])[:240] for row in rows[:limit]]
 
 
 def run_contender(name: str, args) -> dict:
@@ -198,6 +208,7 @@ def run_contender(name: str, args) -> dict:
             return result
         with open(out, encoding="utf-8") as f:
             result.update(json.load(f))
+        result.update(dumped_collectives(dump))
         result["peak_buffers"] = peak_buffers(dump)
     return result
 
@@ -215,17 +226,19 @@ def roofline(result: dict, topology: str) -> dict:
 
 def table(results: list[dict]) -> str:
     lines = ["| shape | slice | contender | per-chip memory (GiB) | temporaries (GiB) | "
-             "TFLOP per chip | loops left | roofline step (estimate) | compile |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "TFLOP per chip | loops left | all-gather / reduce-scatter / all-reduce | "
+             "roofline step (estimate) | compile |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['shape']} | {r['topology']} | {r['contender']} | error | | | | "
-                         "| |")
+                         "| | |")
             continue
         lines.append(
             f"| {r['shape']} | {r['topology']} | {r['contender']} | "
             f"{r['total_bytes'] / GIB:.2f} | {r['temp_bytes'] / GIB:.2f} | "
             f"{r['flops'] / 1e12:.2f} | {r['while_loops']} | "
+            f"{r['all_gathers']} / {r['reduce_scatters']} / {r['all_reduces']} | "
             f"{r['roofline_s'] * 1e3:,.0f} ms | {r['compile_s']:.0f} s |")
     return "\n".join(lines)
 
@@ -266,6 +279,9 @@ def main(argv: list[str] | None = None) -> None:
     if os.path.exists(args.out):
         with open(args.out, encoding="utf-8") as f:
             results = json.load(f)
+    for result in results:  # figures read from the dumps, should the parsing improve
+        result.update(dumped_collectives(os.path.join(
+            args.dump_dir, f"{result['contender']}-{result['shape']}-{result['topology']}")))
     if not args.table:
         args.flaxlm_python = args.flaxlm_python or args.maxtext_python
         for name in args.contenders:

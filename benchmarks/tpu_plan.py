@@ -240,7 +240,7 @@ def page(cache: dict, batch: int) -> str:
         "communication: upper bounds on speed). Presets with learned positions shorter than",
         "the sequence get `model.n_positions=<sequence>`.",
         "",
-    ]
+    ] + _effort_lines(cache)
     missing = []
     for hardware in HARDWARE:
         lines += [f"## {hardware} ({hbm_gib(hardware):g} GiB per device)", "",
@@ -258,6 +258,16 @@ def page(cache: dict, batch: int) -> str:
         lines.append("")
     lines += _missing_lines(missing, batch)
     return "\n".join(lines) + "\n"
+
+
+def _effort_lines(cache: dict) -> list[str]:
+    """How long the compiled cells took: what a rerun of the missing ones will cost."""
+    walls = [r["wall_s"] for r in cache.values() if r["status"] in ("fits", "no", "timeout")]
+    if not walls:
+        return []
+    return [f"So far {len(walls)} plans were compiled, {sum(walls) / 60:.0f} min in all "
+            f"({min(walls) / 60:.1f} to {max(walls) / 60:.1f} min each, train and eval step, "
+            "on a shared 2-core CPU); every other cell was answered without a compile.", ""]
 
 
 def _missing_lines(missing: list[tuple[str, str, int]], batch: int) -> list[str]:
