@@ -72,7 +72,7 @@ def env_for(name: str, topology: str, dump_dir: str, extra_path: str) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_WORKER_HOSTNAMES": "localhost",
            "TPU_ACCELERATOR_TYPE": TOPOLOGIES[topology][1],
            "LIBTPU_INIT_ARGS": NO_WINDOWED_EINSUM,
-           "XLA_FLAGS": f"--xla_dump_to={dump_dir} --xla_dump_hlo_module_re=train_step"}
+           "XLA_FLAGS": f"--xla_dump_to={dump_dir}"}
     env.pop("PYTHONPATH", None)
     if name == "flaxlm":
         env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "src"), extra_path])
@@ -136,7 +136,7 @@ def collectives(text: str) -> dict:
 
 def dumped_collectives(dump_dir: str) -> dict:
     """`collectives` of the train step XLA dumped into `dump_dir` (empty if none)."""
-    programs = glob.glob(os.path.join(dump_dir, "*train_step*after_optimizations.txt"))
+    programs = glob.glob(os.path.join(dump_dir, "*after_optimizations.txt"))
     if not programs:
         return {}
     with open(max(programs, key=os.path.getsize), encoding="utf-8", errors="replace") as f:
@@ -180,7 +180,7 @@ def maxtext_worker(args) -> dict:
 def peak_buffers(dump_dir: str, limit: int = 15) -> list[str]:
     """The train step's largest allocations (size; the values sharing it), from XLA's
     memory-usage report in `dump_dir`: what the temporaries are made of."""
-    reports = glob.glob(os.path.join(dump_dir, "*train_step*memory-usage-report.txt"))
+    reports = glob.glob(os.path.join(dump_dir, "*memory-usage-report.txt"))
     if not reports:
         return []
     with open(max(reports, key=os.path.getsize), encoding="utf-8", errors="replace") as f:
