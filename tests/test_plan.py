@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -150,6 +151,21 @@ def test_a_cpu_group_is_planned_for_its_own_devices(tmp_path, capsys):
     assert run["train"]["alias_bytes"] == run["state_bytes"]
 
 
+@pytest.mark.slow
+def test_under_fsdp_each_device_holds_the_activations_of_its_own_rows():
+    """fsdp is data parallelism for the activations: the hidden states keep their rows split
+    over data × fsdp (`parallel.constrain_batch`), so a device's temporaries under fsdp=8 are
+    those of data=8 plus at most one gathered copy of the weights, not the whole global
+    batch's activations (which made them grow with the number of devices)."""
+    data, fsdp = (aot.plan(compose([*TINY, "task.max_seq_length=32", *mesh]))
+                  for mesh in (["hardware.mesh.data=8"],
+                               ["hardware.mesh.data=1", "hardware.mesh.fsdp=8"]))
+    assert fsdp.param_bytes * 8 == data.param_bytes
+    for step in ("train", "eval"):
+        data_temps, fsdp_temps = getattr(data, step).temp_bytes, getattr(fsdp, step).temp_bytes
+        assert fsdp_temps <= data_temps + data.param_bytes, (step, data_temps, fsdp_temps)
+
+
 def test_the_abstract_state_has_the_shardings_training_gives_the_real_one():
     """create_state on an abstract model: ShapeDtypeStructs laid out as place_state lays out
     the arrays."""
@@ -203,33 +219,34 @@ def test_planning_a_tpu_group_without_a_topology_names_the_presets():
 
 
 @needs_libtpu
-def test_with_libtpu_installed_a_cpu_group_never_looks_for_a_tpu():
-    """libtpu on a machine without a TPU: a CPU hardware group pins JAX's platform before it
-    starts, so only the CPU backend starts, quickly and without libtpu's start-up messages."""
+@pytest.mark.slow
+def test_with_libtpu_installed_a_cpu_training_run_never_looks_for_a_tpu(tmp_path):
+    """libtpu on a machine without a TPU, and nothing in the environment pinning JAX: a tiny
+    `flaxlm-train` run with a CPU hardware group pins JAX's platform before JAX starts, so
+    only the CPU backend starts (libtpu would otherwise look for a TPU and say so)."""
     script = textwrap.dedent("""
-        import json, time
-        started = time.perf_counter()
-        import jax
+        import json, sys
         from jax._src import xla_bridge
-        from flaxlm.config import DistributedConfig, HardwareConfig
-        from flaxlm.parallel import configure_platform
-        configure_platform(HardwareConfig(
-            name="cpu", platform="cpu", cpu_devices=2, per_device_batch_size=4,
-            compute_dtype="float32", param_dtype="float32",
-            distributed=DistributedConfig(mode="off", timeout_s=10)))
-        print(json.dumps({"devices": len(jax.devices()), "backends": sorted(xla_bridge._backends),
-                          "seconds": time.perf_counter() - started}))
+        from flaxlm.cli.train import main
+        sys.argv = ["flaxlm-train", *sys.argv[1:]]
+        try:
+            main()
+        except SystemExit as exit_:
+            assert not exit_.code, exit_.code
+        print(json.dumps({"backends": sorted(xla_bridge._backends)}))
     """)
     env = {k: v for k, v in os.environ.items()
            if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "TPU_ACCELERATOR_TYPE",
-                        "TPU_WORKER_HOSTNAMES")}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                            text=True, timeout=120)
+                        "TPU_WORKER_HOSTNAMES", "ALLOW_MULTIPLE_LIBTPU_LOAD")}
+    overrides = [*(o for o in TINY if not o.startswith("hardware=")), "hardware=cpu",
+                 "hardware.cpu_devices=2", "language.max_train_docs=12",
+                 "language.max_eval_docs=2", "samples.prompts=[]", "trainer.max_steps=1",
+                 "trainer.eval_before_training=false", f"run_dir={tmp_path / 'run'}"]
+    result = subprocess.run([sys.executable, "-c", script, *overrides], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    started = json.loads(result.stdout.strip().splitlines()[-1])
-    assert (started["devices"], started["backends"]) == (2, ["cpu"])
-    assert "tpu" not in result.stderr.lower(), result.stderr[-3000:]
-    assert started["seconds"] < 30
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"backends": ["cpu"]}
+    assert not re.search(r"libtpu|TPU|backend 'tpu'", result.stderr), result.stderr[-3000:]
 
 
 @needs_libtpu

@@ -42,13 +42,14 @@ from flaxlm.models import build
 from flaxlm.models.layers import count_params
 from flaxlm.parallel import (
     batch_spec,
+    compiles_for_topology,
     configure_platform,
     make_mesh,
     replicated,
     target_devices,
 )
 from flaxlm.tasks import base
-from flaxlm.tasks.clm import lm_steps_compiler
+from flaxlm.tasks.clm import lm_start, lm_steps_compiler
 from flaxlm.training.optimizer import make_optimizer, make_schedule
 from flaxlm.training.plan import global_batch_size
 from flaxlm.training.step import CompiledSteps, TrainState, create_state
@@ -148,8 +149,9 @@ class RunPlan:
     @property
     def roofline_s(self) -> float | None:
         """The step's time estimate: the slower of compute and HBM traffic."""
-        times = [t for t in (self.compute_s, self.memory_s) if t is not None]
-        return max(times) if self.compute_s is not None else None
+        if self.compute_s is None:
+            return None
+        return max(self.compute_s, self.memory_s or 0.0)
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -207,19 +209,15 @@ def abstract_run(cfg: DictConfig | TrainConfig) -> AbstractRun:
         ) from err
     devices = target_devices(hardware)
     mesh = make_mesh(hardware.num_devices, hardware.mesh, devices)
-    seq_len = check_settings(config, mesh.size)
-    start = base.model_start(config)  # model.init_from: its config.json's shape, no weights
-    if start.checkpoint_dir:
-        config = dataclasses.replace(config, model=start.model)
-        seq_len = config.task.max_seq_length or config.model.n_positions
+    # model.init_from: its config.json's shape, no weights
+    config, _, seq_len = lm_start(config, check_settings(config, mesh.size))
     schedule = make_schedule(config.optimizer, _schedule_length(config))
     tx = make_optimizer(config.optimizer, schedule)
     model = abstract_model(config)
     graphdef, state = create_state(model, tx, mesh)
     steps = lm_steps_compiler(config)(mesh, graphdef, tx, schedule)
     batch = batch_spec((global_batch_size(config, mesh.size), seq_len), jnp.int32, mesh)
-    eval_rows = (hardware.per_device_eval_batch_size or hardware.per_device_batch_size) \
-        * mesh.size
+    eval_rows = base.eval_batch_size(hardware, mesh.size)
     eval_args = (state.params, batch_spec((eval_rows, seq_len), jnp.int32, mesh),
                  batch_spec((eval_rows,), jnp.int32, mesh),
                  jax.ShapeDtypeStruct((config.model.vocab_size,), jnp.int32,
@@ -264,8 +262,9 @@ def plan(cfg: DictConfig | TrainConfig) -> RunPlan:
     kind = run.devices[0].device_kind
     return RunPlan(
         model=config.model.name, hardware=hardware.name, device_kind=kind,
-        num_devices=mesh.size, mesh=dict(mesh.shape), topology=hardware.topology.name
-        if hardware.platform == "tpu" else None, remat=layout.remat,
+        num_devices=mesh.size, mesh=dict(mesh.shape),
+        topology=hardware.topology.name if compiles_for_topology(hardware) else None,
+        remat=layout.remat,
         per_device_batch=layout.per_device_batch, grad_accum_steps=accum, global_batch=rows,
         seq_len=run.seq_len, num_params=num_params, param_bytes=layout.param_bytes,
         opt_state_bytes=layout.opt_state_bytes, batch_bytes=per_device_bytes(batch),

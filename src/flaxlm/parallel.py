@@ -261,6 +261,31 @@ def is_abstract(tree) -> bool:
     return bool(leaves) and all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves)
 
 
+def traced_on(mesh: Mesh, fn):
+    """`fn`, which `jax.jit` traces with `mesh` as the mesh in context: what lets the models'
+    `constrain_batch` lay activations out on it without being given the mesh."""
+
+    def on_mesh(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return on_mesh
+
+
+def constrain_batch(x_BxE: jax.Array) -> jax.Array:
+    """Inside a step traced on a mesh (`traced_on`): `x_BxE`'s leading (batch) axis split over
+    `data` × `fsdp` as the batch is, the rest whole; outside one, `x_BxE` unchanged.
+
+    Without it the compiler may lay activations out as the weights that make them are laid
+    out: with parameters split over `fsdp` on the model width, it then gathers the whole
+    global batch's activations onto every device, and a device's temporaries grow with the
+    number of devices instead of shrinking (fsdp is data parallelism for the activations)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or any(axis not in mesh.axis_names for axis in BATCH_AXES):
+        return x_BxE
+    return jax.lax.with_sharding_constraint(x_BxE, PartitionSpec(BATCH_AXES))
+
+
 def constrain_state(tree, mesh: Mesh):
     """Inside `jax.jit`: keep `tree` laid out by its logical axes."""
     return jax.lax.with_sharding_constraint(tree, state_shardings(tree, mesh))

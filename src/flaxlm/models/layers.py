@@ -22,6 +22,7 @@ from jax import lax
 
 from flaxlm.config import ModelConfig, Remat
 from flaxlm.models.dropout import dropout
+from flaxlm.parallel import constrain_batch
 
 ACTIVATIONS = {
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),  # GPT-2's tanh approximation
@@ -130,12 +131,16 @@ _REMAT_POLICIES = {
 }
 
 
-def run_block(block: nnx.Module, remat: Remat, *args):
-    """`block(*args)`, rematerialised in the backward pass as `remat` says."""
+def run_block(block: nnx.Module, remat: Remat, x_BxLxD: jax.Array, *args):
+    """`block(x_BxLxD, *args)`, rematerialised in the backward pass as `remat` says. Within a
+    step traced on a device mesh, the hidden states going in and out keep their rows split
+    over the batch's mesh axes (`constrain_batch`): each device holds its rows' activations."""
+    x_BxLxD = constrain_batch(x_BxLxD)
     if Remat(remat) is Remat.none:
-        return block(*args)
-    return nnx.remat(lambda block, *args: block(*args), policy=_REMAT_POLICIES[Remat(remat)])(
-        block, *args)
+        return constrain_batch(block(x_BxLxD, *args))
+    rematerialised = nnx.remat(lambda block, *args: block(*args),
+                               policy=_REMAT_POLICIES[Remat(remat)])
+    return constrain_batch(rematerialised(block, x_BxLxD, *args))
 
 
 def attention(q_BxLxNxH: jax.Array, k_BxKxNxH: jax.Array, v_BxKxNxH: jax.Array, *,

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from omegaconf import OmegaConf
 
 from flaxlm import hardware_peak, layout
-from flaxlm.config import ModelConfig, TrainConfig
+from flaxlm.config import HardwareConfig, ModelConfig, TrainConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import export_hf
 from flaxlm.models import pretrained
@@ -243,11 +243,10 @@ def throughput(job: JobContext, tokens_per_step: int, flops_per_token: float) ->
     return Throughput(tokens_per_step, flops_per_token, peak)
 
 
-def eval_batch_size(job: JobContext) -> int:
+def eval_batch_size(hardware: HardwareConfig, num_devices: int) -> int:
     """Rows per evaluation batch over the whole mesh."""
-    hardware = job.config.hardware
     per_device = hardware.per_device_eval_batch_size or hardware.per_device_batch_size
-    return per_device * job.mesh.size
+    return per_device * num_devices
 
 
 def banner(job: JobContext, training: Training, model: ModelConfig, what: str,

@@ -118,8 +118,8 @@ class Classification:
         base.start_model_dir(job, start.model, tokenizer, hf_config)
 
         evaluator = evaluation.ClassifierEvaluator(
-            training.steps, eval_arrays, base.eval_batch_size(job), job.mesh, metrics,
-            examples.is_regression, examples.num_labels, config.task.padding,
+            training.steps, eval_arrays, base.eval_batch_size(config.hardware, job.mesh.size),
+            job.mesh, metrics, examples.is_regression, examples.num_labels, config.task.padding,
         )
         flops = build.classifier_flops_per_token(start.model, training.num_params, max_length)
         speed = base.throughput(job, batch_size * max_length, flops)

@@ -73,11 +73,7 @@ class CausalLM:
 
     def run(self, job: JobContext, seq_len: int) -> dict[str, float]:
         config = job.config
-        start = base.model_start(config)
-        if start.checkpoint_dir:  # the checkpoint's shape decides the default block length
-            config = dataclasses.replace(config, model=start.model)
-            seq_len = config.task.max_seq_length or config.model.n_positions
-            check_block_length(config, seq_len)
+        config, start, seq_len = lm_start(config, seq_len)
         announce_long_blocks(config, seq_len)
         batch_size = global_batch_size(config, job.mesh.size)
         fixed_tokenizer = (pretrained.load_pretrained_tokenizer(start.checkpoint_dir)
@@ -99,8 +95,9 @@ class CausalLM:
 
         token_bytes = jax.device_put(jnp.asarray(token_byte_lengths(tokenizer)),
                                      replicated(job.mesh))
-        evaluator = LMEvaluator(training.steps, eval_blocks, base.eval_batch_size(job), job.mesh,
-                              token_bytes)
+        evaluator = LMEvaluator(training.steps, eval_blocks,
+                                base.eval_batch_size(config.hardware, job.mesh.size), job.mesh,
+                                token_bytes)
         flops = build.lm_flops_per_token(config.model, training.num_params, seq_len)
         speed = base.throughput(job, batch_size * seq_len, flops)
         print(base.banner(job, training, config.model, "",
@@ -115,6 +112,17 @@ class CausalLM:
         log_samples(lm_from_params(config.model, params), tokenizer, config.samples.prompts,
                     sample_settings, job.tracker, step=final["steps"], own_conventions=own)
         return final
+
+
+def lm_start(config: TrainConfig, seq_len: int) -> tuple[TrainConfig, base.Start, int]:
+    """The run's start (`base.model_start`), the config with the model it starts from, and the
+    block length: with model.init_from, the checkpoint's shape decides its default."""
+    start = base.model_start(config)
+    if start.checkpoint_dir:
+        config = dataclasses.replace(config, model=start.model)
+        seq_len = config.task.max_seq_length or config.model.n_positions
+        check_block_length(config, seq_len)
+    return config, start, seq_len
 
 
 def lm_steps_compiler(config: TrainConfig) -> Callable[..., CompiledSteps]:

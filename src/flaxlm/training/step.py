@@ -29,6 +29,7 @@ from flaxlm.parallel import (
     place_state,
     replicated,
     state_shardings,
+    traced_on,
 )
 
 
@@ -220,11 +221,11 @@ def compile_train_step(mesh: Mesh, graphdef, tx, schedule, loss_fn: Callable = l
     rep, data = replicated(mesh), batch_sharded(mesh)
     micro_batches = NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))
     return jax.jit(
-        lambda state, batch, key: train_step(
+        traced_on(mesh, lambda state, batch, key: train_step(
             state, split_micro_batches(batch, grad_accum_steps, micro_batches), key,
             graphdef=graphdef, tx=tx, schedule=schedule, loss_fn=loss_fn,
             skip_nonfinite=skip_nonfinite, layout=lambda tree: constrain_state(tree, mesh),
-        ),
+        )),
         in_shardings=(None, data, rep),
         out_shardings=(None, rep),
         donate_argnums=0,
@@ -238,9 +239,9 @@ def compile_steps(mesh: Mesh, graphdef, tx, schedule, grad_accum_steps: int = 1,
     train = compile_train_step(mesh, graphdef, tx, schedule, lm_loss, grad_accum_steps,
                                skip_nonfinite)
     evaluate = jax.jit(
-        lambda params, inputs, mask, token_bytes: eval_step(
+        traced_on(mesh, lambda params, inputs, mask, token_bytes: eval_step(
             params, inputs, mask, token_bytes, graphdef=graphdef
-        ),
+        )),
         in_shardings=(None, data, data, rep),  # the parameters as the train state holds them
         out_shardings=rep,
     )
