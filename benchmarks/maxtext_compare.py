@@ -27,7 +27,8 @@ Per contender: per-chip memory (`memory_analysis`: arguments + outputs − alias
 temporaries), FLOPs and bytes accessed per chip (`cost_analysis`), a roofline **estimate**
 (max of FLOPs ÷ peak and bytes ÷ HBM bandwidth, from the flaxlm hardware preset's published
 figures), compile time, and the largest buffers live at the peak (XLA's buffer-assignment
-dump) for finding what costs more. Results are appended to `--out` (JSON).
+dump) for finding what costs more. Results are appended to `--out` (JSON) and the table is
+written into docs/planning.md.
 """
 
 from __future__ import annotations
@@ -238,7 +239,8 @@ def table(results: list[dict]) -> str:
             f"| {r['shape']} | {r['topology']} | {r['contender']} | "
             f"{r['total_bytes'] / GIB:.2f} | {r['temp_bytes'] / GIB:.2f} | "
             f"{r['flops'] / 1e12:.2f} | {r['while_loops']} | "
-            f"{r['all_gathers']} / {r['reduce_scatters']} / {r['all_reduces']} | "
+            f"{r.get('all_gathers', '?')} / {r.get('reduce_scatters', '?')} / "
+            f"{r.get('all_reduces', '?')} | "
             f"{r['roofline_s'] * 1e3:,.0f} ms | {r['compile_s']:.0f} s |")
     return "\n".join(lines)
 
@@ -266,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
                                                      "maxtext_compare.json"))
     parse.add_argument("--table", action="store_true", help="print --out as a table; compile "
                        "nothing")
+    parse.add_argument("--docs", default=os.path.join(REPO, "docs", "planning.md"),
+                       help="the page whose maxtext-compare markers get the table")
     parse.add_argument("--worker", choices=["flaxlm", "maxtext"], help=argparse.SUPPRESS)
     parse.add_argument("--worker-out", help=argparse.SUPPRESS)
     parse.add_argument("maxtext_args", nargs="*", help=argparse.SUPPRESS)
@@ -299,6 +303,19 @@ def main(argv: list[str] | None = None) -> None:
             with open(args.out, "w", encoding="utf-8") as f:
                 json.dump(results, f, indent=1)
     print(table(results))
+    write_table(args.docs, table(results))
+
+
+def write_table(path: str, text: str) -> None:
+    """`text` between the page's `<!-- maxtext-compare:start/end -->` markers."""
+    start, end = "<!-- maxtext-compare:start -->", "<!-- maxtext-compare:end -->"
+    with open(path, encoding="utf-8") as f:
+        page = f.read()
+    if start not in page or end not in page:
+        return
+    head, rest = page.split(start, 1)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f"{head}{start}\n{text}\n{end}{rest.split(end, 1)[1]}")
 
 
 if __name__ == "__main__":
