@@ -212,9 +212,10 @@ def main() -> None:
 
     m = config.model
     family = getattr(m.family, "value", m.family)
-    print(f"training step, {m.name} ({family}): {m.n_layer} layers, {m.n_embd} wide, "
-          f"{m.n_head} heads, vocab {m.vocab_size}; sequence {args.seq}, global batch "
-          f"{args.batch}, AdamW, dropout {m.resid_pdrop}/{m.embd_pdrop}/{m.attn_pdrop}; "
+    print(f"training step, {m.name} ({family}): {m.num_layers} layers, {m.hidden_size} wide, "
+          f"{m.num_heads} heads, vocab {m.vocab_size}; sequence {args.seq}, global batch "
+          f"{args.batch}, AdamW, dropout "
+          f"{m.hidden_dropout}/{m.embedding_dropout}/{m.attention_dropout}; "
           f"hardware={config.hardware.name}, PyTorch {args.threads} threads")
     print(harness.machine_description())
     chosen = contenders(config, args, sys.argv[1:],

@@ -73,8 +73,8 @@ def train_state():
     from flaxlm.parallel import make_mesh, replicated
     from flaxlm.training.step import create_state
 
-    config = config_node("model", ["model=gpt2"], n_layer=2, n_embd=32, n_head=2, n_positions=16,
-                         vocab_size=64)
+    config = config_node("model", ["model=gpt2"], num_layers=2, hidden_size=32, num_heads=2,
+                         max_positions=16, vocab_size=64)
     model = GPT2LMHeadModel(TransformerSpec(config, jnp.float32, jnp.float32), nnx.Rngs(params=0))
     _, state = create_state(model, optax.adamw(1e-3))
     return jax.device_put(state, replicated(make_mesh(2)))
@@ -85,10 +85,10 @@ CONF_DIR = os.path.join(REPO, "conf")
 
 # A model and corpus small enough for a training run of a few seconds on 2 cores.
 TINY = [
-    "model.n_layer=2",
-    "model.n_embd=64",
-    "model.n_head=4",
-    "model.n_positions=64",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_heads=4",
+    "model.max_positions=64",
     "model.vocab_size=512",
     "hardware.per_device_batch_size=2",
     "logger=none",
@@ -117,7 +117,7 @@ def _composed(overrides: tuple[str, ...]):
 
 def config_node(node: str, overrides=(), **changes):
     """One typed node of the config `overrides` compose to (e.g. config_node("model",
-    ["model=llama-tiny"], n_layer=2)), with `changes`: how a test builds a config in code while
+    ["model=llama-tiny"], num_layers=2)), with `changes`: how a test builds a config in code while
     every value it does not change still comes from conf/, the one home of each value."""
     return dataclasses.replace(getattr(_composed(tuple(overrides)), node), **changes)
 
@@ -129,8 +129,8 @@ FAMILY_OPTIONS = {"gpt2": "gpt2", "bert": "bert-tiny", "llama": "llama-tiny"}
 def model_config(family: str = "gpt2", **fields):
     """A network of `family` with the shape `fields` give, built in code: the family's
     settings (activation, dropout, epsilon, ...) come from conf/ through one of its options,
-    whose optional shape settings (n_inner, n_kv_head) and pretrained weights are left out."""
-    unset = {"n_inner": None, "n_kv_head": None, "init_from": None}
+    whose optional shape settings (mlp_size, num_kv_heads) and pretrained weights are left out."""
+    unset = {"mlp_size": None, "num_kv_heads": None, "init_from": None}
     return config_node("model", [f"model={FAMILY_OPTIONS[family]}"], **{**unset, **fields})
 
 
@@ -276,10 +276,10 @@ def streaming_run(tmp_path: Path, *extra: str):
 TINY_CLASSIFY = [
     "task=classify",
     "model=bert-tiny",
-    "model.n_layer=1",
-    "model.n_embd=32",
-    "model.n_head=2",
-    "model.n_inner=64",
+    "model.num_layers=1",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.mlp_size=64",
     "model.vocab_size=512",
     "task.max_seq_length=24",
     "task.text_pair_column=sentence2",
@@ -464,6 +464,6 @@ def save_steps(directory, state, steps, **options):
     checkpointer = Checkpointer(str(directory), **options)
     for step in steps:
         checkpointer.save(step, bumped(state, step), {**CHECKPOINT_LOADER, "step": step},
-                          {"config": {"model": {"n_layer": 2}}})
+                          {"config": {"model": {"num_layers": 2}}})
     checkpointer.wait()
     return checkpointer

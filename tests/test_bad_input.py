@@ -100,7 +100,7 @@ def test_corpus_too_small_for_one_batch(tmp_path, english):
 
 
 BAD_SETTINGS = {
-    "task.max_seq_length=65": ["task.max_seq_length=65", "model.n_positions=64"],
+    "task.max_seq_length=65": ["task.max_seq_length=65", "model.max_positions=64"],
     "task.max_seq_length=1": ["task.max_seq_length=1"],
     "trainer.global_batch_size=12": ["trainer.global_batch_size=12", "8 devices", "multiple of 8"],
     # Issue 20: it said "does not divide evenly" (-8 does).
@@ -198,5 +198,5 @@ def test_cli_prints_one_paragraph_without_traceback_and_exits_2(tmp_path):
     error = result.stderr.strip()
     assert error.startswith("flaxlm: error: ")
     assert error.count("flaxlm: error:") == 1
-    assert_names(error, "task.max_seq_length=100000", "model.n_positions=256")
+    assert_names(error, "task.max_seq_length=100000", "model.max_positions=256")
     assert not (tmp_path / "outputs").exists()  # hydra.run.dir was honoured

@@ -149,7 +149,7 @@ ROWS = {
     "global-batch-not-a-multiple": Row(["trainer.global_batch_size=12"],
                                        ["trainer.global_batch_size=12"]),
     "block-longer-than-model": Row(["task.max_seq_length=65"],
-                                   ["task.max_seq_length=65", "model.n_positions=64"]),
+                                   ["task.max_seq_length=65", "model.max_positions=64"]),
     "more-devices-than-exist": Row(["hardware.num_devices=16"], ["hardware.num_devices=16"]),
     "unknown-platform": Row(["hardware.platform=quantum"], ["hardware.platform='quantum'"]),
     "streaming-without-max-steps": Row([*corpus("english.txt"), "language.streaming=true",

@@ -134,8 +134,8 @@ def test_the_script_on_a_cpu_prints_tokens_per_second_and_no_mfu():
     device) capped at batch 4, which runs and is timed."""
     command = [sys.executable, SCRIPT, "--models", "gpt2-tiny", "--seq", "32",
                "--max-batch", "4", "--rounds", "1", "--warmup", "1",
-               "--steps", "2", "hardware.cpu_devices=2", "model.n_layer=2", "model.n_embd=64",
-               "model.n_head=2", "model.vocab_size=512"]
+               "--steps", "2", "hardware.cpu_devices=2", "model.num_layers=2",
+               "model.hidden_size=64", "model.num_heads=2", "model.vocab_size=512"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout

@@ -17,7 +17,8 @@ from flaxlm.models.build import build_classifier, build_lm
 from flaxlm.models.gpt2 import GPT2ForSequenceClassification
 from flaxlm.models.layers import TransformerSpec, count_params
 
-SHAPE = dict(vocab_size=99, n_positions=16, n_embd=32, n_layer=2, n_head=4, n_inner=48)
+SHAPE = dict(vocab_size=99, max_positions=16, hidden_size=32, num_layers=2, num_heads=4,
+             mlp_size=48)
 BERT = model_config("bert", name="t", **SHAPE)
 GPT2 = model_config(name="t", **SHAPE)
 

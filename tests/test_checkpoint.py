@@ -124,7 +124,7 @@ def test_a_step_folder_without_its_items_is_skipped(tmp_path, train_state, capsy
 def test_restore_params_gives_the_pure_dict_of_the_latest_or_a_given_step(tmp_path, train_state):
     save_steps(tmp_path / "checkpoints", train_state, [3, 6]).close()
     params, config, step = restore_params(str(tmp_path))
-    assert step == 6 and config == {"model": {"n_layer": 2}}
+    assert step == 6 and config == {"model": {"num_layers": 2}}
     expected = nnx.to_pure_dict(jax.device_get(bumped(train_state, 6).params))
     assert jax.tree.structure(params) == jax.tree.structure(expected)
     assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(params))

@@ -45,13 +45,13 @@ def test_a_config_hydra_cannot_compose_exits_2_with_hydras_message(tmp_path, tra
 # list in a model option, a tab in an experiment, a repeated key, the primary config itself, and
 # a file in another encoding: (file, content, arguments, what the message says).
 BROKEN_CONFIG_FILES = {
-    "unclosed-list": ("model/broken.yaml", "n_layer: [1\n", ["model=broken"],
+    "unclosed-list": ("model/broken.yaml", "num_layers: [1\n", ["model=broken"],
                       ["not valid YAML", "broken.yaml, line 2", "expected ',' or ']'"]),
     "tab": ("experiment/mine.yaml", "# @package _global_\ntrainer:\n  max_steps: 3\n\tx: 1\n",
             ["experiment=mine"],
             ["not valid YAML", "mine.yaml, line 4", "found character '\\t'"]),
-    "repeated-key": ("model/twice.yaml", "n_layer: 1\nn_layer: 2\n", ["model=twice"],
-                     ["not valid YAML", "twice.yaml, line 2", "found duplicate key n_layer"]),
+    "repeated-key": ("model/twice.yaml", "num_layers: 1\nnum_layers: 2\n", ["model=twice"],
+                     ["not valid YAML", "twice.yaml, line 2", "found duplicate key num_layers"]),
     "primary-config": ("mine.yaml", "defaults:\n  - train\nseed: [0\n", ["--config-name", "mine"],
                        ["not valid YAML", "mine.yaml, line 4", "expected ',' or ']'"]),
     "latin-1": ("model/cafe.yaml", "name: caf\xe9\n".encode("latin-1"), ["model=cafe"],
@@ -186,7 +186,7 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again_with_the_same_co
     assert logged
 
     # Another config's metrics are never taken over, nor with trainer.resume=never.
-    for other in (["model.n_layer=3"], ["trainer.resume=never"]):
+    for other in (["model.num_layers=3"], ["trainer.resume=never"]):
         with pytest.raises(FlaxlmError, match="already holds a run"):
             train(compose([*same, *other], run_dir))
     assert (run_dir / "metrics.jsonl").read_text() == logged

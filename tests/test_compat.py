@@ -16,10 +16,11 @@ from conftest import compose
 
 DATA = Path(__file__).parent / "data" / "run-v0"
 
-# The command the old run was started with (in a directory holding corpus.txt).
+# The command the old run was started with (in a directory holding corpus.txt), in today's
+# spelling of its keys.
 OVERRIDES = [
     "logger=none", "hardware=cpu-8", "language=files", "language.files=[corpus.txt]",
-    "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=32",
+    "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.max_positions=32",
     "model.vocab_size=300", "hardware.per_device_batch_size=1", "trainer.max_steps=4",
     "trainer.log_every_steps=1", "checkpoint.every_steps=2", "checkpoint.keep_last=2",
     "checkpoint.keep_best=0", "samples.prompts=[]",

@@ -110,7 +110,7 @@ def test_every_option_composes_into_the_typed_schema(group, option):
     ("override", "fragments"),
     [
         ("model.n_layr=3", ["model.n_layr"]),
-        ("model.n_layer=abc", ["model.n_layer", "abc"]),
+        ("model.num_layers=abc", ["model.num_layers", "abc"]),
         ("optimizer.schedule=cosin", ["optimizer.schedule", "cosin"]),
         ("trainer.num_epochs=ten", ["trainer.num_epochs"]),
         ("tokenizer.min_frequncy=3", ["tokenizer.min_frequncy"]),
@@ -337,24 +337,36 @@ def run_cli(monkeypatch, capsys, argv):
     return info.value.code, capsys.readouterr().err
 
 
-def test_an_old_key_on_the_command_line_is_one_line_naming_the_new_key(monkeypatch, capsys):
-    code, err = run_cli(monkeypatch, capsys, ["trainer.eval_every=5", "logger=none"])
+@pytest.mark.parametrize(("old", "new"), [("trainer.eval_every", "trainer.eval_every_steps"),
+                                          ("model.n_embd", "model.hidden_size")])
+def test_an_old_key_on_the_command_line_is_one_line_naming_the_new_key(monkeypatch, capsys,
+                                                                       old, new):
+    code, err = run_cli(monkeypatch, capsys, [f"{old}=64", "logger=none"])
     assert code == 2
     assert err.strip().splitlines() == [
-        "flaxlm: error: trainer.eval_every was renamed trainer.eval_every_steps (the command "
-        "line): use the new name; docs/configuration.md lists the renamed keys."]
+        f"flaxlm: error: {old} was renamed {new} (the command line): use the new name; "
+        "docs/configuration.md lists the renamed keys."]
 
 
+# A user's option of a group, extending a shipped one, that sets a key under its old name.
+USERS_OLD_YAML = {
+    "optimizer.kind": ("optimizer", "adamw", "kind: adamw\nlr: 1e-3\n", "optimizer.name"),
+    "model.n_layer": ("model", "gpt2", "name: mine\nn_layer: 2\n", "model.num_layers"),
+}
+
+
+@pytest.mark.parametrize("old", USERS_OLD_YAML)
 def test_an_old_key_in_a_users_yaml_is_one_line_naming_the_new_key(monkeypatch, capsys,
-                                                                  tmp_path):
-    (tmp_path / "optimizer").mkdir()
-    (tmp_path / "optimizer" / "mine.yaml").write_text(
-        "defaults:\n  - adamw\n  - _self_\n\nkind: adamw\nlr: 1e-3\n")
+                                                                  tmp_path, old):
+    group, base, body, new = USERS_OLD_YAML[old]
+    (tmp_path / group).mkdir()
+    (tmp_path / group / "mine.yaml").write_text(
+        f"defaults:\n  - {base}\n  - _self_\n\n{body}")
     code, err = run_cli(monkeypatch, capsys,
-                        ["--config-dir", str(tmp_path), "optimizer=mine", "logger=none"])
+                        ["--config-dir", str(tmp_path), f"{group}=mine", "logger=none"])
     assert code == 2
     assert len(err.strip().splitlines()) == 1
-    assert "optimizer.kind was renamed optimizer.name (config optimizer/mine)" in err
+    assert f"{old} was renamed {new} (config {group}/mine)" in err
 
 
 def test_a_config_saved_by_an_earlier_release_reads_under_todays_keys():
@@ -367,6 +379,13 @@ def test_a_config_saved_by_an_earlier_release_reads_under_todays_keys():
     flat = dotted(upgraded)
     assert (flat["trainer.log_every_steps"], flat["optimizer.name"]) == (1, "adamw")
     assert flat["hardware.param_dtype"] == "float32" and "model.param_dtype" not in flat
+    # The model's shape and dropout, under their names for every family.
+    assert (flat["model.hidden_size"], flat["model.num_layers"], flat["model.num_heads"],
+            flat["model.max_positions"], flat["model.mlp_size"]) == (32, 1, 2, 32, None)
+    assert (flat["model.activation"], flat["model.layer_norm_eps"]) == ("gelu_new", 1e-5)
+    assert (flat["model.hidden_dropout"], flat["model.embedding_dropout"],
+            flat["model.attention_dropout"], flat["model.num_kv_heads"]) == (0.1, 0.1, 0.1, None)
+    assert not {old for old in RENAMED if old in flat}
     # A model's own parameter dtype of an earlier release moves to the hardware's.
     saved["model"]["param_dtype"] = "bfloat16"
     assert upgrade_saved_config(saved)["hardware"]["param_dtype"] == "bfloat16"

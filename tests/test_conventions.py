@@ -156,16 +156,16 @@ def test_an_imported_model_is_described_as_the_checkpoints(checkpoint, imported_
     run_dir, out = imported_run
     assert (f"flaxlm: model.init_from={checkpoint}: family and shape from its config.json, in "
             "place of model=llama-tiny's: ") in out
-    assert f"model.n_positions=256 → {N_POSITIONS}" in out and "model.n_kv_head=4 → 2" in out
+    assert f"model.max_positions=256 → {N_POSITIONS}" in out and "model.num_kv_heads=4 → 2" in out
     assert f"flaxlm: {checkpoint} (" in out  # the banner names the checkpoint, not the preset
-    assert f"blocks of {N_POSITIONS} tokens, model.n_positions (from model.init_from's" in out
+    assert f"blocks of {N_POSITIONS} tokens, model.max_positions (from model.init_from's" in out
 
     card = (run_dir / "model" / "README.md").read_text()
     eos = transformers.AutoTokenizer.from_pretrained(checkpoint).eos_token
     assert f"# {checkpoint} on en-builtin" in card
     assert f"the EOS token `{eos}` after each" in card
-    assert f"n_positions: {N_POSITIONS}\n" in card and f"rope_theta: {ROPE_THETA}\n" in card
-    assert "n_positions: 256" not in card
+    assert f"max_positions: {N_POSITIONS}\n" in card and f"rope_theta: {ROPE_THETA}\n" in card
+    assert "max_positions: 256" not in card
 
 
 @pytest.mark.torch

@@ -91,6 +91,30 @@ def test_builtin_is_substantial_english_prose():
     assert not any(phrase in doc for doc in documents for phrase in skipped)  # test/, idlelib/
 
 
+def test_builtin_is_kept_in_the_cache_and_read_again_when_its_copy_is_damaged(
+        tmp_path, monkeypatch):
+    documents = builtin_documents()
+    fresh = functools.cache(corpus._builtin_documents.__wrapped__)  # as a new process
+    monkeypatch.setattr(corpus, "_builtin_documents", fresh)
+    assert builtin_documents(str(tmp_path)) == documents
+    [kept] = (tmp_path / "builtin").iterdir()
+    assert json.loads(kept.read_text()) == documents
+
+    def parse_nothing(sources):
+        raise AssertionError("the kept copy was not read")
+
+    fresh.cache_clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(corpus, "_parse_builtin", parse_nothing)
+        assert builtin_documents(str(tmp_path)) == documents
+
+    kept.write_text(kept.read_text()[:1000])  # cut short, as by a full disk
+    fresh.cache_clear()
+    assert builtin_documents(str(tmp_path)) == documents
+    assert json.loads(kept.read_text()) == documents
+    assert [p.name for p in (tmp_path / "builtin").iterdir()] == [kept.name]  # no temp files
+
+
 def test_builtin_splits_first_5_percent_for_validation():
     documents = builtin_documents()
     splits = load_corpus(config_node("language", name="t"))

@@ -402,20 +402,35 @@ def test_a_full_disk_stops_the_run_with_a_message_and_it_resumes_when_there_is_r
 def test_a_repeated_sigterm_does_not_cut_the_preemption_save_short(tmp_path, reference):
     """Issue 20: schedulers and wrappers deliver SIGTERM twice (to the process group and to
     the process); the second one, 0.2 s after the first, killed the run mid-save (exit 143,
-    only a tmp folder left). Now it is ignored: the save completes and the run exits 75."""
+    only a tmp folder left). Now it is ignored: the save completes and the run exits 75.
+
+    The second signal is sent once the first is handled: two sent while the process is inside
+    one long call into XLA reach Python's handler as one."""
     run_dir = tmp_path / "run"
     process = subprocess.Popen(
         [sys.executable, "-c", FAULTY_RUN, "slow-save", "1", *RUN, f"hydra.run.dir={run_dir}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
+    lines, handled = [], threading.Event()
+
+    def read_stderr():
+        for line in process.stderr:
+            lines.append(line)
+            if "SIGTERM received" in line:
+                handled.set()
+
     try:
         wait_for_logged_step(run_dir, 5, process)  # past the first save (step 4)
+        reader = threading.Thread(target=read_stderr, daemon=True)
+        reader.start()
         process.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
+        assert handled.wait(timeout=120), "".join(lines)[-3000:]
         process.send_signal(signal.SIGTERM)
-        _, err = process.communicate(timeout=300)
+        process.wait(timeout=300)
+        reader.join(timeout=60)
     finally:
         process.kill()
+    err = "".join(lines)
     assert process.returncode == PREEMPTED_EXIT_CODE, err[-3000:]
     assert "SIGTERM again: ignored while the checkpoint is saved" in err
     stopped = int(re.search(r"stopped by SIGTERM after step (\d+)", err)[1])

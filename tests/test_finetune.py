@@ -62,9 +62,9 @@ def test_label_outside_num_labels_fails_clearly(pair_files, tmp_path):
 def test_cli_finetunes_gpt2_pretrained_here(pair_files, tmp_path, train_cli):
     """task=clm here, then task=classify from its model/ directory, both through the CLI."""
     clm_dir = tmp_path / "clm"
-    tiny_gpt2 = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=32",
-                 "model.vocab_size=512", "hardware=cpu-8", "hardware.per_device_batch_size=2",
-                 "logger=none"]
+    tiny_gpt2 = ["model.num_layers=1", "model.hidden_size=32", "model.num_heads=2",
+                 "model.max_positions=32", "model.vocab_size=512", "hardware=cpu-8",
+                 "hardware.per_device_batch_size=2", "logger=none"]
     done = train_cli(*tiny_gpt2, "trainer.max_steps=2", f"hydra.run.dir={clm_dir}", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / "classify"
@@ -130,9 +130,10 @@ def test_a_classify_run_exports_to_transformers_with_our_logits(pair_files, tmp_
 def test_clm_continues_pre_training_from_a_runs_exported_model(tmp_path):
     """model.init_from with task=clm: the continued run starts where the first one ended — its
     eval before training is the first run's final eval, on the same tokenizer and blocks."""
-    tiny_gpt2 = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=32",
-                 "model.vocab_size=512", "hardware=cpu-8", "hardware.per_device_batch_size=2",
-                 "logger=none", "language.max_train_docs=40", "samples.prompts=[]"]
+    tiny_gpt2 = ["model.num_layers=1", "model.hidden_size=32", "model.num_heads=2",
+                 "model.max_positions=32", "model.vocab_size=512", "hardware=cpu-8",
+                 "hardware.per_device_batch_size=2", "logger=none", "language.max_train_docs=40",
+                 "samples.prompts=[]"]
     first = train(compose([*tiny_gpt2, "trainer.max_steps=3"], run_dir=tmp_path / "first"))
     second_dir = tmp_path / "second"
     train(compose(["model=gpt2-tiny", f"model.init_from={tmp_path / 'first' / 'model'}",
@@ -143,9 +144,9 @@ def test_clm_continues_pre_training_from_a_runs_exported_model(tmp_path):
     # The run records the shape it trained (the checkpoint's, not model=gpt2-tiny's), named
     # after the checkpoint, and reading it back builds that shape.
     recorded = OmegaConf.load(second_dir / "model_config.yaml")
-    assert (recorded.n_layer, recorded.n_embd, recorded.name) == (
+    assert (recorded.num_layers, recorded.hidden_size, recorded.name) == (
         1, 32, str(tmp_path / "first" / "model"))
     run_model = load_run_model(str(second_dir))
-    assert run_model.model_config.n_embd == 32
+    assert run_model.model_config.hidden_size == 32
     logits = run_model.model()(np.zeros((1, 4), np.int32))
     assert logits.shape == (1, 4, 512)

@@ -15,8 +15,8 @@ from flaxlm.models.layers import TransformerSpec
 
 # Larger init than GPT-2's 0.02: a random model then prefers some tokens clearly, so greedy
 # paths differ between prompts and an off-by-one position or mask shows.
-CONFIG = model_config(name="t", vocab_size=97, n_positions=64, n_embd=64, n_layer=2, n_head=4,
-                     initializer_range=0.2)
+CONFIG = model_config(name="t", vocab_size=97, max_positions=64, hidden_size=64, num_layers=2,
+                      num_heads=4, initializer_range=0.2)
 PROMPT_LENGTHS = (3, 9, 1, 20)
 EOS = 5
 
@@ -42,7 +42,7 @@ def greedy_by_recomputing(model, prompt: list[int], new_tokens: int, eos=None) -
     the padding after it changes nothing."""
     ids = list(prompt)
     for _ in range(new_tokens):
-        padded = np.zeros((1, CONFIG.n_positions), np.int32)
+        padded = np.zeros((1, CONFIG.max_positions), np.int32)
         padded[0, : len(ids)] = ids
         ids.append(int(jnp.argmax(_full_forward(model, jnp.asarray(padded))[0, len(ids) - 1])))
         if ids[-1] == eos:

@@ -22,6 +22,8 @@ VOCAB, SEQ = 99, 12
 BERT_SHAPE = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=37, max_position_embeddings=16, hidden_act="gelu")
 GPT2_SHAPE = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=16)
+# The same shape under ModelConfig's names.
+GPT2_MODEL = dict(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, max_positions=16)
 
 
 def padded_batch(seed=0):
@@ -201,7 +203,7 @@ def test_a_head_for_another_label_count_is_replaced(bert_dir):
 
 
 def test_our_clm_export_continues_pretraining_or_becomes_a_classifier(tmp_path):
-    config = model_config(name="t", **GPT2_SHAPE)
+    config = model_config(name="t", **GPT2_MODEL)
     trained = GPT2LMHeadModel(TransformerSpec(config), nnx.Rngs(1))
     params = nnx.to_pure_dict(nnx.state(trained, nnx.Param))
     gpt2_config = hf.to_lm_config(config, bos_token_id=0, eos_token_id=2, pad_token_id=1)
@@ -224,7 +226,7 @@ def test_our_clm_export_continues_pretraining_or_becomes_a_classifier(tmp_path):
 @pytest.mark.torch
 def test_a_bert_checkpoint_into_a_gpt2_model_is_an_architecture_error(bert_dir):
     local_dir, _ = bert_dir
-    model = build_lm(TransformerSpec(model_config(name="t", **GPT2_SHAPE)), nnx.Rngs(0))
+    model = build_lm(TransformerSpec(model_config(name="t", **GPT2_MODEL)), nnx.Rngs(0))
     with pytest.raises(FlaxlmError, match=r"is a bert model.*model\.family=bert"):
         pretrained.load_pretrained_weights(model, local_dir, source="my-bert")
 
@@ -250,8 +252,8 @@ def _tiny_bert_dir(tmp_path, drop=(), extra=()):
     """Our own tiny BERT classifier exported, minus `drop` keys, plus `extra` ones."""
     from safetensors.numpy import load_file, save_file
 
-    config = model_config("bert", name="t", vocab_size=VOCAB, n_positions=16, n_embd=32,
-                         n_layer=2, n_head=4)
+    config = model_config("bert", name="t", vocab_size=VOCAB, max_positions=16, hidden_size=32,
+                         num_layers=2, num_heads=4)
     model = build_classifier(TransformerSpec(config), 3, nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     hf_config = hf.to_classifier_config(config, num_labels=3, pad_token_id=0)

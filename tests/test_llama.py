@@ -39,9 +39,9 @@ from flaxlm.models.layers import TransformerSpec, count_params
 from flaxlm.models.llama import LlamaForCausalLM
 
 # 8 query heads sharing 2 key/value heads; init wider than 0.02 so that greedy paths differ.
-CONFIG = family_config("llama", name="t", vocab_size=97, n_positions=64,
-                     n_embd=64, n_layer=2, n_head=8, n_kv_head=2, n_inner=96,
-                     activation_function="silu", attn_pdrop=0.0, initializer_range=0.1)
+CONFIG = family_config("llama", name="t", vocab_size=97, max_positions=64,
+                     hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=2, mlp_size=96,
+                     activation="silu", attention_dropout=0.0, initializer_range=0.1)
 LLAMA_BASE = family_config("llama", name="x")  # what a checkpoint's config.json overwrites
 VARIANTS = {
     "gqa-tied": CONFIG,
@@ -126,11 +126,11 @@ def test_remat_gives_the_same_gradients():
 
 
 def test_bad_kv_heads_and_unsupported_rope_scaling_are_clear_errors():
-    with pytest.raises(FlaxlmError, match=r"model\.n_kv_head=3 must divide model\.n_head=8"):
-        make_model(dataclasses.replace(CONFIG, n_kv_head=3))
+    with pytest.raises(FlaxlmError, match=r"model\.num_kv_heads=3 must divide model\.num_heads=8"):
+        make_model(dataclasses.replace(CONFIG, num_kv_heads=3))
     with pytest.raises(FlaxlmError, match=r"model\.rope_scaling=\{type: yarn"):
         make_model(dataclasses.replace(CONFIG, rope_scaling=RopeScaling("yarn", 4.0)))
-    for override, message in (("model.n_kv_head=3", r"model\.n_kv_head=3"),
+    for override, message in (("model.num_kv_heads=3", r"model\.num_kv_heads=3"),
                               ("model.rope_scaling={type: dynamic, factor: 2}",
                                r"model\.rope_scaling=\{type: dynamic")):
         config = OmegaConf.to_object(compose(["model=llama-tiny", override]))
@@ -175,7 +175,7 @@ def test_training_flops_count_the_matrices_that_multiply_whether_tied_or_not():
         model = nnx.eval_shape(lambda c=model_config: build_lm(TransformerSpec(c), nnx.Rngs(0)))
         flops[option, tied] = lm_flops_per_token(model_config, count_params(model), 256)
         if option == "gpt2-tiny":  # the tied head counts once; positions only look up
-            matmul = count_params(model) - 256 * model_config.n_embd
+            matmul = count_params(model) - 256 * model_config.hidden_size
             assert flops[option, tied] == 6 * matmul + 12 * 6 * 256 * 256
     assert flops["llama-tiny", True] == flops["llama-tiny", False]
 
@@ -219,7 +219,7 @@ def test_hf_checkpoints_import_with_equal_logits(shard, tmp_path):
     assert os.path.isfile(tmp_path / "model.safetensors.index.json") == shard
 
     model_config = pretrained.pretrained_model_config(str(tmp_path), LLAMA_BASE)
-    assert (model_config.family, model_config.n_kv_head, model_config.rope_theta) == (
+    assert (model_config.family, model_config.num_kv_heads, model_config.rope_theta) == (
         ModelFamily.llama, 2, 20000.0)
     model = nnx.eval_shape(lambda: build_lm(TransformerSpec(model_config), nnx.Rngs(0)))
     report = pretrained.load_pretrained_weights(model, str(tmp_path))
@@ -306,7 +306,7 @@ def _full_forward(model, ids_1xL):
 def greedy_by_recomputing(model, prompt, new_tokens):
     ids = list(prompt)
     for _ in range(new_tokens):
-        padded = np.zeros((1, CONFIG.n_positions), np.int32)
+        padded = np.zeros((1, CONFIG.max_positions), np.int32)
         padded[0, : len(ids)] = ids
         ids.append(int(jnp.argmax(_full_forward(model, jnp.asarray(padded))[0, len(ids) - 1])))
         if ids[-1] == EOS:
@@ -357,7 +357,7 @@ def train_steps(mesh_config, num_steps=3):
     mesh = make_mesh(8, mesh_config)
     schedule = make_schedule(optimizer, total_steps=10)
     tx = make_optimizer(optimizer, schedule)
-    config = dataclasses.replace(CONFIG, n_positions=16, attn_pdrop=0.1)  # dropout on
+    config = dataclasses.replace(CONFIG, max_positions=16, attention_dropout=0.1)  # dropout on
     graphdef, state = create_state(make_model(config), tx, mesh)
     steps = compile_steps(mesh, graphdef, tx, schedule)
     losses = []
@@ -385,9 +385,9 @@ def test_a_tiny_llama_trains_the_same_on_8_devices_as_on_1(tmp_path):
     of 16 rows on 8 devices of 2 and on 1 device of 16 gives the same losses."""
     from flaxlm.job import train
 
-    base = ["model=llama-tiny", *TINY, "model.n_head=8", "model.n_kv_head=2", "model.n_inner=96",
-            "trainer.max_steps=3", "trainer.log_every_steps=1", "trainer.eval_every_steps=3",
-            "language.max_train_docs=60", "optimizer.lr=3e-3"]
+    base = ["model=llama-tiny", *TINY, "model.num_heads=8", "model.num_kv_heads=2",
+            "model.mlp_size=96", "trainer.max_steps=3", "trainer.log_every_steps=1",
+            "trainer.eval_every_steps=3", "language.max_train_docs=60", "optimizer.lr=3e-3"]
     losses = []
     for devices, per_device in ((8, 2), (1, 16)):
         run_dir = tmp_path / f"devices-{devices}"
@@ -410,7 +410,7 @@ def test_a_stopped_llama_run_resumes_to_the_same_parameters_and_metrics(tmp_path
     from flaxlm.training.stop import Preempted
 
     run = ["model=llama-tiny", *TINY, "trainer.max_steps=6", "trainer.log_every_steps=1",
-           "checkpoint.every_steps=4", "language.max_train_docs=60", "model.attn_pdrop=0.1"]
+           "checkpoint.every_steps=4", "language.max_train_docs=60", "model.attention_dropout=0.1"]
     train(compose(run, run_dir=tmp_path / "reference"))
     with monkeypatch.context() as patch:
         stop_at(patch, 3)
@@ -426,8 +426,8 @@ def test_a_llama_pretrained_here_finetunes_as_a_classifier(tmp_path):
     """task=clm with model=llama-tiny, then task=classify from its exported model/."""
     from flaxlm.job import train
 
-    tiny = [*TINY, "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
-            "model.n_kv_head=1", "model.n_positions=32"]
+    tiny = [*TINY, "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2",
+            "model.num_kv_heads=1", "model.max_positions=32"]
     train(compose(["model=llama-tiny", *tiny, "trainer.max_steps=2"],
                   run_dir=tmp_path / "clm"))
     pairs = (write_pairs(tmp_path / "train.tsv", 64, 0),

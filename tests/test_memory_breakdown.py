@@ -20,7 +20,8 @@ from flaxlm.training.step import compile_steps, create_state
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import memory  # noqa: E402
 
-TINY = model_config(name="t", n_layer=2, n_embd=64, n_head=4, n_positions=32, vocab_size=256)
+TINY = model_config(name="t", num_layers=2, hidden_size=64, num_heads=4, max_positions=32,
+                    vocab_size=256)
 MESHES = {"data=8": mesh_config(), "fsdp=8": mesh_config(data=1, fsdp=8)}
 
 

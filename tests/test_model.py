@@ -13,7 +13,8 @@ from flaxlm.models import hf
 from flaxlm.models.gpt2 import GPT2LMHeadModel
 from flaxlm.models.layers import TransformerSpec, count_params
 
-CONFIG = model_config(name="t", vocab_size=97, n_positions=32, n_embd=64, n_layer=2, n_head=4)
+CONFIG = model_config(name="t", vocab_size=97, max_positions=32, hidden_size=64, num_layers=2,
+                      num_heads=4)
 
 
 def make_model(config=CONFIG, **spec_kwargs):

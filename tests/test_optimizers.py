@@ -34,7 +34,7 @@ from flaxlm.training.step import (
     next_token_losses,
 )
 
-NO_DROPOUT = ["model.resid_pdrop=0", "model.embd_pdrop=0", "model.attn_pdrop=0"]
+NO_DROPOUT = ["model.hidden_dropout=0", "model.embedding_dropout=0", "model.attention_dropout=0"]
 
 
 @pytest.fixture(scope="module")

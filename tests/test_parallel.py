@@ -15,7 +15,8 @@ from flaxlm.training.evaluation import LMEvaluator
 from flaxlm.training.optimizer import make_optimizer, make_schedule
 from flaxlm.training.step import compile_steps, create_state, next_token_losses
 
-MODEL = model_config(name="t", vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+MODEL = model_config(name="t", vocab_size=128, max_positions=16, hidden_size=32, num_layers=2,
+                     num_heads=4)
 OPTIMIZER = config_node("optimizer", lr=1e-3)
 
 

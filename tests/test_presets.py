@@ -134,7 +134,7 @@ def learning_rates(config, total_steps, steps):
 def test_every_preset_composes_and_passes_the_jobs_setting_checks(experiment):
     config, seq_len, batch = as_run([f"experiment={experiment}", *USER_INPUT.get(experiment, [])],
                                     num_devices=8)
-    assert 2 <= seq_len <= config.model.n_positions
+    assert 2 <= seq_len <= config.model.max_positions
     assert batch == config.hardware.per_device_batch_size * 8
 
 
@@ -150,7 +150,8 @@ def assert_notebook_recipe(overrides):
     config, seq_len, batch = as_run(overrides, num_devices=8)
     assert (config.language.name, config.language.validation_fraction) == ("is", 0.05)
     model = config.model
-    assert (model.name, model.n_layer, model.n_embd, model.n_head) == ("distilgpt2", 6, 768, 12)
+    assert (model.name, model.num_layers, model.hidden_size, model.num_heads) == (
+        "distilgpt2", 6, 768, 12)
     assert (model.vocab_size, model.init_from) == (50257, None)
     tokenizer = config.tokenizer
     assert tokenizer.path is None and tokenizer.vocab_size is None  # trained to model.vocab_size
@@ -192,7 +193,8 @@ def test_gpt2_no_is_the_reference_flax_clm_scripts_norwegian_run():
     config, seq_len, batch = as_run(["experiment=gpt2-no", "hardware=tpu-v3-8"], num_devices=8)
     assert (config.language.name, config.language.hub_config) == ("no", "nob_Latn")
     model = config.model
-    assert (model.n_layer, model.n_embd, model.n_head, model.vocab_size) == (12, 768, 12, 50257)
+    assert (model.num_layers, model.hidden_size, model.num_heads, model.vocab_size) == (
+        12, 768, 12, 50257)
     assert (seq_len, batch) == (512, 512)
     assert config.trainer.num_epochs == 20
     optimizer = config.optimizer
@@ -207,7 +209,7 @@ def test_quickstart_preset_is_exactly_the_default_run():
     assert named == OmegaConf.to_container(compose(), resolve=True)
     config, seq_len, _ = as_run(["experiment=quickstart"], num_devices=2)
     assert (config.language.source, config.hardware.platform) == (CorpusSource.builtin, "cpu")
-    assert seq_len == config.model.n_positions  # blocks as long as the model's context
+    assert seq_len == config.model.max_positions  # blocks as long as the model's context
 
 
 @pytest.mark.parametrize(
@@ -223,10 +225,10 @@ def test_a_presets_batch_holds_on_any_hardware(experiment, batch, hardware):
 
 
 SHRUNK = [  # after the experiment, so they win: the preset's recipe at a size that runs in seconds
-    "model.n_layer=2",
-    "model.n_embd=64",
-    "model.n_head=4",
-    "model.n_positions=64",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_heads=4",
+    "model.max_positions=64",
     "model.vocab_size=512",
     "task.max_seq_length=64",
     "hardware=cpu-8",
@@ -340,8 +342,8 @@ def tiny_bert_checkpoint(tmp_path_factory):
              *"cat dog sat on the mat ran far away home big small red blue".split()]
     (directory / "vocab.txt").write_text("\n".join(vocab) + "\n")
     tokenizer = transformers.BertTokenizerFast(vocab_file=str(directory / "vocab.txt"))
-    bert = model_config("bert", name="tiny-bert", vocab_size=len(vocab), n_positions=64,
-                        n_embd=32, n_layer=1, n_head=2, n_inner=64)
+    bert = model_config("bert", name="tiny-bert", vocab_size=len(vocab), max_positions=64,
+                        hidden_size=32, num_layers=1, num_heads=2, mlp_size=64)
     model = BertForSequenceClassification(TransformerSpec(bert), 2, nnx.Rngs(0))
     hf_config = hf.to_classifier_config(bert, num_labels=2,
                                         pad_token_id=tokenizer.pad_token_id)

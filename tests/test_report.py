@@ -249,7 +249,7 @@ def test_runs_of_which_none_can_be_read_are_one_error(tmp_path, capsys):
     assert "\n" not in err
 
 
-RUN = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.n_positions=64",
+RUN = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.max_positions=64",
        "model.vocab_size=512", "hardware.per_device_batch_size=2", "logger=none",
        "hardware=cpu-8", "language.max_train_docs=12", "language.max_eval_docs=2",
        "trainer.max_steps=4", "trainer.log_every_steps=2", "checkpoint.every_steps=2",

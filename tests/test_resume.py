@@ -115,9 +115,9 @@ def test_resuming_with_another_model_shape_fails_listing_the_differences(tmp_pat
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
     with pytest.raises(FlaxlmError) as error:
-        train(compose([*RUN, "model.n_layer=3", "optimizer.lr=1e-3"], run_dir=run_dir))
+        train(compose([*RUN, "model.num_layers=3", "optimizer.lr=1e-3"], run_dir=run_dir))
     message = str(error.value)
-    assert "model.n_layer: 2 → 3" in message and "optimizer.lr: 0.0003 → 0.001" in message
+    assert "model.num_layers: 2 → 3" in message and "optimizer.lr: 0.0003 → 0.001" in message
     assert "trainer.resume=never" in message
 
 
@@ -180,7 +180,7 @@ def test_skip_nonfinite_skips_the_bad_step_and_counts_it(tmp_path, monkeypatch, 
 
 def test_restore_params_equals_the_exported_model(reference):
     params, config, step = restore_params(str(reference))
-    assert step == 20 and config["model"]["n_layer"] == 2
+    assert step == 20 and config["model"]["num_layers"] == 2
     exported = safetensors.numpy.load_file(str(reference / "model" / "model.safetensors"))
     for key, value in hf.to_hf_state_dict(params).items():
         if key in exported:

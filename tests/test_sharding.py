@@ -26,7 +26,8 @@ from flaxlm.training.optimizer import make_optimizer, make_schedule
 from flaxlm.training.step import compile_steps, create_state, lm_loss
 
 # Every width divides by 8, so fsdp=8 splits every parameter; dropout stays on.
-MODEL = model_config(name="t", vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+MODEL = model_config(name="t", vocab_size=128, max_positions=16, hidden_size=32, num_layers=2,
+                     num_heads=4)
 OPTIMIZER = config_node("optimizer", lr=1e-3)
 MESHES = {
     "data=8": mesh_config(data=8),
@@ -176,7 +177,7 @@ def test_remat_gives_the_same_gradients(family_loss, remat):
     (loss, grads), plain_jaxpr = gradients(plain, family_loss)
     (remat_loss, remat_grads), remat_jaxpr = gradients(
         dataclasses.replace(plain, remat=remat), family_loss)
-    assert "remat" not in plain_jaxpr and remat_jaxpr.count("remat") >= MODEL.n_layer
+    assert "remat" not in plain_jaxpr and remat_jaxpr.count("remat") >= MODEL.num_layers
     np.testing.assert_allclose(remat_loss, loss, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                  host(remat_grads), host(grads))
@@ -215,7 +216,7 @@ def test_remat_saves_memory_on_a_cpu(requested):
     anyway; configure_platform picks the scheduler that frees them when the run asks for remat
     (a fresh process: the scheduler is fixed when JAX starts)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    model = model_config(name="t", n_layer=8, n_embd=64, n_head=2, n_positions=128,
+    model = model_config(name="t", num_layers=4, hidden_size=64, num_heads=2, max_positions=128,
                          vocab_size=512)
     hardware = config_node("hardware", cpu_devices=1)
     settings = [json.dumps(OmegaConf.to_container(OmegaConf.structured(node)))

@@ -143,5 +143,5 @@ def test_each_family_counts_its_training_flops_per_token(option, lm, tied, seq_l
     else:
         model = nnx.eval_shape(lambda: build.build_classifier(spec, 3, nnx.Rngs(0)))
         flops = build.classifier_flops_per_token(model_config, count_params(model), seq_len)
-    attention = 12 * model_config.n_layer * model_config.n_embd * seq_len
+    attention = 12 * model_config.num_layers * model_config.hidden_size * seq_len
     assert flops == 6 * multiplying_params(model) + attention

@@ -126,7 +126,7 @@ def test_unknown_mode_names_the_setting():
 
 # --- a real offline W&B run -----------------------------------------------------------------------
 
-CONFIG = {"model": {"name": "gpt2-tiny", "n_layer": 2, "n_embd": 64},
+CONFIG = {"model": {"name": "gpt2-tiny", "num_layers": 2, "hidden_size": 64},
           "optimizer": {"lr": 3e-4, "schedule": "linear"}, "seed": 7, "task": {"name": "clm"},
           "choices": {"model": "gpt2-tiny", "optimizer": "adamw", "experiment": None}}
 LOGGED = [(0, {"train/loss": np.float32(4.5), "train/lr": 0.0}),
@@ -186,7 +186,7 @@ def test_offline_run_records_config_name_group_and_tags(failed_run):
     for update in of_type(records, "config"):  # later config changes, if any
         config.update(items(update.update))
     assert {k: config[k] for k in CONFIG} == CONFIG
-    assert config["model"]["n_layer"] == 2  # nested, not flattened
+    assert config["model"]["num_layers"] == 2  # nested, not flattened
     assert (run.display_name, run.run_group, run.project) == ("tiny-run", "sweep-1", "flaxlm")
     assert run.job_type == "clm"
     assert list(run.tags) == ["test", "model=gpt2-tiny", "optimizer=adamw"]
@@ -282,7 +282,7 @@ def test_tensorboard_records_the_hyperparameters_and_how_the_run_ended(tmp_path,
     values = {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind"))
               for k, v in start.hparams.items()}
     assert values["optimizer.lr"] == pytest.approx(3e-4)
-    assert values["model.n_layer"] == 2 and values["seed"] == 7
+    assert values["model.num_layers"] == 2 and values["seed"] == 7
     assert values["model.name"] == "gpt2-tiny" and values["choices.optimizer"] == "adamw"
     assert "choices.experiment" not in values  # unset
     end = hparams_metadata.parse_session_end_info_plugin_data(

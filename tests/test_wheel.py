@@ -20,7 +20,8 @@ NOT_SOURCES = shutil.ignore_patterns(".venv", ".git", "build", "dist", "outputs"
                                      "*.egg-info", "__pycache__", ".pytest_cache", ".cache")
 
 PURELIB = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-MY_MODEL = "name: my-model\nvocab_size: 512\nn_positions: 64\nn_embd: 32\nn_layer: 1\nn_head: 2\n"
+MY_MODEL = ("name: my-model\nvocab_size: 512\nmax_positions: 64\nhidden_size: 32\nnum_layers: 1\n"
+            "num_heads: 2\n")
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,7 @@ def test_a_users_config_dir_composes_on_top_of_the_installed_one(installed, tmp_
     result = flaxlm_train(installed, "--config-dir", str(tmp_path / "mine"), "model=my-model",
                           "--cfg", "job", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "name: my-model" in result.stdout and "n_embd: 32" in result.stdout
+    assert "name: my-model" in result.stdout and "hidden_size: 32" in result.stdout
     # The packaged groups are still there beside the user's.
     assert "name: en-builtin" in result.stdout
 

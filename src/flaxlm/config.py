@@ -95,31 +95,26 @@ class RopeScaling:
 
 @dataclasses.dataclass
 class ModelConfig:
-    """WHICH network, with GPT2Config's names for the shape; a BERT encoder reads them as
-    hidden_size = n_embd, num_hidden_layers = n_layer, num_attention_heads = n_head,
-    intermediate_size = n_inner, max_position_embeddings = n_positions, hidden_act =
-    activation_function, hidden_dropout_prob = resid_pdrop (= embd_pdrop),
-    attention_probs_dropout_prob = attn_pdrop, layer_norm_eps = layer_norm_epsilon.
-    A Llama decoder reads them as LlamaConfig's hidden_size, num_hidden_layers,
-    num_attention_heads, intermediate_size, max_position_embeddings, hidden_act, rms_norm_eps
-    and attention_dropout = attn_pdrop (it has no other dropout), plus the fields below."""
+    """WHICH network. The shape and dropout fields have one name for every family; docs/models.md
+    tables each against GPT2Config's, BertConfig's and LlamaConfig's name for it (each family
+    module's `HF_NAMES` is that table in code), and says which fields a family ignores."""
 
     name: str = MISSING
     family: ModelFamily = MISSING
     vocab_size: int = MISSING
-    n_positions: int = MISSING
-    n_embd: int = MISSING
-    n_layer: int = MISSING
-    n_head: int = MISSING
-    n_inner: Optional[int] = None  # None → 4 × n_embd, as in GPT2Config
-    activation_function: str = MISSING
-    resid_pdrop: float = MISSING  # gpt2, bert (llama has no residual dropout)
-    embd_pdrop: float = MISSING  # gpt2 (bert's embeddings drop resid_pdrop)
-    attn_pdrop: float = MISSING
-    layer_norm_epsilon: float = MISSING
+    max_positions: int = MISSING
+    hidden_size: int = MISSING
+    num_layers: int = MISSING
+    num_heads: int = MISSING
+    mlp_size: Optional[int] = None  # the MLP's inner width; null → 4 × hidden_size
+    activation: str = MISSING  # the MLP's (Llama's: SwiGLU's gate)
+    hidden_dropout: float = MISSING  # gpt2, bert: on what each block adds to the residual
+    embedding_dropout: float = MISSING  # gpt2 only (bert's embeddings drop hidden_dropout)
+    attention_dropout: float = MISSING  # on the attention probabilities
+    layer_norm_eps: float = MISSING  # LayerNorm's epsilon (Llama: RMSNorm's)
     initializer_range: float = MISSING
     type_vocab_size: int = MISSING  # bert only: segment (token type) embeddings
-    classifier_dropout: Optional[float] = None  # classify: null → resid_pdrop, as in HF
+    classifier_dropout: Optional[float] = None  # classify: null → hidden_dropout, as in HF
     # Start from pretrained weights: an HF model directory, a Hub id, or pkg://<module>/<dir>
     # (a checkpoint shipped inside an installed Python package). Its config.json then fixes
     # family and shape (the fields above are overwritten from it), and its tokenizer is used.
@@ -127,7 +122,7 @@ class ModelConfig:
     remat: Remat = MISSING  # trade compute for activation memory (gradients are the same)
     tie_word_embeddings: bool = MISSING  # the LM head reuses the token embeddings (GPT-2 always)
     # llama only (GPT-2 and BERT ignore them):
-    n_kv_head: Optional[int] = None  # key/value heads (grouped-query attention); null → n_head
+    num_kv_heads: Optional[int] = None  # key/value heads (grouped-query); null → num_heads
     rope_theta: float = MISSING  # the base wavelength of the rotary position embeddings
     # Not Optional: OmegaConf cannot merge a command-line dict into a null dataclass node.
     rope_scaling: RopeScaling = dataclasses.field(default_factory=RopeScaling)
@@ -254,7 +249,7 @@ class TaskConfig:
     sequence (or sentence-pair) classification, or regression when num_labels = 1."""
 
     name: str = MISSING
-    # clm: blocks of this many tokens; null → the model's context length (model.n_positions).
+    # clm: blocks of this many tokens; null → the model's context length (model.max_positions).
     # classify: examples truncated and padded to this many tokens (conf/task/classify.yaml).
     max_seq_length: Optional[int] = None
     # classify only, below. The data: a Hub dataset (hub_path and hub_config,
@@ -396,7 +391,7 @@ class SamplesConfig:
     lets the model start its own. No prompts → none."""
 
     prompts: list[str] = MISSING
-    max_new_tokens: int = MISSING  # cut to what the context (model.n_positions) leaves
+    max_new_tokens: int = MISSING  # cut to what the context (model.max_positions) leaves
     temperature: float = MISSING  # 0 → greedy
     top_k: int = MISSING  # 0 → no cut
     top_p: float = MISSING  # 1 → no cut
@@ -442,6 +437,18 @@ RENAMED = {
     "trainer.log_every": "trainer.log_every_steps",
     "model.param_dtype": "hardware.param_dtype",
     "optimizer.kind": "optimizer.name",
+    # GPT2Config's names, once ModelConfig's for every family (docs/models.md).
+    "model.n_positions": "model.max_positions",
+    "model.n_embd": "model.hidden_size",
+    "model.n_layer": "model.num_layers",
+    "model.n_head": "model.num_heads",
+    "model.n_kv_head": "model.num_kv_heads",
+    "model.n_inner": "model.mlp_size",
+    "model.activation_function": "model.activation",
+    "model.resid_pdrop": "model.hidden_dropout",
+    "model.embd_pdrop": "model.embedding_dropout",
+    "model.attn_pdrop": "model.attention_dropout",
+    "model.layer_norm_epsilon": "model.layer_norm_eps",
 }
 
 

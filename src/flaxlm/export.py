@@ -257,8 +257,8 @@ def model_card(model_config: ModelConfig, architecture: str, run_config: dict | 
         "",
         f"# {model_config.name}" + (f" on {language}" if language else ""),
         "",
-        f"A `{architecture}` ({model_config.n_layer} layers, width {model_config.n_embd}, "
-        f"{model_config.n_head} heads, context {model_config.n_positions}, vocabulary "
+        f"A `{architecture}` ({model_config.num_layers} layers, width {model_config.hidden_size}, "
+        f"{model_config.num_heads} heads, context {model_config.max_positions}, vocabulary "
         f"{model_config.vocab_size:,}; {num_params / 1e6:.2f}M parameters) trained with flaxlm "
         "(JAX / Flax NNX) and exported to transformers' PyTorch layout."
         + (f" Weights from {source}." if source else ""),

@@ -36,7 +36,7 @@ class LanguageModel(Protocol):
     """What generation needs of a model; every family's LM (GPT2LMHeadModel, LlamaForCausalLM)
     has it."""
 
-    context_length: int  # the most positions a sequence may have (model.n_positions)
+    context_length: int  # the most positions a sequence may have (model.max_positions)
 
     def init_cache(self, batch_size: int, num_slots: int) -> KVCache: ...
 
@@ -119,15 +119,15 @@ def generate_ids(model: LanguageModel, prompt_ids: Sequence[Sequence[int]],
 
 
 def check_prompts(settings: GenerationSettings, prompt_ids: Sequence[Sequence[int]],
-                   n_positions: int) -> None:
+                   max_positions: int) -> None:
     if not prompt_ids or any(len(ids) == 0 for ids in prompt_ids):
         raise FlaxlmError("Generation needs at least one prompt, each of at least one token.")
     longest = max(len(ids) for ids in prompt_ids)
-    if longest + settings.max_new_tokens > n_positions:
+    if longest + settings.max_new_tokens > max_positions:
         raise FlaxlmError(
             f"The longest prompt ({longest} tokens) plus max_new_tokens="
-            f"{settings.max_new_tokens} exceeds the model's context of {n_positions} positions "
-            "(model.n_positions). Shorten the prompt or lower max_new_tokens."
+            f"{settings.max_new_tokens} exceeds the model's context of {max_positions} positions "
+            "(model.max_positions). Shorten the prompt or lower max_new_tokens."
         )
 
 

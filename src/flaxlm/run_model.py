@@ -138,8 +138,8 @@ def _from_export(model_dir: str, run_dir: str, tokenizer) -> RunModel:
         # Without a saved config, what config.json leaves out is what generation needs:
         # no dropout, no recomputation.
         base = _model_config(run_config, run_dir) if "model" in run_config else ModelConfig(
-            name=os.path.basename(run_dir), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-            remat=Remat.none)
+            name=os.path.basename(run_dir), hidden_dropout=0.0, embedding_dropout=0.0,
+            attention_dropout=0.0, remat=Remat.none)
         model_config = pretrained.pretrained_model_config(model_dir, base)
     hf_config = None
     if _is_classifier_run(run_config):

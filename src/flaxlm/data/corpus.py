@@ -19,11 +19,13 @@ import codecs
 import dataclasses
 import functools
 import hashlib
+import json
 import math
 import os
 import re
 import sys
 import sysconfig
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -73,11 +75,12 @@ class CorpusSplits:
     validation: datasets.Dataset
 
 
-def load_corpus(language: LanguageConfig) -> CorpusSplits:
-    """Load the corpus `language` names, drop blank documents, and split it."""
+def load_corpus(language: LanguageConfig, cache_dir: str | None = None) -> CorpusSplits:
+    """Load the corpus `language` names, drop blank documents, and split it (the builtin
+    corpus is kept under `cache_dir`, if given, once read)."""
     _check_split_settings(language)
     if language.source == CorpusSource.builtin:
-        corpus = datasets.Dataset.from_dict({"text": builtin_documents()})
+        corpus = datasets.Dataset.from_dict({"text": builtin_documents(cache_dir)})
         origin = "the builtin corpus (language.source=builtin)"
     elif language.source == CorpusSource.files:
         corpus = _load_files(language)
@@ -92,25 +95,63 @@ def load_corpus(language: LanguageConfig) -> CorpusSplits:
     return _split(_drop_blank(corpus), language, origin)
 
 
-def builtin_documents() -> list[str]:
-    """The builtin English corpus: Python's own documentation, in a fixed pseudo-random order."""
-    return list(_builtin_documents())
+def builtin_documents(cache_dir: str | None = None) -> list[str]:
+    """The builtin English corpus: Python's own documentation, in a fixed pseudo-random order.
+
+    Parsing the standard library takes seconds; with `cache_dir` the documents are kept in
+    `<cache_dir>/builtin/`, keyed by the interpreter and every source file's size and time,
+    so a changed standard library is read again."""
+    return list(_builtin_documents(None if cache_dir is None else os.path.expanduser(cache_dir)))
 
 
 # --- builtin -------------------------------------------------------------------------------------
 
 
 @functools.cache
-def _builtin_documents() -> tuple[str, ...]:
-    titled = [
-        (t, doc)
-        for t, doc in _pydoc_topics() + _stdlib_docstrings()
-        if len(doc) >= _MIN_BUILTIN_DOC_CHARS
-    ]
+def _builtin_documents(cache_dir: str | None) -> tuple[str, ...]:
+    sources = _stdlib_sources()
+    if cache_dir is None:
+        return _parse_builtin(sources)
+    path = os.path.join(cache_dir, "builtin", _builtin_key(sources) + ".json")
+    try:
+        with open(path, encoding="utf-8") as file:
+            return tuple(json.load(file))
+    except (OSError, ValueError):  # not kept yet, or a copy cut short: read it again
+        pass
+    documents = _parse_builtin(sources)
+    _write_atomically(path, json.dumps(documents))
+    return documents
+
+
+def _parse_builtin(sources: list[tuple[str, Path]]) -> tuple[str, ...]:
+    stdlib = [(title, _docstrings(path)) for title, path in sources]
+    titled = [(t, doc) for t, doc in _pydoc_topics() + stdlib if len(doc) >= _MIN_BUILTIN_DOC_CHARS]
     # Shuffle by a hash of the title, so that "the first 5% = validation" samples both pydoc
     # topics and module docstrings, identically in every process.
     titled.sort(key=lambda item: hashlib.sha256(item[0].encode()).hexdigest())
     return tuple(doc for _, doc in titled)
+
+
+def _builtin_key(sources: list[tuple[str, Path]]) -> str:
+    digest = hashlib.sha256(json.dumps(
+        [1, sys.version, _MIN_BUILTIN_DOC_CHARS, sorted(_SKIPPED_STDLIB_DIRS)]).encode())
+    for title, path in sources:
+        stat = path.stat()
+        digest.update(f"{title}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:24]
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """Whole or not at all, and processes writing the same file at once each leave it whole.
+    A cache that cannot be written is no error: the corpus is read again next time."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path), suffix=".tmp",
+                                         delete=False, encoding="utf-8") as file:
+            file.write(text)
+        os.replace(file.name, path)
+    except OSError:
+        pass
 
 
 def _pydoc_topics() -> list[tuple[str, str]]:
@@ -126,8 +167,9 @@ def _pydoc_topics() -> list[tuple[str, str]]:
     return [(f"topic:{name}", text) for name, text in sorted(topics.items())]
 
 
-def _stdlib_docstrings() -> list[tuple[str, str]]:
-    """One (title, docstrings) pair per pure-Python stdlib module, read without importing it."""
+def _stdlib_sources() -> list[tuple[str, Path]]:
+    """(title, path) of every pure-Python stdlib module, whose docstrings are read without
+    importing it."""
     root = Path(sysconfig.get_paths()["stdlib"])
     modules = []
     for directory, subdirs, files in os.walk(root):
@@ -135,7 +177,7 @@ def _stdlib_docstrings() -> list[tuple[str, str]]:
         for name in sorted(files):
             if name.endswith(".py"):
                 path = Path(directory, name)
-                modules.append((f"module:{path.relative_to(root).as_posix()}", _docstrings(path)))
+                modules.append((f"module:{path.relative_to(root).as_posix()}", path))
     return modules
 
 

@@ -231,6 +231,10 @@ def load_tokenizer(path: str, settings: TokenizerConfig) -> transformers.PreTrai
     try:
         if os.path.isfile(path):
             tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=path)
+        elif os.path.isdir(path) and _tokenizer_class(path) in _GENERIC_TOKENIZER_CLASSES:
+            # What AutoTokenizer would build, without importing its registry of every model's
+            # tokenizer (which pulls in PyTorch where installed: seconds at every start).
+            tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(path)
         elif os.path.isdir(path):
             tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         else:
@@ -287,6 +291,19 @@ def token_byte_lengths(tokenizer: transformers.PreTrainedTokenizerFast) -> np.nd
         else:
             lengths[token_id] = len(backend.decode([token_id]).encode("utf-8"))
     return lengths
+
+
+# tokenizer_config.json's `tokenizer_class` of a tokenizer with no model-specific class, as
+# flaxlm saves its own.
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _tokenizer_class(directory: str) -> str | None:
+    try:
+        with open(os.path.join(directory, "tokenizer_config.json"), encoding="utf-8") as file:
+            return json.load(file).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None  # AutoTokenizer finds out what it is, or says what is wrong
 
 
 def _cached_tokenizer(directory: str, settings: TokenizerConfig,

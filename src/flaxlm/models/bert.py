@@ -7,9 +7,8 @@ checkpoint maps one to one (see `flaxlm.models.hf`). Unlike GPT-2's Conv1D, HF's
 `nn.Linear`, whose weight is stored (out, in): the mapping transposes it into our (in, out)
 kernel.
 
-The shape comes from `ModelConfig` under GPT-2's field names (hidden_size = n_embd,
-num_hidden_layers = n_layer, intermediate_size = n_inner, ...; see its docstring and `HF_NAMES`
-below), and the dtypes from the `TransformerSpec` every family uses.
+The shape comes from `ModelConfig` (BertConfig's names for its fields: `HF_NAMES` below), and
+the dtypes from the `TransformerSpec` every family uses.
 
 Shapes are in the names: B batch, L sequence length, D model width, N heads, H head width,
 F MLP width, I a projection's input width (D or F), C classes (1 for regression).
@@ -19,7 +18,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import transformers
 from flax import nnx
 
 from flaxlm.config import ModelConfig, Remat
@@ -43,10 +41,10 @@ class BertEmbeddings(nnx.Module):
     def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         cfg = spec.model
         self.word_embeddings = embedding(cfg.vocab_size, spec, rngs, rows="vocab")
-        self.position_embeddings = embedding(cfg.n_positions, spec, rngs)
+        self.position_embeddings = embedding(cfg.max_positions, spec, rngs)
         self.token_type_embeddings = embedding(cfg.type_vocab_size, spec, rngs)
         self.LayerNorm = layer_norm(spec, rngs)
-        self.dropout = Dropout(cfg.resid_pdrop)
+        self.dropout = Dropout(cfg.hidden_dropout)
 
     def __call__(self, input_ids_BxL, token_type_ids_BxL, rngs: nnx.Rngs | None) -> jax.Array:
         positions_L = jnp.arange(input_ids_BxL.shape[1])
@@ -63,11 +61,12 @@ class BertSelfAttention(nnx.Module):
 
     def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         cfg = spec.model
-        self.num_heads = cfg.n_head
-        self.attn_pdrop = cfg.attn_pdrop
+        self.num_heads = cfg.num_heads
+        self.attention_dropout = cfg.attention_dropout
         std = cfg.initializer_range
         self.query, self.key, self.value = (
-            dense(cfg.n_embd, cfg.n_embd, spec, rngs, std, logical_axes=("embed", "heads"))
+            dense(cfg.hidden_size, cfg.hidden_size, spec, rngs, std,
+                  logical_axes=("embed", "heads"))
             for _ in range(3)
         )
 
@@ -79,7 +78,7 @@ class BertSelfAttention(nnx.Module):
         )
         out_BxLxNxH = attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH,
                                 mask=key_mask_BxL[:, None, None, :],
-                                dropout_rate=self.attn_pdrop, rngs=rngs)
+                                dropout_rate=self.attention_dropout, rngs=rngs)
         return out_BxLxNxH.reshape(B, L, D)
 
 
@@ -89,10 +88,10 @@ class BertOutput(nnx.Module):
 
     def __init__(self, spec: TransformerSpec, in_features: int, in_axis: str, rngs: nnx.Rngs):
         cfg = spec.model
-        self.dense = dense(in_features, cfg.n_embd, spec, rngs, cfg.initializer_range,
+        self.dense = dense(in_features, cfg.hidden_size, spec, rngs, cfg.initializer_range,
                            logical_axes=(in_axis, "embed"))
         self.LayerNorm = layer_norm(spec, rngs)
-        self.dropout = Dropout(cfg.resid_pdrop)
+        self.dropout = Dropout(cfg.hidden_dropout)
 
     def __call__(self, h_BxLxI, residual_BxLxD, rngs: nnx.Rngs | None) -> jax.Array:
         h_BxLxD = self.dropout(self.dense(h_BxLxI), deterministic=rngs is None, rngs=rngs)
@@ -102,7 +101,7 @@ class BertOutput(nnx.Module):
 class BertAttention(nnx.Module):
     def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         self.self = BertSelfAttention(spec, rngs)  # HF's name, so the keys map one to one
-        self.output = BertOutput(spec, spec.model.n_embd, "heads", rngs)
+        self.output = BertOutput(spec, spec.model.hidden_size, "heads", rngs)
 
     def __call__(self, x_BxLxD, key_mask_BxL, rngs: nnx.Rngs | None) -> jax.Array:
         return self.output(self.self(x_BxLxD, key_mask_BxL, rngs), x_BxLxD, rngs)
@@ -111,9 +110,9 @@ class BertAttention(nnx.Module):
 class BertIntermediate(nnx.Module):
     def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         cfg = spec.model
-        self.dense = dense(cfg.n_embd, spec.mlp_width, spec, rngs, cfg.initializer_range,
+        self.dense = dense(cfg.hidden_size, spec.mlp_width, spec, rngs, cfg.initializer_range,
                            logical_axes=("embed", "mlp"))
-        self.activation = ACTIVATIONS[cfg.activation_function]
+        self.activation = ACTIVATIONS[cfg.activation]
 
     def __call__(self, x_BxLxD) -> jax.Array:
         return self.activation(self.dense(x_BxLxD))
@@ -134,7 +133,7 @@ class BertLayer(nnx.Module):
 
 class BertEncoder(nnx.Module):
     def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
-        self.layer = nnx.List([BertLayer(spec, rngs) for _ in range(spec.model.n_layer)])
+        self.layer = nnx.List([BertLayer(spec, rngs) for _ in range(spec.model.num_layers)])
         self.remat = Remat(spec.model.remat)
 
     def __call__(self, x_BxLxD, key_mask_BxL, rngs: nnx.Rngs | None) -> jax.Array:
@@ -149,7 +148,7 @@ class BertPooler(nnx.Module):
     def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         cfg = spec.model
         # Both sides are the model width; one rule may split only one of them.
-        self.dense = dense(cfg.n_embd, cfg.n_embd, spec, rngs, cfg.initializer_range,
+        self.dense = dense(cfg.hidden_size, cfg.hidden_size, spec, rngs, cfg.initializer_range,
                            logical_axes=("embed", None))
 
     def __call__(self, x_BxLxD) -> jax.Array:
@@ -184,16 +183,16 @@ class BertForSequenceClassification(nnx.Module):
     def __init__(self, spec: TransformerSpec, num_labels: int, rngs: nnx.Rngs):
         cfg = spec.model
         self.bert = BertModel(spec, rngs)
-        dropout = cfg.classifier_dropout if cfg.classifier_dropout is not None else cfg.resid_pdrop
-        self.dropout = Dropout(dropout)
-        self.classifier = dense(cfg.n_embd, num_labels, spec, rngs, cfg.initializer_range,
+        self.dropout = Dropout(cfg.hidden_dropout if cfg.classifier_dropout is None
+                               else cfg.classifier_dropout)
+        self.classifier = dense(cfg.hidden_size, num_labels, spec, rngs, cfg.initializer_range,
                                 logical_axes=("embed", "classes"))
 
     @staticmethod
     def lookup_params(cfg: ModelConfig) -> int:
         """Parameters only looked up, never multiplied: the token, position and segment
         tables."""
-        return (cfg.vocab_size + cfg.n_positions + cfg.type_vocab_size) * cfg.n_embd
+        return (cfg.vocab_size + cfg.max_positions + cfg.type_vocab_size) * cfg.hidden_size
 
     def __call__(self, input_ids_BxL, attention_mask_BxL, token_type_ids_BxL,
                  rngs: nnx.Rngs | None = None) -> jax.Array:
@@ -215,22 +214,22 @@ def _unsupported_variant(raw: dict) -> str | None:
 
 HF_NAMES = HFNames(
     model_type="bert",
-    config_class=transformers.BertConfig,
+    config_class_name="BertConfig",
     shape_fields={
         "vocab_size": "vocab_size",
-        "max_position_embeddings": "n_positions",
-        "hidden_size": "n_embd",
-        "num_hidden_layers": "n_layer",
-        "num_attention_heads": "n_head",
-        "intermediate_size": "n_inner",
-        "hidden_act": "activation_function",
-        "layer_norm_eps": "layer_norm_epsilon",
+        "max_position_embeddings": "max_positions",
+        "hidden_size": "hidden_size",
+        "num_hidden_layers": "num_layers",
+        "num_attention_heads": "num_heads",
+        "intermediate_size": "mlp_size",
+        "hidden_act": "activation",
+        "layer_norm_eps": "layer_norm_eps",
         "initializer_range": "initializer_range",
         "type_vocab_size": "type_vocab_size",
     },
     dropout_fields={
-        "hidden_dropout_prob": "resid_pdrop",
-        "attention_probs_dropout_prob": "attn_pdrop",
+        "hidden_dropout_prob": "hidden_dropout",
+        "attention_probs_dropout_prob": "attention_dropout",
         "classifier_dropout": "classifier_dropout",
     },
     special_tokens=("pad_token_id",),
@@ -241,12 +240,12 @@ HF_NAMES = HFNames(
     optional_modules=("pooler",),  # a BertModel saved without one (add_pooling_layer=False)
     buffer_suffixes=("position_ids", "token_type_ids"),
     shape_settings=(
-        ("attention.", "model.n_embd"),  # before output.dense: attention.output.dense is D×D
+        ("attention.", "model.hidden_size"),  # before output.dense: attention.output.dense is D×D
         ("word_embeddings", "model.vocab_size"),
-        ("position_embeddings", "model.n_positions"),
+        ("position_embeddings", "model.max_positions"),
         ("token_type_embeddings", "model.type_vocab_size"),
-        ("intermediate", "model.n_inner"),
-        ("output.dense", "model.n_inner"),
+        ("intermediate", "model.mlp_size"),
+        ("output.dense", "model.mlp_size"),
     ),
     unsupported=_unsupported_variant,
 )

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import transformers
 from flax import nnx
 
 from flaxlm.config import ModelConfig, Remat
@@ -43,23 +42,23 @@ from flaxlm.models.layers import (
 class Attention(nnx.Module):
     def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         cfg = spec.model
-        self.num_heads = cfg.n_head
-        self.attn_pdrop = cfg.attn_pdrop
+        self.num_heads = cfg.num_heads
+        self.attention_dropout = cfg.attention_dropout
         # GPT-2 scales the init of every projection into the residual stream by 1/sqrt(2 layers).
-        residual_std = cfg.initializer_range / (2 * cfg.n_layer) ** 0.5
+        residual_std = cfg.initializer_range / (2 * cfg.num_layers) ** 0.5
         # c_attn's columns are q | k | v, each head by head: "heads" splits them in whole
-        # blocks only where 3 × n_embd divides evenly; any split computes the same result.
-        self.c_attn = dense(cfg.n_embd, 3 * cfg.n_embd, spec, rngs, cfg.initializer_range,
+        # blocks only where 3 × hidden_size divides evenly; any split computes the same result.
+        self.c_attn = dense(cfg.hidden_size, 3 * cfg.hidden_size, spec, rngs, cfg.initializer_range,
                             logical_axes=("embed", "heads"))
-        self.c_proj = dense(cfg.n_embd, cfg.n_embd, spec, rngs, residual_std,
+        self.c_proj = dense(cfg.hidden_size, cfg.hidden_size, spec, rngs, residual_std,
                             logical_axes=("heads", "embed"))
-        self.resid_dropout = Dropout(cfg.resid_pdrop)
+        self.resid_dropout = Dropout(cfg.hidden_dropout)
 
     def __call__(self, x_BxLxD: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:
         B, L, D = x_BxLxD.shape
         q_BxLxNxH, k_BxLxNxH, v_BxLxNxH = self._heads(x_BxLxD)
         out_BxLxNxH = attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, is_causal=True,
-                                dropout_rate=self.attn_pdrop, rngs=rngs)
+                                dropout_rate=self.attention_dropout, rngs=rngs)
         out_BxLxD = self.c_proj(out_BxLxNxH.reshape(B, L, D))
         return self.resid_dropout(out_BxLxD, deterministic=rngs is None, rngs=rngs)
 
@@ -85,13 +84,13 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         cfg = spec.model
-        residual_std = cfg.initializer_range / (2 * cfg.n_layer) ** 0.5
-        self.c_fc = dense(cfg.n_embd, spec.mlp_width, spec, rngs, cfg.initializer_range,
+        residual_std = cfg.initializer_range / (2 * cfg.num_layers) ** 0.5
+        self.c_fc = dense(cfg.hidden_size, spec.mlp_width, spec, rngs, cfg.initializer_range,
                           logical_axes=("embed", "mlp"))
-        self.c_proj = dense(spec.mlp_width, cfg.n_embd, spec, rngs, residual_std,
+        self.c_proj = dense(spec.mlp_width, cfg.hidden_size, spec, rngs, residual_std,
                             logical_axes=("mlp", "embed"))
-        self.activation = ACTIVATIONS[cfg.activation_function]
-        self.dropout = Dropout(cfg.resid_pdrop)
+        self.activation = ACTIVATIONS[cfg.activation]
+        self.dropout = Dropout(cfg.hidden_dropout)
 
     def __call__(self, x_BxLxD: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:
         h_BxLxF = self.activation(self.c_fc(x_BxLxD))
@@ -127,9 +126,9 @@ class GPT2LMHeadModel(nnx.Module):
         check_shape(spec)
         cfg = spec.model
         self.wte = embedding(cfg.vocab_size, spec, rngs, rows="vocab")
-        self.wpe = embedding(cfg.n_positions, spec, rngs)
-        self.drop = Dropout(cfg.embd_pdrop)
-        self.h = nnx.List([Block(spec, rngs) for _ in range(cfg.n_layer)])
+        self.wpe = embedding(cfg.max_positions, spec, rngs)
+        self.drop = Dropout(cfg.embedding_dropout)
+        self.h = nnx.List([Block(spec, rngs) for _ in range(cfg.num_layers)])
         self.ln_f = layer_norm(spec, rngs)
         self.remat = Remat(cfg.remat)
 
@@ -137,7 +136,7 @@ class GPT2LMHeadModel(nnx.Module):
     def lookup_params(cfg: ModelConfig) -> int:
         """Parameters only looked up, never multiplied: the position table. The token table
         multiplies, as the tied LM head, and counts once."""
-        return cfg.n_positions * cfg.n_embd
+        return cfg.max_positions * cfg.hidden_size
 
     def __call__(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
         # Tied head: logits against the token embeddings, in the compute dtype.
@@ -154,7 +153,7 @@ class GPT2LMHeadModel(nnx.Module):
 
     @property
     def context_length(self) -> int:
-        """The most positions a sequence may have (model.n_positions)."""
+        """The most positions a sequence may have (model.max_positions)."""
         return self.wpe.num_embeddings
 
     def init_cache(self, batch_size: int, num_slots: int) -> KVCache:
@@ -201,14 +200,14 @@ class GPT2ForSequenceClassification(nnx.Module):
     def __init__(self, spec: TransformerSpec, num_labels: int, rngs: nnx.Rngs):
         cfg = spec.model
         self.transformer = GPT2LMHeadModel(spec, rngs)
-        self.score = dense(cfg.n_embd, num_labels, spec, rngs, cfg.initializer_range,
+        self.score = dense(cfg.hidden_size, num_labels, spec, rngs, cfg.initializer_range,
                            use_bias=False, logical_axes=("embed", "classes"))
 
     @staticmethod
     def lookup_params(cfg: ModelConfig) -> int:
         """Parameters only looked up, never multiplied: the token and position tables (the
         tied LM head that would multiply the token table is unused)."""
-        return (cfg.vocab_size + cfg.n_positions) * cfg.n_embd
+        return (cfg.vocab_size + cfg.max_positions) * cfg.hidden_size
 
     def __call__(self, input_ids_BxL, attention_mask_BxL, token_type_ids_BxL=None,
                  rngs: nnx.Rngs | None = None) -> jax.Array:
@@ -225,14 +224,25 @@ def _unsupported_variant(raw: dict) -> str | None:
     return None
 
 
-_SAME_NAMES = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner",
-               "activation_function", "layer_norm_epsilon", "initializer_range")
-
 HF_NAMES = HFNames(
     model_type="gpt2",
-    config_class=transformers.GPT2Config,
-    shape_fields={name: name for name in _SAME_NAMES},  # ModelConfig uses GPT2Config's names
-    dropout_fields={name: name for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop")},
+    config_class_name="GPT2Config",
+    shape_fields={
+        "vocab_size": "vocab_size",
+        "n_positions": "max_positions",
+        "n_embd": "hidden_size",
+        "n_layer": "num_layers",
+        "n_head": "num_heads",
+        "n_inner": "mlp_size",  # both: None → 4 × width
+        "activation_function": "activation",
+        "layer_norm_epsilon": "layer_norm_eps",
+        "initializer_range": "initializer_range",
+    },
+    dropout_fields={
+        "resid_pdrop": "hidden_dropout",
+        "embd_pdrop": "embedding_dropout",
+        "attn_pdrop": "attention_dropout",
+    },
     special_tokens=("bos_token_id", "eos_token_id", "pad_token_id"),
     config_extras={"tie_word_embeddings": True},
     body_prefix="transformer.",
@@ -240,7 +250,7 @@ HF_NAMES = HFNames(
     linear_modules=("score",),  # the body is Conv1D, stored (in, out) like our kernels
     tied_keys=("lm_head.weight",),
     buffer_suffixes=(".attn.bias", ".attn.masked_bias"),
-    shape_settings=(("wte", "model.vocab_size"), ("wpe", "model.n_positions"),
-                    ("c_fc", "model.n_inner"), ("mlp.c_proj", "model.n_inner")),
+    shape_settings=(("wte", "model.vocab_size"), ("wpe", "model.max_positions"),
+                    ("c_fc", "model.mlp_size"), ("mlp.c_proj", "model.mlp_size")),
     unsupported=_unsupported_variant,
 )

@@ -113,7 +113,7 @@ def to_hf_config(arch: Architecture, model: ModelConfig, *, bos_token_id: int | 
     values = {hf: getattr(model, ours)
               for hf, ours in {**names.shape_fields, **names.dropout_fields}.items()}
     if names.mlp_width_required:
-        mlp_field = next(hf for hf, ours in names.shape_fields.items() if ours == "n_inner")
+        mlp_field = next(hf for hf, ours in names.shape_fields.items() if ours == "mlp_size")
         values[mlp_field] = TransformerSpec(model).mlp_width
     ids = dict(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     values.update({key: ids[key] for key in names.special_tokens})

@@ -42,17 +42,18 @@ class TransformerSpec:
 
     @property
     def mlp_width(self) -> int:
-        return self.model.n_inner or 4 * self.model.n_embd
+        return self.model.mlp_size or 4 * self.model.hidden_size
 
 
 def check_shape(spec: TransformerSpec) -> None:
     """The settings every family needs to make sense: whole heads and a known activation."""
     cfg = spec.model
-    if cfg.n_embd % cfg.n_head:
-        raise ValueError(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
-    if cfg.activation_function not in ACTIVATIONS:
+    if cfg.hidden_size % cfg.num_heads:
+        raise ValueError(f"model.hidden_size={cfg.hidden_size} is not divisible by "
+                         f"model.num_heads={cfg.num_heads}")
+    if cfg.activation not in ACTIVATIONS:
         raise ValueError(
-            f"model.activation_function={cfg.activation_function!r} is not one of "
+            f"model.activation={cfg.activation!r} is not one of "
             f"{sorted(ACTIVATIONS)}"
         )
 
@@ -85,7 +86,7 @@ def embedding(num_embeddings: int, spec: TransformerSpec, rngs: nnx.Rngs,
     ("vocab" for token tables)."""
     return nnx.Embed(
         num_embeddings,
-        spec.model.n_embd,
+        spec.model.hidden_size,
         dtype=spec.compute_dtype,
         param_dtype=spec.param_dtype,
         embedding_init=nnx.initializers.normal(spec.model.initializer_range),
@@ -99,8 +100,8 @@ class RMSNorm(nnx.Module):
     dtype, cast back, then scaled (a bfloat16 mean of squares loses the small components)."""
 
     def __init__(self, spec: TransformerSpec):
-        self.epsilon = spec.model.layer_norm_epsilon
-        self.scale = nnx.Param(jnp.ones(spec.model.n_embd, spec.param_dtype), **axes("embed"))
+        self.epsilon = spec.model.layer_norm_eps
+        self.scale = nnx.Param(jnp.ones(spec.model.hidden_size, spec.param_dtype), **axes("embed"))
         self.dtype = spec.compute_dtype
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
@@ -112,8 +113,8 @@ class RMSNorm(nnx.Module):
 
 def layer_norm(spec: TransformerSpec, rngs: nnx.Rngs) -> nnx.LayerNorm:
     return nnx.LayerNorm(
-        spec.model.n_embd,
-        epsilon=spec.model.layer_norm_epsilon,
+        spec.model.hidden_size,
+        epsilon=spec.model.layer_norm_eps,
         dtype=spec.compute_dtype,
         param_dtype=spec.param_dtype,
         scale_metadata=axes("embed"),
@@ -266,7 +267,7 @@ def training_flops_per_token(model: ModelConfig, matmul_params: int, seq_len: in
     """Training FLOPs per token: 6 per weight that multiplies (each family's `lookup_params`,
     tables that are only looked up, are not among them) plus attention's
     12·layers·width·length (PaLM, appendix B)."""
-    return 6 * matmul_params + 12 * model.n_layer * model.n_embd * seq_len
+    return 6 * matmul_params + 12 * model.num_layers * model.hidden_size * seq_len
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,7 +281,7 @@ class HFNames:
     """
 
     model_type: str  # config.json's `model_type`
-    config_class: type  # the transformers config class
+    config_class_name: str  # the transformers config class: `config_class`
     shape_fields: dict[str, str]
     dropout_fields: dict[str, str]
     special_tokens: tuple[str, ...]  # which of bos/eos/pad_token_id the HF config carries
@@ -292,7 +293,7 @@ class HFNames:
     optional_modules: tuple[str, ...] = ()  # body modules a base checkpoint may lack (fresh)
     tied_keys: tuple[str, ...] = ()  # checkpoint keys that repeat a tied tensor
     buffer_suffixes: tuple[str, ...] = ()  # checkpoint keys that are buffers, not parameters
-    # (key fragment, the ModelConfig setting that sizes it), first match wins; else n_embd.
+    # (key fragment, the ModelConfig setting that sizes it), first match wins; else hidden_size.
     shape_settings: tuple[tuple[str, str], ...] = ()
     # A checkpoint variant our module does not implement: config.json → what it uses, or None.
     unsupported: Callable[[dict], str | None] = lambda raw: None
@@ -300,3 +301,12 @@ class HFNames:
     # our ModelConfig (export), and ModelConfig fields from an HF config object (import).
     config_to_hf: Callable[[ModelConfig], dict] = lambda model: {}
     config_from_hf: Callable[[object], dict] = lambda config: {}
+
+    @property
+    def config_class(self) -> type:
+        # Looked up when a config is read or written, not when the family's module is
+        # imported: transformers' config classes import PyTorch where it is installed, seconds
+        # at the start of every process that never needs them.
+        import transformers
+
+        return getattr(transformers, self.config_class_name)

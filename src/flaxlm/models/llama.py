@@ -52,10 +52,10 @@ def check_llama(spec: TransformerSpec) -> None:
     """The Llama settings that must make sense before anything is built."""
     check_shape(spec)
     cfg = spec.model
-    if cfg.n_kv_head is not None and (cfg.n_kv_head < 1 or cfg.n_head % cfg.n_kv_head):
+    if cfg.num_kv_heads is not None and (cfg.num_kv_heads < 1 or cfg.num_heads % cfg.num_kv_heads):
         raise FlaxlmError(
-            f"model.n_kv_head={cfg.n_kv_head} must divide model.n_head={cfg.n_head}: each "
-            "key/value head serves a whole group of query heads. Pick a divisor of n_head "
+            f"model.num_kv_heads={cfg.num_kv_heads} must divide model.num_heads={cfg.num_heads}: "
+            "each key/value head serves a whole group of query heads. Pick a divisor of num_heads "
             "(null: one key/value head per query head)."
         )
     scaling = cfg.rope_scaling
@@ -68,7 +68,7 @@ def check_llama(spec: TransformerSpec) -> None:
 
 
 def kv_heads(cfg: ModelConfig) -> int:
-    return cfg.n_kv_head or cfg.n_head
+    return cfg.num_kv_heads or cfg.num_heads
 
 
 def rotary(positions_BxL: jax.Array, head_width: int, theta: float,
@@ -94,28 +94,28 @@ def apply_rotary(x_BxLxNxH: jax.Array, cos_BxLx1xH: jax.Array, sin_BxLx1xH: jax.
 class LlamaAttention(nnx.Module):
     def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         cfg = spec.model
-        self.num_heads, self.num_kv_heads = cfg.n_head, kv_heads(cfg)
-        self.head_width = cfg.n_embd // cfg.n_head
+        self.num_heads, self.num_kv_heads = cfg.num_heads, kv_heads(cfg)
+        self.head_width = cfg.hidden_size // cfg.num_heads
         self.rope_theta = cfg.rope_theta
         linear = cfg.rope_scaling.type == "linear"
         self.rope_factor = cfg.rope_scaling.factor if linear else 1.0
-        self.attn_pdrop = cfg.attn_pdrop
+        self.attention_dropout = cfg.attention_dropout
         kv_width = self.num_kv_heads * self.head_width
 
         def projection(width_in, width_out, logical_axes):
             return dense(width_in, width_out, spec, rngs, cfg.initializer_range,
                          use_bias=cfg.attention_bias, logical_axes=logical_axes)
 
-        self.q_proj = projection(cfg.n_embd, cfg.n_embd, ("embed", "heads"))
-        self.k_proj = projection(cfg.n_embd, kv_width, ("embed", "kv_heads"))
-        self.v_proj = projection(cfg.n_embd, kv_width, ("embed", "kv_heads"))
-        self.o_proj = projection(cfg.n_embd, cfg.n_embd, ("heads", "embed"))
+        self.q_proj = projection(cfg.hidden_size, cfg.hidden_size, ("embed", "heads"))
+        self.k_proj = projection(cfg.hidden_size, kv_width, ("embed", "kv_heads"))
+        self.v_proj = projection(cfg.hidden_size, kv_width, ("embed", "kv_heads"))
+        self.o_proj = projection(cfg.hidden_size, cfg.hidden_size, ("heads", "embed"))
 
     def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
                  rngs: nnx.Rngs | None) -> jax.Array:
         B, L, D = x_BxLxD.shape
         out_BxLxNxH = attention(*self._heads(x_BxLxD, positions_BxL), is_causal=True,
-                                dropout_rate=self.attn_pdrop, rngs=rngs)
+                                dropout_rate=self.attention_dropout, rngs=rngs)
         return self.o_proj(out_BxLxNxH.reshape(B, L, D))
 
     def decode(self, x_BxLxD, positions_BxL, keys_BxSxGxH, values_BxSxGxH, index, mask_BxLxS):
@@ -149,10 +149,10 @@ class LlamaMLP(nnx.Module):
             return dense(width_in, width_out, spec, rngs, cfg.initializer_range,
                          use_bias=cfg.mlp_bias, logical_axes=logical_axes)
 
-        self.gate_proj = projection(cfg.n_embd, F, ("embed", "mlp"))
-        self.up_proj = projection(cfg.n_embd, F, ("embed", "mlp"))
-        self.down_proj = projection(F, cfg.n_embd, ("mlp", "embed"))
-        self.activation = ACTIVATIONS[cfg.activation_function]
+        self.gate_proj = projection(cfg.hidden_size, F, ("embed", "mlp"))
+        self.up_proj = projection(cfg.hidden_size, F, ("embed", "mlp"))
+        self.down_proj = projection(F, cfg.hidden_size, ("mlp", "embed"))
+        self.activation = ACTIVATIONS[cfg.activation]
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         return self.down_proj(self.activation(self.gate_proj(x_BxLxD)) * self.up_proj(x_BxLxD))
@@ -188,7 +188,7 @@ class LlamaModel(nnx.Module):
     def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         cfg = spec.model
         self.embed_tokens = embedding(cfg.vocab_size, spec, rngs, rows="vocab")
-        self.layers = nnx.List([LlamaDecoderLayer(spec, rngs) for _ in range(cfg.n_layer)])
+        self.layers = nnx.List([LlamaDecoderLayer(spec, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(spec)
         self.remat = Remat(cfg.remat)
 
@@ -211,17 +211,17 @@ class LlamaForCausalLM(nnx.Module):
         self.model = LlamaModel(spec, rngs)
         self.tie_word_embeddings = cfg.tie_word_embeddings
         if not cfg.tie_word_embeddings:
-            self.lm_head = dense(cfg.n_embd, cfg.vocab_size, spec, rngs, cfg.initializer_range,
+            self.lm_head = dense(cfg.hidden_size, cfg.vocab_size, spec, rngs, cfg.initializer_range,
                                  use_bias=False, logical_axes=("embed", "vocab"))
-        self.context_length = cfg.n_positions
-        self.num_kv_heads, self.head_width = kv_heads(cfg), cfg.n_embd // cfg.n_head
+        self.context_length = cfg.max_positions
+        self.num_kv_heads, self.head_width = kv_heads(cfg), cfg.hidden_size // cfg.num_heads
 
     @staticmethod
     def lookup_params(cfg: ModelConfig) -> int:
         """Parameters only looked up, never multiplied: an untied token table (its LM head is a
         matrix of its own); a tied one multiplies, as the LM head, and counts once. Rotary
         positions have no table."""
-        return 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.n_embd
+        return 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
 
     def __call__(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
         return self._logits(self.hidden_states(input_ids_BxL, rngs))
@@ -274,14 +274,14 @@ class LlamaForSequenceClassification(nnx.Module):
         check_llama(spec)
         cfg = spec.model
         self.model = LlamaModel(spec, rngs)
-        self.score = dense(cfg.n_embd, num_labels, spec, rngs, cfg.initializer_range,
+        self.score = dense(cfg.hidden_size, num_labels, spec, rngs, cfg.initializer_range,
                            use_bias=False, logical_axes=("embed", "classes"))
 
     @staticmethod
     def lookup_params(cfg: ModelConfig) -> int:
         """Parameters only looked up, never multiplied: the token table (a classifier has no LM
         head). Rotary positions have no table."""
-        return cfg.vocab_size * cfg.n_embd
+        return cfg.vocab_size * cfg.hidden_size
 
     def __call__(self, input_ids_BxL, attention_mask_BxL, token_type_ids_BxL=None,
                  rngs: nnx.Rngs | None = None) -> jax.Array:
@@ -320,31 +320,31 @@ def _unsupported_variant(raw: dict) -> str | None:
 
 HF_NAMES = HFNames(
     model_type="llama",
-    config_class=transformers.LlamaConfig,
+    config_class_name="LlamaConfig",
     shape_fields={
         "vocab_size": "vocab_size",
-        "max_position_embeddings": "n_positions",
-        "hidden_size": "n_embd",
-        "num_hidden_layers": "n_layer",
-        "num_attention_heads": "n_head",
-        "num_key_value_heads": "n_kv_head",
-        "intermediate_size": "n_inner",
-        "hidden_act": "activation_function",
-        "rms_norm_eps": "layer_norm_epsilon",
+        "max_position_embeddings": "max_positions",
+        "hidden_size": "hidden_size",
+        "num_hidden_layers": "num_layers",
+        "num_attention_heads": "num_heads",
+        "num_key_value_heads": "num_kv_heads",
+        "intermediate_size": "mlp_size",
+        "hidden_act": "activation",
+        "rms_norm_eps": "layer_norm_eps",
         "initializer_range": "initializer_range",
         "tie_word_embeddings": "tie_word_embeddings",
         "attention_bias": "attention_bias",
         "mlp_bias": "mlp_bias",
     },
-    dropout_fields={"attention_dropout": "attn_pdrop"},
+    dropout_fields={"attention_dropout": "attention_dropout"},
     special_tokens=("bos_token_id", "eos_token_id", "pad_token_id"),
     body_prefix="model.",
     body_modules=("embed_tokens", "layers", "norm"),
     linear_modules=("model", "lm_head", "score"),  # every projection is an nn.Linear
     mlp_width_required=True,
     shape_settings=(("embed_tokens", "model.vocab_size"), ("lm_head", "model.vocab_size"),
-                    ("k_proj", "model.n_kv_head"), ("v_proj", "model.n_kv_head"),
-                    ("mlp.", "model.n_inner")),
+                    ("k_proj", "model.num_kv_heads"), ("v_proj", "model.num_kv_heads"),
+                    ("mlp.", "model.mlp_size")),
     unsupported=_unsupported_variant,
     config_to_hf=_rope_to_hf,
     config_from_hf=_rope_from_hf,

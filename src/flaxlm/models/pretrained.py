@@ -143,10 +143,10 @@ def pretrained_model_config(local_dir: str, base: ModelConfig) -> ModelConfig:
             f"standard {names.model_type} checkpoint."
         )
     shape = hf.model_shape(names, raw)
-    if shape["activation_function"] not in ACTIVATIONS:
+    if shape["activation"] not in ACTIVATIONS:
         raise FlaxlmError(
             f"model.init_from: the checkpoint in {local_dir} uses activation "
-            f"{shape['activation_function']!r}; supported: {', '.join(sorted(ACTIVATIONS))}."
+            f"{shape['activation']!r}; supported: {', '.join(sorted(ACTIVATIONS))}."
         )
     return dataclasses.replace(base, name=base.init_from or base.name, family=family, **shape)
 
@@ -299,7 +299,7 @@ def _shape_message(setting: str, local_dir: str, wrong_shape: list,
     key, ckpt_shape, our_shape = wrong_shape[0]  # both in our (in, out) layout
     more = f" (and {len(wrong_shape) - 1} more)" if len(wrong_shape) > 1 else ""
     size_setting = next((name for fragment, name in arch.names.shape_settings
-                         if fragment in key), "model.n_embd")
+                         if fragment in key), "model.hidden_size")
     if shape_from_checkpoint:
         field = size_setting.removeprefix("model.")
         hf_field = next((hf_name for hf_name, ours in arch.names.shape_fields.items()

@@ -183,10 +183,10 @@ def with_pair_template(tokenizer):
 
 
 def check_max_length(length: int, model: ModelConfig) -> None:
-    if not 2 <= length <= model.n_positions:
+    if not 2 <= length <= model.max_positions:
         raise FlaxlmError(
             f"task.max_seq_length={length} must be between 2 and the model's "
-            f"{model.n_positions} positions ({model.name}). Lower task.max_seq_length."
+            f"{model.max_positions} positions ({model.name}). Lower task.max_seq_length."
         )
 
 

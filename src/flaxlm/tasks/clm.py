@@ -46,7 +46,7 @@ from flaxlm.training.step import CompiledSteps, compile_steps
 STREAM_CHECKED_DOCS = 1000
 # What its evaluation (the LM `Evaluator`) logs: every one of them is better lower.
 EVAL_METRICS = ("eval/loss", "eval/perplexity", "eval/bits_per_byte")
-# A default block length (the model's n_positions) above this is announced: activation memory
+# A default block length (the model's max_positions) above this is announced: activation memory
 # grows with it, and a checkpoint's context (8,192 positions is common) can exhaust a host.
 LONG_BLOCK = 2048
 
@@ -62,7 +62,7 @@ class CausalLM:
                 "language=en-builtin (offline English) or language=files "
                 "'language.files=[data/*.txt]'."
             )
-        seq_len = config.task.max_seq_length or config.model.n_positions
+        seq_len = config.task.max_seq_length or config.model.max_positions
         check_block_length(config, seq_len)
         if config.language.streaming:
             check_streaming_settings(config)
@@ -120,7 +120,7 @@ def lm_start(config: TrainConfig, seq_len: int) -> tuple[TrainConfig, base.Start
     start = base.model_start(config)
     if start.checkpoint_dir:
         config = dataclasses.replace(config, model=start.model)
-        seq_len = config.task.max_seq_length or config.model.n_positions
+        seq_len = config.task.max_seq_length or config.model.max_positions
         check_block_length(config, seq_len)
     return config, start, seq_len
 
@@ -151,7 +151,7 @@ def _packed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, token
     """The whole corpus tokenised (by `tokenizer`, or one prepared from the config) and packed
     (cached), shuffled per epoch. Its fingerprint is the text's content hash, which keys the
     block cache too (hashed once per process)."""
-    corpus = load_corpus(config.language)
+    corpus = load_corpus(config.language, config.cache_dir)
     tokenizer = tokenizer or prepare_tokenizer(
         config.tokenizer, corpus.train, config.model.vocab_size, config.cache_dir
     )
@@ -222,16 +222,16 @@ def announce_long_blocks(config: TrainConfig, seq_len: int) -> None:
     """One line when the default block length, the model's context, is long."""
     if config.task.max_seq_length is None and seq_len > LONG_BLOCK:
         origin = "from model.init_from's config.json" if config.model.init_from else "the preset's"
-        print(f"flaxlm: note: blocks of {seq_len} tokens, model.n_positions ({origin}), since "
+        print(f"flaxlm: note: blocks of {seq_len} tokens, model.max_positions ({origin}), since "
               "task.max_seq_length is null; activation memory grows with the block length. "
               "Set task.max_seq_length (e.g. 1024) for shorter blocks.")
 
 
 def check_block_length(config: TrainConfig, seq_len: int) -> None:
-    if not 2 <= seq_len <= config.model.n_positions:
+    if not 2 <= seq_len <= config.model.max_positions:
         raise FlaxlmError(
             f"task.max_seq_length={seq_len} must be between 2 and the model's context length "
-            f"model.n_positions={config.model.n_positions} ({config.model.name}). Lower "
+            f"model.max_positions={config.model.max_positions} ({config.model.name}). Lower "
             "task.max_seq_length, or pick a model with more positions."
         )
 

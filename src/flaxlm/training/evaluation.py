@@ -25,8 +25,6 @@ from typing import Protocol
 
 import jax
 import numpy as np
-import scipy.stats
-import sklearn.metrics
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
@@ -264,11 +262,19 @@ def compute_metrics(
     }
 
 
+# scikit-learn and scipy are imported by the metrics that use them: a second at the start of
+# every process, which a language model's run never needs.
+
+
 def _accuracy(predictions, labels, num_labels):
+    import sklearn.metrics
+
     return sklearn.metrics.accuracy_score(labels, predictions)
 
 
 def _f1(predictions, labels, num_labels):
+    import sklearn.metrics
+
     classes = num_labels or int(max(predictions.max(initial=0), labels.max(initial=0))) + 1
     if classes <= 2:
         return sklearn.metrics.f1_score(labels, predictions, pos_label=1, zero_division=0.0)
@@ -278,16 +284,20 @@ def _f1(predictions, labels, num_labels):
 
 
 def _matthews(predictions, labels, num_labels):
+    import sklearn.metrics
+
     return sklearn.metrics.matthews_corrcoef(labels, predictions)
 
 
-def _correlation(statistic):
+def _correlation(statistic: str):
     def metric(predictions, labels, num_labels):
+        import scipy.stats
+
         if len(labels) < 2:
             return math.nan
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", scipy.stats.ConstantInputWarning)
-            return statistic(predictions, labels)[0]
+            return getattr(scipy.stats, statistic)(predictions, labels)[0]
 
     return metric
 
@@ -296,8 +306,8 @@ _METRICS = {
     "accuracy": _accuracy,
     "f1": _f1,
     "matthews": _matthews,
-    "pearson": _correlation(scipy.stats.pearsonr),
-    "spearman": _correlation(scipy.stats.spearmanr),
+    "pearson": _correlation("pearsonr"),
+    "spearman": _correlation("spearmanr"),
 }
 
 
