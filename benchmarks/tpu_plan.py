@@ -11,7 +11,7 @@ Each cell (model, hardware, sequence) tries three layouts of the same run, each 
 time): plain data parallelism (`hardware.mesh.data=-1 hardware.mesh.fsdp=1`), fsdp over all
 chips (`hardware.mesh.data=1 hardware.mesh.fsdp=-1`) and fsdp with `model.remat=full`. The batch
 is `--batch` rows per chip (one micro-batch); a preset whose learned positions are fewer than
-the sequence gets `model.n_positions=<sequence>` (its parameter count grows by the extra
+the sequence gets `model.max_positions=<sequence>` (its parameter count grows by the extra
 position embeddings).
 
 Compiles are slow (minutes for a 1B model on a 2-core machine), so the work is bounded:
@@ -65,7 +65,7 @@ def overrides(model: str, hardware: str, seq: int, layout: str, batch: int) -> l
 
 def _positions(model: str, seq: int) -> list[str]:
     """Learned position tables shorter than the sequence are lengthened to it."""
-    return [f"model.n_positions={seq}"] if _model_positions(model) < seq else []
+    return [f"model.max_positions={seq}"] if _model_positions(model) < seq else []
 
 
 def _model_positions(model: str) -> int:
@@ -73,9 +73,10 @@ def _model_positions(model: str) -> int:
 
     path = os.path.join(REPO, "conf", "model", f"{model}.yaml")
     config = OmegaConf.load(path)
-    if "n_positions" in config:
-        return int(config.n_positions)
-    parents = [d for d in config.get("defaults", []) if isinstance(d, str) and d != "_self_"]
+    if "max_positions" in config:
+        return int(config.max_positions)
+    parents = [d for d in config.get("defaults", []) if isinstance(d, str)
+               and d != "_self_" and not d.startswith("/")]
     return _model_positions(parents[0]) if parents else 1024
 
 
@@ -238,7 +239,7 @@ def page(cache: dict, batch: int) -> str:
         "planned yet. The step time and MFU are the first fitting layout's roofline",
         "**estimates** (compiled FLOPs and HBM bytes against the chip's published peaks, no",
         "communication: upper bounds on speed). Presets with learned positions shorter than",
-        "the sequence get `model.n_positions=<sequence>`.",
+        "the sequence get `model.max_positions=<sequence>`.",
         "",
     ] + _effort_lines(cache)
     missing = []
