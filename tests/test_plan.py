@@ -278,4 +278,5 @@ def test_planning_llama_1b_allocates_no_parameters():
     assert result.returncode == 0, result.stderr[-3000:]
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     assert measured["state_bytes"] > 13 * 2**30  # what an allocated state would take
-    assert measured["peak_rss_bytes"] < 2 * 2**30, measured
+    # The process's own imports and libtpu take 2 to 2.6 GB; the parameters alone would be 4.6.
+    assert measured["peak_rss_bytes"] < measured["state_bytes"] / 4, measured
