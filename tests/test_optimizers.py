@@ -83,10 +83,10 @@ def test_every_optimizer_and_schedule_lowers_the_loss_on_a_fixed_batch(configs, 
     params, loss_and_grads = tiny
     opt = dataclasses.replace(configs[kind].optimizer, schedule=schedule, warmup_steps=2)
     tx = make_optimizer(opt, make_schedule(opt, total_steps=6))
-    opt_state, losses = tx.init(params), []
+    opt_state, losses, update = tx.init(params), [], jax.jit(tx.update)  # muon: slow eagerly
     for _ in range(6):
         loss, grads = loss_and_grads(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
+        updates, opt_state = update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         losses.append(float(loss))
     losses.append(float(loss_and_grads(params)[0]))
@@ -104,7 +104,7 @@ def test_weight_decay_skips_biases_and_layernorm_scales(tiny, kind):
                       momentum=0.9)
     tx = make_optimizer(opt, optax.constant_schedule(opt.lr))
     zeros = jax.tree.map(jnp.zeros_like, params)
-    updates, _ = tx.update(zeros, tx.init(params), params)
+    updates, _ = jax.jit(tx.update)(zeros, tx.init(params), params)
     after = optax.apply_updates(params, updates)
 
     decayed = exempt = 0
@@ -208,9 +208,9 @@ def test_gradient_clipping_comes_before_every_optimizer(tiny, kind):
     opt = config_node("optimizer", [f"optimizer={kind.value}"], lr=1e-2, momentum=0.9)
 
     def two_steps(tx, first):
-        state, out = tx.init(params), []
+        state, out, update = tx.init(params), [], jax.jit(tx.update)
         for g in (first, small):
-            updates, state = tx.update(g, state, params)
+            updates, state = update(g, state, params)
             out.append(updates)
         return out
 
@@ -220,7 +220,8 @@ def test_gradient_clipping_comes_before_every_optimizer(tiny, kind):
     plain = make_optimizer(opt, schedule)
     by_hand = two_steps(plain, jax.tree.map(lambda g: g / 100, large))
     unclipped = two_steps(plain, large)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8),
+    # atol: muon's Newton–Schulz turns the float32 round-off of clipping into ~2e-8 of ~1e-3.
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                  clipped, by_hand)
     differences = jax.tree.map(lambda a, b: np.abs(a - b).max(), clipped, unclipped)
     assert max(jax.tree.leaves(differences)) > 1e-6
