@@ -67,7 +67,8 @@ def flax_worker(config, tokens_np, args) -> None:
     from flaxlm.models.layers import TransformerSpec, count_params
     from flaxlm.parallel import configure_platform, global_batch, make_mesh, replicated
     from flaxlm.training.optimizer import make_optimizer, make_schedule
-    from flaxlm.training.step import compile_steps, create_state
+    from flaxlm.tasks.clm import lm_steps_compiler
+    from flaxlm.training.step import create_state
 
     configure_platform(config.hardware, config.model.remat)
     mesh = make_mesh(config.hardware.num_devices)
@@ -81,7 +82,7 @@ def flax_worker(config, tokens_np, args) -> None:
     num_params = count_params(model)
     graphdef, state = create_state(model, tx)
     state = jax.device_put(state, replicated(mesh))
-    compiled = compile_steps(mesh, graphdef, tx, schedule)
+    compiled = lm_steps_compiler(config)(mesh, graphdef, tx, schedule)  # training's own step
     inputs = global_batch(tokens_np, mesh)
     key = jax.random.key(0)
     holder = {"state": state}
@@ -108,19 +109,29 @@ def torch_worker(config, tokens_np, args, compiled: bool) -> None:
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
+    # On a GPU, PyTorch as its users train there: the model on the GPU, float32 parameters
+    # with bfloat16 autocast (flaxlm's mixed precision), the fused AdamW.
+    on_gpu = config.hardware.platform == "gpu" and torch.cuda.is_available()
+    device = "cuda" if on_gpu else "cpu"
+    autocast_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+        str(config.hardware.compute_dtype))
     hf_config = to_lm_config(config.model, bos_token_id=0, eos_token_id=2, pad_token_id=1)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config).train()
+    model = transformers.AutoModelForCausalLM.from_config(hf_config).train().to(device)
     opt = config.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=(opt.b1, opt.b2),
-                                  eps=opt.eps, weight_decay=opt.weight_decay)
-    inputs = torch.from_numpy(tokens_np.astype(np.int64))
+                                  eps=opt.eps, weight_decay=opt.weight_decay, fused=on_gpu)
+    inputs = torch.from_numpy(tokens_np.astype(np.int64)).to(device)
     forward = torch.compile(model) if compiled else model
 
     def step():
-        loss = forward(input_ids=inputs, labels=inputs).loss
+        with torch.autocast(device, dtype=autocast_dtype, enabled=on_gpu and autocast_dtype
+                            is not None):
+            loss = forward(input_ids=inputs, labels=inputs).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if on_gpu:
+            torch.cuda.synchronize()
 
     if compiled:
         try:
