@@ -28,7 +28,7 @@ from flaxlm.errors import FlaxlmError, writable_dir
 from flaxlm.parallel import configure_platform, make_mesh
 from flaxlm.run_records import FAILED, FINISHED, PREEMPTED, RUNNING, write_status
 from flaxlm.runs import open_shared_run_dir
-from flaxlm.tasks.base import JobContext
+from flaxlm.tasks.base import JobContext, attention_choice
 from flaxlm.tasks.objective import choose_objective, objective_result
 from flaxlm.tasks.registry import task_named
 from flaxlm.tracking import start_tracker
@@ -151,6 +151,7 @@ def check_settings(config: TrainConfig, num_devices: int) -> int:
         if value is not None and value < 1:
             raise FlaxlmError(f"{key}={value} must be at least 1 (or null).")
     global_batch_size(config, num_devices)
+    attention_choice(config, config.model)
     check_optimizer_settings(config.optimizer)
     choose_objective(config)
     return seq_len
