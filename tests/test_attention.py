@@ -178,6 +178,7 @@ def test_a_model_with_splash_computes_what_it_computes_with_xla(family):
     ("gpu", "float16", 2048, 128, True, "cudnn"),
     ("gpu", "float32", 2048, 64, True, "xla"),  # cuDNN's flash attention: half precision only
     ("gpu", "bfloat16", 2048, 256, True, "xla"),  # heads wider than it takes everywhere
+    ("gpu", "bfloat16", 2047, 64, True, "xla"),  # it trains on even lengths
     ("tpu", "bfloat16", 2048, 64, True, "splash"),
     ("tpu", "float32", 384, 64, True, "splash"),
     ("tpu", "bfloat16", 1000, 64, True, "xla"),  # no kernel block divides the sequence

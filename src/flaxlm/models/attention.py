@@ -119,6 +119,9 @@ def _why_not(backend, platform, compute_dtype, seq_len, head_width, causal_lm) -
         if head_width > CUDNN_MAX_HEAD_WIDTH or head_width % 8:
             return (f"cuDNN's fused attention takes heads of up to {CUDNN_MAX_HEAD_WIDTH} "
                     f"values in multiples of 8, and this model's are {head_width} wide")
+        if seq_len % 2:  # what it trains with a mask (segment ids, padding) on
+            return (f"cuDNN's fused attention trains on sequences of an even length, and "
+                    f"this run's are {seq_len} tokens (set task.max_seq_length)")
     if backend is AttentionBackend.splash:
         if platform != "tpu":
             return f"the splash attention kernel runs on a TPU, and this run is on {platform}"
