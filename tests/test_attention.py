@@ -244,10 +244,10 @@ def test_the_gpu_check_script_runs_its_cpu_backends_on_tiny_shapes(tmp_path):
     """benchmarks/attention_gpu.py on this CPU: xla and reference on tiny shapes; cudnn fails
     soft (no GPU) and the table and JSON still come out."""
     out = tmp_path / "attention.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "src"), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "attention_gpu.py"), "--tiny", "--out",
-         str(out)], env=env, capture_output=True, text=True, timeout=300)
+        [sys.executable, os.path.join(REPO, "benchmarks", "attention_gpu.py"), "--tiny",
+         "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())["rows"]
     assert {row["backend"] for row in rows} == {"xla", "reference", "cudnn"}
