@@ -15,6 +15,8 @@ remat, AdamW, fsdp over all chips, `--batch` rows per chip of `--seq` tokens, no
 Contenders:
 - `flaxlm`: the train step `flaxlm-plan` compiles (`flaxlm.aot.abstract_run`), its blocks
   unrolled: `cost_analysis` counts every layer;
+- `flaxlm-chunked-loss`: the same with `trainer.loss_chunk_size=512`: memory as trained with
+  it; its FLOPs count one chunk of the LM head (a loop's body), so compare `flaxlm`'s;
 - `maxtext`: `train_compile` as shipped (layers scanned: its FLOPs count one layer);
 - `maxtext-counted`: `scan_layers=false attention=dot_product`, the configuration whose FLOPs
   `cost_analysis` counts in full (a scanned loop's body counts once and Pallas kernels count
@@ -64,6 +66,9 @@ SHAPES = {
 NO_WINDOWED_EINSUM = ("--xla_tpu_enable_windowed_einsum_for_all_gather=false "
                       "--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false")
 COUNTED = ["scan_layers=false", "attention=dot_product"]
+# flaxlm's contenders: the next-token loss over the whole logits, and in chunks of 512
+# positions (trainer.loss_chunk_size), whose loop over the chunks `cost_analysis` counts once.
+FLAXLM = {"flaxlm": None, "flaxlm-chunked-loss": 512}
 GIB = 2**30
 
 
@@ -75,17 +80,17 @@ def env_for(name: str, topology: str, dump_dir: str, extra_path: str) -> dict:
            "LIBTPU_INIT_ARGS": NO_WINDOWED_EINSUM,
            "XLA_FLAGS": f"--xla_dump_to={dump_dir}"}
     env.pop("PYTHONPATH", None)
-    if name == "flaxlm":
+    if name in FLAXLM:
         env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "src"), extra_path])
     return env
 
 
 def contender_command(name: str, python: str, shape: str, topology: str, batch: int,
                       seq: int, out: str) -> list[str]:
-    if name == "flaxlm":
+    if name in FLAXLM:
         return [python, os.path.abspath(__file__), "--worker", "flaxlm", "--shape", shape,
                 "--topology", topology, "--batch", str(batch), "--seq", str(seq),
-                "--worker-out", out]
+                "--worker-out", out, "--loss-chunk-size", str(FLAXLM[name] or 0)]
     args = [f"compile_topology={topology}", "compile_topology_num_slices=1",
             f"per_device_batch_size={batch}", f"max_target_length={seq}", 'jax_cache_dir=""',
             "log_config=false", "enable_dropout=false", *SHAPES[shape][1]]
@@ -95,11 +100,13 @@ def contender_command(name: str, python: str, shape: str, topology: str, batch: 
             "--", *args]
 
 
-def flaxlm_overrides(shape: str, topology: str, batch: int, seq: int) -> list[str]:
+def flaxlm_overrides(shape: str, topology: str, batch: int, seq: int,
+                     loss_chunk_size: int | None = None) -> list[str]:
+    chunks = [f"trainer.loss_chunk_size={loss_chunk_size}"] if loss_chunk_size else []
     return [f"model={SHAPES[shape][0]}", f"hardware={TOPOLOGIES[topology][0]}",
             f"task.max_seq_length={seq}", f"hardware.per_device_batch_size={batch}",
             "hardware.mesh.data=1", "hardware.mesh.fsdp=-1", "model.remat=full",
-            "optimizer=adamw", "model.attention_dropout=0.0",
+            "optimizer=adamw", "model.attention_dropout=0.0", *chunks,
             # XLA's attention, whose FLOPs cost_analysis counts (auto would take the splash
             # kernel on a TPU, which counts none), as maxtext-counted's dot_product.
             "model.attention=xla"]
@@ -151,7 +158,8 @@ def flaxlm_worker(args) -> dict:
     from flaxlm import aot
     from flaxlm.cli.plan import compose
 
-    cfg = compose(flaxlm_overrides(args.shape, args.topology, args.batch, args.seq))
+    cfg = compose(flaxlm_overrides(args.shape, args.topology, args.batch, args.seq,
+                                   args.loss_chunk_size))
     run = aot.abstract_run(cfg)
     started = time.perf_counter()
     compiled = run.steps.train.lower(*run.train_args).compile()
@@ -193,7 +201,7 @@ def peak_buffers(dump_dir: str, limit: int = 15) -> list[str]:
 
 
 def run_contender(name: str, args) -> dict:
-    python = args.flaxlm_python if name == "flaxlm" else args.maxtext_python
+    python = args.flaxlm_python if name in FLAXLM else args.maxtext_python
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "figures.json")
         dump = os.path.join(args.dump_dir, f"{name}-{args.shape}-{args.topology}")
@@ -205,7 +213,8 @@ def run_contender(name: str, args) -> dict:
         result = {"contender": name, "shape": args.shape, "topology": args.topology,
                   "batch": args.batch, "seq": args.seq, "wall_s": time.perf_counter() - started,
                   "command": command[command.index("--") + 1:] if "--" in command
-                  else flaxlm_overrides(args.shape, args.topology, args.batch, args.seq)}
+                  else flaxlm_overrides(args.shape, args.topology, args.batch, args.seq,
+                                        FLAXLM[name])}
         if proc.returncode != 0 or not os.path.exists(out):
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
             result["error"] = "\n".join(tail)
@@ -254,9 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     parse.add_argument("--topology", choices=TOPOLOGIES, default="v5e-8")
     parse.add_argument("--batch", type=int, default=1, help="rows per chip (default 1)")
     parse.add_argument("--seq", type=int, default=2048, help="tokens per row (default 2048)")
-    parse.add_argument("--contenders", nargs="+", default=["flaxlm", "maxtext",
-                                                           "maxtext-counted"],
-                       choices=["flaxlm", "maxtext", "maxtext-counted"])
+    parse.add_argument("--contenders", nargs="+", default=["flaxlm", "flaxlm-chunked-loss",
+                                                           "maxtext", "maxtext-counted"],
+                       choices=[*FLAXLM, "maxtext", "maxtext-counted"])
     parse.add_argument("--maxtext-python", default="/work/mt-venv/bin/python")
     parse.add_argument("--flaxlm-python", default=None,
                        help="the python flaxlm compiles with (default: --maxtext-python, "
@@ -275,6 +284,8 @@ def main(argv: list[str] | None = None) -> None:
                        help="the page whose maxtext-compare markers get the table")
     parse.add_argument("--worker", choices=["flaxlm", "maxtext"], help=argparse.SUPPRESS)
     parse.add_argument("--worker-out", help=argparse.SUPPRESS)
+    parse.add_argument("--loss-chunk-size", type=lambda v: int(v) or None,
+                       help=argparse.SUPPRESS)
     parse.add_argument("maxtext_args", nargs="*", help=argparse.SUPPRESS)
     args = parse.parse_args(argv)
     if args.worker:

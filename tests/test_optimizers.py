@@ -25,7 +25,7 @@ from flaxlm.job import check_settings
 from flaxlm.models.gpt2 import GPT2LMHeadModel
 from flaxlm.models.layers import TransformerSpec
 from flaxlm.parallel import global_batch, make_mesh, replicated
-from flaxlm.training.optimizer import decay_mask, make_optimizer, make_schedule
+from flaxlm.training.optimizer import decay_mask, make_optimizer, make_schedule, muon_labels
 from flaxlm.training.plan import global_batch_size
 from flaxlm.training.step import (
     accumulate_gradients,
@@ -83,10 +83,10 @@ def test_every_optimizer_and_schedule_lowers_the_loss_on_a_fixed_batch(configs, 
     params, loss_and_grads = tiny
     opt = dataclasses.replace(configs[kind].optimizer, schedule=schedule, warmup_steps=2)
     tx = make_optimizer(opt, make_schedule(opt, total_steps=6))
-    opt_state, losses = tx.init(params), []
+    opt_state, losses, update = tx.init(params), [], jax.jit(tx.update)  # muon: slow eagerly
     for _ in range(6):
         loss, grads = loss_and_grads(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
+        updates, opt_state = update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         losses.append(float(loss))
     losses.append(float(loss_and_grads(params)[0]))
@@ -104,7 +104,7 @@ def test_weight_decay_skips_biases_and_layernorm_scales(tiny, kind):
                       momentum=0.9)
     tx = make_optimizer(opt, optax.constant_schedule(opt.lr))
     zeros = jax.tree.map(jnp.zeros_like, params)
-    updates, _ = tx.update(zeros, tx.init(params), params)
+    updates, _ = jax.jit(tx.update)(zeros, tx.init(params), params)
     after = optax.apply_updates(params, updates)
 
     decayed = exempt = 0
@@ -117,6 +117,76 @@ def test_weight_decay_skips_biases_and_layernorm_scales(tiny, kind):
             np.testing.assert_array_equal(now, before, err_msg=name)
             exempt += 1
     assert decayed and exempt
+
+
+def newton_schulz_reference(m_hat: np.ndarray, steps: int = 5) -> np.ndarray:
+    """Muon's orthogonalisation as optax documents it (Jordan's quintic iteration): X = M /
+    (‖M‖_F + eps), the wide way round; `steps` × X ← aX + (bA + cA²)X with A = XXᵀ."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = m_hat / (np.linalg.norm(m_hat) + 1e-8)
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+def test_one_muon_step_on_a_matrix_is_the_reference_formula():
+    """A hidden layer's 6 × 4 kernel and its bias, one step from a zero momentum: the kernel
+    moves by −lr × (NS₅(m̂) × 0.2 × √6 + weight_decay × W), m̂ being Nesterov's bias-corrected
+    momentum (1 + β(1 − β)/(1 − β²)) g after one gradient g; the bias by AdamW's first step,
+    −lr × sign(g) (bias correction makes |m̂/√v̂| = 1; no decay on biases)."""
+    rng = np.random.default_rng(0)
+    params = {"h": {"mlp": {"c_fc": {"kernel": rng.normal(size=(6, 4)),
+                                     "bias": rng.normal(size=4)}}}}
+    grads = {"h": {"mlp": {"c_fc": {"kernel": rng.normal(size=(6, 4)),
+                                    "bias": rng.normal(size=4)}}}}
+    params, grads = (jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), t) for t in (params,
+                                                                                      grads))
+    opt = config_node("optimizer", ["optimizer=muon"], lr=0.05)
+    tx = make_optimizer(opt, optax.constant_schedule(opt.lr))
+    updates, _ = tx.update(grads, tx.init(params), params)
+
+    beta, kernel, g = opt.momentum, params["h"]["mlp"]["c_fc"]["kernel"], grads["h"]["mlp"]["c_fc"]
+    m_hat = (beta * (1 - beta) / (1 - beta**2) + 1) * np.asarray(g["kernel"], np.float64)
+    expected = -opt.lr * (newton_schulz_reference(m_hat) * 0.2 * np.sqrt(6)
+                          + opt.weight_decay * np.asarray(kernel))
+    np.testing.assert_allclose(updates["h"]["mlp"]["c_fc"]["kernel"], expected, rtol=2e-4,
+                               atol=1e-6)
+    np.testing.assert_allclose(updates["h"]["mlp"]["c_fc"]["bias"],
+                               -opt.lr * np.sign(g["bias"]), rtol=1e-5)
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
+    """GPT-2 (tied head) and Llama with an LM head of its own: Muon gets exactly the attention
+    and MLP projections' kernels; embeddings, the LM head, norms and biases go to AdamW."""
+    from conftest import model_config
+
+    from flaxlm.models.build import build_lm
+
+    shape = dict(vocab_size=64, max_positions=16, hidden_size=16, num_layers=1, num_heads=2)
+    muon_modules = {}
+    for family, extra in [("gpt2", {}), ("llama", dict(num_kv_heads=1, mlp_size=24,
+                                                         tie_word_embeddings=False))]:
+        spec = TransformerSpec(model_config(family, **shape, **extra))
+        model = nnx.eval_shape(lambda spec=spec: build_lm(spec, nnx.Rngs(0)))
+        params = nnx.state(model, nnx.Param)
+        muon_paths = [jax.tree_util.keystr(path).removesuffix(".value").split("'")
+                      for path, label in jax.tree_util.tree_leaves_with_path(muon_labels(params))
+                      if label == "muon"]
+        assert {names[-2] for names in muon_paths} == {"kernel"}
+        muon_modules[family] = {names[-4] for names in muon_paths}
+        assert {"lm_head", "embed_tokens", "wte", "wpe"}.isdisjoint(muon_modules[family])
+    assert muon_modules == {"gpt2": {"c_attn", "c_proj", "c_fc"},
+                            "llama": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                      "up_proj", "down_proj"}}
+
+
+def test_muon_without_momentum_is_named():
+    config = OmegaConf.to_object(compose([*TINY, "optimizer=muon", "optimizer.momentum=null"]))
+    with pytest.raises(FlaxlmError, match="optimizer.momentum=null"):
+        check_settings(config, num_devices=8)
 
 
 def test_decay_mask_names_matrices_and_embeddings_only(tiny):
@@ -138,9 +208,9 @@ def test_gradient_clipping_comes_before_every_optimizer(tiny, kind):
     opt = config_node("optimizer", [f"optimizer={kind.value}"], lr=1e-2, momentum=0.9)
 
     def two_steps(tx, first):
-        state, out = tx.init(params), []
+        state, out, update = tx.init(params), [], jax.jit(tx.update)
         for g in (first, small):
-            updates, state = tx.update(g, state, params)
+            updates, state = update(g, state, params)
             out.append(updates)
         return out
 
@@ -150,7 +220,8 @@ def test_gradient_clipping_comes_before_every_optimizer(tiny, kind):
     plain = make_optimizer(opt, schedule)
     by_hand = two_steps(plain, jax.tree.map(lambda g: g / 100, large))
     unclipped = two_steps(plain, large)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8),
+    # atol: muon's Newton–Schulz turns the float32 round-off of clipping into ~2e-8 of ~1e-3.
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                  clipped, by_hand)
     differences = jax.tree.map(lambda a, b: np.abs(a - b).max(), clipped, unclipped)
     assert max(jax.tree.leaves(differences)) > 1e-6
@@ -255,16 +326,22 @@ def test_global_batch_counts_every_micro_batch():
 
 def test_each_micro_batch_draws_its_own_dropout_key():
     """A loss that is only its key's random draw, at optimizer step 2 of 4 micro-batches each:
-    the mean over the micro-batches is the mean of the draws of the run's micro-batches 8-11."""
+    the mean over the micro-batches is the mean of the draws of the run's micro-batches 8-11;
+    a metric beside the loss (its square) is averaged the same way."""
     dropout_key = jax.random.key(3)
     draws = [float(jax.random.uniform(jax.random.fold_in(dropout_key, m))) for m in range(8, 12)]
     assert len(set(draws)) == 4
-    loss, grads = accumulate_gradients(
-        lambda params, inputs, key: params["w"] * jax.random.uniform(key),
-        {"w": jnp.float32(1.0)}, jnp.zeros((4, 2, 3), jnp.int32), dropout_key,
+
+    def loss_fn(params, inputs, key):
+        draw = jax.random.uniform(key)
+        return params["w"] * draw, {"square": draw**2}
+
+    (loss, metrics), grads = accumulate_gradients(
+        loss_fn, {"w": jnp.float32(1.0)}, jnp.zeros((4, 2, 3), jnp.int32), dropout_key,
         first_micro_batch=jnp.int32(8),
     )
     np.testing.assert_allclose(float(loss), np.mean(draws), rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["square"]), np.mean(np.square(draws)), rtol=1e-6)
     np.testing.assert_allclose(float(grads["w"]), np.mean(draws), rtol=1e-6)
 
 

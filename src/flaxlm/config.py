@@ -151,6 +151,7 @@ class OptimizerName(str, enum.Enum):
     adafactor = "adafactor"  # optax.adafactor: factored second moments, relative step sizes
     lion = "lion"  # optax.lion: sign of an interpolated momentum (Chen et al. 2023)
     sgd = "sgd"  # optax.sgd: plain, heavy-ball or Nesterov momentum
+    muon = "muon"  # optax.contrib.muon on hidden matrices, adamw on the rest (Jordan 2024)
 
 
 class Schedule(str, enum.Enum):
@@ -169,14 +170,14 @@ class OptimizerConfig:
 
     name: OptimizerName = MISSING
     lr: float = MISSING
-    b1: float = MISSING  # adamw, lion
-    b2: float = MISSING  # adamw, lion
-    eps: float = MISSING  # adamw
+    b1: float = MISSING  # adamw, lion, muon's adamw part
+    b2: float = MISSING  # adamw, lion, muon's adamw part
+    eps: float = MISSING  # adamw, muon's adamw part
     # Masked off biases and LayerNorm scales. adamw, lion: decoupled, × the scheduled lr;
     # sgd: L2 added to the gradient; adafactor: × the parameter each step, not × the lr.
     weight_decay: float = MISSING
-    momentum: Optional[float] = None  # sgd, adafactor; null → no momentum
-    nesterov: bool = False  # sgd
+    momentum: Optional[float] = None  # sgd, adafactor, muon; null → no momentum (not muon)
+    nesterov: bool = False  # sgd, muon
     schedule: Schedule = MISSING
     warmup_steps: int = MISSING
     end_lr: float = MISSING
@@ -364,6 +365,14 @@ class TrainerConfig:
     # step; true → skip its update (parameters and optimizer state unchanged) and go on; the
     # skipped steps are counted in train/skipped_steps.
     skip_nonfinite: bool = False
+    # The z-loss (PaLM's): this coefficient × the mean log²Z of each position's softmax
+    # normaliser Z is added to the LM's training loss and logged as train/z_loss (train/loss
+    # includes it; eval/loss never does). 0 → none; PaLM used 1e-4.
+    z_loss: float = 0.0
+    # Positions of the sequence whose logits (and their float32 copy) the LM's loss holds at
+    # once: the final hidden states go through the LM head chunk by chunk, recomputed in the
+    # backward pass, instead of as one (batch, length, vocab) array. null → all at once.
+    loss_chunk_size: Optional[int] = None
     # What the run returns to a sweeper: an eval metric it logs, e.g. eval/loss or eval/f1.
     # null → the task's main metric: eval/loss for clm; for classify f1 if task.metrics has
     # it, else the first of task.metrics (or of the defaults its num_labels gives).

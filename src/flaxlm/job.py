@@ -15,6 +15,7 @@ its W&B run alone; a stop signal is acted on at one agreed step by every process
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -146,10 +147,15 @@ def check_settings(config: TrainConfig, num_devices: int) -> int:
             raise FlaxlmError(f"{key}={value} must be at least 1.")
     for key, value in [("trainer.max_steps", config.trainer.max_steps),
                        ("trainer.eval_every_steps", config.trainer.eval_every_steps),
+                       ("trainer.loss_chunk_size", config.trainer.loss_chunk_size),
                        ("hardware.per_device_eval_batch_size",
                         config.hardware.per_device_eval_batch_size)]:
         if value is not None and value < 1:
             raise FlaxlmError(f"{key}={value} must be at least 1 (or null).")
+    z_loss = config.trainer.z_loss
+    if not (math.isfinite(z_loss) and z_loss >= 0):
+        raise FlaxlmError(f"trainer.z_loss={z_loss} must be a finite number, 0 or more: the "
+                          "coefficient of the z-loss (e.g. 1e-4), or 0 for none.")
     global_batch_size(config, num_devices)
     attention_choice(config, config.model)
     check_optimizer_settings(config.optimizer)

@@ -146,9 +146,13 @@ class GPT2LMHeadModel(nnx.Module):
     def __call__(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None = None, *,
                  segment_ids_BxL: jax.Array | None = None,
                  positions_BxL: jax.Array | None = None) -> jax.Array:
-        # Tied head: logits against the token embeddings, in the compute dtype.
-        return self.wte.attend(self.hidden_states(
+        return self.lm_head_logits(self.hidden_states(
             input_ids_BxL, rngs, segment_ids_BxL=segment_ids_BxL, positions_BxL=positions_BxL))
+
+    def lm_head_logits(self, x_BxLxD: jax.Array) -> jax.Array:
+        """Logits (B, L, V) of final hidden states (`hidden_states`, or any slice of their
+        positions): the tied head, against the token embeddings, in the compute dtype."""
+        return self.wte.attend(x_BxLxD)
 
     def hidden_states(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None = None, *,
                       segment_ids_BxL: jax.Array | None = None,
@@ -196,7 +200,7 @@ class GPT2LMHeadModel(nnx.Module):
             )
             keys.append(keys_BxSxNxH)
             values.append(values_BxSxNxH)
-        logits_BxLxV = self.wte.attend(self.ln_f(x_BxLxD))
+        logits_BxLxV = self.lm_head_logits(self.ln_f(x_BxLxD))
         L = input_ids_BxL.shape[1]
         return logits_BxLxV, KVCache(tuple(keys), tuple(values), filled_BxS, cache.index + L)
 

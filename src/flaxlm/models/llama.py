@@ -212,8 +212,8 @@ class LlamaModel(nnx.Module):
 
 class LlamaForCausalLM(nnx.Module):
     """Token ids in, next-token logits out. Pass `rngs` to train (dropout on), None to evaluate.
-    The same interface as GPT-2's LM (`hidden_states`, `init_cache`, `decode`,
-    `context_length`), so training, evaluation and generation need no per-family code."""
+    The same interface as GPT-2's LM (`hidden_states`, `lm_head_logits`, `init_cache`,
+    `decode`, `context_length`), so training, evaluation and generation need no per-family code."""
 
     def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         check_llama(spec)
@@ -236,7 +236,7 @@ class LlamaForCausalLM(nnx.Module):
     def __call__(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None = None, *,
                  segment_ids_BxL: jax.Array | None = None,
                  positions_BxL: jax.Array | None = None) -> jax.Array:
-        return self._logits(self.hidden_states(
+        return self.lm_head_logits(self.hidden_states(
             input_ids_BxL, rngs, segment_ids_BxL=segment_ids_BxL, positions_BxL=positions_BxL))
 
     def hidden_states(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None = None, *,
@@ -247,7 +247,9 @@ class LlamaForCausalLM(nnx.Module):
         return self.model(input_ids_BxL, rngs, segment_ids_BxL=segment_ids_BxL,
                           positions_BxL=positions_BxL)
 
-    def _logits(self, x_BxLxD: jax.Array) -> jax.Array:
+    def lm_head_logits(self, x_BxLxD: jax.Array) -> jax.Array:
+        """Logits (B, L, V) of final hidden states (`hidden_states`, or any slice of their
+        positions): the LM head, or the token embeddings when tied."""
         if self.tie_word_embeddings:
             return self.model.embed_tokens.attend(x_BxLxD)
         return self.lm_head(x_BxLxD)
@@ -274,7 +276,7 @@ class LlamaForCausalLM(nnx.Module):
             )
             keys.append(keys_BxSxGxH)
             values.append(values_BxSxGxH)
-        logits_BxLxV = self._logits(self.model.norm(x_BxLxD))
+        logits_BxLxV = self.lm_head_logits(self.model.norm(x_BxLxD))
         return logits_BxLxV, KVCache(tuple(keys), tuple(values), filled_BxS, cache.index + L)
 
 

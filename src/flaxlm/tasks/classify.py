@@ -208,7 +208,7 @@ def compile_classifier_steps(mesh, graphdef, tx, schedule, is_regression: bool,
     def loss_fn(model, batch, rngs):
         logits_BxC = model(batch["input_ids"], batch["attention_mask"],
                            batch["token_type_ids"], rngs=rngs)
-        return classification_losses(logits_BxC, batch["labels"], is_regression).mean()
+        return classification_losses(logits_BxC, batch["labels"], is_regression).mean(), {}
 
     def logits(params, batch):
         model = nnx.merge(graphdef, params)

@@ -39,7 +39,7 @@ from flaxlm.tasks import base
 from flaxlm.tasks.base import JobContext
 from flaxlm.training.evaluation import LMEvaluator
 from flaxlm.training.plan import global_batch_size
-from flaxlm.training.step import CompiledSteps, compile_steps
+from flaxlm.training.step import CompiledSteps, LossSettings, compile_steps
 
 # Training documents of a streamed corpus that its fingerprint covers, from the stream's start.
 STREAM_CHECKED_DOCS = 1000
@@ -134,7 +134,9 @@ def lm_steps_compiler(config: TrainConfig) -> Callable[..., CompiledSteps]:
 
     def compile_lm_steps(mesh, graphdef, tx, schedule) -> CompiledSteps:
         return compile_steps(mesh, graphdef, tx, schedule, config.trainer.grad_accum_steps,
-                             skip_nonfinite=config.trainer.skip_nonfinite)
+                             skip_nonfinite=config.trainer.skip_nonfinite,
+                             loss=LossSettings(z_loss=config.trainer.z_loss,
+                                               chunk_size=config.trainer.loss_chunk_size))
 
     return compile_lm_steps
 

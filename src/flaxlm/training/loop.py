@@ -276,6 +276,7 @@ class _Window:
         self.last_loss = self.losses[-1] if self.losses else float("nan")
         self.last_lr = float("nan")
         self.last_grad_norm = float("nan")
+        self.z_losses: list[float] = []
 
     def add(self, step: int, metrics, last_saved: int | None = None) -> None:
         metrics = jax.device_get(metrics)
@@ -290,6 +291,8 @@ class _Window:
         else:
             self.losses.append(loss)
             self.last_loss, self.last_grad_norm = loss, grad_norm
+            if "z_loss" in metrics:
+                self.z_losses.append(float(metrics["z_loss"]))
         if self.started is None:
             self.started = time.perf_counter()  # the clock starts once a first step finished
         else:
@@ -305,6 +308,8 @@ class _Window:
             "train/grad_norm": self.last_grad_norm,
             "epoch": epoch,
         }
+        if self.z_losses:
+            record["train/z_loss"] = float(np.mean(self.z_losses))
         if self.count_skipped:
             record["train/skipped_steps"] = self.skipped
         elapsed = time.perf_counter() - self.started if self.started is not None else 0.0
@@ -316,7 +321,7 @@ class _Window:
                     tokens_per_second * self.throughput.flops_per_token
                     / self.throughput.peak_flops
                 )
-        self.losses, self.skipped, self.timed_steps = [], 0, 0
+        self.losses, self.z_losses, self.skipped, self.timed_steps = [], [], 0, 0
         self.started = time.perf_counter()
         return record
 

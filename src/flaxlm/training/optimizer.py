@@ -1,5 +1,5 @@
-"""The optimizer group as an optax transformation: adamw, adafactor, lion or sgd, driven by a
-warmup + decay learning-rate schedule, with optional global-norm clipping in front."""
+"""The optimizer group as an optax transformation: adamw, adafactor, lion, sgd or muon, driven
+by a warmup + decay learning-rate schedule, with optional global-norm clipping in front."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import jax
 import optax
+import optax.contrib
 
 from flaxlm.config import OptimizerConfig, OptimizerName, Schedule
 from flaxlm.errors import FlaxlmError
@@ -72,6 +73,25 @@ def parameter_name(path) -> str | None:
     return names[-1] if names else None
 
 
+# Modules whose matrix is a network's output layer (the LM head when untied, a classifier's).
+OUTPUT_HEADS = ("lm_head", "score", "classifier")
+
+
+def muon_labels(params):
+    """`muon` for the hidden layers' weight matrices (2-D `kernel`s), `adamw` for the rest:
+    embeddings (a lookup table, and GPT-2's tied LM head), untied LM heads and classifiers
+    (output layers), biases and norm scales (vectors). Muon's recipe (Jordan 2024) and
+    Moonlight's (Liu et al. 2025) both leave these to AdamW."""
+
+    def label(path, leaf) -> str:
+        modules = {key.key for key in path if isinstance(key, jax.tree_util.DictKey)}
+        hidden_matrix = (leaf.ndim == 2 and parameter_name(path) == "kernel"
+                         and not modules & set(OUTPUT_HEADS))
+        return "muon" if hidden_matrix else "adamw"
+
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
 def check_optimizer_settings(opt: OptimizerConfig) -> None:
     """The optimizer's numbers, checked before any data is read. nan fails no comparison
     (`nan <= 0` is False), so finiteness comes first: a nan or inf would otherwise surface
@@ -97,6 +117,11 @@ def check_optimizer_settings(opt: OptimizerConfig) -> None:
     for name in ("eps", "weight_decay", "end_lr"):
         if getattr(opt, name) < 0:
             raise FlaxlmError(f"optimizer.{name}={getattr(opt, name)} must not be negative.")
+    if opt.name == OptimizerName.muon and opt.momentum is None:
+        raise FlaxlmError(
+            "optimizer.momentum=null: muon orthogonalises a momentum, so it needs one; set "
+            "optimizer.momentum (0.95 in conf/optimizer/muon.yaml)."
+        )
     if opt.max_grad_norm is not None and opt.max_grad_norm <= 0:
         raise FlaxlmError(
             f"optimizer.max_grad_norm={opt.max_grad_norm} must be positive (e.g. 1.0), or null "
@@ -145,9 +170,25 @@ def _adafactor(opt: OptimizerConfig, schedule: optax.Schedule) -> optax.Gradient
     )
 
 
+def _muon(opt: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+    """optax's Muon on the hidden matrices (`muon_labels`), `_adamw` on the rest, one schedule
+    and one weight decay for both. Muon's update is the Newton–Schulz orthogonalised momentum
+    (optax's default coefficients and 5 steps, Jordan's), rescaled to an RMS of
+    MUON_RMS × sqrt(max(fan_in, fan_out)) as Moonlight does, so that AdamW's learning rate and
+    weight decay carry over; its decay is decoupled (× the scheduled lr) on every matrix."""
+    muon = optax.contrib.muon(schedule, beta=opt.momentum, nesterov=opt.nesterov,
+                              weight_decay=opt.weight_decay, consistent_rms=MUON_RMS)
+    return optax.partition({"muon": muon, "adamw": _adamw(opt, schedule)}, muon_labels)
+
+
+# Moonlight's match of Muon's update RMS to AdamW's typical 0.2-0.4 (Liu et al. 2025).
+MUON_RMS = 0.2
+
+
 _OPTIMIZERS: dict[OptimizerName, Callable[..., optax.GradientTransformation]] = {
     OptimizerName.adamw: _adamw,
     OptimizerName.adafactor: _adafactor,
     OptimizerName.lion: _lion,
     OptimizerName.sgd: _sgd,
+    OptimizerName.muon: _muon,
 }

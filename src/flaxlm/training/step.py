@@ -12,6 +12,7 @@ optimizer update from their mean gradient.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +64,20 @@ def create_state(model: nnx.Module, tx: optax.GradientTransformation,
     return graphdef, place_state(TrainState(step=step, params=params, opt_state=opt_state), mesh)
 
 
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+    """How the next-token loss is computed (trainer.z_loss, trainer.loss_chunk_size).
+
+    `z_loss`: the coefficient of the mean log²Z (Z the softmax normaliser of each position's
+    logits) added to the training loss: it keeps the logits from drifting to large values, a
+    source of bfloat16 round-off and loss spikes (PaLM, Chowdhery et al. 2022, uses 1e-4).
+    `chunk_size`: positions of the sequence whose logits exist at once; None computes the
+    (B, L, V) logits whole."""
+
+    z_loss: float = 0.0
+    chunk_size: int | None = None
+
+
 def next_token_losses(logits_BxLxV: jax.Array, inputs_BxL: jax.Array) -> jax.Array:
     """Cross-entropy of predicting token t+1 from positions ≤ t, in float32: (B, L-1).
 
@@ -71,10 +86,58 @@ def next_token_losses(logits_BxLxV: jax.Array, inputs_BxL: jax.Array) -> jax.Arr
     dropped afterwards: slicing the logits instead copies the whole (B, L, V) array, and its
     gradient pads one back, each as costly as a small layer.
     """
-    labels_BxL = jnp.roll(inputs_BxL, -1, axis=1)  # the last label wraps round, then is dropped
-    losses_BxL = optax.softmax_cross_entropy_with_integer_labels(
-        logits_BxLxV.astype(jnp.float32), labels_BxL)
-    return losses_BxL[:, :-1]
+    return token_losses(logits_BxLxV, next_tokens(inputs_BxL))[0][:, :-1]
+
+
+def next_tokens(inputs_BxL: jax.Array) -> jax.Array:
+    """Each position's label, the token after it (B, L); the last wraps round, to be dropped."""
+    return jnp.roll(inputs_BxL, -1, axis=1)
+
+
+def token_losses(logits_BxLxV: jax.Array, labels_BxL: jax.Array,
+                 with_log_z: bool = False) -> tuple[jax.Array, jax.Array | None]:
+    """Cross-entropy of each position's integer label in float32 (B, L), and, if asked, its
+    log normaliser log Z = logsumexp of its logits (B, L) for the z-loss."""
+    logits_BxLxV = logits_BxLxV.astype(jnp.float32)
+    losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, labels_BxL)
+    log_z_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1) if with_log_z else None
+    return losses_BxL, log_z_BxL
+
+
+def chunked_token_losses(hidden_BxLxD: jax.Array, head: Callable[[jax.Array], jax.Array],
+                         labels_BxL: jax.Array, chunk_size: int, with_log_z: bool = False
+                         ) -> tuple[jax.Array, jax.Array | None]:
+    """`token_losses(head(hidden_BxLxD), labels_BxL)` with the logits of `chunk_size`
+    positions at a time: (B, C, V) instead of (B, L, V).
+
+    The chunks run in a `lax.scan` (one chunk's logits live at a time), each under
+    `jax.checkpoint`, so the backward pass recomputes a chunk's logits from its hidden states
+    rather than keeping them all. When `chunk_size` does not divide L, the last L mod C
+    positions are one smaller chunk after the loop. The per-position results (B, L) are small
+    and returned whole, so the caller masks and sums them as it would the unchunked ones."""
+    B, L, _ = hidden_BxLxD.shape
+    num_full, remainder = divmod(L, chunk_size)
+
+    @jax.checkpoint
+    def chunk_losses(x_BxCxD, labels_BxC):
+        return token_losses(head(x_BxCxD), labels_BxC, with_log_z)
+
+    def scan_chunk(_, index):
+        start = index * chunk_size
+        return None, chunk_losses(
+            jax.lax.dynamic_slice_in_dim(hidden_BxLxD, start, chunk_size, axis=1),
+            jax.lax.dynamic_slice_in_dim(labels_BxL, start, chunk_size, axis=1))
+
+    pieces = []
+    if num_full:
+        _, per_chunk_NxBxC = jax.lax.scan(scan_chunk, None, jnp.arange(num_full))
+        pieces.append(jax.tree.map(
+            lambda a_NxBxC: a_NxBxC.swapaxes(0, 1).reshape(B, num_full * chunk_size),
+            per_chunk_NxBxC))
+    if remainder:
+        tail = num_full * chunk_size
+        pieces.append(chunk_losses(hidden_BxLxD[:, tail:], labels_BxL[:, tail:]))
+    return jax.tree.map(lambda *parts: jnp.concatenate(parts, axis=1), *pieces)
 
 
 def lm_logits(model, batch, rngs: nnx.Rngs | None = None) -> tuple[jax.Array, jax.Array]:
@@ -86,25 +149,63 @@ def lm_logits(model, batch, rngs: nnx.Rngs | None = None) -> tuple[jax.Array, ja
     if not isinstance(batch, dict):
         return model(batch, rngs=rngs), batch
     inputs_BxL = batch[INPUT_IDS]
-    logits_BxLxV = model(inputs_BxL, rngs=rngs, segment_ids_BxL=batch[SEGMENT_IDS],
-                         positions_BxL=batch[POSITIONS])
+    logits_BxLxV = model(inputs_BxL, rngs=rngs, **_documents(batch))
     return logits_BxLxV, inputs_BxL
+
+
+def _documents(batch) -> dict[str, jax.Array]:
+    return {"segment_ids_BxL": batch[SEGMENT_IDS], "positions_BxL": batch[POSITIONS]}
+
+
+def lm_token_losses(model, batch, rngs: nnx.Rngs | None = None, chunk_size: int | None = None,
+                    with_log_z: bool = False
+                    ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """Next-token cross-entropy of every position that has a next token (B, L-1), its log Z
+    (B, L-1) if asked, and the batch's token ids (B, L); the batch as `lm_logits` reads it.
+    With `chunk_size` the model's final hidden states go through its LM head
+    `chunk_size` positions at a time (`chunked_token_losses`)."""
+    if chunk_size is None:
+        logits_BxLxV, inputs_BxL = lm_logits(model, batch, rngs)
+        losses_BxL, log_z_BxL = token_losses(logits_BxLxV, next_tokens(inputs_BxL), with_log_z)
+    else:
+        inputs_BxL = batch[INPUT_IDS] if isinstance(batch, dict) else batch
+        documents = _documents(batch) if isinstance(batch, dict) else {}
+        hidden_BxLxD = model.hidden_states(inputs_BxL, rngs, **documents)
+        losses_BxL, log_z_BxL = chunked_token_losses(
+            hidden_BxLxD, model.lm_head_logits, next_tokens(inputs_BxL), chunk_size, with_log_z)
+    drop_last = lambda a_BxL: None if a_BxL is None else a_BxL[:, :-1]  # noqa: E731
+    return drop_last(losses_BxL), drop_last(log_z_BxL), inputs_BxL
+
+
+def lm_objective(model, batch, rngs: nnx.Rngs,
+                 settings: LossSettings = LossSettings()) -> tuple[jax.Array, dict]:
+    """Causal LM: the mean next-token cross-entropy of a batch of token blocks, plus
+    `settings.z_loss` × the mean log²Z, and the metrics beside it (`z_loss`: that term, when
+    its coefficient is not 0)."""
+    losses_BxL, log_z_BxL, _ = lm_token_losses(model, batch, rngs, settings.chunk_size,
+                                               with_log_z=settings.z_loss > 0)
+    loss = losses_BxL.mean()
+    if not settings.z_loss:
+        return loss, {}
+    z_term = settings.z_loss * jnp.square(log_z_BxL).mean()
+    return loss + z_term, {"z_loss": z_term}
 
 
 def lm_loss(model, batch, rngs: nnx.Rngs) -> jax.Array:
     """Causal LM: the mean next-token cross-entropy of a batch of token blocks (`lm_logits`)."""
-    return next_token_losses(*lm_logits(model, batch, rngs)).mean()
+    return lm_objective(model, batch, rngs)[0]
 
 
 def train_step(state: TrainState, batch_K, dropout_key: jax.Array, *, graphdef,
                tx: optax.GradientTransformation, schedule: optax.Schedule,
-               loss_fn: Callable = lm_loss, skip_nonfinite: bool = False,
+               loss_fn: Callable = lm_objective, skip_nonfinite: bool = False,
                layout: Callable = lambda tree: tree):
     """One optimizer step on the mean gradient of K micro-batches of B rows.
 
     `batch_K` is an array or a pytree of arrays (e.g. a dict of input ids, masks and labels),
     each leaf shaped (K, B, ...); `loss_fn(model, micro_batch, rngs)` gives a micro-batch's
-    mean loss (`lm_loss` for pre-training).
+    mean loss and a dict of scalar metrics beside it (`lm_objective` for pre-training), both
+    averaged over the micro-batches; the metrics join the step's.
 
     `metrics["finite"]` says whether the loss, the gradients and the new parameters are all
     finite; the loop checks it before it lets a state be checkpointed. With `skip_nonfinite`
@@ -119,7 +220,7 @@ def train_step(state: TrainState, batch_K, dropout_key: jax.Array, *, graphdef,
         return loss_fn(nnx.merge(graphdef, params), micro_batch, nnx.Rngs(dropout=key))
 
     first_micro_batch = state.step * jax.tree.leaves(batch_K)[0].shape[0]
-    loss, grads = accumulate_gradients(
+    (loss, loss_metrics), grads = accumulate_gradients(
         micro_batch_loss, state.params, batch_K, dropout_key, first_micro_batch, layout
     )
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -139,6 +240,7 @@ def train_step(state: TrainState, batch_K, dropout_key: jax.Array, *, graphdef,
         "learning_rate": schedule(state.step),
         "finite": finite,
         "skipped": skipped,
+        **loss_metrics,
     }
     return new_state, metrics
 
@@ -152,7 +254,8 @@ def all_finite(tree) -> jax.Array:
 
 def accumulate_gradients(loss_fn: Callable, params, batch_K, dropout_key: jax.Array,
                          first_micro_batch: jax.Array, layout: Callable = lambda tree: tree):
-    """Mean loss and mean gradient over the K micro-batches, one micro-batch at a time.
+    """Mean loss and metrics, and mean gradient, over the K micro-batches, one micro-batch at
+    a time: `loss_fn(params, micro_batch, key)` returns the loss and a dict of scalar metrics.
 
     A `lax.scan` inside the jitted step rather than `optax.MultiSteps`: one dispatch per
     optimizer step, so the loop's step, the schedule and the optimizer's counters all count
@@ -167,25 +270,31 @@ def accumulate_gradients(loss_fn: Callable, params, batch_K, dropout_key: jax.Ar
     if num_micro == 1:  # no loop: the compiler sees the whole step as one computation
         key = jax.random.fold_in(dropout_key, first_micro_batch)
         micro_batch = jax.tree.map(lambda leaf: leaf[0], batch_K)
-        loss, grads = jax.value_and_grad(loss_fn)(params, micro_batch, key)
-        return loss, layout(grads)
+        loss_and_metrics, grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, micro_batch, key)
+        return loss_and_metrics, layout(grads)
 
     def add_micro_batch(sums, index_and_batch):
         index, micro_batch = index_and_batch
         key = jax.random.fold_in(dropout_key, first_micro_batch + index)
-        loss, grads = jax.value_and_grad(loss_fn)(params, micro_batch, key)
-        loss_sum, grad_sums = sums
+        loss_and_metrics, grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, micro_batch, key)
+        loss_sums, grad_sums = sums
+        loss_sums = jax.tree.map(lambda s, v: s + v.astype(jnp.float32), loss_sums,
+                                 loss_and_metrics)
         grad_sums = layout(jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sums,
                                         grads))
-        return (loss_sum + loss, grad_sums), None
+        return (loss_sums, grad_sums), None
 
-    zeros = (jnp.zeros((), jnp.float32),
+    first = jax.tree.map(lambda leaf: leaf[0], batch_K)
+    loss_shapes = jax.eval_shape(loss_fn, params, first, dropout_key)
+    zeros = (jax.tree.map(lambda v: jnp.zeros(v.shape, jnp.float32), loss_shapes),
              layout(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)))
-    (loss_sum, grad_sums), _ = jax.lax.scan(
+    (loss_sums, grad_sums), _ = jax.lax.scan(
         add_micro_batch, zeros, (jnp.arange(num_micro), batch_K)
     )
     grads = jax.tree.map(lambda s, p: (s / num_micro).astype(p.dtype), grad_sums, params)
-    return loss_sum / num_micro, grads
+    return jax.tree.map(lambda s: s / num_micro, loss_sums), grads
 
 
 def split_micro_batches(batch_N, num_micro: int, sharding: NamedSharding):
@@ -205,12 +314,13 @@ def split_micro_batches(batch_N, num_micro: int, sharding: NamedSharding):
 
 
 def eval_step(params, batch, row_mask_B: jax.Array, token_bytes_V: jax.Array,
-              *, graphdef) -> dict[str, jax.Array]:
+              *, graphdef, chunk_size: int | None = None) -> dict[str, jax.Array]:
     """Sums, not means: loss summed over real tokens, their count and their UTF-8 bytes, so
-    batches (and padding) combine exactly. `batch`: as `lm_logits` reads it."""
+    batches (and padding) combine exactly. `batch`: as `lm_logits` reads it; the loss is
+    training's cross-entropy (`lm_token_losses`, chunked as training chunks it), without the
+    z-loss."""
     model = nnx.merge(graphdef, params)
-    logits_BxLxV, inputs_BxL = lm_logits(model, batch)
-    losses_BxL = next_token_losses(logits_BxLxV, inputs_BxL)
+    losses_BxL, _, inputs_BxL = lm_token_losses(model, batch, chunk_size=chunk_size)
     mask_BxL = jnp.broadcast_to(row_mask_B[:, None], losses_BxL.shape).astype(jnp.float32)
     targets_BxL = inputs_BxL[:, 1:]
     return {
@@ -226,14 +336,14 @@ class CompiledSteps:
     eval: Callable
 
 
-def compile_train_step(mesh: Mesh, graphdef, tx, schedule, loss_fn: Callable = lm_loss,
+def compile_train_step(mesh: Mesh, graphdef, tx, schedule, loss_fn: Callable = lm_objective,
                        grad_accum_steps: int = 1, skip_nonfinite: bool = False) -> Callable:
     """`train(state, batch, dropout_key) -> (state, metrics)`, jitted: the batch (an array or
     a pytree of arrays with `grad_accum_steps` micro-batches' rows) sharded over `data` ×
     `fsdp`, the state donated (updated in place). The state comes in as `create_state` laid it
     out on the mesh (its sharding is the argument's own) and goes out the same way, by its
     logical axes.
-    `loss_fn(model, micro_batch, rngs)`."""
+    `loss_fn(model, micro_batch, rngs) -> (loss, metrics)`."""
     rep, data = replicated(mesh), batch_sharded(mesh)
     micro_batches = NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))
     return jax.jit(
@@ -249,14 +359,16 @@ def compile_train_step(mesh: Mesh, graphdef, tx, schedule, loss_fn: Callable = l
 
 
 def compile_steps(mesh: Mesh, graphdef, tx, schedule, grad_accum_steps: int = 1,
-                  skip_nonfinite: bool = False) -> CompiledSteps:
+                  skip_nonfinite: bool = False,
+                  loss: LossSettings = LossSettings()) -> CompiledSteps:
     """The causal-LM train and eval steps, jitted with explicit shardings."""
     rep, data = replicated(mesh), batch_sharded(mesh)
-    train = compile_train_step(mesh, graphdef, tx, schedule, lm_loss, grad_accum_steps,
-                               skip_nonfinite)
+    train = compile_train_step(mesh, graphdef, tx, schedule,
+                               functools.partial(lm_objective, settings=loss),
+                               grad_accum_steps, skip_nonfinite)
     evaluate = jax.jit(
         traced_on(mesh, lambda params, inputs, mask, token_bytes: eval_step(
-            params, inputs, mask, token_bytes, graphdef=graphdef
+            params, inputs, mask, token_bytes, graphdef=graphdef, chunk_size=loss.chunk_size
         )),
         in_shardings=(None, data, data, rep),  # the parameters as the train state holds them
         out_shardings=rep,
