@@ -158,6 +158,9 @@ ROWS = {
     "init-from-missing": Row(["model.init_from={tmp}/no-model"], ["model.init_from="]),
     "keep-last-zero": Row(["checkpoint.keep_last=0"], ["checkpoint.keep_last=0"]),
     "classify-without-data": Row(["task=classify"], ["task.hub_path", "task.files"]),
+    "attention-cudnn-on-cpu": Row(["model.attention=cudnn"], ["model.attention=cudnn", "auto"]),
+    "attention-splash-on-cpu": Row(["model.attention=splash"], ["model.attention=splash"]),
+    "attention-unknown": Row(["model.attention=flash"], ["model.attention"]),
     "clm-with-an-encoder": Row(["model=bert-tiny"], ["model=bert-tiny", "task=clm"]),
     # --- the corpus
     "files-without-files": Row(FILES, ["language.files is empty"]),

@@ -25,8 +25,9 @@ from flaxlm.data.documents import block_starts, layout, with_documents
 from flaxlm.data.packing import pack_blocks, tokenize_and_pack
 from flaxlm.data.streaming import pack_stream
 from flaxlm.errors import FlaxlmError
+from flaxlm.models.attention import attention
 from flaxlm.models.build import build_lm
-from flaxlm.models.layers import TransformerSpec, attention
+from flaxlm.models.layers import TransformerSpec
 from flaxlm.training.step import eval_step, next_token_losses
 
 FEW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -268,7 +269,9 @@ def test_a_run_with_document_masking_trains_and_evaluates(tmp_path, capsys):
                    "language.text_splitting=paragraph", "task.max_seq_length=32",
                    "task.document_masking=true",
                    "samples.prompts=[]"], run_dir=run_dir))
-    assert "each document attending to itself only" in capsys.readouterr().out
+    banner = next(line for line in capsys.readouterr().out.splitlines() if "params" in line)
+    assert "each document attending to itself only" in banner
+    assert "attention xla (auto on cpu) |" in banner  # llama-tiny has no attention dropout
     final = [record for record in metrics_of(run_dir) if "eval/loss" in record][-1]
     assert np.isfinite(final["eval/loss"]) and np.isfinite(final["eval/bits_per_byte"])
 

@@ -102,6 +102,22 @@ def test_the_compiled_flops_agree_with_the_analytic_count(plans, family, mesh):
 
 
 @needs_libtpu
+@needs_libtpu
+@pytest.mark.slow
+def test_the_train_step_with_splash_attention_compiles_for_a_tpu_slice():
+    """The real train and eval steps with the splash kernel, run per device under shard_map on
+    a data × tensor mesh, lowered to Mosaic (not interpreted) and compiled by XLA's TPU
+    compiler; the plan says which attention it compiled."""
+    overrides = [*SMALL, *LLAMA, "model.max_positions=128", "task.max_seq_length=128",
+                 "task.document_masking=true", "model.attention=splash",
+                 "hardware.per_device_batch_size=1", *MESHES["tensor"]]
+    planned = aot.plan(compose(overrides))
+    assert planned.attention == "attention splash" and planned.train.temp_bytes > 0
+    assert "attention splash" in aot.report(planned).splitlines()[0]
+    run = aot.abstract_run(compose(overrides))
+    assert "tpu_custom_call" in run.steps.train.lower(*run.train_args).as_text()
+
+
 @pytest.mark.slow
 def test_gradient_accumulation_counts_its_loop_in_full(plans):
     """cost_analysis counts a loop's body once; the plan multiplies by the micro-batches."""

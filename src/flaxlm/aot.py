@@ -13,8 +13,9 @@ What the compiler reports, and how far to trust it:
   the figure the chip must hold; dependable;
 - FLOPs and bytes (`cost_analysis`) of the compiled per-chip program: a loop's body counts
   once, so the step's figures are multiplied by its micro-batches (the optimizer update,
-  outside the loop, is then over-counted, by a little); kernels the compiler cannot see
-  (Pallas) would count nothing;
+  outside the loop, is then over-counted, by a little); a kernel the compiler cannot see
+  into counts nothing: with `model.attention=splash` (a Pallas kernel, what `auto` takes on
+  a TPU) attention's FLOPs and bytes are missing from both, and the roofline is low;
 - the time is a roofline, not a measurement: the larger of FLOPs over the chip's peak and
   bytes over its HBM bandwidth; communication between chips and imperfect overlap are not in
   it, so the tokens/s and MFU it projects are upper bounds.
@@ -102,6 +103,7 @@ class RunPlan:
     hbm_bandwidth: float | None  # bytes/s, one chip's
     # Per-chip parameter and optimizer bytes with fsdp over all devices, when that differs.
     fsdp_state_bytes: int | None = None
+    attention: str = ""  # the backend and why, as the run's banner says it
 
     @property
     def tokens_per_step(self) -> int:
@@ -275,6 +277,7 @@ def plan(cfg: DictConfig | TrainConfig) -> RunPlan:
         hbm_bandwidth=None if hardware.hbm_gbps_per_device is None
         else hardware.hbm_gbps_per_device * 1e9,
         fsdp_state_bytes=layout.fsdp_state_bytes,
+        attention=base.attention_choice(config, config.model).describe(),
     )
 
 
@@ -376,7 +379,7 @@ def report(run: RunPlan) -> str:
     lines = [
         f"flaxlm: plan of model={run.model} ({run.num_params / 1e6:,.1f}M params) on "
         f"hardware={run.hardware}: {run.num_devices} × {run.device_kind} ({where}), mesh "
-        f"{mesh}, remat {run.remat}",
+        f"{mesh}, remat {run.remat}" + (f", {run.attention}" if run.attention else ""),
         f"  batch: {run.global_batch} rows × {run.seq_len} tokens = {run.tokens_per_step:,} "
         f"tokens per step ({run.per_device_batch} rows per device × {run.num_devices} devices "
         f"× {run.grad_accum_steps} micro-batch(es))",

@@ -22,8 +22,9 @@ import enum
 import re
 from typing import Optional
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+# OmegaConf's marker of a value the config must give (`omegaconf.MISSING`), spelt out so that
+# the schema (and the model code that reads its enums) imports without Hydra or OmegaConf.
+MISSING = "???"
 
 
 class CorpusSource(str, enum.Enum):
@@ -83,6 +84,16 @@ class Remat(str, enum.Enum):
     full = "full"  # per block: keep only its input; recompute everything, matmuls included
 
 
+class AttentionBackend(str, enum.Enum):
+    """Which attention computes the model's (flaxlm.models.attention says what each is)."""
+
+    auto = "auto"  # by platform: cudnn on a GPU (bf16/fp16), splash on a TPU, else xla
+    xla = "xla"  # jax.nn.dot_product_attention's XLA path: any device
+    cudnn = "cudnn"  # cuDNN's fused flash attention: NVIDIA GPUs, bfloat16/float16
+    splash = "splash"  # JAX's Pallas splash attention kernel: TPUs, causal LMs
+    reference = "reference"  # spelled out with einsums, the softmax in float32
+
+
 @dataclasses.dataclass
 class RopeScaling:
     """How rotary positions are stretched beyond the trained context (HF's `rope_scaling`,
@@ -120,6 +131,8 @@ class ModelConfig:
     # family and shape (the fields above are overwritten from it), and its tokenizer is used.
     init_from: Optional[str] = None
     remat: Remat = MISSING  # trade compute for activation memory (gradients are the same)
+    # Which attention backend; with attention dropout, training takes the reference path.
+    attention: AttentionBackend = MISSING
     tie_word_embeddings: bool = MISSING  # the LM head reuses the token embeddings (GPT-2 always)
     # llama only (GPT-2 and BERT ignore them):
     num_kv_heads: Optional[int] = None  # key/value heads (grouped-query); null → num_heads
@@ -472,6 +485,7 @@ RENAMED = {
 # earlier run resumed with a setting that would change what it trains is refused, naming it.
 ADDED = {
     "task.document_masking": False,  # blocks were one sequence each
+    "model.attention": "xla",  # jax.nn.dot_product_attention's default, XLA's
 }
 
 
@@ -519,6 +533,8 @@ def _node(tree: dict, path: list[str], create: bool = False):
 def register_configs() -> None:
     """Make the schema known to Hydra as `train_schema`, the first entry of conf/train.yaml's
     defaults list: every group file and override is then merged onto a typed node."""
+    from hydra.core.config_store import ConfigStore
+
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 

@@ -29,7 +29,7 @@ from flaxlm.errors import FlaxlmError, writable_dir
 from flaxlm.parallel import configure_platform, make_mesh
 from flaxlm.run_records import FAILED, FINISHED, PREEMPTED, RUNNING, write_status
 from flaxlm.runs import open_shared_run_dir
-from flaxlm.tasks.base import JobContext
+from flaxlm.tasks.base import JobContext, attention_choice
 from flaxlm.tasks.objective import choose_objective, objective_result
 from flaxlm.tasks.registry import task_named
 from flaxlm.tracking import start_tracker
@@ -157,6 +157,7 @@ def check_settings(config: TrainConfig, num_devices: int) -> int:
         raise FlaxlmError(f"trainer.z_loss={z_loss} must be a finite number, 0 or more: the "
                           "coefficient of the z-loss (e.g. 1e-4), or 0 for none.")
     global_batch_size(config, num_devices)
+    attention_choice(config, config.model)
     check_optimizer_settings(config.optimizer)
     choose_objective(config)
     return seq_len

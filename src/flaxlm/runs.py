@@ -74,7 +74,8 @@ def _failed_start(run_dir: str) -> bool:
 
 # Settings a resumed run may change: how often it logs, evaluates and checkpoints, how long it
 # trains, where it logs (and the text samples it logs), and how the same global batch is spread
-# over devices, hosts and the mesh, and what it recomputes (a run may move between slice sizes).
+# over devices, hosts and the mesh, what it recomputes and which attention kernel computes the
+# same function (a run may move between slice sizes, and between GPUs and TPUs).
 # Anything else (model, tokenizer, data, optimizer, seed, ...) would make it another run.
 RESUMABLE_CHANGES = (
     "run_dir", "resume_from", "cache_dir", "logger.", "checkpoint.", "samples.",
@@ -86,7 +87,7 @@ RESUMABLE_CHANGES = (
     "hardware.per_device_batch_size", "hardware.per_device_eval_batch_size",
     "hardware.peak_tflops_per_device", "hardware.hbm_gib_per_device",
     "hardware.hbm_gbps_per_device", "hardware.topology.", "hardware.distributed.",
-    "hardware.mesh.", "model.remat",
+    "hardware.mesh.", "model.remat", "model.attention",
 )
 
 

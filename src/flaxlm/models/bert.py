@@ -21,12 +21,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flaxlm.config import ModelConfig, Remat
+from flaxlm.models.attention import attention
 from flaxlm.models.dropout import Dropout
 from flaxlm.models.layers import (
     ACTIVATIONS,
     HFNames,
     TransformerSpec,
-    attention,
     check_shape,
     dense,
     embedding,
@@ -63,6 +63,7 @@ class BertSelfAttention(nnx.Module):
         cfg = spec.model
         self.num_heads = cfg.num_heads
         self.attention_dropout = cfg.attention_dropout
+        self.attention_backend = cfg.attention
         std = cfg.initializer_range
         self.query, self.key, self.value = (
             dense(cfg.hidden_size, cfg.hidden_size, spec, rngs, std,
@@ -78,7 +79,8 @@ class BertSelfAttention(nnx.Module):
         )
         out_BxLxNxH = attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH,
                                 mask=key_mask_BxL[:, None, None, :],
-                                dropout_rate=self.attention_dropout, rngs=rngs)
+                                dropout_rate=self.attention_dropout, rngs=rngs,
+                                backend=self.attention_backend)
         return out_BxLxNxH.reshape(B, L, D)
 
 

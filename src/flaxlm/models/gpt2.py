@@ -20,13 +20,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flaxlm.config import ModelConfig, Remat
+from flaxlm.models.attention import attention
 from flaxlm.models.dropout import Dropout
 from flaxlm.models.layers import (
     ACTIVATIONS,
     HFNames,
     KVCache,
     TransformerSpec,
-    attention,
     cached_attention,
     check_shape,
     decode_step,
@@ -44,6 +44,7 @@ class Attention(nnx.Module):
         cfg = spec.model
         self.num_heads = cfg.num_heads
         self.attention_dropout = cfg.attention_dropout
+        self.attention_backend = cfg.attention
         # GPT-2 scales the init of every projection into the residual stream by 1/sqrt(2 layers).
         residual_std = cfg.initializer_range / (2 * cfg.num_layers) ** 0.5
         # c_attn's columns are q | k | v, each head by head: "heads" splits them in whole
@@ -60,7 +61,8 @@ class Attention(nnx.Module):
         q_BxLxNxH, k_BxLxNxH, v_BxLxNxH = self._heads(x_BxLxD)
         out_BxLxNxH = attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, is_causal=True,
                                 segment_ids_BxL=segment_ids_BxL,
-                                dropout_rate=self.attention_dropout, rngs=rngs)
+                                dropout_rate=self.attention_dropout, rngs=rngs,
+                                backend=self.attention_backend)
         out_BxLxD = self.c_proj(out_BxLxNxH.reshape(B, L, D))
         return self.resid_dropout(out_BxLxD, deterministic=rngs is None, rngs=rngs)
 
@@ -70,8 +72,8 @@ class Attention(nnx.Module):
         the output and the updated keys and values."""
         B, L, D = x_BxLxD.shape
         out_BxLxNxH, keys_BxSxNxH, values_BxSxNxH = cached_attention(
-            *self._heads(x_BxLxD), keys_BxSxNxH, values_BxSxNxH, index, mask_BxLxS
-        )
+            *self._heads(x_BxLxD), keys_BxSxNxH, values_BxSxNxH, index, mask_BxLxS,
+            self.attention_backend)
         return self.c_proj(out_BxLxNxH.reshape(B, L, D)), keys_BxSxNxH, values_BxSxNxH
 
     def _heads(self, x_BxLxD: jax.Array):

@@ -1,7 +1,7 @@
 """What every model family is built from: the spec (model config plus dtypes), the Flax layers
-with their initialisers and logical axis names, attention (fused, or spelled out when it trains
-with dropout), rematerialisation of a block, and the record of how Hugging Face names a family
-(`HFNames`, one per family module, read by `flaxlm.models.hf`).
+with their initialisers and logical axis names (attention: `flaxlm.models.attention`),
+rematerialisation of a block, the key/value cache of generation, and the record of how
+Hugging Face names a family (`HFNames`, one per family module, read by `flaxlm.models.hf`).
 
 Every parameter carries `logical_axes` metadata, one name per dimension ("embed", "vocab",
 "heads", "mlp", ...): what the dimension means, from which `flaxlm.parallel.LOGICAL_AXIS_RULES`
@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax import lax
 
-from flaxlm.config import ModelConfig, Remat
-from flaxlm.models.dropout import dropout
+from flaxlm.config import AttentionBackend, ModelConfig, Remat
+from flaxlm.models.attention import attention
 from flaxlm.parallel import constrain_batch
 
 ACTIVATIONS = {
@@ -144,55 +144,6 @@ def run_block(block: nnx.Module, remat: Remat, x_BxLxD: jax.Array, *args):
     return constrain_batch(rematerialised(block, x_BxLxD, *args))
 
 
-def attention(q_BxLxNxH: jax.Array, k_BxKxNxH: jax.Array, v_BxKxNxH: jax.Array, *,
-              dropout_rate: float, rngs: nnx.Rngs | None, mask=None,
-              is_causal: bool = False, segment_ids_BxL: jax.Array | None = None) -> jax.Array:
-    """Multi-head attention, (B, L, N, H); keys and values may have fewer heads, G dividing N
-    (grouped-query attention). `mask` (broadcastable to B×N×L×K) says which keys
-    each query sees; `is_causal` adds the causal mask; `segment_ids_BxL` (self-attention: the
-    same ids for queries and keys) keeps each query to the keys of its own segment, its
-    document in a packed block. Training (`rngs` given, rate > 0) drops attention
-    probabilities out; otherwise this is the fused `jax.nn.dot_product_attention`.
-
-    Segment ids, not a ready mask, are what this takes: the fused kernels (cuDNN's, TPU
-    splash attention) take them as such and never build the L×L mask."""
-    if segment_ids_BxL is not None:
-        same_segment_Bx1xLxK = (segment_ids_BxL[:, None, :, None]
-                                == segment_ids_BxL[:, None, None, :])
-        mask = same_segment_Bx1xLxK if mask is None else mask & same_segment_Bx1xLxK
-    if rngs is None or dropout_rate <= 0:
-        return jax.nn.dot_product_attention(q_BxLxNxH, k_BxKxNxH, v_BxKxNxH, mask=mask,
-                                            is_causal=is_causal)
-    if is_causal:
-        L = q_BxLxNxH.shape[1]
-        causal_LxL = jnp.tril(jnp.ones((L, L), dtype=bool))
-        mask = causal_LxL if mask is None else mask & causal_LxL
-    return attention_with_dropout(q_BxLxNxH, k_BxKxNxH, v_BxKxNxH, mask, dropout_rate,
-                                  rngs.dropout())
-
-
-def attention_with_dropout(q_BxLxNxH, k_BxKxNxH, v_BxKxNxH, mask, rate: float,
-                           key: jax.Array):
-    """Attention with dropout on the attention probabilities, as HF's models train.
-
-    The fused `jax.nn.dot_product_attention` has no dropout, so training with a dropout rate
-    spells the same computation out; evaluation always takes the fused path. A large finite
-    negative (not -inf) keeps a row that sees no key at all (a filler row of the last eval
-    batch) finite, as the fused path does.
-    """
-    H = q_BxLxNxH.shape[-1]
-    # Grouped-query attention: each key/value head serves N / G query heads in a row.
-    group = q_BxLxNxH.shape[2] // k_BxKxNxH.shape[2]
-    k_BxKxNxH = jnp.repeat(k_BxKxNxH, group, axis=2)
-    v_BxKxNxH = jnp.repeat(v_BxKxNxH, group, axis=2)
-    scores_BxNxLxK = jnp.einsum("bqnh,bknh->bnqk", q_BxLxNxH, k_BxKxNxH) / jnp.sqrt(H)
-    scores_BxNxLxK = jnp.where(mask, scores_BxNxLxK.astype(jnp.float32),
-                               jnp.finfo(jnp.float32).min)
-    probs_BxNxLxK = jax.nn.softmax(scores_BxNxLxK, axis=-1)
-    probs_BxNxLxK = dropout(probs_BxNxLxK, rate, key)
-    return jnp.einsum("bnqk,bknh->bqnh", probs_BxNxLxK.astype(v_BxKxNxH.dtype), v_BxKxNxH)
-
-
 def last_token_states(x_BxLxD: jax.Array, attention_mask_BxL: jax.Array) -> jax.Array:
     """Each row's hidden state at its last real token, the rightmost position the mask keeps
     (HF's decoder classifiers: the rightmost token that is not padding), (B, D). A filler row
@@ -253,18 +204,23 @@ def decode_step(cache: KVCache, input_mask_BxL: jax.Array | None, L: int):
 
 
 def cached_attention(q_BxLxNxH, k_BxLxGxH, v_BxLxGxH, keys_BxSxGxH, values_BxSxGxH,
-                     index: jax.Array, mask_BxLxS: jax.Array):
+                     index: jax.Array, mask_BxLxS: jax.Array,
+                     backend: AttentionBackend | str = AttentionBackend.xla):
     """Attention of L new positions, their keys and values first written into the cache at
-    slot `index`, over every slot `mask_BxLxS` allows. Returns (B, L, N, H) and the cache."""
+    slot `index`, over every slot `mask_BxLxS` allows. Returns (B, L, N, H) and the cache.
+
+    A few new queries over a mask of filled slots is not what the flash kernels are for (and
+    splash cannot take that mask): every backend but the reference decodes with XLA's."""
     keys_BxSxGxH = lax.dynamic_update_slice_in_dim(
         keys_BxSxGxH, k_BxLxGxH.astype(keys_BxSxGxH.dtype), index, axis=1
     )
     values_BxSxGxH = lax.dynamic_update_slice_in_dim(
         values_BxSxGxH, v_BxLxGxH.astype(values_BxSxGxH.dtype), index, axis=1
     )
-    out_BxLxNxH = jax.nn.dot_product_attention(
-        q_BxLxNxH, keys_BxSxGxH, values_BxSxGxH, mask=mask_BxLxS[:, None]
-    )
+    if AttentionBackend(backend) is not AttentionBackend.reference:
+        backend = AttentionBackend.xla
+    out_BxLxNxH = attention(q_BxLxNxH, keys_BxSxGxH, values_BxSxGxH, mask=mask_BxLxS[:, None],
+                            dropout_rate=0.0, rngs=None, backend=backend)
     return out_BxLxNxH, keys_BxSxGxH, values_BxSxGxH
 
 

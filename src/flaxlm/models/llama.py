@@ -28,13 +28,13 @@ from flax import nnx
 
 from flaxlm.config import ModelConfig, Remat, RopeScaling
 from flaxlm.errors import FlaxlmError
+from flaxlm.models.attention import attention
 from flaxlm.models.layers import (
     ACTIVATIONS,
     HFNames,
     KVCache,
     RMSNorm,
     TransformerSpec,
-    attention,
     cached_attention,
     check_shape,
     decode_step,
@@ -100,6 +100,7 @@ class LlamaAttention(nnx.Module):
         linear = cfg.rope_scaling.type == "linear"
         self.rope_factor = cfg.rope_scaling.factor if linear else 1.0
         self.attention_dropout = cfg.attention_dropout
+        self.attention_backend = cfg.attention
         kv_width = self.num_kv_heads * self.head_width
 
         def projection(width_in, width_out, logical_axes):
@@ -116,7 +117,8 @@ class LlamaAttention(nnx.Module):
         B, L, D = x_BxLxD.shape
         out_BxLxNxH = attention(*self._heads(x_BxLxD, positions_BxL), is_causal=True,
                                 segment_ids_BxL=segment_ids_BxL,
-                                dropout_rate=self.attention_dropout, rngs=rngs)
+                                dropout_rate=self.attention_dropout, rngs=rngs,
+                                backend=self.attention_backend)
         return self.o_proj(out_BxLxNxH.reshape(B, L, D))
 
     def decode(self, x_BxLxD, positions_BxL, keys_BxSxGxH, values_BxSxGxH, index, mask_BxLxS):
@@ -124,8 +126,7 @@ class LlamaAttention(nnx.Module):
         B, L, D = x_BxLxD.shape
         out_BxLxNxH, keys_BxSxGxH, values_BxSxGxH = cached_attention(
             *self._heads(x_BxLxD, positions_BxL), keys_BxSxGxH, values_BxSxGxH, index,
-            mask_BxLxS,
-        )
+            mask_BxLxS, self.attention_backend)
         return self.o_proj(out_BxLxNxH.reshape(B, L, D)), keys_BxSxGxH, values_BxSxGxH
 
     def _heads(self, x_BxLxD: jax.Array, positions_BxL: jax.Array):

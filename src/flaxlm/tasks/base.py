@@ -26,6 +26,7 @@ from flaxlm.config import HardwareConfig, ModelConfig, TrainConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import export_hf
 from flaxlm.models import pretrained
+from flaxlm.models.attention import Choice, choose_backend
 from flaxlm.models.layers import TransformerSpec, count_params
 from flaxlm.runs import RunDir
 from flaxlm.tracking import Tracker
@@ -139,6 +140,7 @@ class Training:
     metadata: dict
     num_params: int
     resume: LoopState | None
+    attention: Choice
 
 
 def prepare_training(
@@ -163,6 +165,7 @@ def prepare_training(
     schedule = make_schedule(config.optimizer, plan.total_steps)
     tx = make_optimizer(config.optimizer, schedule)
     spec = model_spec(config, start.model)
+    attention = attention_choice(config, start.model)
     init_key, dropout_key = jax.random.split(jax.random.key(config.seed))
     model = build_model(spec, nnx.Rngs(params=init_key))
     if start.checkpoint_dir and not job.run.resuming:  # else the weights come from the run's
@@ -183,13 +186,27 @@ def prepare_training(
                               accept_changed_data=config.trainer.resume_on_changed_data)
         state, dropout_key, resume = resumed.state, resumed.dropout_key, resumed.loop
         announce_new_length(config, resumed.saved_config, plan, schedule, resume.step)
-    return Training(state, steps, plan, dropout_key, metadata, count_params(model), resume)
+    return Training(state, steps, plan, dropout_key, metadata, count_params(model), resume,
+                    attention)
 
 
 def model_spec(config: TrainConfig, model: ModelConfig) -> TransformerSpec:
-    """`model`'s shape with the hardware's compute and parameter dtypes."""
+    """`model`'s shape with the hardware's compute and parameter dtypes, and the attention
+    backend `model.attention` comes to on the run's hardware (`attention_choice`)."""
+    model = dataclasses.replace(model, attention=attention_choice(config, model).backend)
     return TransformerSpec(model, compute_dtype=jnp.dtype(config.hardware.compute_dtype),
                            param_dtype=jnp.dtype(config.hardware.param_dtype))
+
+
+def attention_choice(config: TrainConfig, model: ModelConfig) -> Choice:
+    """Which attention backend the run uses (`flaxlm.models.attention.choose_backend`); a
+    FlaxlmError when `model.attention` names one its hardware cannot run."""
+    return choose_backend(model.attention, config.hardware.platform,
+                          config.hardware.compute_dtype,
+                          config.task.max_seq_length or model.max_positions,
+                          model.hidden_size // model.num_heads,
+                          causal_lm=config.task.name == "clm",
+                          attention_dropout=model.attention_dropout)
 
 
 def announce_new_length(config: TrainConfig, saved_config: dict, plan: Plan, schedule,
@@ -255,7 +272,8 @@ def banner(job: JobContext, training: Training, model: ModelConfig, what: str,
     (e.g. "2 labels"), `data` describes the data and the batch."""
     extra = f", {what}" if what else ""
     return (f"flaxlm: {model.name} ({training.num_params / 1e6:.2f}M params{extra}) on "
-            f"{job.mesh.size} {jax.default_backend()} device(s) | {data} | "
+            f"{job.mesh.size} {jax.default_backend()} device(s), "
+            f"{training.attention.describe()} | {data} | "
             f"{training.plan.total_steps} steps ({training.plan.steps_per_epoch}/epoch) | "
             f"run dir {job.run.path}")
 

@@ -1,0 +1,285 @@
+"""Attention, the one entry point every model family calls, and its interchangeable backends.
+
+`model.attention` names the backend (`AttentionBackend`); every backend computes the same
+function, softmax(q·kᵀ/√H)·v over the keys each query may see, and takes the same masks:
+causal, segment ids (a packed block's documents, `task.document_masking`) and grouped-query
+attention (keys and values with G heads, G dividing N; query head n reads key head n // (N/G)).
+
+- `reference`: spelled out with einsums, the softmax in float32; builds the L×K scores. The
+  only path that can drop attention probabilities out, so a model that trains with
+  attention dropout uses it in training whatever the setting says (evaluation does not).
+- `xla`: `jax.nn.dot_product_attention(implementation="xla")`, what XLA fuses on any device.
+- `cudnn`: the same call with `implementation="cudnn"`: cuDNN's fused flash attention on an
+  NVIDIA GPU, bfloat16/float16 only; the causal mask is never built, segment ids enter as a
+  mask (cuDNN takes it as a B×1×L×K bias).
+- `splash`: JAX's Pallas TPU splash attention kernel
+  (`jax.experimental.pallas.ops.tpu.splash_attention`): blocks of the causal mask that are
+  empty are skipped, segment ids are taken as such (no L×K mask anywhere), grouped-query
+  attention natively. Under a device mesh it runs per device (`jax.shard_map` over the batch's
+  mesh axes, and the heads' when `tensor` splits them). On a machine without a TPU (tests) the
+  kernel runs in Pallas interpret mode.
+- `auto`: `choose_backend` picks by platform, dtype and shape.
+
+Shapes are in the names: B batch, L query length, K key length, N query heads, G key/value
+heads, H head width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from flaxlm.config import AttentionBackend
+from flaxlm.errors import FlaxlmError
+from flaxlm.models.dropout import dropout
+from flaxlm.parallel import BATCH_AXES, TENSOR_AXIS
+
+# What cuDNN's flash attention runs: its dtypes, and head widths up to 128 in multiples of 8
+# (jax's `check_is_flash_attention`; Hopper allows 256, older GPUs 128).
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+CUDNN_MAX_HEAD_WIDTH = 128
+# Splash attention's query and key block lengths: the largest of these dividing the sequence
+# (its key blocks must be whole multiples of a TPU vector register's 128 lanes).
+SPLASH_BLOCKS = (512, 256, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The backend a run uses, and why, as the banner says it."""
+
+    backend: AttentionBackend
+    reason: str  # e.g. "auto on tpu"; "" when model.attention named it
+    dropout: bool  # training drops attention probabilities: the reference path then
+
+    def describe(self) -> str:
+        how = f" ({self.reason})" if self.reason else ""
+        if self.dropout:
+            return (f"attention {self.backend.value}{how}, reference while training "
+                    "(attention dropout)")
+        return f"attention {self.backend.value}{how}"
+
+
+def choose_backend(requested: AttentionBackend | str, platform: str, compute_dtype,
+                   seq_len: int, head_width: int, *, causal_lm: bool = True,
+                   attention_dropout: float = 0.0) -> Choice:
+    """The backend `model.attention=requested` means for a run on `platform` ("cpu", "gpu",
+    "tpu") in `compute_dtype` over blocks of `seq_len` tokens: `auto` picks cuDNN on a GPU
+    in bfloat16/float16, splash on a TPU when a kernel block divides the sequence, else XLA.
+    A backend named explicitly that cannot run there is a FlaxlmError, raised before
+    anything compiles. `causal_lm` is False for the classifiers, whose padding masks only
+    the reference and XLA paths (and cuDNN) take."""
+    backend = _backend(requested)
+    reason = ""
+    if backend is AttentionBackend.auto:
+        backend = _auto(platform, compute_dtype, seq_len, head_width, causal_lm)
+        reason = f"auto on {platform}"
+    else:
+        problem = _why_not(backend, platform, compute_dtype, seq_len, head_width, causal_lm)
+        if problem:
+            raise FlaxlmError(
+                f"model.attention={backend.value} cannot run here: {problem}. Set "
+                "model.attention=auto (picks cudnn on a GPU, splash on a TPU, xla otherwise), "
+                "or xla, which runs everywhere."
+            )
+    return Choice(backend, reason, attention_dropout > 0)
+
+
+def _backend(requested) -> AttentionBackend:
+    try:
+        return AttentionBackend(requested)
+    except ValueError:
+        names = ", ".join(b.value for b in AttentionBackend)
+        raise FlaxlmError(
+            f"model.attention={requested!r} is not an attention backend: use one of {names} "
+            "(auto picks by platform)."
+        ) from None
+
+
+def _auto(platform, compute_dtype, seq_len, head_width, causal_lm) -> AttentionBackend:
+    for backend in (AttentionBackend.cudnn, AttentionBackend.splash):
+        if not _why_not(backend, platform, compute_dtype, seq_len, head_width, causal_lm):
+            return backend
+    return AttentionBackend.xla
+
+
+def _why_not(backend, platform, compute_dtype, seq_len, head_width, causal_lm) -> str:
+    """Why `backend` cannot run this model here ("" when it can)."""
+    if backend is AttentionBackend.cudnn:
+        if platform != "gpu":
+            return f"cuDNN's fused attention runs on an NVIDIA GPU, and this run is on {platform}"
+        if jnp.dtype(compute_dtype) not in CUDNN_DTYPES:
+            return (f"cuDNN's fused attention runs in bfloat16 or float16, and "
+                    f"hardware.compute_dtype is {jnp.dtype(compute_dtype).name}")
+        if head_width > CUDNN_MAX_HEAD_WIDTH or head_width % 8:
+            return (f"cuDNN's fused attention takes heads of up to {CUDNN_MAX_HEAD_WIDTH} "
+                    f"values in multiples of 8, and this model's are {head_width} wide")
+        if seq_len % 2:  # what it trains with a mask (segment ids, padding) on
+            return (f"cuDNN's fused attention trains on sequences of an even length, and "
+                    f"this run's are {seq_len} tokens (set task.max_seq_length)")
+    if backend is AttentionBackend.splash:
+        if platform != "tpu":
+            return f"the splash attention kernel runs on a TPU, and this run is on {platform}"
+        if not causal_lm:
+            return ("the splash attention kernel is wired for causal language models "
+                    "(task=clm), and this run's model masks padding")
+        if splash_block(seq_len) is None:
+            return (f"its blocks are {SPLASH_BLOCKS[-1]} tokens or a multiple, and the sequence "
+                    f"is {seq_len} tokens (set task.max_seq_length to a multiple of "
+                    f"{SPLASH_BLOCKS[-1]})")
+    return ""
+
+
+def splash_block(seq_len: int) -> int | None:
+    """The splash kernel's block length for sequences of `seq_len`; None: none divides it."""
+    return next((block for block in SPLASH_BLOCKS if seq_len % block == 0), None)
+
+
+# ------------------------------------------------------------------------ the entry point
+
+
+def attention(q_BxLxNxH: jax.Array, k_BxKxGxH: jax.Array, v_BxKxGxH: jax.Array, *,
+              dropout_rate: float, rngs: nnx.Rngs | None, mask=None,
+              is_causal: bool = False, segment_ids_BxL: jax.Array | None = None,
+              backend: AttentionBackend | str = AttentionBackend.xla) -> jax.Array:
+    """Multi-head attention, (B, L, N, H), by `backend` (`auto` here: by the platform the
+    step is traced for). `mask` (broadcastable to B×N×L×K) says which keys each query sees;
+    `is_causal` adds the causal mask; `segment_ids_BxL` (self-attention: the same ids for
+    queries and keys) keeps each query to the keys of its own segment. Training (`rngs`
+    given, rate > 0) drops attention probabilities out, on the reference path.
+
+    Segment ids, not a ready mask, are what this takes: the fused kernels take them as such
+    and never build the L×K mask."""
+    backend = AttentionBackend(backend)
+    if rngs is not None and dropout_rate > 0:
+        return reference_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, mask, is_causal,
+                                   segment_ids_BxL, dropout_rate, rngs.dropout())
+    if backend is AttentionBackend.auto:
+        backend = _traced_auto(q_BxLxNxH, mask)
+    if backend is AttentionBackend.reference:
+        return reference_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, mask, is_causal,
+                                   segment_ids_BxL)
+    if backend is AttentionBackend.splash:
+        if mask is not None:
+            raise ValueError("splash attention takes causal and segment masks, not a mask")
+        return splash_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal, segment_ids_BxL)
+    mask = _with_segments(mask, segment_ids_BxL)
+    return jax.nn.dot_product_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, mask=mask,
+                                        is_causal=is_causal, implementation=backend.value)
+
+
+def _traced_auto(q_BxLxNxH: jax.Array, mask) -> AttentionBackend:
+    """`auto` for a model called outside training's set-up (which resolves it first, with
+    `choose_backend`): the choice for the platform the step is traced for."""
+    B, L, N, H = q_BxLxNxH.shape
+    return _auto(_traced_platform(), q_BxLxNxH.dtype, L, H, causal_lm=mask is None)
+
+
+def _traced_platform() -> str:
+    """The platform of the mesh the step is traced on (a TPU slice's when a plan compiles for
+    one on a CPU), else the default device's."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return device.platform if device is not None else jax.default_backend()
+
+
+def _with_segments(mask, segment_ids_BxL):
+    """`mask` and-ed with "the same segment" (B×1×L×L) when there are segment ids."""
+    if segment_ids_BxL is None:
+        return mask
+    same_segment_Bx1xLxK = segment_ids_BxL[:, None, :, None] == segment_ids_BxL[:, None, None, :]
+    return same_segment_Bx1xLxK if mask is None else mask & same_segment_Bx1xLxK
+
+
+def reference_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, mask=None, is_causal: bool = False,
+                        segment_ids_BxL=None, dropout_rate: float = 0.0,
+                        key: jax.Array | None = None) -> jax.Array:
+    """Attention spelled out, as HF's models compute it: scores in the compute dtype, softmax
+    in float32, then dropout on the probabilities (`dropout_rate` > 0, with `key`). A large
+    finite negative (not -inf) keeps a row that sees no key at all (a filler row of the last
+    eval batch) finite, as the fused paths do."""
+    L, K, H = q_BxLxNxH.shape[1], k_BxKxGxH.shape[1], q_BxLxNxH.shape[-1]
+    mask = _with_segments(mask, segment_ids_BxL)
+    if is_causal:
+        causal_LxK = jnp.tril(jnp.ones((L, K), dtype=bool))
+        mask = causal_LxK if mask is None else mask & causal_LxK
+    # Grouped-query attention: each key/value head serves N / G query heads in a row.
+    group = q_BxLxNxH.shape[2] // k_BxKxGxH.shape[2]
+    k_BxKxNxH = jnp.repeat(k_BxKxGxH, group, axis=2)
+    v_BxKxNxH = jnp.repeat(v_BxKxGxH, group, axis=2)
+    scores_BxNxLxK = jnp.einsum("bqnh,bknh->bnqk", q_BxLxNxH, k_BxKxNxH) / jnp.sqrt(H)
+    scores_BxNxLxK = scores_BxNxLxK.astype(jnp.float32)
+    if mask is not None:
+        scores_BxNxLxK = jnp.where(mask, scores_BxNxLxK, jnp.finfo(jnp.float32).min)
+    probs_BxNxLxK = jax.nn.softmax(scores_BxNxLxK, axis=-1)
+    if dropout_rate > 0:
+        probs_BxNxLxK = dropout(probs_BxNxLxK, dropout_rate, key)
+    return jnp.einsum("bnqk,bknh->bqnh", probs_BxNxLxK.astype(v_BxKxNxH.dtype), v_BxKxNxH)
+
+
+# ------------------------------------------------------------------------------ splash
+
+
+def splash_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal: bool,
+                     segment_ids_BxL: jax.Array | None) -> jax.Array:
+    """The splash kernel over a batch. Inside a step traced on a device mesh it runs per
+    device under `jax.shard_map`: a Pallas kernel is one device's program, which the compiler
+    cannot split; each device takes its rows (and its heads when `tensor` splits them)."""
+    q_BxNxLxH = jnp.swapaxes(q_BxLxNxH, 1, 2) / np.sqrt(q_BxLxNxH.shape[-1]).astype(
+        q_BxLxNxH.dtype)  # the kernel does not scale
+    k_BxGxKxH = jnp.swapaxes(k_BxKxGxH, 1, 2)
+    v_BxGxKxH = jnp.swapaxes(v_BxKxGxH, 1, 2)
+    segments = None if segment_ids_BxL is None else segment_ids_BxL.astype(jnp.int32)
+    run = functools.partial(_splash_rows, is_causal=is_causal,
+                            interpret=_traced_platform() != "tpu")
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and all(axis in mesh.axis_names for axis in BATCH_AXES):
+        heads = _head_axis(mesh, q_BxNxLxH.shape[1], k_BxGxKxH.shape[1])
+        qkv = PartitionSpec(BATCH_AXES, heads)
+        rows = None if segments is None else PartitionSpec(BATCH_AXES)
+        run = jax.shard_map(run, mesh=mesh, in_specs=(qkv, qkv, qkv, rows), out_specs=qkv,
+                            check_vma=False)
+    out_BxNxLxH = run(q_BxNxLxH, k_BxGxKxH, v_BxGxKxH, segments)
+    return jnp.swapaxes(out_BxNxLxH, 1, 2)
+
+
+def _head_axis(mesh, num_heads: int, num_kv_heads: int) -> str | None:
+    """The mesh axis the heads are split over, as the q/k/v projections split them."""
+    tensor = mesh.shape.get(TENSOR_AXIS, 1)
+    if tensor > 1 and num_heads % tensor == 0 and num_kv_heads % tensor == 0:
+        return TENSOR_AXIS
+    return None
+
+
+def _splash_rows(q_BxNxLxH, k_BxGxKxH, v_BxGxKxH, segment_ids_BxL, *, is_causal: bool,
+                 interpret: bool):
+    """One device's rows: the kernel (made for its head count and length) mapped over them."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    _, N, L, _ = q_BxNxLxH.shape
+    K = k_BxGxKxH.shape[2]
+    block = splash_block(L)
+    if block is None or splash_block(K) is None:
+        raise ValueError(f"splash attention needs lengths in multiples of {SPLASH_BLOCKS[-1]}: "
+                         f"{L} queries, {K} keys")
+    kv_block = splash_block(K)
+    head_mask = splash.CausalMask((L, K)) if is_causal else splash.FullMask((L, K))
+    kernel = splash.make_splash_mha(
+        splash.MultiHeadMask([head_mask] * N), head_shards=1, q_seq_shards=1,
+        block_sizes=splash.BlockSizes(
+            block_q=block, block_kv=kv_block, block_kv_compute=kv_block,
+            block_q_dkv=block, block_kv_dkv=kv_block, block_kv_dkv_compute=kv_block,
+            block_q_dq=block, block_kv_dq=kv_block),
+        interpret=interpret)
+
+    if segment_ids_BxL is None:
+        return jax.vmap(kernel)(q_BxNxLxH, k_BxGxKxH, v_BxGxKxH)
+
+    def one_row(q_NxLxH, k_GxKxH, v_GxKxH, segment_ids_L):
+        return kernel(q_NxLxH, k_GxKxH, v_GxKxH, splash.SegmentIds(segment_ids_L, segment_ids_L))
+
+    return jax.vmap(one_row)(q_BxNxLxH, k_BxGxKxH, v_BxGxKxH, segment_ids_BxL)

@@ -1,0 +1,256 @@
+"""The attention entry point (`flaxlm.models.attention`): every backend computes the reference's
+function, forward and backward, for causal, segment-masked and grouped-query attention (the
+splash kernel in Pallas interpret mode on this CPU); `xla` is exactly the call that ran before
+the backends existed; `auto` picks by platform, and a backend that cannot run where it is
+asked for is refused before anything compiles, naming model.attention."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import REPO, TINY, compose, mesh_config, model_config
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding, PartitionSpec
+
+from flaxlm.config import AttentionBackend
+from flaxlm.errors import FlaxlmError
+from flaxlm.models.attention import (
+    attention,
+    choose_backend,
+    reference_attention,
+    splash_attention,
+)
+from flaxlm.models.build import build_lm
+from flaxlm.models.layers import TransformerSpec
+from flaxlm.parallel import BATCH_AXES, make_mesh, traced_on
+from flaxlm.tasks.base import attention_choice
+
+FP32 = dict(rtol=1e-5, atol=2e-5)
+
+
+def qkv(seed: int, B: int, L: int, N: int, G: int, H: int, dtype=jnp.float32):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(keys[0], (B, L, N, H), dtype),
+            jax.random.normal(keys[1], (B, L, G, H), dtype),
+            jax.random.normal(keys[2], (B, L, G, H), dtype))
+
+
+def packed_segments(seed: int, B: int, L: int, max_docs: int = 4) -> jax.Array:
+    """Each row's document index, non-decreasing, as packing makes them."""
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(np.sort(rng.integers(0, max_docs, (B, L)), axis=1), jnp.int32)
+
+
+def run(backend, q, k, v, segment_ids=None, is_causal=True):
+    return attention(q, k, v, dropout_rate=0.0, rngs=None, is_causal=is_causal,
+                     segment_ids_BxL=segment_ids, backend=backend)
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "is_causal"))
+def loss_and_grads(q, k, v, segment_ids, *, backend, is_causal):
+    """The output, and the gradients wrt q, k, v of a fixed random projection of it."""
+    probe = jax.random.normal(jax.random.key(99), q.shape, jnp.float32)
+
+    def loss(q, k, v):
+        out = run(backend, q, k, v, segment_ids, is_causal)
+        return jnp.sum(out.astype(jnp.float32) * probe)
+
+    return run(backend, q, k, v, segment_ids, is_causal), jax.grad(loss, (0, 1, 2))(q, k, v)
+
+
+def assert_computes_the_reference(backend, q, k, v, segment_ids, is_causal=True,
+                                  tolerance=FP32):
+    out, grads = loss_and_grads(q, k, v, segment_ids, backend=backend, is_causal=is_causal)
+    ref_out, ref_grads = loss_and_grads(q, k, v, segment_ids, backend="reference",
+                                        is_causal=is_causal)
+    np.testing.assert_allclose(out, ref_out, **tolerance)
+    for grad, ref_grad in zip(grads, ref_grads):
+        np.testing.assert_allclose(grad, ref_grad, **tolerance)
+
+
+# ------------------------------------------------------------------------ numerics
+
+
+@pytest.mark.parametrize("G,causal", [(4, True), (2, True), (1, False)])
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**16), max_docs=st.integers(1, 6))
+def test_xla_computes_the_reference_function(G, causal, seed, max_docs):
+    """Multi-head, grouped-query and multi-query; any packing of documents (one document:
+    no segment mask to speak of); causal or not. Shapes stay fixed so that each case
+    compiles once."""
+    q, k, v = qkv(seed, 2, 12, 4, G, 8)
+    assert_computes_the_reference("xla", q, k, v, packed_segments(seed, 2, 12, max_docs), causal)
+
+
+@pytest.mark.parametrize("case", [pytest.param("causal", marks=pytest.mark.slow),
+                                  pytest.param("segments", marks=pytest.mark.slow), "gqa"])
+def test_splash_computes_the_reference_function_in_interpret_mode(case):
+    """One 128-token block (the kernel's smallest), GQA 4 query heads on 2 (or 1) key heads."""
+    N, G = (4, 2) if case == "gqa" else (2, 2)
+    q, k, v = qkv(1, 1, 128, N, G, 16)
+    segments = packed_segments(2, 1, 128) if case in ("segments", "gqa") else None
+    assert_computes_the_reference("splash", q, k, v, segments)
+
+
+@pytest.mark.slow
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**16), heads=st.sampled_from([(2, 2), (4, 1)]),
+       max_docs=st.integers(1, 12))
+def test_splash_keeps_documents_apart_for_any_packing(seed, heads, max_docs):
+    N, G = heads
+    q, k, v = qkv(seed, 1, 128, N, G, 8)
+    segments = packed_segments(seed, 1, 128, max_docs)
+    np.testing.assert_allclose(run("splash", q, k, v, segments),
+                               run("reference", q, k, v, segments), **FP32)
+
+
+def test_xla_is_exactly_the_call_that_ran_before_the_backends():
+    """The quickstart's figures (and resumed runs) depend on it: same bits, not close ones."""
+    q, k, v = qkv(3, 2, 16, 4, 2, 8)
+    segments = packed_segments(3, 2, 16)
+    same_segment = segments[:, None, :, None] == segments[:, None, None, :]
+    before = jax.nn.dot_product_attention(q, k, v, mask=same_segment, is_causal=True)
+    np.testing.assert_array_equal(run("xla", q, k, v, segments), before)
+    np.testing.assert_array_equal(run("xla", q, k, v),
+                                  jax.nn.dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_training_with_attention_dropout_takes_the_reference_path_whatever_the_backend():
+    q, k, v = qkv(4, 1, 128, 2, 2, 8)
+    segments = packed_segments(4, 1, 128)
+    outs = [attention(q, k, v, dropout_rate=0.3, rngs=nnx.Rngs(dropout=7), is_causal=True,
+                      segment_ids_BxL=segments, backend=backend)
+            for backend in ("reference", "xla", "splash")]
+    dropped = reference_attention(q, k, v, None, True, segments, 0.3, nnx.Rngs(dropout=7).dropout())
+    for out in outs:
+        np.testing.assert_array_equal(out, dropped)
+
+
+def test_splash_runs_per_device_under_a_mesh_as_it_does_on_one():
+    """Inside a step traced on a mesh the kernel runs under shard_map, each device on its
+    rows (and heads, with a tensor axis); the result is the one-device result."""
+    mesh = make_mesh(8, mesh_config(data=2, fsdp=2, tensor=2))
+    q, k, v = qkv(5, 4, 128, 4, 2, 8)
+    segments = packed_segments(5, 4, 128)
+    rows = NamedSharding(mesh, PartitionSpec(BATCH_AXES))  # as the step's batch arrives
+    placed = [jax.device_put(x, rows) for x in (q, k, v, segments)]
+    step = traced_on(mesh, lambda q, k, v, s: splash_attention(q, k, v, True, s))
+    assert "shard_map" in str(jax.make_jaxpr(step)(*placed))
+    np.testing.assert_allclose(jax.jit(step)(*placed), run("reference", q, k, v, segments), **FP32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_model_with_splash_computes_what_it_computes_with_xla(family):
+    """The backend reaches every block: the whole model's logits agree, packed documents and
+    (Llama) grouped-query attention included."""
+    fields = dict(num_layers=2, hidden_size=32, num_heads=4, max_positions=128, vocab_size=64,
+                  attention_dropout=0.0)
+    if family == "llama":
+        fields["num_kv_heads"] = 2
+    logits = {}
+    ids = jax.random.randint(jax.random.key(0), (1, 128), 0, 64)
+    segments = packed_segments(6, 1, 128)
+    for backend in ("xla", "splash"):
+        config = model_config(family, attention=backend, **fields)
+        model = build_lm(TransformerSpec(config), nnx.Rngs(0))
+        logits[backend] = model(ids, None, segment_ids_BxL=segments)
+    np.testing.assert_allclose(logits["splash"], logits["xla"], rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------- selection
+
+
+@pytest.mark.parametrize("platform,dtype,seq_len,head_width,causal_lm,expected", [
+    ("cpu", "float32", 2048, 64, True, "xla"),
+    ("cpu", "bfloat16", 2048, 64, True, "xla"),
+    ("gpu", "bfloat16", 2048, 64, True, "cudnn"),
+    ("gpu", "float16", 2048, 128, True, "cudnn"),
+    ("gpu", "float32", 2048, 64, True, "xla"),  # cuDNN's flash attention: half precision only
+    ("gpu", "bfloat16", 2048, 256, True, "xla"),  # heads wider than it takes everywhere
+    ("gpu", "bfloat16", 2047, 64, True, "xla"),  # it trains on even lengths
+    ("tpu", "bfloat16", 2048, 64, True, "splash"),
+    ("tpu", "float32", 384, 64, True, "splash"),
+    ("tpu", "bfloat16", 1000, 64, True, "xla"),  # no kernel block divides the sequence
+    ("tpu", "bfloat16", 2048, 64, False, "xla"),  # a classifier's padding mask
+])
+def test_auto_picks_by_platform_dtype_and_shape(platform, dtype, seq_len, head_width, causal_lm,
+                                                expected):
+    choice = choose_backend("auto", platform, dtype, seq_len, head_width, causal_lm=causal_lm)
+    assert choice.backend is AttentionBackend(expected)
+    assert choice.describe() == f"attention {expected} (auto on {platform})"
+
+
+@pytest.mark.parametrize("requested,platform,dtype,seq_len,named", [
+    ("cudnn", "cpu", "float32", 2048, "NVIDIA GPU"),
+    ("cudnn", "tpu", "bfloat16", 2048, "NVIDIA GPU"),
+    ("cudnn", "gpu", "float32", 2048, "bfloat16 or float16"),
+    ("splash", "cpu", "float32", 2048, "TPU"),
+    ("splash", "gpu", "bfloat16", 2048, "TPU"),
+    ("splash", "tpu", "bfloat16", 1000, "task.max_seq_length"),
+    ("flash", "gpu", "bfloat16", 2048, "auto, xla, cudnn, splash, reference"),
+])
+def test_a_backend_that_cannot_run_here_is_refused_naming_what_to_set(requested, platform, dtype,
+                                                                      seq_len, named):
+    with pytest.raises(FlaxlmError) as error:
+        choose_backend(requested, platform, dtype, seq_len, 64)
+    message = str(error.value)
+    assert f"model.attention={requested}" in message.replace("'", "") and named in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("backend", ["xla", "reference"])
+@pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
+def test_xla_and_reference_run_everywhere(backend, platform):
+    assert choose_backend(backend, platform, "float32", 100, 256).backend.value == backend
+
+
+def test_the_banner_says_when_training_drops_out_on_the_reference_path():
+    choice = choose_backend("auto", "tpu", "bfloat16", 1024, 64, attention_dropout=0.1)
+    assert choice.backend is AttentionBackend.splash
+    assert choice.describe() == ("attention splash (auto on tpu), reference while training "
+                                 "(attention dropout)")
+    assert choose_backend("xla", "cpu", "float32", 64, 16).describe() == "attention xla"
+
+
+def test_the_run_resolves_its_backend_from_its_config():
+    """model.attention's default is auto (conf/), which the quickstart's CPU run takes as xla;
+    a TPU preset's llama takes splash."""
+    from omegaconf import OmegaConf
+
+    quickstart = OmegaConf.to_object(compose(TINY))
+    assert quickstart.model.attention is AttentionBackend.auto
+    assert attention_choice(quickstart, quickstart.model).backend is AttentionBackend.xla
+    tpu = OmegaConf.to_object(compose(["model=llama-tiny", "hardware=tpu-v5e-8",
+                                       "task.max_seq_length=256"]))
+    assert attention_choice(tpu, tpu.model).backend is AttentionBackend.splash
+
+
+# --------------------------------------------------------------------- GPU script
+
+
+@pytest.mark.slow
+def test_the_gpu_check_script_runs_its_cpu_backends_on_tiny_shapes(tmp_path):
+    """benchmarks/attention_gpu.py on this CPU: xla and reference on tiny shapes; cudnn fails
+    soft (no GPU) and the table and JSON still come out."""
+    out = tmp_path / "attention.json"
+    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "src"), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, os.path.join(REPO, "benchmarks", "attention_gpu.py"), "--tiny",
+         "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {row["backend"] for row in rows} == {"xla", "reference", "cudnn"}
+    assert all(row["error"] for row in rows if row["backend"] == "cudnn")
+    assert all(row["max_abs_diff_out"] < 0.05 for row in rows if row["backend"] == "xla")
+    assert "backend" in done.stdout
