@@ -204,6 +204,10 @@ SECOND_CTRL_C = """
 import os, signal, sys, time
 from flaxlm.training.stop import StopRequest
 
+# As at an interactive shell: a job started in the background of a script inherits SIGINT
+# ignored, and a process that ignores Ctrl-C cannot be stopped by it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 with StopRequest().catching_signals():
     os.kill(os.getpid(), signal.SIGINT)
     print("saving", flush=True)

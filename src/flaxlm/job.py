@@ -164,13 +164,14 @@ def check_settings(config: TrainConfig, num_devices: int) -> int:
 
 
 def enable_compilation_cache(cache_dir: str) -> None:
-    """Keep compiled steps in `<cache_dir>/xla`: a second run of the same shapes skips XLA
-    compilation, the largest part of its start-up. Programs that compile in under 0.1 s are
-    not kept (the many tiny ones would cost more to look up than to compile); a small model's
-    steps, which take a few tenths of a second each, are."""
+    """Keep compiled programs in `<cache_dir>/xla`: a second run of the same shapes skips XLA
+    compilation, the largest part of its start-up. Every program is kept, however quickly it
+    compiled: reading one back is a file read, while even a small program (a slice that
+    checkpointing makes of each parameter, say) takes tens of milliseconds to compile for
+    several devices, and a run makes dozens of them."""
     jax.config.update("jax_compilation_cache_dir",
                       os.path.join(os.path.expanduser(cache_dir), "xla"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def _print_summary(final: dict, run_dir: str) -> None:
