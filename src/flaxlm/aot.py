@@ -50,7 +50,7 @@ from flaxlm.parallel import (
     target_devices,
 )
 from flaxlm.tasks import base
-from flaxlm.tasks.clm import lm_start, lm_steps_compiler
+from flaxlm.tasks.clm import CausalLM, lm_start, lm_steps_compiler
 from flaxlm.training.optimizer import make_optimizer, make_schedule
 from flaxlm.training.plan import global_batch_size
 from flaxlm.training.step import CompiledSteps, TrainState, create_state
@@ -277,7 +277,7 @@ def plan(cfg: DictConfig | TrainConfig) -> RunPlan:
         hbm_bandwidth=None if hardware.hbm_gbps_per_device is None
         else hardware.hbm_gbps_per_device * 1e9,
         fsdp_state_bytes=layout.fsdp_state_bytes,
-        attention=base.attention_choice(config, config.model).describe(),
+        attention=base.attention_choice(config, config.model, CausalLM.pads_rows).describe(),
     )
 
 
@@ -303,7 +303,7 @@ def _compile_or_refuse(run: AbstractRun, layout: _Layout, phase: str, step, args
 
 def abstract_model(config: TrainConfig) -> nnx.Module:
     """The run's language model as shapes, dtypes and logical axes: nothing allocated."""
-    spec = base.model_spec(config, config.model)
+    spec = base.model_spec(config, config.model, CausalLM.pads_rows)
     return nnx.eval_shape(lambda: build.build_lm(spec, nnx.Rngs(params=0)))
 
 

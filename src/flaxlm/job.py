@@ -157,7 +157,7 @@ def check_settings(config: TrainConfig, num_devices: int) -> int:
         raise FlaxlmError(f"trainer.z_loss={z_loss} must be a finite number, 0 or more: the "
                           "coefficient of the z-loss (e.g. 1e-4), or 0 for none.")
     global_batch_size(config, num_devices)
-    attention_choice(config, config.model)
+    attention_choice(config, config.model, task_named(config.task.name).pads_rows)
     check_optimizer_settings(config.optimizer)
     choose_objective(config)
     return seq_len

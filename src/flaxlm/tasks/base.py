@@ -83,6 +83,11 @@ class EvalMetrics:
 class Task(Protocol):
     """One objective flaxlm trains for; `flaxlm.tasks.registry` registers each by name."""
 
+    # Whether its rows are padded examples whose padding attention must mask (rather than
+    # blocks of tokens, every one real): the fused kernels that take only causal and segment
+    # masks cannot run its model.
+    pads_rows: bool
+
     def check_settings(self, config: TrainConfig) -> int:
         """Check what can be checked before any data is read (raising FlaxlmError); return the
         sequence length the task trains on."""
@@ -151,6 +156,8 @@ def prepare_training(
     loader,
     tokenizer,
     data_fingerprint: dict[str, str],
+    *,
+    pads_rows: bool,
 ) -> Training:
     """Optimizer, model, train state and compiled steps; a resumed run's state, dropout key
     and data position restored from its latest checkpoint.
@@ -158,14 +165,15 @@ def prepare_training(
     `build_model(spec, rngs)` makes the task's model; `compile_steps(mesh, graphdef, tx,
     schedule)` its jitted steps. `data_fingerprint` ({what: content hash}, e.g. "training
     data" and "validation data") is saved with every checkpoint; a resume on data with
-    another fingerprint is refused unless trainer.resume_on_changed_data.
+    another fingerprint is refused unless trainer.resume_on_changed_data. `pads_rows`: the
+    task's (`Task.pads_rows`), for the attention backend.
     """
     config = job.config
     plan = make_plan(config, loader.steps_per_epoch)
     schedule = make_schedule(config.optimizer, plan.total_steps)
     tx = make_optimizer(config.optimizer, schedule)
-    spec = model_spec(config, start.model)
-    attention = attention_choice(config, start.model)
+    spec = model_spec(config, start.model, pads_rows)
+    attention = attention_choice(config, start.model, pads_rows)
     init_key, dropout_key = jax.random.split(jax.random.key(config.seed))
     model = build_model(spec, nnx.Rngs(params=init_key))
     if start.checkpoint_dir and not job.run.resuming:  # else the weights come from the run's
@@ -190,22 +198,24 @@ def prepare_training(
                     attention)
 
 
-def model_spec(config: TrainConfig, model: ModelConfig) -> TransformerSpec:
+def model_spec(config: TrainConfig, model: ModelConfig, pads_rows: bool) -> TransformerSpec:
     """`model`'s shape with the hardware's compute and parameter dtypes, and the attention
     backend `model.attention` comes to on the run's hardware (`attention_choice`)."""
-    model = dataclasses.replace(model, attention=attention_choice(config, model).backend)
+    model = dataclasses.replace(model,
+                                attention=attention_choice(config, model, pads_rows).backend)
     return TransformerSpec(model, compute_dtype=jnp.dtype(config.hardware.compute_dtype),
                            param_dtype=jnp.dtype(config.hardware.param_dtype))
 
 
-def attention_choice(config: TrainConfig, model: ModelConfig) -> Choice:
+def attention_choice(config: TrainConfig, model: ModelConfig, pads_rows: bool) -> Choice:
     """Which attention backend the run uses (`flaxlm.models.attention.choose_backend`); a
-    FlaxlmError when `model.attention` names one its hardware cannot run."""
+    FlaxlmError when `model.attention` names one its hardware cannot run. `pads_rows`: the
+    task's (`Task.pads_rows`)."""
     return choose_backend(model.attention, config.hardware.platform,
                           config.hardware.compute_dtype,
                           config.task.max_seq_length or model.max_positions,
                           model.hidden_size // model.num_heads,
-                          causal_lm=config.task.name == "clm",
+                          causal_lm=not pads_rows,
                           attention_dropout=model.attention_dropout)
 
 

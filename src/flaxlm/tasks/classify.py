@@ -44,6 +44,8 @@ class Classification:
     """The classification task: `check_settings` → the padded example length, `run` → the
     final metrics."""
 
+    pads_rows = True
+
     def check_settings(self, config: TrainConfig) -> int:
         task = config.task
         if config.language is not None:
@@ -109,7 +111,7 @@ class Classification:
         fingerprint = {"training examples": arrays_fingerprint(train_arrays),
                        "evaluation examples": arrays_fingerprint(eval_arrays)}
         training = base.prepare_training(job, start, build_model, compile_fn, loader, tokenizer,
-                                         fingerprint)
+                                         fingerprint, pads_rows=self.pads_rows)
         hf_config = hf.to_classifier_config(
             start.model, num_labels=examples.num_labels, pad_token_id=tokenizer.pad_token_id,
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,

@@ -56,6 +56,8 @@ LONG_BLOCK = 2048
 class CausalLM:
     """The causal-LM task: `check_settings` → the block length, `run` → the final metrics."""
 
+    pads_rows = False
+
     def check_settings(self, config: TrainConfig) -> int:
         build.check_lm_family(config.model)
         if config.language is None:
@@ -86,7 +88,8 @@ class CausalLM:
         tokenizer, loader, eval_blocks = data.tokenizer, data.loader, data.eval_blocks.tokens
         sample_settings = settings_from_samples(config.samples)  # a bad setting fails now
         training = base.prepare_training(job, start, build.build_lm, lm_steps_compiler(config),
-                                         loader, tokenizer, data.fingerprint)
+                                         loader, tokenizer, data.fingerprint,
+                                         pads_rows=self.pads_rows)
         hf_config = hf.to_lm_config(
             config.model,
             bos_token_id=tokenizer.bos_token_id,
