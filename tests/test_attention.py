@@ -81,7 +81,8 @@ def assert_computes_the_reference(backend, q, k, v, segment_ids, is_causal=True,
 # ------------------------------------------------------------------------ numerics
 
 
-@pytest.mark.parametrize("G,causal", [(4, True), (2, True), (1, False)])
+@pytest.mark.parametrize("G,causal", [(4, True), pytest.param(2, True, marks=pytest.mark.slow),
+                                      pytest.param(1, False, marks=pytest.mark.slow)])
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 2**16), max_docs=st.integers(1, 6))
 def test_xla_computes_the_reference_function(G, causal, seed, max_docs):

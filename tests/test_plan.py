@@ -63,6 +63,7 @@ def plans():
 
 
 @needs_libtpu
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("mesh", sorted(MESHES))
 def test_the_real_steps_compile_for_a_tpu_slice_with_the_state_donated(plans, family, mesh):
@@ -81,6 +82,7 @@ def test_the_real_steps_compile_for_a_tpu_slice_with_the_state_donated(plans, fa
 
 
 @needs_libtpu
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_fsdp_holds_exactly_a_quarter_of_the_parameters_per_chip(plans, family):
     """Every parameter here has a dimension of the model's width (64, which 4 divides): each
@@ -93,6 +95,7 @@ def test_fsdp_holds_exactly_a_quarter_of_the_parameters_per_chip(plans, family):
 
 
 @needs_libtpu
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("mesh", sorted(MESHES))
 def test_the_compiled_flops_agree_with_the_analytic_count(plans, family, mesh):
@@ -101,7 +104,6 @@ def test_the_compiled_flops_agree_with_the_analytic_count(plans, family, mesh):
     assert 0 < run.mfu <= 1 and run.tokens_per_s > 0
 
 
-@needs_libtpu
 @needs_libtpu
 @pytest.mark.slow
 def test_the_train_step_with_splash_attention_compiles_for_a_tpu_slice():
@@ -129,6 +131,7 @@ def test_gradient_accumulation_counts_its_loop_in_full(plans):
 
 
 @needs_libtpu
+@pytest.mark.slow
 def test_a_run_that_does_not_fit_exits_2_naming_what_to_change(plans, monkeypatch, capsys):
     """The plan compiled by the fixture, on a chip of 1 MiB."""
     small_chip = dataclasses.replace(plans["gpt2", "data"], hbm_bytes=2**20)
@@ -146,6 +149,7 @@ def test_a_run_that_does_not_fit_exits_2_naming_what_to_change(plans, monkeypatc
 
 
 @needs_libtpu
+@pytest.mark.slow
 def test_a_step_the_tpu_compiler_cannot_fit_exits_2_with_its_figures(capsys):
     """XLA's TPU compiler refuses a program larger than the chip: that refusal is the plan."""
     with pytest.raises(SystemExit) as exit_info:
