@@ -47,13 +47,17 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(autouse=True)
 def isolated_caches(tmp_path_factory, monkeypatch):
-    """flaxlm's cache (tokenizers, packed blocks) in a per-session temp dir; `datasets`' cache
-    in one per test (it would take a local dataset laid out like another test's for that one);
-    the Hub offline."""
+    """flaxlm's cache (tokenizers, packed blocks) in a per-session temp dir; compiled programs
+    in one that pytest-xdist's workers share (the same small steps recur across modules);
+    `datasets`' cache in one per test (it would take a local dataset laid out like another
+    test's for that one); the Hub offline."""
     import datasets
     import huggingface_hub
 
-    monkeypatch.setenv("FLAXLM_CACHE", str(tmp_path_factory.getbasetemp() / "flaxlm-cache"))
+    session_dir = tmp_path_factory.getbasetemp()
+    monkeypatch.setenv("FLAXLM_CACHE", str(session_dir / "flaxlm-cache"))
+    workers_dir = session_dir.parent if os.environ.get("PYTEST_XDIST_WORKER") else session_dir
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(workers_dir / "xla"))
     hf_cache = tmp_path_factory.mktemp("hf-datasets")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(hf_cache))
     # `datasets` reads its settings once, at import: patch them where it looks them up.

@@ -208,3 +208,22 @@ def test_samples_stay_in_the_file_cover_both_ends_and_are_bounded(size):
         assert starts[0] == 0 and starts[-1] + cache.WINDOW_BYTES >= size
     if size <= cache.SAMPLE_WINDOWS * cache.WINDOW_BYTES:  # small: read whole
         assert starts == list(range(0, size, cache.WINDOW_BYTES))
+
+
+def test_compiled_programs_are_kept_where_jax_compilation_cache_dir_says(tmp_path,
+                                                                         monkeypatch):
+    """JAX's own variable names a folder several jobs share; without it, the run's cache_dir."""
+    import jax
+
+    from flaxlm.job import enable_compilation_cache
+
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "shared"))
+        enable_compilation_cache(str(tmp_path / "cache"))
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "shared")
+        monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+        enable_compilation_cache(str(tmp_path / "cache"))
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "cache" / "xla")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)

@@ -1,13 +1,14 @@
 """Several hosts, simulated: two real `flaxlm-train` processes of 4 CPU devices each, joined by
 jax.distributed on localhost (explicit mode, gloo collectives), train like one process with
-8 devices; they share one run directory in which only process 0 writes; SIGTERM stops both at
-one step with a checkpoint and exit 75, and the same commands resume both; a process killed
-with SIGKILL makes the other stop with flaxlm's error and exit code instead of hanging or
+8 devices: they share one run directory in which only process 0 writes; SIGTERM stops both at
+one step with a checkpoint and exit 75, and resumed they end where one process ends; a process
+killed with SIGKILL makes the other stop with flaxlm's error and exit code instead of hanging or
 aborting, and so does a process that finds no other at the start. Below them, the settings'
 checks and the per-process loader positions, in this process."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -15,10 +16,12 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import TINY, trained_run
+from wandb_records import of_type, read_wandb_records
 
 from flaxlm import distributed
 from flaxlm.config import DistributedConfig, HardwareConfig
@@ -121,44 +124,34 @@ def one_process(tmp_path_factory):
     return trained_run(tmp_path_factory, "one-process", RUN)
 
 
+def the_run_dir(outputs_dir, processes, timeout=300):
+    """The one run directory under `outputs_dir` that metrics are written to."""
+    deadline = time.monotonic() + timeout
+    while not (found := sorted(outputs_dir.glob("*/metrics.jsonl"))):
+        if any(p.poll() is not None for p in processes) or time.monotonic() > deadline:
+            outputs = finish(processes, timeout=30)
+            pytest.fail("no run wrote metrics:\n" + "\n".join(o[-2000:] for o in outputs))
+        time.sleep(0.2)
+    return found[0].parent
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_two_processes_train_like_one_with_eight_devices(tmp_path, one_process):
+def test_two_processes_stopped_by_sigterm_and_resumed_train_like_one_with_eight_devices(
+        tmp_path, one_process):
+    """The two processes share process 0's run directory, process 0 prepares the data while
+    process 1 waits, SIGTERM stops both after one step with a checkpoint and exit 75, and
+    resumed in that directory they end where one process with 8 devices does, with one W&B
+    run continued."""
     outputs_dir = tmp_path / "outputs"
     # Each host's Hydra picks its own timestamp, as on a real cluster; a fresh cache makes
     # process 0 train the tokenizer and pack the blocks while process 1 waits.
-    env = {**os.environ, "FLAXLM_CACHE": str(tmp_path / "cache")}
-    processes = start(two_hosts(free_port()),
+    env = {**os.environ, "FLAXLM_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "offline"}
+    port = free_port()
+    processes = start(two_hosts(port),
                       [f"hydra.run.dir={outputs_dir}/" + "${now:%H-%M-%S_%f}", "logger=wandb"],
                       env)
-    outputs = finish(processes)
-    for process, output in zip(processes, outputs):
-        assert process.returncode == 0, output[-3000:]
-    [run_name] = os.listdir(outputs_dir)  # one run directory: process 1's own was removed
-    run_dir = outputs_dir / run_name
-    lines = metric_lines(run_dir)
-    assert len({json.dumps(line, sort_keys=True) for line in lines}) == len(lines)
-    assert_close_metrics(lines, metric_lines(one_process))
-    assert_close_params(run_dir, one_process)
-    assert (run_dir / "model" / "model.safetensors").exists()
-    assert "process 1 of 2 joined" in outputs[1]
-    # process 0 packed the blocks; process 1 waited, then read its file
-    assert "tokenize train" in outputs[0] and "tokenize train" not in outputs[1]
-    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1  # one W&B run
-    assert "train (epoch" in outputs[0] and "train (epoch" not in outputs[1]  # progress bars
-    with open(run_dir / "checkpoints" / "30" / "loader" / "metadata") as f:
-        loader = json.load(f)
-    assert sorted(loader["per_process"]) == ["0", "1"]
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_sigterm_stops_both_with_a_checkpoint_and_the_same_commands_resume(tmp_path,
-                                                                            one_process):
-    run_dir = tmp_path / "run"
-    port = free_port()
-    env = dict(os.environ)
-    processes = start(two_hosts(port), [f"hydra.run.dir={run_dir}"], env)
+    run_dir = the_run_dir(outputs_dir, processes)
     wait_for_step(run_dir, processes, 2)
     for process in processes:
         process.send_signal(signal.SIGTERM)
@@ -169,14 +162,35 @@ def test_sigterm_stops_both_with_a_checkpoint_and_the_same_commands_resume(tmp_p
              for output in outputs for line in output.splitlines() if "stopped by SIGTERM" in line]
     assert len(steps) == 2 and steps[0] == steps[1] < 30  # one step, saved by both
     assert (run_dir / "checkpoints" / str(steps[0])).is_dir()
+    assert os.listdir(outputs_dir) == [run_dir.name]  # process 1's own was removed
+    assert "process 1 of 2 joined" in outputs[1]
+    # process 0 packed the blocks; process 1 waited, then read its file
+    assert "tokenize train" in outputs[0] and "tokenize train" not in outputs[1]
+    assert "train (epoch" in outputs[0] and "train (epoch" not in outputs[1]  # progress bars
 
-    again = start(two_hosts(port), [f"hydra.run.dir={run_dir}"], env)
+    again = start(two_hosts(port), [f"hydra.run.dir={run_dir}", "logger=wandb"], env)
     outputs = finish(again)
     for process, output in zip(again, outputs):
         assert process.returncode == 0, output[-3000:]
         assert f"from its checkpoint at step {steps[0]}" in output
-    assert_close_metrics(metric_lines(run_dir), metric_lines(one_process))
+    lines = metric_lines(run_dir)
+    assert len({json.dumps(line, sort_keys=True) for line in lines}) == len(lines)
+    assert_close_metrics(lines, metric_lines(one_process))
     assert_close_params(run_dir, one_process)
+    assert (run_dir / "model" / "model.safetensors").exists()
+    with open(run_dir / "checkpoints" / "30" / "loader" / "metadata") as f:
+        loader = json.load(f)
+    assert sorted(loader["per_process"]) == ["0", "1"]
+    # One W&B run, written by process 0 and continued: both starts logged under the id kept in
+    # the run dir, the first ending preempted.
+    run_id = (run_dir / "wandb_run_id").read_text().strip()
+    offline_runs = sorted(glob.glob(str(run_dir / "wandb" / "offline-run-*")))
+    assert len(offline_runs) == 2 and all(d.endswith(run_id) for d in offline_runs)
+    exit_codes = []
+    for offline_run in offline_runs:
+        [log] = glob.glob(os.path.join(offline_run, "*.wandb"))
+        exit_codes += [e.exit_code for e in of_type(read_wandb_records(Path(log)), "exit")]
+    assert exit_codes == [PREEMPTED_EXIT_CODE, 0]
 
 
 @pytest.mark.slow

@@ -254,7 +254,7 @@ def test_classification_eval_predicts_every_example_once_in_order(lengths, devic
 # --- the next-token loss -------------------------------------------------------------------------
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(batch=st.integers(1, 3), length=st.integers(2, 9), vocab=st.integers(2, 17),
        seed=st.integers(0, 2**31 - 1))
 @pytest.mark.slow

@@ -4,17 +4,12 @@ non-finite step stops the run (or is skipped) without ever reaching a checkpoint
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,7 +24,6 @@ from conftest import (
     streaming_run,
     trained_run,
 )
-from wandb_records import of_type, read_wandb_records
 
 from flaxlm.data.loader import RowLoader
 from flaxlm.errors import FlaxlmError
@@ -37,7 +31,7 @@ from flaxlm.job import train
 from flaxlm.models import hf
 from flaxlm.training import evaluation
 from flaxlm.training.checkpoint.manager import restore_params
-from flaxlm.training.stop import PREEMPTED_EXIT_CODE, Preempted
+from flaxlm.training.stop import Preempted
 
 # 2 epochs of 10 steps; a checkpoint every 4 steps and at each epoch end.
 RUN = [*TINY, "language.max_train_docs=12", "language.max_eval_docs=2", "trainer.num_epochs=2",
@@ -69,47 +63,6 @@ def test_a_run_stopped_by_sigterm_resumes_to_the_same_parameters_and_metrics(
     assert "resuming" in out and "step 14" in out and "2 metrics.jsonl line(s)" in out
     assert metrics_of(run_dir) == metrics_of(reference)
     assert_same_params(run_dir, reference)
-
-
-@pytest.mark.slow
-def test_sigterm_to_the_cli_saves_exits_75_and_the_same_command_resumes(tmp_path, reference):
-    run_dir = tmp_path / "run"
-    overrides = [o for o in RUN if not o.startswith("logger")]
-    command = [sys.executable, "-m", "flaxlm.cli.train", *overrides, "logger=wandb",
-               f"hydra.run.dir={run_dir}"]
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               text=True)
-    deadline = time.monotonic() + 300
-    while not any(r.get("step", 0) >= 3 for r in _read_if_any(run_dir)):
-        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
-        time.sleep(0.2)
-    process.send_signal(signal.SIGTERM)
-    _, err = process.communicate(timeout=300)
-    assert process.returncode == PREEMPTED_EXIT_CODE, err[-3000:]
-    assert "SIGTERM received" in err
-
-    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert metrics_of(run_dir) == metrics_of(reference)
-    assert_same_params(run_dir, reference)
-    # One W&B run, continued: both processes logged under the id kept in the run dir.
-    run_id = (run_dir / "wandb_run_id").read_text().strip()
-    offline_runs = sorted(glob.glob(str(run_dir / "wandb" / "offline-run-*")))
-    assert len(offline_runs) == 2 and all(d.endswith(run_id) for d in offline_runs)
-    exit_codes = []
-    for offline_run in offline_runs:
-        [log] = glob.glob(os.path.join(offline_run, "*.wandb"))
-        exit_codes += [e.exit_code for e in of_type(read_wandb_records(Path(log)), "exit")]
-    assert exit_codes == [PREEMPTED_EXIT_CODE, 0]
-
-
-def _read_if_any(run_dir):
-    try:
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            return [json.loads(line) for line in f if line.endswith("\n")]
-    except FileNotFoundError:
-        return []
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ import pytest
 import yaml
 from conftest import TINY, compose
 from omegaconf import OmegaConf
+from wandb_records import items, of_type, read_wandb_records
 
 from flaxlm.cli.report import main as report_main
 from flaxlm.cli.sweep import SweepJob
@@ -112,6 +113,25 @@ def optuna_sweep(sweep_dir, *overrides: str) -> subprocess.CompletedProcess:
     )
 
 
+def assert_one_wandb_run_per_trial(job: dict, sweep_dir) -> None:
+    """The trial's own W&B run, in the sweep's group, named and configured by its settings,
+    with the objective's best value and the value handed to the sweeper in its summary."""
+    [log] = glob.glob(os.path.join(job["run_dir"], "wandb", "offline-run-*", "*.wandb"))
+    records = read_wandb_records(Path(log))
+    [run] = of_type(records, "run")
+    config = items(run.config.update)
+    lr = next(o for o in job["overrides"] if o.startswith("optimizer.lr="))
+    assert config["choices"]["model"] == "gpt2-tiny"
+    assert config["optimizer"]["lr"] == float(lr.split("=")[1])
+    assert run.run_group == sweep_dir.name and lr in run.display_name
+    assert [e.exit_code for e in of_type(records, "exit")] == [0]
+    summary = {}
+    for update in of_type(records, "summary"):
+        summary.update(items(update.update))
+    assert summary["eval/loss"] == {"min": pytest.approx(job["objective_value"])}
+    assert summary["objective"] == pytest.approx(job["objective_value"])
+
+
 def trial_states(sweep_dir) -> list[str]:
     import optuna
 
@@ -130,13 +150,13 @@ def statuses(sweep_dir) -> list[dict]:
 def test_an_optuna_search_names_its_best_trial_and_the_same_command_continues_it(tmp_path,
                                                                                    capsys):
     sweep_dir = tmp_path / "sweep"
-    result = optuna_sweep(sweep_dir, "hydra.sweeper.n_trials=3", "logger=[tensorboard]")
+    result = optuna_sweep(sweep_dir, "hydra.sweeper.n_trials=2", "logger=[wandb,tensorboard]")
     assert result.returncode == 0, result.stderr[-3000:]
     jobs = statuses(sweep_dir)
-    assert [job["status"] for job in jobs] == ["ok"] * 3
+    assert [job["status"] for job in jobs] == ["ok"] * 2
     # Each trial trained in its own run dir, with the learning rate Optuna chose for it.
     run_dirs = {job["run_dir"] for job in jobs}
-    assert len(run_dirs) == 3 and all(d.startswith(str(sweep_dir)) for d in run_dirs)
+    assert len(run_dirs) == 2 and all(d.startswith(str(sweep_dir)) for d in run_dirs)
     for job in jobs:
         config = OmegaConf.load(os.path.join(job["run_dir"], "config.yaml"))
         lr = next(o for o in job["overrides"] if o.startswith("optimizer.lr="))
@@ -146,36 +166,37 @@ def test_an_optuna_search_names_its_best_trial_and_the_same_command_continues_it
     best = min(jobs, key=lambda job: job["objective_value"])
     assert results.best_value == pytest.approx(best["objective_value"])
     assert f"optimizer.lr={results.best_params['optimizer.lr']}" in best["overrides"]
-    assert trial_states(sweep_dir) == ["COMPLETE"] * 3
-    for job in jobs:  # a TensorBoard run of its own
+    assert trial_states(sweep_dir) == ["COMPLETE"] * 2
+    for job in jobs:  # a TensorBoard run and a W&B run of its own
         assert glob.glob(os.path.join(job["run_dir"], "tensorboard", "events.out.tfevents.*"))
+        assert_one_wandb_run_per_trial(job, sweep_dir)
 
     # flaxlm-report on the real sweep: every trial, best first, the swept settings as columns.
     report_main([str(sweep_dir), "--out", str(tmp_path / "report")])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:3] == ["run", "optimizer.lr", "optimizer.weight_decay"]
-    rows = [line.split() for line in lines[2:5]]
+    rows = [line.split() for line in lines[2:4]]
     ranked = sorted(jobs, key=lambda job: job["objective_value"])
     assert [row[0] for row in rows] == [f"sweep/{os.path.basename(job['run_dir'])}"
                                         for job in ranked]
-    assert [row[-1] for row in rows] == ["finished"] * 3
+    assert [row[-1] for row in rows] == ["finished"] * 2
     assert sorted(p.name for p in (tmp_path / "report").glob("*.png")) == [
         "curves.png", "eval_loss_vs_optimizer_lr.png", "eval_loss_vs_optimizer_weight_decay.png"]
 
     leave_a_trial_running(sweep_dir)  # as a sweep killed during a trial does
     result = optuna_sweep(sweep_dir, "hydra.sweeper.n_trials=1")  # one more trial
     assert result.returncode == 0, result.stderr[-3000:]
-    assert trial_states(sweep_dir) == ["COMPLETE"] * 3 + ["FAIL", "COMPLETE"]
+    assert trial_states(sweep_dir) == ["COMPLETE"] * 2 + ["FAIL", "COMPLETE"]
     # The continued study went on sampling: the new trial is none of the earlier ones.
     tried = trial_params(sweep_dir)
-    assert len(set(tried)) == len(tried) == 5
+    assert len(set(tried)) == len(tried) == 4
     # The first invocation's statuses are kept; the summary is about the new job.
     assert {job["run_dir"] for job in statuses(sweep_dir)} >= run_dirs
-    assert len(statuses(sweep_dir)) == 4
+    assert len(statuses(sweep_dir)) == 3
     assert f"multirun in {sweep_dir}: 1 ok\n" in result.stdout
-    assert "not shown: 3 job(s) of earlier invocations" in result.stdout
+    assert "not shown: 2 job(s) of earlier invocations" in result.stdout
     run_dirs |= {job["run_dir"] for job in statuses(sweep_dir)}
-    assert len(run_dirs) == 4  # the new trial did not land in (and resume) an old one's
+    assert len(run_dirs) == 3  # the new trial did not land in (and resume) an old one's
 
 
 @pytest.mark.slow

@@ -164,13 +164,15 @@ def check_settings(config: TrainConfig, num_devices: int) -> int:
 
 
 def enable_compilation_cache(cache_dir: str) -> None:
-    """Keep compiled programs in `<cache_dir>/xla`: a second run of the same shapes skips XLA
+    """Keep compiled programs in `<cache_dir>/xla`, or in JAX's own JAX_COMPILATION_CACHE_DIR
+    where that is set (a folder several jobs share): a second run of the same shapes skips XLA
     compilation, the largest part of its start-up. Every program is kept, however quickly it
     compiled: reading one back is a file read, while even a small program (a slice that
     checkpointing makes of each parameter, say) takes tens of milliseconds to compile for
     several devices, and a run makes dozens of them."""
-    jax.config.update("jax_compilation_cache_dir",
-                      os.path.join(os.path.expanduser(cache_dir), "xla"))
+    directory = (os.environ.get("JAX_COMPILATION_CACHE_DIR")
+                 or os.path.join(os.path.expanduser(cache_dir), "xla"))
+    jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
