@@ -170,7 +170,10 @@ class LlamaAttention(nnx.Module):
         cfg = spec.model
         self.num_heads, self.num_kv_heads = cfg.num_heads, kv_heads(cfg)
         self.head_width = cfg.hidden_size // cfg.num_heads
-        self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
+        # A tuple: a module's static attributes must hash (jit keys on them); float32 values
+        # survive the round trip through Python floats exactly.
+        self.inv_freq_R = tuple(inverse_frequencies(self.head_width, cfg.rope_theta,
+                                                    cfg.rope_scaling).tolist())
         self.attention_dropout = cfg.attention_dropout
         self.attention_backend = cfg.attention
         kv_width = self.num_kv_heads * self.head_width
@@ -209,8 +212,7 @@ class LlamaAttention(nnx.Module):
         q_BxLxNxH = self.q_proj(x_BxLxD).reshape(B, L, self.num_heads, H)
         k_BxLxGxH = self.k_proj(x_BxLxD).reshape(B, L, self.num_kv_heads, H)
         v_BxLxGxH = self.v_proj(x_BxLxD).reshape(B, L, self.num_kv_heads, H)
-        cos_BxLx1xH, sin_BxLx1xH = rotary(
-            positions_BxL, inverse_frequencies(H, self.rope_theta, self.rope_scaling))
+        cos_BxLx1xH, sin_BxLx1xH = rotary(positions_BxL, np.asarray(self.inv_freq_R, np.float32))
         return (apply_rotary(q_BxLxNxH, cos_BxLx1xH, sin_BxLx1xH),
                 apply_rotary(k_BxLxGxH, cos_BxLx1xH, sin_BxLx1xH), v_BxLxGxH)
 
