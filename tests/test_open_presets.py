@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from flaxlm.config import ModelFamily, RopeScaling
 from flaxlm.errors import FlaxlmError
 from flaxlm.models import hf, pretrained
-from flaxlm.models.build import build_lm
+from flaxlm.models.build import build_classifier, build_lm
 from flaxlm.models.layers import TransformerSpec
 from flaxlm.models.llama import inverse_frequencies
 
@@ -267,6 +267,26 @@ def test_a_qwen2_export_loads_in_transformers_with_nothing_missing_and_equal_log
     config, again = import_checkpoint(tmp_path, "qwen2")
     assert config.qkv_bias and config.family is ModelFamily.qwen2
     np.testing.assert_array_equal(again(jnp.asarray(ids)), model(jnp.asarray(ids)))
+
+
+@pytest.mark.torch
+def test_a_qwen2_classifier_exports_as_qwen2s_with_equal_logits(tmp_path):
+    pytest.importorskip("torch")
+    import torch
+    import transformers
+
+    ours = build_classifier(TransformerSpec(QWEN2_CONFIG), 3, nnx.Rngs(1))
+    hf_config = hf.to_classifier_config(QWEN2_CONFIG, num_labels=3, pad_token_id=PAD)
+    hf.save_pretrained(str(tmp_path), nnx.to_pure_dict(nnx.state(ours, nnx.Param)), hf_config)
+    theirs, info = transformers.AutoModelForSequenceClassification.from_pretrained(
+        tmp_path, output_loading_info=True)
+    assert type(theirs).__name__ == "Qwen2ForSequenceClassification"
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    ids, mask = token_ids((2, 12)), np.ones((2, 12), np.int64)
+    with torch.no_grad():
+        expected = theirs.eval()(torch.from_numpy(ids),
+                                 attention_mask=torch.from_numpy(mask)).logits.numpy()
+    np.testing.assert_allclose(ours(jnp.asarray(ids), jnp.asarray(mask)), expected, atol=2e-5)
 
 
 @pytest.mark.parametrize(("family", "changes", "message"), [
