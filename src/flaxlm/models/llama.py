@@ -135,10 +135,11 @@ def inverse_frequencies(head_width: int, theta: float, scaling: RopeScaling) -> 
 
 def llama3_frequencies(inv_freq_R: np.ndarray, scaling: RopeScaling) -> np.ndarray:
     """Llama 3.1's stretch of a longer context: a frequency whose wavelength (2π / frequency,
-    in tokens) exceeds original_max_positions / low_freq_factor is divided by `factor`, so it
-    still turns less than once over the longer context; one shorter than original_max_positions
-    / high_freq_factor, which tells nearby tokens apart, is kept as trained; those between are
-    interpolated, linearly in original_max_positions / wavelength. Float32 throughout, as HF's."""
+    in tokens) exceeds original_max_positions / low_freq_factor is divided by `factor`, as
+    linear scaling does, so that positions up to factor × original_max_positions turn it no
+    further than training did; one shorter than original_max_positions / high_freq_factor,
+    which tells nearby tokens apart, is kept as trained; those between are interpolated,
+    linearly in original_max_positions / wavelength. Float32 throughout, as HF's."""
     original, low, high = (scaling.original_max_positions, scaling.low_freq_factor,
                            scaling.high_freq_factor)
     wavelength_R = (2 * math.pi / inv_freq_R).astype(np.float32)
@@ -399,9 +400,11 @@ class Qwen2ForSequenceClassification(LlamaForSequenceClassification):
 
 # ---------------------------------------------------------------- Hugging Face names
 
-# HF's llama3 rope parameters by our RopeScaling field (factor is every scaled type's).
-_LLAMA3_FIELDS = {"low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor",
-                  "original_max_positions": "original_max_position_embeddings"}
+# HF's llama3 rope parameters by our RopeScaling field, and its type (factor is every scaled
+# type's).
+_LLAMA3_FIELDS = {"low_freq_factor": ("low_freq_factor", float),
+                  "high_freq_factor": ("high_freq_factor", float),
+                  "original_max_positions": ("original_max_position_embeddings", int)}
 
 
 def _rope_to_hf(model: ModelConfig) -> dict:
@@ -411,7 +414,8 @@ def _rope_to_hf(model: ModelConfig) -> dict:
     if scaling.type != "default":
         rope["factor"] = scaling.factor
     if scaling.type == "llama3":
-        rope.update({theirs: getattr(scaling, ours) for ours, theirs in _LLAMA3_FIELDS.items()})
+        rope.update({theirs: getattr(scaling, ours)
+                     for ours, (theirs, _) in _LLAMA3_FIELDS.items()})
     return {"rope_parameters": rope}
 
 
@@ -420,8 +424,8 @@ def _rope_from_hf(config) -> dict:
     what a llama3 checkpoint leaves out is RopeScaling's default."""
     rope = config.rope_parameters or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
-    llama3 = {ours: type(getattr(RopeScaling, ours))(rope[theirs])
-              for ours, theirs in _LLAMA3_FIELDS.items() if kind == "llama3" and theirs in rope}
+    llama3 = {ours: convert(rope[theirs]) for ours, (theirs, convert) in _LLAMA3_FIELDS.items()
+              if kind == "llama3" and theirs in rope}
     return {"rope_theta": float(rope.get("rope_theta", 10000.0)),
             "rope_scaling": RopeScaling(type=kind, factor=float(rope.get("factor", 1.0)),
                                         **llama3)}
