@@ -143,7 +143,8 @@ def config_node(node: str, overrides=(), **changes):
 
 
 # An option of each model family: what model_config takes the family's settings from.
-FAMILY_OPTIONS = {"gpt2": "gpt2", "bert": "bert-tiny", "llama": "llama-tiny"}
+FAMILY_OPTIONS = {"gpt2": "gpt2", "bert": "bert-tiny", "llama": "llama-tiny",
+                  "qwen2": "qwen2.5-0.5b"}
 
 
 def model_config(family: str = "gpt2", **fields):

@@ -148,9 +148,11 @@ def test_rope_scaling_is_set_from_the_command_line():
 
 
 @pytest.mark.parametrize(("option", "num_params"), [
-    ("smollm-135m", 134_515_008), ("llama-1b", 1_235_814_400)])
+    ("smollm-135m", 134_515_008), ("llama-1b", 1_235_814_400), ("llama3-8b", 8_030_261_248),
+    ("qwen2.5-0.5b", 494_032_768)])
 def test_the_presets_build_the_published_networks(option, num_params):
-    """The parameter counts of HuggingFaceTB/SmolLM-135M and meta-llama/Llama-3.2-1B."""
+    """The parameter counts of HuggingFaceTB/SmolLM-135M, meta-llama/Llama-3.2-1B,
+    meta-llama/Llama-3.1-8B and Qwen/Qwen2.5-0.5B."""
     model_config = OmegaConf.to_object(compose([f"model={option}"])).model
     model = nnx.eval_shape(lambda: build_lm(TransformerSpec(model_config), nnx.Rngs(0)))
     assert count_params(model) == num_params

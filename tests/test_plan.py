@@ -300,3 +300,22 @@ def test_planning_llama_1b_allocates_no_parameters():
     assert measured["state_bytes"] > 13 * 2**30  # what an allocated state would take
     # The process's own imports and libtpu take 2 to 2.6 GB; the parameters alone would be 4.6.
     assert measured["peak_rss_bytes"] < measured["state_bytes"] / 4, measured
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_llama3_8b_needs_fsdp_on_a_v5p_8_and_the_plan_says_so(capsys):
+    """Llama 3 8B's float32 parameters and AdamW moments (89.75 GiB) do not leave a v5p chip
+    (95 GiB) room for a step at 8192 tokens: XLA's TPU compiler refuses it within a minute, and
+    the plan names fsdp over the 4 chips as the fix. With it (and full remat) the step fits,
+    36.55 GiB per chip; that compile takes 15 minutes here, so docs/planning.md records it."""
+    with pytest.raises(SystemExit) as exit_info:
+        plan_cli.main(["model=llama3-8b", "hardware=tpu-v5p-8", "task.max_seq_length=8192",
+                       "hardware.per_device_batch_size=1", "hardware.mesh.data=-1",
+                       "hardware.mesh.fsdp=1", "model.remat=full"])
+    assert exit_info.value.code == 2
+    [message] = capsys.readouterr().err.strip().splitlines()
+    assert message.startswith("flaxlm: error: model=llama3-8b does not fit hardware=tpu-v5p-8: "
+                              "XLA's compiler cannot fit the train step"), message
+    assert ("Try hardware.mesh.data=1 hardware.mesh.fsdp=-1 (parameters and optimizer state "
+            "split over all 4 chips: 89.75 GiB → 22.44 GiB per chip)") in message, message

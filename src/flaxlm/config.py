@@ -74,6 +74,7 @@ class ModelFamily(str, enum.Enum):
     gpt2 = "gpt2"  # decoder: GPT2LMHeadModel (task=clm), GPT2ForSequenceClassification
     bert = "bert"  # encoder: BertForSequenceClassification (task=classify)
     llama = "llama"  # decoder: LlamaForCausalLM (task=clm), LlamaForSequenceClassification
+    qwen2 = "qwen2"  # Llama's decoder with biases on q/k/v: Qwen2ForCausalLM, ...Classification
 
 
 class Remat(str, enum.Enum):
@@ -100,8 +101,15 @@ class RopeScaling:
     whose `rope_type` names it). Set on the command line as model.rope_scaling.type=linear
     model.rope_scaling.factor=4, or model.rope_scaling={type: linear, factor: 4}."""
 
-    type: str = MISSING  # default: positions as they are; linear: divided by `factor`
+    # default: positions as they are; linear: divided by `factor`; llama3: Llama 3.1's, the
+    # long wavelengths divided by `factor`, the short kept, those between interpolated
+    type: str = MISSING
     factor: float = MISSING
+    # llama3 only (Llama 3.1's values): wavelengths above original_max_positions /
+    # low_freq_factor are stretched, those below original_max_positions / high_freq_factor kept
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 8192  # the context the model was first trained at
 
 
 @dataclasses.dataclass
@@ -134,12 +142,13 @@ class ModelConfig:
     # Which attention backend; with attention dropout, training takes the reference path.
     attention: AttentionBackend = MISSING
     tie_word_embeddings: bool = MISSING  # the LM head reuses the token embeddings (GPT-2 always)
-    # llama only (GPT-2 and BERT ignore them):
+    # llama and qwen2 only (GPT-2 and BERT ignore them):
     num_kv_heads: Optional[int] = None  # key/value heads (grouped-query); null → num_heads
     rope_theta: float = MISSING  # the base wavelength of the rotary position embeddings
     # Not Optional: OmegaConf cannot merge a command-line dict into a null dataclass node.
     rope_scaling: RopeScaling = dataclasses.field(default_factory=RopeScaling)
     attention_bias: bool = False  # biases on the q/k/v/o projections
+    qkv_bias: bool = False  # biases on q/k/v only, none on o: Qwen2's (model.family=qwen2)
     mlp_bias: bool = False  # biases on the gate/up/down projections
 
 

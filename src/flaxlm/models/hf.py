@@ -14,7 +14,7 @@ joining it with dots and renaming the leaf (`kernel`/`scale`/`embedding` → `we
         bert.encoder.layer.<i>.attention.self.query.kernel
                                             ↔ bert.encoder.layer.<i>.attention.self.query.weight
         classifier.kernel                   ↔ classifier.weight                 (transposed)
-    LlamaForCausalLM, LlamaForSequenceClassification (the same paths as HF's)
+    LlamaForCausalLM, LlamaForSequenceClassification, and Qwen2's (the same paths as HF's)
         model.layers.<i>.self_attn.q_proj.kernel
                                             ↔ model.layers.<i>.self_attn.q_proj.weight (transposed)
         model.norm.scale                    ↔ model.norm.weight
@@ -64,6 +64,8 @@ ARCHITECTURES = {arch.name: arch for arch in (
     Architecture(bert.BertForSequenceClassification, ModelFamily.bert, bert.HF_NAMES),
     Architecture(llama.LlamaForCausalLM, ModelFamily.llama, llama.HF_NAMES, is_lm=True),
     Architecture(llama.LlamaForSequenceClassification, ModelFamily.llama, llama.HF_NAMES),
+    Architecture(llama.Qwen2ForCausalLM, ModelFamily.qwen2, llama.QWEN2_HF_NAMES, is_lm=True),
+    Architecture(llama.Qwen2ForSequenceClassification, ModelFamily.qwen2, llama.QWEN2_HF_NAMES),
 )}
 GPT2_LM = gpt2.GPT2LMHeadModel.__name__
 FAMILY_NAMES = {arch.family: arch.names for arch in ARCHITECTURES.values()}

@@ -1,7 +1,8 @@
 """The Llama decoder in Flax NNX, with the parameter layout of transformers' `LlamaForCausalLM`:
 pre-norm blocks with RMSNorm, rotary position embeddings, a SwiGLU MLP and grouped-query
-attention (G key/value heads, each serving N / G query heads). Mistral, Qwen2, SmolLM and OLMo
-share this design.
+attention (G key/value heads, each serving N / G query heads). Mistral, SmolLM and OLMo share
+this design; Qwen2 adds biases to the q/k/v projections (`model.qkv_bias`), and its classes here
+are these under Qwen2's names.
 
 The module tree mirrors HF's names (`model.embed_tokens`, `model.layers.<i>.self_attn.q_proj`,
 `model.layers.<i>.mlp.gate_proj`, `model.norm`, `lm_head`), so a checkpoint maps one to one
@@ -11,8 +12,9 @@ the token table and `lm_head` does not exist.
 
 Numerics follow HF's: RMSNorm and the attention softmax in float32 whatever the compute dtype,
 RoPE with `rotate_half` (the two halves of each head, not interleaved pairs) and inverse
-frequencies in float32. Generation is GPT-2's (`layers.KVCache`, `layers.decode_step`); the
-cache holds only the G key/value heads.
+frequencies in float32, stretched as HF's rope types `linear` and `llama3` stretch them.
+Generation is GPT-2's (`layers.KVCache`, `layers.decode_step`); the cache holds only the G
+key/value heads.
 
 Shapes are in the names: B batch, L sequence length, D model width, N query heads, G key/value
 heads, H head width, F MLP width, V vocabulary, S cache slots, C classes.
@@ -20,13 +22,16 @@ heads, H head width, F MLP width, V vocabulary, S cache slots, C classes.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import transformers
 from flax import nnx
 
-from flaxlm.config import ModelConfig, Remat, RopeScaling
+from flaxlm.config import ModelConfig, ModelFamily, Remat, RopeScaling
 from flaxlm.errors import FlaxlmError
 from flaxlm.models.attention import attention
 from flaxlm.models.layers import (
@@ -45,7 +50,7 @@ from flaxlm.models.layers import (
     run_block,
 )
 
-ROPE_TYPES = ("default", "linear")  # HF's rope_type names
+ROPE_TYPES = ("default", "linear", "llama3")  # HF's rope_type names
 
 
 def check_llama(spec: TransformerSpec) -> None:
@@ -58,12 +63,56 @@ def check_llama(spec: TransformerSpec) -> None:
             "each key/value head serves a whole group of query heads. Pick a divisor of num_heads "
             "(null: one key/value head per query head)."
         )
-    scaling = cfg.rope_scaling
+    check_rope_scaling(cfg.rope_scaling)
+    check_biases(cfg)
+
+
+def check_biases(cfg: ModelConfig) -> None:
+    """Only biases the family's HF config can state: LlamaConfig's `attention_bias` puts them on
+    all four attention projections, Qwen2Config fixes them on q/k/v and nowhere else."""
+    biases = (f"model.qkv_bias={cfg.qkv_bias}, model.attention_bias={cfg.attention_bias}, "
+              f"model.mlp_bias={cfg.mlp_bias}")
+    if ModelFamily(cfg.family) is ModelFamily.qwen2:
+        if not cfg.qkv_bias or cfg.attention_bias or cfg.mlp_bias:
+            raise FlaxlmError(
+                f"model.family=qwen2 with {biases}: a Qwen2 checkpoint (Qwen2Config) has biases "
+                "on q/k/v and none on o or the MLP. Set model.qkv_bias=true "
+                "model.attention_bias=false model.mlp_bias=false, or model.family=llama for "
+                "Llama's choice of biases."
+            )
+    elif cfg.qkv_bias and not cfg.attention_bias:
+        raise FlaxlmError(
+            f"model.family={ModelFamily(cfg.family).value} with {biases}: biases on q/k/v and "
+            "none on o are Qwen2's layout, which a Llama checkpoint (LlamaConfig) cannot hold. "
+            "Set model.family=qwen2 (as model=qwen2.5-0.5b does), or model.attention_bias=true "
+            "for Llama's biases on all four projections."
+        )
+
+
+def check_rope_scaling(scaling: RopeScaling) -> None:
+    """The rope scaling settings `inverse_frequencies` can compute."""
     if scaling.type not in ROPE_TYPES or scaling.factor <= 0:
         raise FlaxlmError(
             f"model.rope_scaling={{type: {scaling.type}, factor: {scaling.factor}}} is not "
-            "supported: flaxlm's Llama implements model.rope_scaling.type default (no scaling) "
-            "and linear (positions divided by model.rope_scaling.factor), with a factor > 0."
+            "supported: flaxlm's Llama implements model.rope_scaling.type default (no scaling), "
+            "linear (positions divided by model.rope_scaling.factor) and llama3 (Llama 3.1's), "
+            "with a factor > 0."
+        )
+    if scaling.type != "llama3":
+        return
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    if not 0 < low < high:
+        raise FlaxlmError(
+            f"model.rope_scaling.low_freq_factor={low} and model.rope_scaling.high_freq_factor="
+            f"{high}: llama3 scaling needs 0 < low_freq_factor < high_freq_factor (Llama 3.1's "
+            "are 1 and 4), as it interpolates between the wavelengths original_max_positions / "
+            "high_freq_factor and original_max_positions / low_freq_factor."
+        )
+    if scaling.original_max_positions < 1:
+        raise FlaxlmError(
+            f"model.rope_scaling.original_max_positions={scaling.original_max_positions} must be "
+            "the context the model was first trained at, a positive number of tokens (Llama "
+            "3.1's: 8192)."
         )
 
 
@@ -71,13 +120,39 @@ def kv_heads(cfg: ModelConfig) -> int:
     return cfg.num_kv_heads or cfg.num_heads
 
 
-def rotary(positions_BxL: jax.Array, head_width: int, theta: float,
-           factor: float = 1.0) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of every position's rotation angles, (B, L, 1, H), in float32: HF's
-    inverse frequencies theta^(-2i/H), divided by the linear scaling factor, each used for
-    both halves of the head. R = H / 2 frequencies."""
+def inverse_frequencies(head_width: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+    """The R = H / 2 rotation frequencies of a head, in float32, as HF's rope init functions
+    compute them: theta^(-2i/H), divided by `scaling.factor` for linear scaling, or stretched
+    by wavelength for llama3 (`llama3_frequencies`)."""
     exponents_R = np.arange(0, head_width, 2, dtype=np.float32) / head_width
-    inv_freq_R = (1.0 / np.float32(theta) ** exponents_R / np.float32(factor)).astype(np.float32)
+    inv_freq_R = (1.0 / np.float32(theta) ** exponents_R).astype(np.float32)
+    if scaling.type == "linear":
+        return (inv_freq_R / np.float32(scaling.factor)).astype(np.float32)
+    if scaling.type == "llama3":
+        return llama3_frequencies(inv_freq_R, scaling)
+    return inv_freq_R
+
+
+def llama3_frequencies(inv_freq_R: np.ndarray, scaling: RopeScaling) -> np.ndarray:
+    """Llama 3.1's stretch of a longer context: a frequency whose wavelength (2π / frequency,
+    in tokens) exceeds original_max_positions / low_freq_factor is divided by `factor`, as
+    linear scaling does, so that positions up to factor × original_max_positions turn it no
+    further than training did; one shorter than original_max_positions / high_freq_factor,
+    which tells nearby tokens apart, is kept as trained; those between are interpolated,
+    linearly in original_max_positions / wavelength. Float32 throughout, as HF's."""
+    original, low, high = (scaling.original_max_positions, scaling.low_freq_factor,
+                           scaling.high_freq_factor)
+    wavelength_R = (2 * math.pi / inv_freq_R).astype(np.float32)
+    stretched_R = np.where(wavelength_R > original / low, inv_freq_R / scaling.factor, inv_freq_R)
+    smooth_R = (original / wavelength_R - low) / (high - low)
+    smoothed_R = (1 - smooth_R) * stretched_R / scaling.factor + smooth_R * stretched_R
+    between_R = (wavelength_R >= original / high) & (wavelength_R <= original / low)
+    return np.where(between_R, smoothed_R, stretched_R).astype(np.float32)
+
+
+def rotary(positions_BxL: jax.Array, inv_freq_R: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of every position's rotation angles, (B, L, 1, H), in float32: position ×
+    each inverse frequency (`inverse_frequencies`), each used for both halves of the head."""
     angles_BxLxR = positions_BxL.astype(jnp.float32)[..., None] * inv_freq_R
     angles_BxLx1xH = jnp.concatenate([angles_BxLxR, angles_BxLxR], axis=-1)[:, :, None, :]
     return jnp.cos(angles_BxLx1xH), jnp.sin(angles_BxLx1xH)
@@ -96,21 +171,24 @@ class LlamaAttention(nnx.Module):
         cfg = spec.model
         self.num_heads, self.num_kv_heads = cfg.num_heads, kv_heads(cfg)
         self.head_width = cfg.hidden_size // cfg.num_heads
-        self.rope_theta = cfg.rope_theta
-        linear = cfg.rope_scaling.type == "linear"
-        self.rope_factor = cfg.rope_scaling.factor if linear else 1.0
+        # A tuple: a module's static attributes must hash (jit keys on them); float32 values
+        # survive the round trip through Python floats exactly.
+        self.inv_freq_R = tuple(inverse_frequencies(self.head_width, cfg.rope_theta,
+                                                    cfg.rope_scaling).tolist())
         self.attention_dropout = cfg.attention_dropout
         self.attention_backend = cfg.attention
         kv_width = self.num_kv_heads * self.head_width
 
-        def projection(width_in, width_out, logical_axes):
+        def projection(width_in, width_out, logical_axes, use_bias):
             return dense(width_in, width_out, spec, rngs, cfg.initializer_range,
-                         use_bias=cfg.attention_bias, logical_axes=logical_axes)
+                         use_bias=use_bias, logical_axes=logical_axes)
 
-        self.q_proj = projection(cfg.hidden_size, cfg.hidden_size, ("embed", "heads"))
-        self.k_proj = projection(cfg.hidden_size, kv_width, ("embed", "kv_heads"))
-        self.v_proj = projection(cfg.hidden_size, kv_width, ("embed", "kv_heads"))
-        self.o_proj = projection(cfg.hidden_size, cfg.hidden_size, ("heads", "embed"))
+        qkv_bias = cfg.attention_bias or cfg.qkv_bias
+        self.q_proj = projection(cfg.hidden_size, cfg.hidden_size, ("embed", "heads"), qkv_bias)
+        self.k_proj = projection(cfg.hidden_size, kv_width, ("embed", "kv_heads"), qkv_bias)
+        self.v_proj = projection(cfg.hidden_size, kv_width, ("embed", "kv_heads"), qkv_bias)
+        self.o_proj = projection(cfg.hidden_size, cfg.hidden_size, ("heads", "embed"),
+                                 cfg.attention_bias)
 
     def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
                  rngs: nnx.Rngs | None, segment_ids_BxL: jax.Array | None = None) -> jax.Array:
@@ -135,7 +213,7 @@ class LlamaAttention(nnx.Module):
         q_BxLxNxH = self.q_proj(x_BxLxD).reshape(B, L, self.num_heads, H)
         k_BxLxGxH = self.k_proj(x_BxLxD).reshape(B, L, self.num_kv_heads, H)
         v_BxLxGxH = self.v_proj(x_BxLxD).reshape(B, L, self.num_kv_heads, H)
-        cos_BxLx1xH, sin_BxLx1xH = rotary(positions_BxL, H, self.rope_theta, self.rope_factor)
+        cos_BxLx1xH, sin_BxLx1xH = rotary(positions_BxL, np.asarray(self.inv_freq_R, np.float32))
         return (apply_rotary(q_BxLxNxH, cos_BxLx1xH, sin_BxLx1xH),
                 apply_rotary(k_BxLxGxH, cos_BxLx1xH, sin_BxLx1xH), v_BxLxGxH)
 
@@ -308,53 +386,98 @@ class LlamaForSequenceClassification(nnx.Module):
         return self.score(last_token_states(x_BxLxD, attention_mask_BxL))
 
 
+# ---------------------------------------------------------------- Qwen2
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2's language model: Llama's with biases on the q/k/v projections (`model.qkv_bias`),
+    under HF's class name, so that import and export read and write Qwen2's config.json."""
+
+
+class Qwen2ForSequenceClassification(LlamaForSequenceClassification):
+    """Qwen2's classifier: `LlamaForSequenceClassification` with Qwen2's biases, as its LM."""
+
+
 # ---------------------------------------------------------------- Hugging Face names
+
+# HF's llama3 rope parameters by our RopeScaling field, and its type (factor is every scaled
+# type's).
+_LLAMA3_FIELDS = {"low_freq_factor": ("low_freq_factor", float),
+                  "high_freq_factor": ("high_freq_factor", float),
+                  "original_max_positions": ("original_max_position_embeddings", int)}
 
 
 def _rope_to_hf(model: ModelConfig) -> dict:
-    """LlamaConfig's `rope_parameters` for our rope settings."""
-    rope = {"rope_type": model.rope_scaling.type, "rope_theta": model.rope_theta}
-    if model.rope_scaling.type == "linear":
-        rope["factor"] = model.rope_scaling.factor
+    """The HF config's `rope_parameters` for our rope settings."""
+    scaling = model.rope_scaling
+    rope = {"rope_type": scaling.type, "rope_theta": model.rope_theta}
+    if scaling.type != "default":
+        rope["factor"] = scaling.factor
+    if scaling.type == "llama3":
+        rope.update({theirs: getattr(scaling, ours)
+                     for ours, (theirs, _) in _LLAMA3_FIELDS.items()})
     return {"rope_parameters": rope}
 
 
 def _rope_from_hf(config) -> dict:
-    """Our rope settings from a LlamaConfig (which reads old `rope_theta`/`rope_scaling` too)."""
+    """Our rope settings from an HF config (which reads old `rope_theta`/`rope_scaling` too);
+    what a llama3 checkpoint leaves out is RopeScaling's default."""
     rope = config.rope_parameters or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
+    llama3 = {ours: convert(rope[theirs]) for ours, (theirs, convert) in _LLAMA3_FIELDS.items()
+              if kind == "llama3" and theirs in rope}
     return {"rope_theta": float(rope.get("rope_theta", 10000.0)),
-            "rope_scaling": RopeScaling(type=kind, factor=float(rope.get("factor", 1.0)))}
+            "rope_scaling": RopeScaling(type=kind, factor=float(rope.get("factor", 1.0)),
+                                        **llama3)}
 
 
-def _unsupported_variant(raw: dict) -> str | None:
-    config = transformers.LlamaConfig.from_dict(raw)
-    kind = (config.rope_parameters or {}).get("rope_type", "default")
-    if kind not in ROPE_TYPES:
-        return f"rope_type={kind!r} (flaxlm implements default and linear RoPE)"
-    if config.head_dim != config.hidden_size // config.num_attention_heads:
-        return f"head_dim={config.head_dim} other than hidden_size / num_attention_heads"
-    return None
+def _llama_from_hf(config) -> dict:
+    """LlamaConfig's biases are `attention_bias` (q/k/v/o) and `mlp_bias`: none on q/k/v only."""
+    return {**_rope_from_hf(config), "qkv_bias": False}
 
+
+def _qwen2_from_hf(config) -> dict:
+    """Qwen2Config has no bias settings: Qwen2's are on q/k/v, and nowhere else."""
+    return {**_rope_from_hf(config), "qkv_bias": True, "attention_bias": False,
+            "mlp_bias": False}
+
+
+def _unsupported_in(config_class_name: str):
+    """What a checkpoint of this config class uses that our module does not implement."""
+
+    def unsupported(raw: dict) -> str | None:
+        config = getattr(transformers, config_class_name).from_dict(raw)
+        kind = (config.rope_parameters or {}).get("rope_type", "default")
+        if kind not in ROPE_TYPES:
+            return f"rope_type={kind!r} (flaxlm implements {', '.join(ROPE_TYPES)} RoPE)"
+        head_dim = getattr(config, "head_dim", None)
+        if head_dim and head_dim != config.hidden_size // config.num_attention_heads:
+            return f"head_dim={head_dim} other than hidden_size / num_attention_heads"
+        if getattr(config, "use_sliding_window", False):
+            return "sliding-window attention (use_sliding_window=true)"
+        return None
+
+    return unsupported
+
+
+_SHAPE_FIELDS = {
+    "vocab_size": "vocab_size",
+    "max_position_embeddings": "max_positions",
+    "hidden_size": "hidden_size",
+    "num_hidden_layers": "num_layers",
+    "num_attention_heads": "num_heads",
+    "num_key_value_heads": "num_kv_heads",
+    "intermediate_size": "mlp_size",
+    "hidden_act": "activation",
+    "rms_norm_eps": "layer_norm_eps",
+    "initializer_range": "initializer_range",
+    "tie_word_embeddings": "tie_word_embeddings",
+}
 
 HF_NAMES = HFNames(
     model_type="llama",
     config_class_name="LlamaConfig",
-    shape_fields={
-        "vocab_size": "vocab_size",
-        "max_position_embeddings": "max_positions",
-        "hidden_size": "hidden_size",
-        "num_hidden_layers": "num_layers",
-        "num_attention_heads": "num_heads",
-        "num_key_value_heads": "num_kv_heads",
-        "intermediate_size": "mlp_size",
-        "hidden_act": "activation",
-        "rms_norm_eps": "layer_norm_eps",
-        "initializer_range": "initializer_range",
-        "tie_word_embeddings": "tie_word_embeddings",
-        "attention_bias": "attention_bias",
-        "mlp_bias": "mlp_bias",
-    },
+    shape_fields={**_SHAPE_FIELDS, "attention_bias": "attention_bias", "mlp_bias": "mlp_bias"},
     dropout_fields={"attention_dropout": "attention_dropout"},
     special_tokens=("bos_token_id", "eos_token_id", "pad_token_id"),
     body_prefix="model.",
@@ -364,7 +487,18 @@ HF_NAMES = HFNames(
     shape_settings=(("embed_tokens", "model.vocab_size"), ("lm_head", "model.vocab_size"),
                     ("k_proj", "model.num_kv_heads"), ("v_proj", "model.num_kv_heads"),
                     ("mlp.", "model.mlp_size")),
-    unsupported=_unsupported_variant,
+    unsupported=_unsupported_in("LlamaConfig"),
     config_to_hf=_rope_to_hf,
-    config_from_hf=_rope_from_hf,
+    config_from_hf=_llama_from_hf,
+)
+
+# Qwen2's checkpoints have Llama's names and layout, plus the q/k/v biases; its config has the
+# same fields less the bias settings (and a sliding window, which we refuse when it is on).
+QWEN2_HF_NAMES = dataclasses.replace(
+    HF_NAMES,
+    model_type="qwen2",
+    config_class_name="Qwen2Config",
+    shape_fields=_SHAPE_FIELDS,
+    unsupported=_unsupported_in("Qwen2Config"),
+    config_from_hf=_qwen2_from_hf,
 )

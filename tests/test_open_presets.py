@@ -1,0 +1,324 @@
+"""Today's common open shapes: Llama 3's RoPE scaling (`rope_scaling.type=llama3`, which
+llama3-8b and llama-1b use) and Qwen2's biases on q/k/v (`model.family=qwen2`), each against
+transformers' PyTorch models: frequencies, logits, `model.init_from` of a checkpoint saved by
+transformers and export back into it; the presets' settings and bad settings."""
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import compose
+from conftest import model_config as family_config
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from omegaconf import OmegaConf
+
+from flaxlm.config import ModelFamily, RopeScaling
+from flaxlm.errors import FlaxlmError
+from flaxlm.models import hf, pretrained
+from flaxlm.models.build import build_classifier, build_lm
+from flaxlm.models.layers import TransformerSpec
+from flaxlm.models.llama import inverse_frequencies
+
+BOS, EOS, PAD = 1, 2, 0
+SHAPE = dict(name="t", vocab_size=97, max_positions=64, hidden_size=64, num_layers=2,
+             num_heads=8, num_kv_heads=2, mlp_size=96, initializer_range=0.1)
+# Head width 8 at theta 500000 gives wavelengths of 6, 167, 4443 and 118,000 tokens: with an
+# original context of 256, the first is kept, the second interpolated, the others stretched.
+LLAMA3 = RopeScaling("llama3", 8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                     original_max_positions=256)
+LLAMA_CONFIG = family_config("llama", **SHAPE, rope_theta=500000.0, rope_scaling=LLAMA3,
+                             tie_word_embeddings=False)
+QWEN2_CONFIG = family_config("qwen2", **SHAPE, rope_theta=1000000.0)
+BASE = {"llama": family_config("llama", name="x"), "qwen2": family_config("qwen2", name="x")}
+
+
+def token_ids(shape=(2, 24), seed=0):
+    return np.random.default_rng(seed).integers(3, 97, shape)
+
+
+def hf_rope(theta, scaling: RopeScaling):
+    """HF's `rope_parameters` for a RoPE setting, written by hand (export writes its own)."""
+    return {"rope_type": scaling.type, "rope_theta": theta, "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_positions}
+
+
+def perturbed_torch(model, seed=0):
+    """`model` with noise on every parameter: HF initialises biases to zero, and a zero bias
+    would pass a comparison whatever was done with it."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    return model.eval()
+
+
+def import_checkpoint(directory, family):
+    """What `model.init_from=<directory>` builds: the config from config.json, then weights."""
+    config = pretrained.pretrained_model_config(str(directory), BASE[family])
+    model = nnx.eval_shape(lambda: build_lm(TransformerSpec(config), nnx.Rngs(0)))
+    report = pretrained.load_pretrained_weights(model, str(directory))
+    assert not report.missing and not report.unexpected
+    return config, model
+
+
+def torch_logits(model, ids):
+    import torch
+
+    with torch.no_grad():
+        return model(torch.from_numpy(ids)).logits.numpy()
+
+
+# ---------------------------------------------------------------- llama3 RoPE scaling
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize(("head_width", "theta", "scaling"), [
+    (64, 500000.0, RopeScaling("llama3", 32.0)),  # Llama-3.2-1B's
+    (128, 500000.0, RopeScaling("llama3", 8.0)),  # Llama-3.1-8B's
+    (8, 500000.0, LLAMA3),
+])
+def test_llama3_frequencies_equal_transformers_for_the_published_models(head_width, theta,
+                                                                        scaling):
+    torch = pytest.importorskip("torch")
+    assert torch  # transformers' rope functions compute in torch
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = LlamaConfig(hidden_size=head_width * 4, num_attention_heads=4,
+                         max_position_embeddings=131072, rope_parameters=hf_rope(theta, scaling))
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    ours = inverse_frequencies(head_width, theta, scaling)
+    np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-6)
+    unscaled = inverse_frequencies(head_width, theta, RopeScaling("default", 1.0))
+    assert ours[0] == unscaled[0] and ours[-1] == pytest.approx(unscaled[-1] / scaling.factor)
+
+
+@pytest.mark.torch
+@settings(max_examples=30, deadline=None)
+@given(head_width=st.integers(1, 64).map(lambda half: 2 * half),
+       theta=st.floats(100.0, 1e7), factor=st.floats(1.0, 64.0),
+       low=st.floats(0.5, 4.0), gap=st.floats(0.5, 8.0),
+       original=st.integers(16, 65536))
+def test_llama3_frequencies_equal_transformers_for_any_setting(head_width, theta, factor, low,
+                                                               gap, original):
+    pytest.importorskip("torch")
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = RopeScaling("llama3", factor, low_freq_factor=low, high_freq_factor=low + gap,
+                          original_max_positions=original)
+    config = LlamaConfig(hidden_size=head_width * 2, num_attention_heads=2,
+                         max_position_embeddings=2 * original,
+                         rope_parameters=hf_rope(theta, scaling))
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    # Float32 rounding apart (torch divides a scalar by a tensor as a reciprocal times it):
+    # an interpolated frequency is a difference of two terms, a few units in the last place.
+    np.testing.assert_allclose(inverse_frequencies(head_width, theta, scaling), theirs.numpy(),
+                               rtol=1e-5)
+
+
+@pytest.mark.torch
+def test_a_llama3_scaled_checkpoint_from_transformers_imports_with_equal_logits(tmp_path):
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
+        rope_parameters=hf_rope(500000.0, LLAMA3), tie_word_embeddings=False,
+        initializer_range=0.1)
+    theirs = perturbed_torch(transformers.LlamaForCausalLM(hf_config))
+    theirs.save_pretrained(tmp_path)
+
+    config, model = import_checkpoint(tmp_path, "llama")
+    assert (config.rope_theta, config.rope_scaling) == (500000.0, LLAMA3)
+    ids = token_ids((2, 48))
+    expected = torch_logits(theirs, ids)
+    np.testing.assert_allclose(model(jnp.asarray(ids)), expected, atol=2e-5)
+    # The scaling matters: the same weights with unscaled RoPE are another function.
+    unscaled = dataclasses.replace(config, rope_scaling=RopeScaling("default", 1.0))
+    other = nnx.merge(nnx.graphdef(build_lm(TransformerSpec(unscaled), nnx.Rngs(0))),
+                      nnx.state(model))
+    assert np.abs(np.asarray(other(jnp.asarray(ids))) - expected).max() > 1e-3
+
+
+@pytest.mark.torch
+def test_a_llama3_scaled_export_loads_in_transformers_with_equal_logits(tmp_path):
+    pytest.importorskip("torch")
+    import transformers
+
+    model = build_lm(TransformerSpec(LLAMA_CONFIG), nnx.Rngs(1))
+    hf_config = hf.to_lm_config(LLAMA_CONFIG, bos_token_id=BOS, eos_token_id=EOS,
+                                pad_token_id=PAD)
+    hf.save_pretrained(str(tmp_path), nnx.to_pure_dict(nnx.state(model, nnx.Param)), hf_config)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["rope_parameters"] == hf_rope(500000.0, LLAMA3)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = token_ids((2, 48))
+    np.testing.assert_allclose(model(jnp.asarray(ids)), torch_logits(theirs, ids), atol=2e-5)
+    # ... and it reads back as it was written.
+    assert pretrained.pretrained_model_config(str(tmp_path), BASE["llama"]).rope_scaling == LLAMA3
+
+
+def test_llama_3_2s_published_config_json_reads_as_llama_1b(tmp_path):
+    """meta-llama/Llama-3.2-1B's config.json (transformers 4's `rope_scaling` form) gives the
+    llama-1b preset's network and RoPE."""
+    published = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": 128000, "eos_token_id": 128001,
+        "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+        "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False,
+        "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": True,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "vocab_size": 128256,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    loaded = pretrained.pretrained_model_config(str(tmp_path), BASE["llama"])
+    preset = OmegaConf.to_object(compose(["model=llama-1b"])).model
+    same = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "mlp_size",
+            "rope_theta", "rope_scaling", "layer_norm_eps", "tie_word_embeddings", "family")
+    assert {key: getattr(loaded, key) for key in same} == {key: getattr(preset, key)
+                                                           for key in same}
+
+
+@pytest.mark.parametrize(("changes", "setting"), [
+    (dict(low_freq_factor=4.0, high_freq_factor=1.0), r"model\.rope_scaling\.low_freq_factor"),
+    (dict(low_freq_factor=0.0), r"model\.rope_scaling\.low_freq_factor"),
+    (dict(original_max_positions=0), r"model\.rope_scaling\.original_max_positions=0"),
+    (dict(factor=-2.0), r"model\.rope_scaling=\{type: llama3, factor: -2\.0\}"),
+])
+def test_bad_llama3_scaling_is_a_clear_error_naming_the_setting(changes, setting):
+    config = dataclasses.replace(LLAMA_CONFIG, rope_scaling=dataclasses.replace(LLAMA3, **changes))
+    with pytest.raises(FlaxlmError, match=setting):
+        build_lm(TransformerSpec(config), nnx.Rngs(0))
+
+
+def test_llama3_scaling_is_set_from_the_command_line():
+    overrides = ["model=llama-tiny", "model.rope_scaling.type=llama3",
+                 "model.rope_scaling.factor=8", "model.rope_scaling.original_max_positions=256"]
+    model = OmegaConf.to_object(compose(overrides)).model
+    assert model.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 256)
+
+
+# ---------------------------------------------------------------- Qwen2
+
+
+@pytest.mark.torch
+def test_a_qwen2_checkpoint_from_transformers_imports_with_equal_logits(tmp_path):
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    torch.manual_seed(0)
+    hf_config = transformers.Qwen2Config(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True, rms_norm_eps=1e-6, initializer_range=0.1)
+    theirs = perturbed_torch(transformers.Qwen2ForCausalLM(hf_config))
+    theirs.save_pretrained(tmp_path)
+
+    config, model = import_checkpoint(tmp_path, "llama")  # the checkpoint picks the family
+    assert (config.family, config.qkv_bias, config.attention_bias, config.mlp_bias) == (
+        ModelFamily.qwen2, True, False, False)
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    assert model.model.layers[0].self_attn.o_proj.bias is None
+    ids = token_ids()
+    np.testing.assert_allclose(model(jnp.asarray(ids)), torch_logits(theirs, ids), atol=2e-5)
+
+
+@pytest.mark.torch
+def test_a_qwen2_export_loads_in_transformers_with_nothing_missing_and_equal_logits(tmp_path):
+    pytest.importorskip("torch")
+    import transformers
+
+    model = build_lm(TransformerSpec(QWEN2_CONFIG), nnx.Rngs(1))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    rng = np.random.default_rng(0)  # q/k/v biases start at zero: make them count
+    for layer in params["model"]["layers"].values():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            bias = layer["self_attn"][name]["bias"]
+            layer["self_attn"][name]["bias"] = rng.normal(0, 0.5, bias.shape).astype(np.float32)
+    nnx.update(model, params)
+    hf_config = hf.to_lm_config(QWEN2_CONFIG, bos_token_id=BOS, eos_token_id=EOS,
+                                pad_token_id=PAD)
+    hf.save_pretrained(str(tmp_path), params, hf_config)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert (saved["model_type"], saved["architectures"]) == ("qwen2", ["Qwen2ForCausalLM"])
+    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, output_loading_info=True)
+    assert type(theirs).__name__ == "Qwen2ForCausalLM"
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    ids = token_ids()
+    np.testing.assert_allclose(model(jnp.asarray(ids)), torch_logits(theirs.eval(), ids),
+                               atol=2e-5)
+    # ... and back: the same network, with the same parameters.
+    config, again = import_checkpoint(tmp_path, "qwen2")
+    assert config.qkv_bias and config.family is ModelFamily.qwen2
+    np.testing.assert_array_equal(again(jnp.asarray(ids)), model(jnp.asarray(ids)))
+
+
+@pytest.mark.torch
+def test_a_qwen2_classifier_exports_as_qwen2s_with_equal_logits(tmp_path):
+    pytest.importorskip("torch")
+    import torch
+    import transformers
+
+    ours = build_classifier(TransformerSpec(QWEN2_CONFIG), 3, nnx.Rngs(1))
+    hf_config = hf.to_classifier_config(QWEN2_CONFIG, num_labels=3, pad_token_id=PAD)
+    hf.save_pretrained(str(tmp_path), nnx.to_pure_dict(nnx.state(ours, nnx.Param)), hf_config)
+    theirs, info = transformers.AutoModelForSequenceClassification.from_pretrained(
+        tmp_path, output_loading_info=True)
+    assert type(theirs).__name__ == "Qwen2ForSequenceClassification"
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    ids, mask = token_ids((2, 12)), np.ones((2, 12), np.int64)
+    with torch.no_grad():
+        expected = theirs.eval()(torch.from_numpy(ids),
+                                 attention_mask=torch.from_numpy(mask)).logits.numpy()
+    np.testing.assert_allclose(ours(jnp.asarray(ids), jnp.asarray(mask)), expected, atol=2e-5)
+
+
+@pytest.mark.parametrize(("family", "changes", "message"), [
+    ("qwen2", dict(qkv_bias=False), r"model\.family=qwen2 with model\.qkv_bias=False"),
+    ("qwen2", dict(mlp_bias=True), r"model\.family=qwen2 .*model\.mlp_bias=True"),
+    ("llama", dict(qkv_bias=True), r"model\.family=llama with model\.qkv_bias=True.*qwen2"),
+])
+def test_biases_a_familys_checkpoint_cannot_hold_are_a_clear_error(family, changes, message):
+    config = dataclasses.replace(family_config(family, **SHAPE), **changes)
+    with pytest.raises(FlaxlmError, match=message):
+        build_lm(TransformerSpec(config), nnx.Rngs(0))
+
+
+def test_a_sliding_window_qwen2_checkpoint_is_a_clear_error(tmp_path):
+    import transformers
+
+    config = transformers.Qwen2Config(hidden_size=64, num_attention_heads=8,
+                                      use_sliding_window=True, sliding_window=16)
+    config.save_pretrained(tmp_path)
+    with pytest.raises(FlaxlmError, match="sliding-window attention"):
+        pretrained.pretrained_model_config(str(tmp_path), BASE["qwen2"])
+
+
+# ---------------------------------------------------------------- the presets
+
+
+def test_the_presets_carry_their_published_settings():
+    llama3 = OmegaConf.to_object(compose(["model=llama3-8b"])).model
+    assert (llama3.rope_theta, llama3.rope_scaling, llama3.max_positions) == (
+        500000.0, RopeScaling("llama3", 8.0, 1.0, 4.0, 8192), 131072)
+    assert not llama3.tie_word_embeddings
+    qwen = OmegaConf.to_object(compose(["model=qwen2.5-0.5b"])).model
+    assert (qwen.family, qwen.qkv_bias, qwen.attention_bias, qwen.mlp_bias) == (
+        ModelFamily.qwen2, True, False, False)
+    assert (qwen.rope_theta, qwen.layer_norm_eps, qwen.tie_word_embeddings) == (1e6, 1e-6, True)
