@@ -284,8 +284,9 @@ def _restore_args_on(tree, shardings: dict):
     its sharding in `shardings` (keyed as `_pure_dict` keys the parameters)."""
 
     def restore_arg(path, _):
-        keys = [int(key.key) if key.key.isdigit() else key.key for key in path
-                if key.key != "value"]
+        keys = [int(key.key) if key.key.isdigit() else key.key for key in path]
+        if keys[-1] == "value":  # the variable's own level, not BERT's attention `value`
+            keys = keys[:-1]
         return ocp.ArrayRestoreArgs(sharding=functools.reduce(operator.getitem, keys, shardings))
 
     return jax.tree_util.tree_map_with_path(restore_arg, tree)
