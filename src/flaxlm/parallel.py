@@ -262,8 +262,11 @@ def initializer(build: Callable[[], nnx.Module], mesh: Mesh
 
     The shapes come from `nnx.eval_shape` (nothing is allocated); the jitted init computes each
     device's part of every variable where it lives, so no device and no host ever holds a
-    whole parameter that the layout splits. `build` runs the same random draws as when called
-    eagerly (JAX's partitionable threefry), so the values are those of `build()`."""
+    whole parameter that the layout splits. The values are those of `build()` run eagerly, bit
+    for bit: JAX's threefry draws the same bits whatever the layout (`jax_threefry_partitionable`,
+    on by default), and XLA's algebraic simplifier, which would fold an initializer's scale into
+    the normal draw's own constant and round one ulp differently from the eager ops, is off
+    for this program (it runs once)."""
     graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
     shardings = state_shardings(abstract_state, mesh)
     return graphdef, jax.jit(lambda: nnx.split(build())[1], out_shardings=shardings,
