@@ -247,6 +247,28 @@ def test_generate_falls_back_to_the_runs_export_without_checkpoints(run_dir, tmp
     assert generate_cli.run([str(copy), *args]) == generate_cli.run([str(run_dir), *args])
 
 
+@pytest.mark.slow
+def test_a_run_read_back_onto_the_devices_is_split_over_them(run_dir, tmp_path):
+    """What flaxlm-export and flaxlm-generate read (the checkpoint, or the export of a run
+    without one) goes straight onto all 8 devices, each holding an eighth of every matrix:
+    the same values as read to the host."""
+    import shutil
+
+    import jax
+
+    from flaxlm.run_model import load_run_model, local_mesh
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("checkpoints", "wandb"))
+    for source in (run_dir, str(copy)):
+        on_host = load_run_model(source).params
+        on_mesh = load_run_model(source, mesh=local_mesh()).params
+        for host, split in zip(jax.tree.leaves(on_host), jax.tree.leaves(on_mesh)):
+            assert isinstance(split, jax.Array) and np.array_equal(np.asarray(split), host)
+            if host.ndim == 2:
+                assert {shard.data.size for shard in split.addressable_shards} == {host.size // 8}
+
+
 def test_exported_files_get_the_modes_the_umask_gives(tmp_path):
     previous = os.umask(0o027)
     try:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -253,6 +253,40 @@ def place_state(tree, mesh: Mesh):
             lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
                                                         sharding=sharding), tree, shardings)
     return jax.device_put(tree, shardings)
+
+
+def initializer(build: Callable[[], nnx.Module], mesh: Mesh
+                ) -> tuple[nnx.GraphDef, jax.stages.Wrapped]:
+    """The graph of the module `build()` makes, and a jitted function of no arguments that
+    returns its state already laid out on `mesh` by its logical axes (`state_shardings`).
+
+    The shapes come from `nnx.eval_shape` (nothing is allocated); the jitted init computes each
+    device's part of every variable where it lives, so no device and no host ever holds a
+    whole parameter that the layout splits. The values are those of `build()` run eagerly, bit
+    for bit: JAX's threefry draws the same bits whatever the layout (`jax_threefry_partitionable`,
+    on by default), and XLA's algebraic simplifier, which would fold an initializer's scale into
+    the normal draw's own constant and round one ulp differently from the eager ops, is off
+    for this program (it runs once)."""
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
+    shardings = state_shardings(abstract_state, mesh)
+    return graphdef, jax.jit(lambda: nnx.split(build())[1], out_shardings=shardings,
+                             compiler_options={"xla_disable_hlo_passes": "algsimp"})
+
+
+def init_on_mesh(build: Callable[[], nnx.Module], mesh: Mesh) -> nnx.Module:
+    """The module `build()` makes, its variables created sharded on `mesh` (`initializer`)."""
+    graphdef, init = initializer(build, mesh)
+    return nnx.merge(graphdef, init())
+
+
+def host_copy(array, dtype=None) -> np.ndarray:
+    """`array` (a `jax.Array`, possibly sharded, or anything numpy reads) on the host, as
+    `dtype`. JAX keeps the host value of an array it has converted with that array, so
+    converting a model's parameters would leave the whole model on the host: the value is
+    gathered from a fresh copy instead, dropped with it."""
+    if isinstance(array, jax.Array):
+        array = jax.device_put(array, array.sharding, may_alias=False)
+    return np.asarray(array, dtype=dtype)
 
 
 def is_abstract(tree) -> bool:

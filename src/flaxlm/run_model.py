@@ -10,10 +10,11 @@ from typing import Any, NamedTuple
 
 import transformers
 from flax import nnx
+from jax.sharding import Mesh
 from omegaconf import OmegaConf
 
 from flaxlm import layout
-from flaxlm.config import ModelConfig, Remat, upgrade_saved_config
+from flaxlm.config import MeshConfig, ModelConfig, Remat, upgrade_saved_config
 from flaxlm.data.tokenizer import keeps_own_conventions
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import read_marker
@@ -21,6 +22,7 @@ from flaxlm.layout import CHECKPOINT_SUBDIR, MODEL_SUBDIR, run_path
 from flaxlm.models import pretrained
 from flaxlm.models.build import build_classifier, build_lm, lm_from_params
 from flaxlm.models.layers import TransformerSpec
+from flaxlm.parallel import make_mesh, place_state, state_shardings
 from flaxlm.training.checkpoint.manager import restore_params
 
 
@@ -53,10 +55,16 @@ class RunModel(NamedTuple):
         return lm_from_params(self.model_config, self.params)
 
 
-def load_run_model(run_dir: str, step: int | None = None) -> RunModel:
+def load_run_model(run_dir: str, step: int | None = None, mesh: Mesh | None = None
+                   ) -> RunModel:
     """The parameters of `run_dir`'s latest complete checkpoint (or of `step`), with the run's
     config and its tokenizer (from `run_dir/model/`). A run without checkpoints falls back to
-    the HF model it exported at its end, `run_dir/model/` (then `step` must be unset)."""
+    the HF model it exported at its end, `run_dir/model/` (then `step` must be unset).
+
+    With a `mesh`, each parameter is read straight onto it, laid out by its logical axes
+    (`flaxlm.parallel`), each device reading its part: the model is never whole on one device
+    nor on the host (`local_mesh` spreads it over this machine's devices); without one, the
+    parameters are numpy arrays on the host."""
     run_dir = os.path.abspath(os.path.expanduser(run_dir))
     if not os.path.isdir(run_dir):
         raise FlaxlmError(
@@ -66,12 +74,17 @@ def load_run_model(run_dir: str, step: int | None = None) -> RunModel:
     model_dir = run_path(run_dir, MODEL_SUBDIR)
     tokenizer = _load_tokenizer(model_dir, run_dir)
     if os.path.isdir(run_path(run_dir, CHECKPOINT_SUBDIR)):
-        params, run_config, step = restore_params(run_dir, step)
+        def layout(saved_config: dict) -> dict:
+            run_config = upgrade_saved_config(saved_config)
+            model = _abstract_model(_trained_model_config(run_dir, run_config),
+                                    _hf_config(run_config, model_dir))
+            return nnx.to_pure_dict(state_shardings(nnx.state(model, nnx.Param), mesh))
+
+        params, run_config, step = restore_params(run_dir, step,
+                                                  layout if mesh is not None else None)
         run_config = upgrade_saved_config(run_config)  # an earlier release's keys too
         model_config = _trained_model_config(run_dir, run_config)
-        hf_config = None
-        if _is_classifier_run(run_config):
-            hf_config = transformers.AutoConfig.from_pretrained(model_dir)
+        hf_config = _hf_config(run_config, model_dir)
         return RunModel(params, model_config, tokenizer, run_config, step,
                         f"{run_dir} checkpoint step {step}", hf_config)
     if step is not None:
@@ -80,7 +93,7 @@ def load_run_model(run_dir: str, step: int | None = None) -> RunModel:
             f"at step {step}. Leave --step out to use the model the run exported at its end "
             f"({model_dir})."
         )
-    return _from_export(model_dir, run_dir, tokenizer)
+    return _from_export(model_dir, run_dir, tokenizer, mesh)
 
 
 def _load_tokenizer(model_dir: str, run_dir: str):
@@ -123,7 +136,7 @@ def _model_config(run_config: dict, run_dir: str) -> ModelConfig:
     return _as_model_config(run_config["model"])
 
 
-def _from_export(model_dir: str, run_dir: str, tokenizer) -> RunModel:
+def _from_export(model_dir: str, run_dir: str, tokenizer, mesh: Mesh | None) -> RunModel:
     if not os.path.isfile(os.path.join(model_dir, "model.safetensors")):
         raise FlaxlmError(
             f"The run directory {run_dir} has no checkpoint (no checkpoints/ folder) and no "
@@ -141,13 +154,10 @@ def _from_export(model_dir: str, run_dir: str, tokenizer) -> RunModel:
             name=os.path.basename(run_dir), hidden_dropout=0.0, embedding_dropout=0.0,
             attention_dropout=0.0, remat=Remat.none)
         model_config = pretrained.pretrained_model_config(model_dir, base)
-    hf_config = None
-    if _is_classifier_run(run_config):
-        hf_config = transformers.AutoConfig.from_pretrained(model_dir)
-        model = nnx.eval_shape(lambda: build_classifier(
-            TransformerSpec(model_config), hf_config.num_labels, nnx.Rngs(0)))
-    else:
-        model = nnx.eval_shape(lambda: build_lm(TransformerSpec(model_config), nnx.Rngs(0)))
+    hf_config = _hf_config(run_config, model_dir)
+    model = _abstract_model(model_config, hf_config)
+    if mesh is not None:  # each tensor is read onto its shards
+        nnx.update(model, place_state(nnx.state(model, nnx.Param), mesh))
     # Raises if any weight is missing.
     pretrained.load_pretrained_weights(model, model_dir, source=model_dir)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -155,6 +165,28 @@ def _from_export(model_dir: str, run_dir: str, tokenizer) -> RunModel:
     step = (marker.get("eval_metrics") or {}).get("steps")
     return RunModel(params, model_config, tokenizer, run_config, step,
                     f"{model_dir} (final export)", hf_config)
+
+
+def _hf_config(run_config: dict, model_dir: str):
+    """A task=classify run's HF classifier config (its labels); None for an LM."""
+    if _is_classifier_run(run_config):
+        return transformers.AutoConfig.from_pretrained(model_dir)
+    return None
+
+
+def _abstract_model(model_config: ModelConfig, hf_config) -> nnx.Module:
+    """The run's network, shapes only (`nnx.eval_shape`): a classifier of `hf_config`'s
+    labels, or (None) a language model."""
+    spec = TransformerSpec(model_config)
+    if hf_config is not None:
+        return nnx.eval_shape(lambda: build_classifier(spec, hf_config.num_labels, nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: build_lm(spec, nnx.Rngs(0)))
+
+
+def local_mesh() -> Mesh:
+    """Every device of this machine on the `fsdp` axis: a run's model read back onto it is
+    split over all of them."""
+    return make_mesh(None, MeshConfig(data=1, fsdp=-1, tensor=1))
 
 
 def _is_classifier_run(run_config: dict) -> bool:

@@ -35,10 +35,10 @@ def run(argv: Sequence[str]) -> str:
         export_hf,
         run_generation_settings,
     )
-    from flaxlm.run_model import load_run_model
+    from flaxlm.run_model import load_run_model, local_mesh
 
     check_destination(args.out, args.overwrite, args.run_dir)  # before reading
-    run_model = load_run_model(args.run_dir, args.step)
+    run_model = load_run_model(args.run_dir, args.step, local_mesh())  # split over devices
     metrics = eval_metrics_at(args.run_dir, run_model.step)
     out = export_hf(
         args.out, run_model.params, run_model.model_config, run_model.tokenizer,

@@ -47,14 +47,14 @@ def run(argv: Sequence[str]) -> list[str]:
     completions."""
     args = parser().parse_args(argv)
     from flaxlm.generate import GenerationSettings, generate
-    from flaxlm.run_model import load_run_model
+    from flaxlm.run_model import load_run_model, local_mesh
 
     prompts = args.prompt or [""]
     settings = GenerationSettings(
         max_new_tokens=args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed,
     )
-    run_model = load_run_model(args.run_dir, args.step)
+    run_model = load_run_model(args.run_dir, args.step, local_mesh())  # split over devices
     print(f"flaxlm: generating with {run_model.source}", file=sys.stderr)
     completions = generate(run_model.model(), run_model.tokenizer, prompts, settings,
                            own_conventions=run_model.own_conventions)

@@ -30,7 +30,10 @@ exporting a run is `flaxlm.export`.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import os
+from collections.abc import Callable
 
 import numpy as np
 import transformers
@@ -39,6 +42,7 @@ from flax import nnx
 from flaxlm.config import ModelConfig, ModelFamily
 from flaxlm.models import bert, gpt2, llama
 from flaxlm.models.layers import HFNames, TransformerSpec
+from flaxlm.parallel import host_copy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,23 +199,68 @@ def flatten_params(params: dict, path: tuple = ()):
 
 def to_hf_state_dict(params: dict, architecture_name: str = GPT2_LM) -> dict[str, np.ndarray]:
     """Flat {HF key: float32 array} from our nested parameter dict (nnx.State.to_pure_dict())."""
-    flat: dict[str, np.ndarray] = {}
+    return {key: fetch() for key, (_, fetch) in hf_tensors(params, architecture_name).items()}
+
+
+def hf_tensors(params: dict, architecture_name: str = GPT2_LM
+               ) -> dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]]:
+    """{HF key: (shape, fetch)} of our nested parameter dict, nothing read yet: `fetch()` is
+    that one tensor as a float32 host array in HF's layout, gathered from its devices if it is
+    a sharded `jax.Array`."""
+    tensors = {}
     for path, leaf in flatten_params(params):
-        array = np.asarray(leaf, dtype=np.float32)
         transposed = is_transposed(path, architecture_name)
-        flat[hf_name(path, architecture_name)] = array.T if transposed else array
-    return flat
+        shape = tuple(np.shape(leaf))
+        tensors[hf_name(path, architecture_name)] = (
+            shape[::-1] if transposed else shape,
+            functools.partial(_host_float32, leaf, transposed))
+    return tensors
+
+
+def _host_float32(leaf, transposed: bool) -> np.ndarray:
+    array = host_copy(leaf, np.float32)
+    return array.T if transposed else array
 
 
 def save_pretrained(directory: str, params: dict, config: transformers.PretrainedConfig) -> None:
     """Write config.json and model.safetensors (float32, under HF's names) into `directory`:
     what `AutoModelFor...from_pretrained(directory)` loads. `config.architectures[0]` picks
-    the mapping. Writing a whole directory safely is the caller's (`flaxlm.export`)."""
-    from safetensors.numpy import save_file
-
+    the mapping. The weights go to the file one tensor at a time (`write_safetensors`), so
+    a sharded model is gathered to the host tensor by tensor. Writing a whole directory safely
+    is the caller's (`flaxlm.export`)."""
     os.makedirs(directory, exist_ok=True)
     config.save_pretrained(directory)
-    state_dict = to_hf_state_dict(params, config.architectures[0])
-    # A transposed kernel is a strided view, which safetensors rejects.
-    tensors = {key: np.ascontiguousarray(value) for key, value in state_dict.items()}
-    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    write_safetensors(os.path.join(directory, "model.safetensors"),
+                      hf_tensors(params, config.architectures[0]), metadata={"format": "pt"})
+
+
+def write_safetensors(path: str, tensors: dict[str, tuple[tuple[int, ...],
+                                                         Callable[[], np.ndarray]]],
+                      metadata: dict[str, str] | None = None) -> None:
+    """A float32 safetensors file of `tensors` ({name: (shape, fetch)}), each fetched and
+    written in turn: the host holds one tensor at a time, never the whole file. The bytes are
+    those of `safetensors.numpy.save_file`: an 8-byte little-endian header length, the JSON
+    header (compact, names sorted, `__metadata__` first, space-padded to 8 bytes), then the
+    tensors' data in the header's order."""
+    names = sorted(tensors)
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name in names:
+        shape, _ = tensors[name]
+        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(np.float32).itemsize
+        header[name] = {"dtype": "F32", "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for name in names:
+            shape, fetch = tensors[name]
+            array = np.asarray(fetch(), dtype=np.float32)
+            if not array.flags.c_contiguous:  # a transposed kernel is a strided view
+                array = array.copy(order="C")
+            if array.shape != tuple(shape):
+                raise ValueError(f"{name}: fetched shape {array.shape}, declared {shape}")
+            f.write(array.data)

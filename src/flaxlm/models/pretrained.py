@@ -11,10 +11,14 @@ plain pickle, which can run code.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
+from collections.abc import Callable
 
+import jax
+import ml_dtypes  # noqa: F401 — registers bfloat16 with numpy, so safetensors reads it
 import numpy as np
 import transformers
 from flax import nnx
@@ -200,6 +204,13 @@ def load_pretrained_weights(model: nnx.Module, local_dir: str, *, source: str | 
                             shape_from_checkpoint: bool = False) -> LoadReport:
     """Copy the checkpoint in `local_dir` into `model` (in place, cast to its parameter dtype).
 
+    Tensor by tensor: each goes straight to where the model's parameter lives, every device
+    reading from the file only its own part of it (`place`), and the parameter it replaces is
+    freed at once; so a model sharded over a mesh (`flaxlm.parallel.init_on_mesh`) is loaded
+    with no device or host ever holding more than its parameters' share plus one tensor. An
+    abstract model (`nnx.eval_shape`) gets host arrays. Everything about the checkpoint's keys
+    and shapes is checked before any tensor is read.
+
     A fresh classifier head (and a fresh pooler, for a checkpoint without one) is expected and
     reported; any other parameter missing from the checkpoint, or of another shape, is a
     FlaxlmError. Checkpoint tensors the model has no place for are allowed when they are a
@@ -211,7 +222,7 @@ def load_pretrained_weights(model: nnx.Module, local_dir: str, *, source: str | 
     setting = f"model.init_from={source or local_dir}"
     arch = hf.architecture_of(model)
     _check_family(local_dir, arch, setting)
-    checkpoint = _canonical_keys(read_checkpoint(local_dir, setting), arch.names)
+    checkpoint = _canonical_keys(open_checkpoint(local_dir, setting), arch.names)
 
     state = nnx.state(model, nnx.Param)
     params = nnx.to_pure_dict(state)
@@ -229,15 +240,15 @@ def load_pretrained_weights(model: nnx.Module, local_dir: str, *, source: str | 
         if key not in checkpoint:
             missing.append(key)
             continue
-        array = checkpoint[key].T if hf.is_transposed(path, arch.name) else checkpoint[key]
+        stored = checkpoint[key].transposed() if hf.is_transposed(path, arch.name) \
+            else checkpoint[key]
         target = _get(params, path)
-        if array.shape != target.shape:
+        if stored.shape != tuple(target.shape):
             if is_fresh_head(key):  # e.g. an MNLI head (3 labels) fine-tuned again for 2
-                reshaped[key] = (array.shape, target.shape)
+                reshaped[key] = (stored.shape, tuple(target.shape))
                 continue
-            wrong_shape.append((key, array.shape, target.shape))
+            wrong_shape.append((key, stored.shape, tuple(target.shape)))
             continue
-        _set(params, path, np.asarray(array).astype(target.dtype))
         loaded.append(key)
 
     if wrong_shape:
@@ -259,9 +270,28 @@ def load_pretrained_weights(model: nnx.Module, local_dir: str, *, source: str | 
             "architecture or variant than its config.json says; point model.init_from at a "
             "standard checkpoint (or load with allow_unexpected=True to ignore them)."
         )
+    for key in loaded:
+        path = targets[key]
+        stored = checkpoint[key].transposed() if hf.is_transposed(path, arch.name) \
+            else checkpoint[key]
+        target = _get(params, path)
+        _set(params, path, place(stored, target))
+        if isinstance(target, jax.Array):  # its memory back now, not when the model is
+            target.delete()                # updated: one tensor's extra at a time
     nnx.replace_by_pure_dict(state, params)
     nnx.update(model, state)
     return LoadReport(loaded, missing + list(reshaped), unexpected, reshaped)
+
+
+def place(stored: StoredTensor, target) -> jax.Array | np.ndarray:
+    """`stored` as `target` (an array, or an abstract one) holds its parameter: an array
+    laid out as `target` is, in its dtype, each device reading only the part it keeps; a host
+    array for an abstract target without a layout."""
+    sharding = getattr(target, "sharding", None)
+    if sharding is None:
+        return stored.read().astype(target.dtype)
+    return jax.make_array_from_callback(
+        tuple(target.shape), sharding, lambda index: stored.read(index).astype(target.dtype))
 
 
 def _check_family(local_dir: str, arch: hf.Architecture, setting: str) -> None:
@@ -336,19 +366,43 @@ def _set(params: dict, path: tuple, value) -> None:
     params[path[-1]] = value
 
 
-def read_checkpoint(local_dir: str, setting: str = "model.init_from") -> dict[str, np.ndarray]:
-    """{HF key: array} from model.safetensors (or its shards), else pytorch_model.bin (or its
-    shards) through torch's weights-only unpickler."""
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of a checkpoint, read only when asked: `read(index)` is the part at `index`
+    (a tuple of slices, one per dimension, as `jax.make_array_from_callback` asks for it; None:
+    all of it) as a numpy array."""
+
+    shape: tuple[int, ...]
+    read_part: Callable[[tuple], np.ndarray]
+
+    def read(self, index: tuple | None = None) -> np.ndarray:
+        return self.read_part(tuple(slice(None) for _ in self.shape) if index is None
+                              else tuple(index))
+
+    def transposed(self) -> StoredTensor:
+        """The tensor with its dimensions reversed (`.T`): a PyTorch Linear weight (out, in)
+        as our kernel (in, out)."""
+        return StoredTensor(self.shape[::-1],
+                            lambda index: self.read_part(tuple(index)[::-1]).T)
+
+
+def open_checkpoint(local_dir: str, setting: str = "model.init_from") -> dict[str, StoredTensor]:
+    """{HF key: tensor} of model.safetensors (or its shards), read tensor by tensor and part by
+    part; else of pytorch_model.bin (or its shards), which torch's weights-only unpickler
+    reads whole."""
     files = _weight_files(local_dir)
     if not files:
         raise FlaxlmError(
             f"{setting}: {local_dir} holds no weights (model.safetensors or pytorch_model.bin, "
             "or a sharded index of either). Point model.init_from at a complete model directory."
         )
-    tensors: dict[str, np.ndarray] = {}
+    tensors: dict[str, StoredTensor] = {}
     for path in files:
-        read = _read_safetensors if path.endswith(".safetensors") else _read_torch_bin
-        tensors.update(read(path, setting))
+        if path.endswith(".safetensors"):
+            tensors.update(_safetensors_tensors(path))
+        else:
+            tensors.update({key: _in_memory(array)
+                            for key, array in _read_torch_bin(path, setting).items()})
     return tensors
 
 
@@ -364,21 +418,23 @@ def _weight_files(local_dir: str) -> list[str]:
     return []
 
 
-def _read_safetensors(path: str, setting: str) -> dict[str, np.ndarray]:
+def _safetensors_tensors(path: str) -> dict[str, StoredTensor]:
+    """The tensors of one safetensors file, from its header alone; a part is read from the
+    file (memory-mapped) when asked. bfloat16 reads as ml_dtypes' numpy bfloat16."""
     from safetensors import safe_open
 
-    tensors = {}
+    def read_part(key: str, index: tuple) -> np.ndarray:
+        with safe_open(path, framework="numpy") as f:
+            return f.get_slice(key)[index]
+
     with safe_open(path, framework="numpy") as f:
-        for key in f.keys():
-            try:
-                tensors[key] = f.get_tensor(key)
-            except TypeError:  # bfloat16, which numpy cannot hold: read through JAX
-                tensors[key] = None
-    if any(value is None for value in tensors.values()):
-        with safe_open(path, framework="flax") as f:
-            for key in [k for k, v in tensors.items() if v is None]:
-                tensors[key] = np.asarray(f.get_tensor(key).astype(np.float32))
-    return tensors
+        return {key: StoredTensor(tuple(f.get_slice(key).get_shape()),
+                                  functools.partial(read_part, key))
+                for key in f.keys()}
+
+
+def _in_memory(array: np.ndarray) -> StoredTensor:
+    return StoredTensor(tuple(array.shape), lambda index: array[index])
 
 
 def _read_torch_bin(path: str, setting: str) -> dict[str, np.ndarray]:

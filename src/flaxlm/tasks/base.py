@@ -28,6 +28,7 @@ from flaxlm.export import export_hf
 from flaxlm.models import pretrained
 from flaxlm.models.attention import Choice, choose_backend
 from flaxlm.models.layers import TransformerSpec, count_params
+from flaxlm.parallel import init_on_mesh
 from flaxlm.runs import RunDir
 from flaxlm.tracking import Tracker
 from flaxlm.training.checkpoint.manager import Checkpointer, key_to_json
@@ -175,7 +176,8 @@ def prepare_training(
     spec = model_spec(config, start.model, pads_rows)
     attention = attention_choice(config, start.model, pads_rows)
     init_key, dropout_key = jax.random.split(jax.random.key(config.seed))
-    model = build_model(spec, nnx.Rngs(params=init_key))
+    # Made where it lives: each device computes (and keeps) only its part of each parameter.
+    model = init_on_mesh(lambda: build_model(spec, nnx.Rngs(params=init_key)), job.mesh)
     if start.checkpoint_dir and not job.run.resuming:  # else the weights come from the run's
         report = pretrained.load_pretrained_weights(model, start.checkpoint_dir,  # checkpoint
                                                     source=config.model.init_from,
@@ -312,6 +314,8 @@ def export_model(job: JobContext, params: dict, model: ModelConfig, tokenizer,
               **export_options)
 
 
-def host_params(state: TrainState) -> dict:
-    """The parameters as a nested dict of host arrays (as `nnx.to_pure_dict` gives)."""
-    return jax.device_get(nnx.to_pure_dict(state.params))
+def model_params(state: TrainState) -> dict:
+    """The parameters as a nested dict (as `nnx.to_pure_dict` gives) of the arrays where they
+    lie on the mesh: the export gathers them to the host one tensor at a time, and samples
+    are drawn on the mesh, so the whole model is never on one device or twice on the host."""
+    return nnx.to_pure_dict(state.params)

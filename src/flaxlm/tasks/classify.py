@@ -136,7 +136,7 @@ class Classification:
         final = {**last_eval, "steps": int(state.step)}
         job.write(evaluation.write_predictions, job.path(layout.PREDICTIONS_FILE),
                   evaluator.last_predictions, eval_arrays["labels"], examples.label_names)
-        base.export_model(job, base.host_params(state), start.model, tokenizer, final,
+        base.export_model(job, base.model_params(state), start.model, tokenizer, final,
                      hf_config=hf_config, generation=None)
         return final
 

@@ -112,7 +112,7 @@ class CausalLM:
         state, last_eval = base.run_loop(job, training, loader, evaluator, speed)
         final = {**last_eval, "tokens_seen": int(state.step) * batch_size * seq_len,
                  "steps": int(state.step)}
-        params = base.host_params(state)
+        params = base.model_params(state)
         base.export_model(job, params, config.model, tokenizer, final, generation=sample_settings,
                           own_conventions=own)
         log_samples(lm_from_params(config.model, params), tokenizer, config.samples.prompts,

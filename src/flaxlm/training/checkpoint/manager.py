@@ -32,12 +32,15 @@ saved between evaluations, which a resume needs, would be kept forever or droppe
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import logging
+import operator
 import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -184,11 +187,15 @@ class Checkpointer:
         self._manager.close()
 
 
-def restore_params(run_dir: str, step: int | None = None) -> tuple[dict, dict, int]:
+def restore_params(run_dir: str, step: int | None = None,
+                   layout: Callable[[dict], dict] | None = None) -> tuple[dict, dict, int]:
     """(parameters, resolved config, step) of a run's checkpoint: the latest complete one, or
-    `step`. Parameters are a nested dict of numpy arrays, as `nnx.to_pure_dict` gives (layer
-    indices as ints); the config is the run's resolved config as a plain dict. Needs no model:
-    the arrays are read as saved, on the host."""
+    `step`. Parameters are a nested dict, as `nnx.to_pure_dict` gives (layer indices as ints);
+    the config is the run's resolved config as a plain dict. Without `layout` it needs no
+    model: the arrays are read as saved, as numpy arrays on the host. `layout(config)` gives
+    the shardings (a nested dict like the parameters) that each parameter is read onto
+    instead, every device reading its own part: never the whole model on one device or
+    host."""
     directory = os.path.join(os.path.abspath(os.path.expanduser(run_dir)), CHECKPOINT_SUBDIR)
     steps = finalised_steps(directory)
     if not steps:
@@ -202,7 +209,8 @@ def restore_params(run_dir: str, step: int | None = None) -> tuple[dict, dict, i
     candidates = [step] if step is not None else list(reversed(steps))
     for candidate in candidates:
         try:
-            return _read_params(os.path.join(directory, str(candidate)), candidate)
+            return _read_params(os.path.join(directory, str(candidate)), candidate,
+                                layout)
         except Exception as err:  # noqa: BLE001
             if step is not None:
                 raise
@@ -246,7 +254,8 @@ def finalised_steps(directory: str) -> list[int]:
                   if name.isdigit() and os.path.isdir(os.path.join(directory, name)))
 
 
-def _read_params(step_dir: str, step: int) -> tuple[dict, dict, int]:
+def _read_params(step_dir: str, step: int,
+                 layout: Callable[[dict], dict] | None = None) -> tuple[dict, dict, int]:
     meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
         os.path.join(step_dir, "meta"), args=ocp.args.JsonRestore()
     )
@@ -258,13 +267,29 @@ def _read_params(step_dir: str, step: int) -> tuple[dict, dict, int]:
     tree = handler.metadata(epath.Path(state_dir)).tree
     # Only the parameters, as numpy; the optimizer state (2× the parameters for Adam) stays
     # on disk.
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    if layout is None:
+        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    else:
+        restore_args = {"params": _restore_args_on(tree["params"], layout(meta["config"]))}
     restored = reader.restore(state_dir, args=ocp.args.PyTreeRestore(
         item={"params": tree["params"]},
         restore_args={"params": restore_args["params"]},
         partial_restore=True,
     ))
     return _pure_dict(restored["params"]), meta["config"], step
+
+
+def _restore_args_on(tree, shardings: dict):
+    """orbax's arguments that read each array of `tree` (the saved parameters' metadata) onto
+    its sharding in `shardings` (keyed as `_pure_dict` keys the parameters)."""
+
+    def restore_arg(path, _):
+        keys = [int(key.key) if key.key.isdigit() else key.key for key in path]
+        if keys[-1] == "value":  # the variable's own level, not BERT's attention `value`
+            keys = keys[:-1]
+        return ocp.ArrayRestoreArgs(sharding=functools.reduce(operator.getitem, keys, shardings))
+
+    return jax.tree_util.tree_map_with_path(restore_arg, tree)
 
 
 def _pure_dict(tree):
