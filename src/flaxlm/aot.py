@@ -448,7 +448,7 @@ def _changes(run: RunPlan | _Layout, temporaries: str) -> str:
             f"hardware.mesh.data=1 hardware.mesh.fsdp=-1 (parameters and optimizer state "
             f"split over all {run.num_devices} chips: {_gib(run.state_bytes)} → "
             f"{_gib(run.fsdp_state_bytes)} per chip)")
-    if run.remat != Remat.full.value:
+    if run.remat not in (Remat.full.value, Remat.nothing_saveable.value):
         advice.append("model.remat=full (each block keeps only its input for the backward "
                       f"pass: {temporaries})")
     if run.per_device_batch > 1:

@@ -38,7 +38,7 @@ from flax import nnx
 
 from flaxlm.config import ModelConfig, ModelFamily
 from flaxlm.models import bert, gpt2, llama
-from flaxlm.models.layers import HFNames, TransformerSpec
+from flaxlm.models.layers import HFNames, TransformerSpec, stack_layers, unstack_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +182,20 @@ def is_transposed(path: tuple, architecture_name: str = GPT2_LM) -> bool:
     return str(path[-1]) == "kernel" and str(path[0]) in linear
 
 
+def unrolled_params(params: dict, architecture_name: str = GPT2_LM) -> dict:
+    """`params` in HF's layout, one entry per layer: a scanned model's stacked layers
+    (`model.scan_layers`) split, an unrolled model's as they are."""
+    return unstack_layers(params, architecture(architecture_name).names.layers_module)
+
+
+def params_in_layout(params: dict, model: ModelConfig) -> dict:
+    """`params` (either layout) in the layout of a model built from `model`: stacked when
+    `model.scan_layers`, else one entry per layer."""
+    layers_key = FAMILY_NAMES[ModelFamily(model.family)].layers_module
+    convert = stack_layers if model.scan_layers else unstack_layers
+    return convert(params, layers_key)
+
+
 def flatten_params(params: dict, path: tuple = ()):
     """(path, leaf) for every leaf of a nested parameter dict."""
     for key, child in params.items():
@@ -192,9 +206,10 @@ def flatten_params(params: dict, path: tuple = ()):
 
 
 def to_hf_state_dict(params: dict, architecture_name: str = GPT2_LM) -> dict[str, np.ndarray]:
-    """Flat {HF key: float32 array} from our nested parameter dict (nnx.State.to_pure_dict())."""
+    """Flat {HF key: float32 array} from our nested parameter dict (nnx.State.to_pure_dict()),
+    in either layout."""
     flat: dict[str, np.ndarray] = {}
-    for path, leaf in flatten_params(params):
+    for path, leaf in flatten_params(unrolled_params(params, architecture_name)):
         array = np.asarray(leaf, dtype=np.float32)
         transposed = is_transposed(path, architecture_name)
         flat[hf_name(path, architecture_name)] = array.T if transposed else array

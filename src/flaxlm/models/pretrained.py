@@ -22,7 +22,13 @@ from flax import nnx
 from flaxlm.config import ModelConfig, ModelFamily
 from flaxlm.errors import FlaxlmError
 from flaxlm.models import hf
-from flaxlm.models.layers import ACTIVATIONS, HFNames
+from flaxlm.models.layers import (
+    ACTIVATIONS,
+    HFNames,
+    has_stacked_layers,
+    stack_layers,
+    unstack_layers,
+)
 
 # ---------------------------------------------------------------- finding a checkpoint
 
@@ -214,7 +220,10 @@ def load_pretrained_weights(model: nnx.Module, local_dir: str, *, source: str | 
     checkpoint = _canonical_keys(read_checkpoint(local_dir, setting), arch.names)
 
     state = nnx.state(model, nnx.Param)
-    params = nnx.to_pure_dict(state)
+    # HF's layout, one entry per layer, whatever the model's (model.scan_layers).
+    layers_key = arch.names.layers_module
+    scanned = has_stacked_layers(nnx.to_pure_dict(state), layers_key)
+    params = unstack_layers(nnx.to_pure_dict(state), layers_key)
     targets = {hf.hf_name(path, arch.name): path for path, _ in hf.flatten_params(params)}
     # A body module the checkpoint has none of at all (a BertModel saved without its pooler).
     absent = tuple(prefix for prefix in (f"{arch.names.body_prefix}{module}."
@@ -259,7 +268,7 @@ def load_pretrained_weights(model: nnx.Module, local_dir: str, *, source: str | 
             "architecture or variant than its config.json says; point model.init_from at a "
             "standard checkpoint (or load with allow_unexpected=True to ignore them)."
         )
-    nnx.replace_by_pure_dict(state, params)
+    nnx.replace_by_pure_dict(state, stack_layers(params, layers_key) if scanned else params)
     nnx.update(model, state)
     return LoadReport(loaded, missing + list(reshaped), unexpected, reshaped)
 
