@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY, compose, make_tokenizer, mesh_config, model_config
+from conftest import TINY, compose, config_node, make_tokenizer, mesh_config, model_config
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -169,17 +169,36 @@ def test_export_of_a_scanned_model_is_the_unrolled_ones_and_loads_back(family, t
                        nnx.to_pure_dict(nnx.state(build(family, True), nnx.Param)), atol=0)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "bert"])
-def test_scanned_classifier_gives_the_unrolled_ones_logits(family):
+@pytest.mark.slow  # muon's update compiles slowly
+def test_muon_steps_each_layer_of_a_stacked_kernel_as_its_own_matrix():
+    import optax
+
+    from flaxlm.training.optimizer import make_optimizer
+
+    opt = config_node("optimizer", ["optimizer=muon"], lr=0.05)
+    tx = make_optimizer(opt, optax.constant_schedule(opt.lr))
+    params = nnx.to_pure_dict(nnx.state(build("llama", False), nnx.Param))
+    grads = jax.tree.map(lambda leaf: jnp.sin(3 * leaf) + 0.1, params)
+
+    def step(params, grads):
+        return tx.update(grads, tx.init(params), params)[0]
+
+    unrolled = jax.jit(step)(params, grads)
+    scanned = jax.jit(step)(stack_layers(params, "layers"), stack_layers(grads, "layers"))
+    assert_close_trees(scanned, stack_layers(unrolled, "layers"), atol=1e-6)
+
+
+def test_scanned_bert_classifier_gives_the_unrolled_ones_logits():
+    """BERT's encoder scans too (GPT-2's and Llama's classifiers run their LM's body)."""
     shape = dict(name="t", vocab_size=97, max_positions=32, hidden_size=32, num_layers=2,
                  num_heads=4, hidden_dropout=0.0, attention_dropout=0.0)
     ids_BxL, _, _ = packed_batch()
     mask_BxL = jnp.ones_like(ids_BxL).at[1, 12:].set(0)
     logits = []
     for scanned in (False, True):
-        config = model_config(family, **shape, scan_layers=scanned)
+        config = model_config("bert", **shape, scan_layers=scanned)
         model = build_classifier(TransformerSpec(config), 3, nnx.Rngs(0))
-        logits.append(model(ids_BxL, mask_BxL))
+        logits.append(model(ids_BxL, mask_BxL, jnp.zeros_like(ids_BxL)))
     np.testing.assert_allclose(logits[1], logits[0], atol=1e-5)
 
 
@@ -202,6 +221,16 @@ def test_an_earlier_run_is_unrolled_and_resuming_in_the_other_layout_is_refused(
     assert "model.init_from=<dir> model.scan_layers=true" in str(refused.value)
     check_resumable(str(path), {**resolved, "model": {**resolved["model"],
                                                       "scan_layers": False}})
+
+
+@pytest.mark.slow
+def test_the_plan_of_a_scanned_model_makes_no_roofline_of_its_loop_counted_once(capsys):
+    from flaxlm.cli import plan as plan_cli
+
+    plan_cli.main([*TINY, "model=llama-tiny", "task.max_seq_length=32",
+                   "hardware.peak_tflops_per_device=100", "model.scan_layers=true"])
+    out = capsys.readouterr().out
+    assert "counts the scanned block once" in out and "MFU" not in out
 
 
 # --- a run ------------------------------------------------------------------------------------
