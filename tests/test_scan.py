@@ -230,7 +230,7 @@ def test_the_plan_of_a_scanned_model_makes_no_roofline_of_its_loop_counted_once(
     plan_cli.main([*TINY, "model=llama-tiny", "task.max_seq_length=32",
                    "hardware.peak_tflops_per_device=100", "model.scan_layers=true"])
     out = capsys.readouterr().out
-    assert "counts the scanned block once" in out and "MFU" not in out
+    assert "counts the scanned block once" in out and "projected (estimate)" not in out
 
 
 # --- a run ------------------------------------------------------------------------------------
