@@ -20,6 +20,10 @@ joining it with dots and renaming the leaf (`kernel`/`scale`/`embedding` → `we
         model.norm.scale                    ↔ model.norm.weight
         lm_head.kernel                      ↔ lm_head.weight  (absent when tied) (transposed)
 
+A scanned model (`model.scan_layers`) holds each block parameter once for all layers, stacked
+(`h.attn.c_attn.kernel`, layers first): `unrolled_params` splits it into the per-layer paths
+above before any name is made, and `params_in_layout` converts either way.
+
 HF's `nn.Linear` stores its weight (out, in), so such a kernel is transposed both ways; GPT-2's
 Conv1D is (in, out) already. What differs between families (config field names, prefixes, which
 modules are nn.Linear) is each family module's `HF_NAMES`; a family's classes are rows of

@@ -1,7 +1,9 @@
 """What every model family is built from: the spec (model config plus dtypes), the Flax layers
 with their initialisers and logical axis names (attention: `flaxlm.models.attention`),
-rematerialisation of a block, the key/value cache of generation, and the record of how
-Hugging Face names a family (`HFNames`, one per family module, read by `flaxlm.models.hf`).
+rematerialisation of a block, the layers run one by one or stacked and scanned
+(`model.scan_layers`, with `stack_layers` / `unstack_layers` between the two parameter
+layouts), the key/value cache of generation, and the record of how Hugging Face names a family
+(`HFNames`, one per family module, read by `flaxlm.models.hf`).
 
 Every parameter carries `logical_axes` metadata, one name per dimension ("embed", "vocab",
 "heads", "mlp", ...): what the dimension means, from which `flaxlm.parallel.LOGICAL_AXIS_RULES`
