@@ -252,6 +252,32 @@ def test_init_from_reads_bfloat16_and_transposed_parts(tmp_path):
         assert np.array_equal(loaded[key], value.astype(np.float32)), key
 
 
+def test_a_scanned_model_on_the_mesh_reads_each_stack_from_the_per_layer_tensors(tmp_path):
+    """model.scan_layers: a stacked parameter's shards are read from HF's per-layer tensors,
+    and the export cuts them apart again, with the values of an unrolled model."""
+    build = lambda: LlamaForCausalLM(  # noqa: E731
+        TransformerSpec(model_config("llama", **SHAPE, scan_layers=True)),
+        nnx.Rngs(params=jax.random.key(0)))
+    tensors = hf.to_hf_state_dict(params_of(BUILDS["llama"](jax.random.key(1))),
+                                  "LlamaForCausalLM")
+    save_file({key: np.ascontiguousarray(value) for key, value in tensors.items()},
+              str(tmp_path / "model.safetensors"))
+    model = init_on_mesh(build, fsdp_mesh())
+    layout = [leaf.sharding for leaf in jax.tree.leaves(params_of(model))]
+
+    report = pretrained.load_pretrained_weights(model, str(tmp_path))
+
+    assert not report.missing and len(report.loaded) == len(tensors)
+    assert [leaf.sharding for leaf in jax.tree.leaves(params_of(model))] == layout
+    stacked = params_of(model)["model"]["layers"]["mlp"]["up_proj"]["kernel"]
+    assert stacked.shape[0] == SHAPE["num_layers"]
+    assert stacked.sharding.shard_shape(stacked.shape) != stacked.shape
+    loaded = hf.to_hf_state_dict(params_of(model), "LlamaForCausalLM")
+    assert loaded.keys() == tensors.keys()
+    for key, array in tensors.items():
+        assert np.array_equal(loaded[key], array), key
+
+
 # ------------------------------------------------------------------------ export, samples
 
 

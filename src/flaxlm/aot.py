@@ -104,6 +104,9 @@ class RunPlan:
     # Per-chip parameter and optimizer bytes with fsdp over all devices, when that differs.
     fsdp_state_bytes: int | None = None
     attention: str = ""  # the backend and why, as the run's banner says it
+    # model.scan_layers: the cost analysis counts the scanned block once, not once per layer,
+    # so the compiled FLOPs and bytes are far too low and no roofline is made of them.
+    scan_layers: bool = False
 
     @property
     def tokens_per_step(self) -> int:
@@ -151,7 +154,7 @@ class RunPlan:
     @property
     def roofline_s(self) -> float | None:
         """The step's time estimate: the slower of compute and HBM traffic."""
-        if self.compute_s is None:
+        if self.compute_s is None or self.scan_layers:
             return None
         return max(self.compute_s, self.memory_s or 0.0)
 
@@ -278,6 +281,7 @@ def plan(cfg: DictConfig | TrainConfig) -> RunPlan:
         else hardware.hbm_gbps_per_device * 1e9,
         fsdp_state_bytes=layout.fsdp_state_bytes,
         attention=base.attention_choice(config, config.model, CausalLM.pads_rows).describe(),
+        scan_layers=config.model.scan_layers,
     )
 
 
@@ -410,6 +414,10 @@ def report(run: RunPlan) -> str:
 
 
 def _roofline_lines(run: RunPlan) -> list[str]:
+    if run.scan_layers:
+        return ["    roofline estimate     none: with model.scan_layers=true XLA's cost analysis "
+                "counts the scanned block once, not once per layer, so the FLOPs and HBM "
+                "traffic above are too low; plan with model.scan_layers=false for them"]
     if run.roofline_s is None:
         return ["    roofline estimate     none: the chip's peak FLOP/s is unknown (set "
                 "hardware.peak_tflops_per_device)"]
@@ -448,7 +456,7 @@ def _changes(run: RunPlan | _Layout, temporaries: str) -> str:
             f"hardware.mesh.data=1 hardware.mesh.fsdp=-1 (parameters and optimizer state "
             f"split over all {run.num_devices} chips: {_gib(run.state_bytes)} → "
             f"{_gib(run.fsdp_state_bytes)} per chip)")
-    if run.remat != Remat.full.value:
+    if run.remat not in (Remat.full.value, Remat.nothing_saveable.value):
         advice.append("model.remat=full (each block keeps only its input for the backward "
                       f"pass: {temporaries})")
     if run.per_device_batch > 1:

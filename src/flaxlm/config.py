@@ -83,6 +83,11 @@ class Remat(str, enum.Enum):
     none = "none"  # keep every activation: fastest, most memory
     block = "block"  # per block: keep its input and matmul outputs; recompute the rest
     full = "full"  # per block: keep only its input; recompute everything, matmuls included
+    # jax.checkpoint_policies by name, applied per block (docs/models.md weighs them):
+    nothing_saveable = "nothing_saveable"  # = full
+    dots_with_no_batch_dims_saveable = "dots_with_no_batch_dims_saveable"  # = block
+    dots_saveable = "dots_saveable"  # every matmul output, attention's scores included
+    everything_saveable = "everything_saveable"  # nothing recomputed: none's memory, in remat
 
 
 class AttentionBackend(str, enum.Enum):
@@ -139,6 +144,10 @@ class ModelConfig:
     # family and shape (the fields above are overwritten from it), and its tokenizer is used.
     init_from: Optional[str] = None
     remat: Remat = MISSING  # trade compute for activation memory (gradients are the same)
+    # Stack the blocks' parameters on a leading layer axis and run them with one compiled
+    # block (lax.scan): compile time independent of depth. HF's per-layer names at every
+    # boundary (init_from, export); a checkpoint resumes only in its own layout.
+    scan_layers: bool = False
     # Which attention backend; with attention dropout, training takes the reference path.
     attention: AttentionBackend = MISSING
     tie_word_embeddings: bool = MISSING  # the LM head reuses the token embeddings (GPT-2 always)
@@ -495,6 +504,7 @@ RENAMED = {
 ADDED = {
     "task.document_masking": False,  # blocks were one sequence each
     "model.attention": "xla",  # jax.nn.dot_product_attention's default, XLA's
+    "model.scan_layers": False,  # one module per layer
 }
 
 

@@ -45,6 +45,7 @@ LOGICAL_AXIS_RULES: dict[str, tuple[str, ...]] = {
     "mlp": (TENSOR_AXIS, FSDP_AXIS),  # the MLP's hidden width
     "positions": (),  # position and segment tables: small, looked up by every row
     "classes": (),  # a classifier's outputs: a handful
+    "layers": (),  # a scanned model's stacked blocks: each step of the scan reads one whole
 }
 _JAX_PLATFORM_NAMES = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 

@@ -217,6 +217,9 @@ def check_resumable(saved_config_path: str, resolved: dict) -> None:
     if changed is None:
         raise FlaxlmError(f"{saved_config_path} is missing, so this run cannot be checked "
                           "before resuming it. " + _config_restore_advice(saved_config_path))
+    layout = [change for change in changed if change.startswith("model.scan_layers:")]
+    if layout:
+        raise FlaxlmError(_other_layout_message(os.path.dirname(saved_config_path), layout[0]))
     if changed:
         raise FlaxlmError(
             f"Cannot resume the run in {os.path.dirname(saved_config_path)}: this config changes "
@@ -225,6 +228,22 @@ def check_resumable(saved_config_path: str, resolved: dict) -> None:
             "logger and how the batch is spread over devices. Resume with the run's own "
             "settings, or start a new run (trainer.resume=never, or a new run_dir)."
         )
+
+
+def _other_layout_message(run_dir: str, change: str) -> str:
+    """A resume in the other parameter layout (`change`: "model.scan_layers: old → new"):
+    the checkpoints hold the parameters and the optimizer state in the old one."""
+    saved, wanted = (side.strip().lower() for side in change.split(":", 1)[1].split("→"))
+    layout = "stacked, one array per parameter for all layers" if saved == "true" \
+        else "one entry per layer"
+    return (
+        f"Cannot resume the run in {run_dir} with model.scan_layers={wanted}: its checkpoints "
+        f"hold the parameters and the optimizer state in the layout of "
+        f"model.scan_layers={saved} ({layout}), and a resume continues in it. Resume with "
+        f"model.scan_layers={saved}; or, to go on in the other layout without the optimizer "
+        f"state, export the run (flaxlm-export {run_dir} --out <dir>) and start a new run with "
+        f"model.init_from=<dir> model.scan_layers={wanted}."
+    )
 
 
 def _config_restore_advice(saved_config_path: str) -> str:

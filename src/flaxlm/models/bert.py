@@ -32,6 +32,8 @@ from flaxlm.models.layers import (
     embedding,
     layer_norm,
     run_block,
+    run_layers,
+    stack_blocks,
 )
 
 
@@ -135,13 +137,18 @@ class BertLayer(nnx.Module):
 
 class BertEncoder(nnx.Module):
     def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
-        self.layer = nnx.List([BertLayer(spec, rngs) for _ in range(spec.model.num_layers)])
+        layers = [BertLayer(spec, rngs) for _ in range(spec.model.num_layers)]
+        # model.scan_layers: one layer whose parameters are every layer's, stacked.
+        self.layer = stack_blocks(layers) if spec.model.scan_layers else nnx.List(layers)
         self.remat = Remat(spec.model.remat)
+        self.scan_layers = spec.model.scan_layers
 
     def __call__(self, x_BxLxD, key_mask_BxL, rngs: nnx.Rngs | None) -> jax.Array:
-        for layer in self.layer:
-            x_BxLxD = run_block(layer, self.remat, x_BxLxD, key_mask_BxL, rngs)
-        return x_BxLxD
+        return run_layers(
+            self.layer, self.scan_layers,
+            lambda layer, x_BxLxD, rngs: run_block(layer, self.remat, x_BxLxD, key_mask_BxL,
+                                                   rngs),
+            x_BxLxD, rngs)
 
 
 class BertPooler(nnx.Module):
@@ -238,6 +245,7 @@ HF_NAMES = HFNames(
     mlp_width_required=True,
     body_prefix="bert.",
     body_modules=("embeddings", "encoder", "pooler"),
+    layers_module="layer",
     linear_modules=("bert", "classifier"),  # nn.Linear everywhere
     optional_modules=("pooler",),  # a BertModel saved without one (add_pooling_layer=False)
     buffer_suffixes=("position_ids", "token_type_ids"),

@@ -54,10 +54,12 @@ def classifier_flops_per_token(model: ModelConfig, num_params: int, seq_len: int
 
 
 def lm_from_params(model_config: ModelConfig, params: dict) -> nnx.Module:
-    """The language model of `model_config`'s shape holding `params` (no random init runs)."""
+    """The language model of `model_config`'s shape holding `params` (no random init runs),
+    in whichever layout they come (`model.scan_layers`): converted to the model's."""
     model = nnx.eval_shape(lambda: build_lm(TransformerSpec(model_config), nnx.Rngs(0)))
     state = nnx.state(model, nnx.Param)
-    nnx.replace_by_pure_dict(state, _with_int_layer_keys(params))
+    params = hf.params_in_layout(_with_int_layer_keys(params), model_config)
+    nnx.replace_by_pure_dict(state, params)
     nnx.update(model, state)
     return model
 

@@ -29,6 +29,7 @@ from flaxlm.models.layers import (
     TransformerSpec,
     cached_attention,
     check_shape,
+    decode_layers,
     decode_step,
     dense,
     embedding,
@@ -36,6 +37,8 @@ from flaxlm.models.layers import (
     last_token_states,
     layer_norm,
     run_block,
+    run_layers,
+    stack_blocks,
 )
 
 
@@ -133,9 +136,13 @@ class GPT2LMHeadModel(nnx.Module):
         self.wte = embedding(cfg.vocab_size, spec, rngs, rows="vocab")
         self.wpe = embedding(cfg.max_positions, spec, rngs)
         self.drop = Dropout(cfg.embedding_dropout)
-        self.h = nnx.List([Block(spec, rngs) for _ in range(cfg.num_layers)])
+        blocks = [Block(spec, rngs) for _ in range(cfg.num_layers)]
+        # model.scan_layers: one Block whose parameters are every layer's, stacked.
+        self.h = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
         self.ln_f = layer_norm(spec, rngs)
         self.remat = Remat(cfg.remat)
+        self.scan_layers, self.num_layers, self.num_heads = (cfg.scan_layers, cfg.num_layers,
+                                                             cfg.num_heads)
 
     @staticmethod
     def lookup_params(cfg: ModelConfig) -> int:
@@ -166,8 +173,11 @@ class GPT2LMHeadModel(nnx.Module):
         else:
             x_BxLxD = self.wte(input_ids_BxL) + self.wpe(positions_BxL)
         x_BxLxD = self.drop(x_BxLxD, deterministic=rngs is None, rngs=rngs)
-        for block in self.h:
-            x_BxLxD = run_block(block, self.remat, x_BxLxD, rngs, segment_ids_BxL)
+        x_BxLxD = run_layers(
+            self.h, self.scan_layers,
+            lambda block, x_BxLxD, rngs: run_block(block, self.remat, x_BxLxD, rngs,
+                                                   segment_ids_BxL),
+            x_BxLxD, rngs)
         return self.ln_f(x_BxLxD)
 
     @property
@@ -177,9 +187,9 @@ class GPT2LMHeadModel(nnx.Module):
 
     def init_cache(self, batch_size: int, num_slots: int) -> KVCache:
         """An empty cache for `batch_size` rows of up to `num_slots` tokens, prompt included."""
-        num_heads = self.h[0].attn.num_heads
-        return empty_cache(batch_size, num_slots, len(self.h), num_heads,
-                           self.wte.features // num_heads, self.wte.dtype)
+        return empty_cache(batch_size, num_slots, self.num_layers, self.num_heads,
+                           self.wte.features // self.num_heads, self.wte.dtype,
+                           stacked=self.scan_layers)
 
     def decode(self, input_ids_BxL: jax.Array, cache: KVCache,
                input_mask_BxL: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
@@ -191,18 +201,14 @@ class GPT2LMHeadModel(nnx.Module):
         positions_BxL, filled_BxS, mask_BxLxS = decode_step(
             cache, input_mask_BxL, input_ids_BxL.shape[1])
         x_BxLxD = self.wte(input_ids_BxL) + self.wpe(positions_BxL)
-        keys, values = [], []
-        for block, keys_BxSxNxH, values_BxSxNxH in zip(
-            self.h, cache.keys_BxSxGxH, cache.values_BxSxGxH
-        ):
-            x_BxLxD, keys_BxSxNxH, values_BxSxNxH = block.decode(
-                x_BxLxD, keys_BxSxNxH, values_BxSxNxH, cache.index, mask_BxLxS
-            )
-            keys.append(keys_BxSxNxH)
-            values.append(values_BxSxNxH)
+        x_BxLxD, keys, values = decode_layers(
+            self.h, self.scan_layers,
+            lambda block, x_BxLxD, keys_BxSxNxH, values_BxSxNxH: block.decode(
+                x_BxLxD, keys_BxSxNxH, values_BxSxNxH, cache.index, mask_BxLxS),
+            x_BxLxD, cache)
         logits_BxLxV = self.lm_head_logits(self.ln_f(x_BxLxD))
         L = input_ids_BxL.shape[1]
-        return logits_BxLxV, KVCache(tuple(keys), tuple(values), filled_BxS, cache.index + L)
+        return logits_BxLxV, KVCache(keys, values, filled_BxS, cache.index + L)
 
 
 class GPT2ForSequenceClassification(nnx.Module):
@@ -266,6 +272,7 @@ HF_NAMES = HFNames(
     config_extras={"tie_word_embeddings": True},
     body_prefix="transformer.",
     body_modules=("wte", "wpe", "h", "ln_f"),
+    layers_module="h",
     linear_modules=("score",),  # the body is Conv1D, stored (in, out) like our kernels
     tied_keys=("lm_head.weight",),
     buffer_suffixes=(".attn.bias", ".attn.masked_bias"),

@@ -20,6 +20,10 @@ joining it with dots and renaming the leaf (`kernel`/`scale`/`embedding` → `we
         model.norm.scale                    ↔ model.norm.weight
         lm_head.kernel                      ↔ lm_head.weight  (absent when tied) (transposed)
 
+A scanned model (`model.scan_layers`) holds each block parameter once for all layers, stacked
+(`h.attn.c_attn.kernel`, layers first): `unrolled_params` splits it into the per-layer paths
+above before any name is made, and `params_in_layout` converts either way.
+
 HF's `nn.Linear` stores its weight (out, in), so such a kernel is transposed both ways; GPT-2's
 Conv1D is (in, out) already. What differs between families (config field names, prefixes, which
 modules are nn.Linear) is each family module's `HF_NAMES`; a family's classes are rows of
@@ -41,7 +45,13 @@ from flax import nnx
 
 from flaxlm.config import ModelConfig, ModelFamily
 from flaxlm.models import bert, gpt2, llama
-from flaxlm.models.layers import HFNames, TransformerSpec
+from flaxlm.models.layers import (
+    HFNames,
+    TransformerSpec,
+    per_layer_paths,
+    stack_layers,
+    unstack_layers,
+)
 from flaxlm.parallel import host_copy
 
 
@@ -188,6 +198,20 @@ def is_transposed(path: tuple, architecture_name: str = GPT2_LM) -> bool:
     return str(path[-1]) == "kernel" and str(path[0]) in linear
 
 
+def unrolled_params(params: dict, architecture_name: str = GPT2_LM) -> dict:
+    """`params` in HF's layout, one entry per layer: a scanned model's stacked layers
+    (`model.scan_layers`) split, an unrolled model's as they are."""
+    return unstack_layers(params, architecture(architecture_name).names.layers_module)
+
+
+def params_in_layout(params: dict, model: ModelConfig) -> dict:
+    """`params` (either layout) in the layout of a model built from `model`: stacked when
+    `model.scan_layers`, else one entry per layer."""
+    layers_key = FAMILY_NAMES[ModelFamily(model.family)].layers_module
+    convert = stack_layers if model.scan_layers else unstack_layers
+    return convert(params, layers_key)
+
+
 def flatten_params(params: dict, path: tuple = ()):
     """(path, leaf) for every leaf of a nested parameter dict."""
     for key, child in params.items():
@@ -198,27 +222,32 @@ def flatten_params(params: dict, path: tuple = ()):
 
 
 def to_hf_state_dict(params: dict, architecture_name: str = GPT2_LM) -> dict[str, np.ndarray]:
-    """Flat {HF key: float32 array} from our nested parameter dict (nnx.State.to_pure_dict())."""
+    """Flat {HF key: float32 array} from our nested parameter dict (nnx.State.to_pure_dict()),
+    in either layout."""
     return {key: fetch() for key, (_, fetch) in hf_tensors(params, architecture_name).items()}
 
 
 def hf_tensors(params: dict, architecture_name: str = GPT2_LM
                ) -> dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]]:
-    """{HF key: (shape, fetch)} of our nested parameter dict, nothing read yet: `fetch()` is
-    that one tensor as a float32 host array in HF's layout, gathered from its devices if it is
-    a sharded `jax.Array`."""
+    """{HF key: (shape, fetch)} of our nested parameter dict (either layout), nothing read
+    yet: `fetch()` is that one tensor as a float32 host array in HF's layout, gathered from its
+    devices if it is a sharded `jax.Array`; a scanned model's layer is cut from its stack only
+    then."""
+    layers_key = architecture(architecture_name).names.layers_module
     tensors = {}
-    for path, leaf in flatten_params(params):
-        transposed = is_transposed(path, architecture_name)
-        shape = tuple(np.shape(leaf))
-        tensors[hf_name(path, architecture_name)] = (
-            shape[::-1] if transposed else shape,
-            functools.partial(_host_float32, leaf, transposed))
+    for stacked_path, leaf in flatten_params(params):
+        layer_paths = per_layer_paths(stacked_path, layers_key, np.shape(leaf)[0])
+        for layer, path in (enumerate(layer_paths) if layer_paths else [(None, stacked_path)]):
+            transposed = is_transposed(path, architecture_name)
+            shape = tuple(np.shape(leaf))[0 if layer is None else 1:]
+            tensors[hf_name(path, architecture_name)] = (
+                shape[::-1] if transposed else shape,
+                functools.partial(_host_float32, leaf, transposed, layer))
     return tensors
 
 
-def _host_float32(leaf, transposed: bool) -> np.ndarray:
-    array = host_copy(leaf, np.float32)
+def _host_float32(leaf, transposed: bool, layer: int | None) -> np.ndarray:
+    array = host_copy(leaf if layer is None else leaf[layer], np.float32)
     return array.T if transposed else array
 
 

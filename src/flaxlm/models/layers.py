@@ -1,7 +1,9 @@
 """What every model family is built from: the spec (model config plus dtypes), the Flax layers
 with their initialisers and logical axis names (attention: `flaxlm.models.attention`),
-rematerialisation of a block, the key/value cache of generation, and the record of how
-Hugging Face names a family (`HFNames`, one per family module, read by `flaxlm.models.hf`).
+rematerialisation of a block, the layers run one by one or stacked and scanned
+(`model.scan_layers`, with `stack_layers` / `unstack_layers` between the two parameter
+layouts), the key/value cache of generation, and the record of how Hugging Face names a family
+(`HFNames`, one per family module, read by `flaxlm.models.hf`).
 
 Every parameter carries `logical_axes` metadata, one name per dimension ("embed", "vocab",
 "heads", "mlp", ...): what the dimension means, from which `flaxlm.parallel.LOGICAL_AXIS_RULES`
@@ -17,6 +19,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 from jax import lax
 
@@ -124,11 +127,17 @@ def layer_norm(spec: TransformerSpec, rngs: nnx.Rngs) -> nnx.LayerNorm:
 
 
 # What the backward pass may keep from a block's forward pass, by model.remat: `block` keeps
-# the matmul outputs (recomputing norms, activations and attention scores, which are cheap
-# per byte), `full` keeps nothing but the block's input.
+# the matmul outputs without a batch dimension, the projections (recomputing norms,
+# activations and attention, which are cheap per byte), `full` keeps nothing but the block's
+# input. `dots_saveable` also keeps attention's batched matmuls, its L × L scores per head.
 _REMAT_POLICIES = {
     Remat.block: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    Remat.dots_with_no_batch_dims_saveable:
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    Remat.dots_saveable: jax.checkpoint_policies.dots_saveable,
     Remat.full: jax.checkpoint_policies.nothing_saveable,
+    Remat.nothing_saveable: jax.checkpoint_policies.nothing_saveable,
+    Remat.everything_saveable: jax.checkpoint_policies.everything_saveable,
 }
 
 
@@ -142,6 +151,164 @@ def run_block(block: nnx.Module, remat: Remat, x_BxLxD: jax.Array, *args):
     rematerialised = nnx.remat(lambda block, *args: block(*args),
                                policy=_REMAT_POLICIES[Remat(remat)])
     return constrain_batch(rematerialised(block, x_BxLxD, *args))
+
+
+# ---------------------------------------------------------------- scanned layers
+
+LAYERS_AXIS = "layers"  # the logical axis of a scanned model's stacked parameters
+
+
+def _is_variable(node) -> bool:
+    return isinstance(node, nnx.Variable)
+
+
+def _stacked_variable(*layers: nnx.Variable) -> nnx.Variable:
+    axes_names = layers[0].get_metadata().get("logical_axes", ())
+    return layers[0].replace(jnp.stack([layer[...] for layer in layers]),
+                             logical_axes=(LAYERS_AXIS, *axes_names))
+
+
+def stack_blocks(blocks: list[nnx.Module]) -> nnx.Module:
+    """One module of `blocks`' kind whose every parameter holds all of theirs, stacked on a
+    leading `layers` axis (named in its `logical_axes`, so the mesh never splits it): what
+    `scan_blocks` runs. Built from the blocks one by one, so a scanned model starts from the
+    same weights as the unrolled one of the same seed."""
+    graphdef, _ = nnx.split(blocks[0])
+    states = [nnx.state(block) for block in blocks]
+    return nnx.merge(graphdef, jax.tree.map(_stacked_variable, *states, is_leaf=_is_variable))
+
+
+def scan_blocks(blocks: nnx.Module, step: Callable, x_BxLxD: jax.Array, per_layer=()):
+    """`x_BxLxD` through every layer of the stacked `blocks` (`stack_blocks`) with `lax.scan`:
+    the block is traced and compiled once, however deep the model.
+
+    `step(block, x_BxLxD, *inputs) -> (x_BxLxD, outputs)` runs one layer; `per_layer` holds
+    each layer's inputs stacked on a leading axis (dropout keys, a cache's keys and values),
+    and the layers' outputs come back stacked the same way."""
+    graphdef, state = nnx.split(blocks)
+
+    def layer(x_BxLxD, layer_state_and_inputs):
+        layer_state, inputs = layer_state_and_inputs
+        return step(nnx.merge(graphdef, layer_state), x_BxLxD, *inputs)
+
+    return lax.scan(layer, x_BxLxD, (state, per_layer))
+
+
+def num_stacked(blocks: nnx.Module) -> int:
+    """How many layers the stacked `blocks` hold."""
+    return jax.tree.leaves(nnx.state(blocks))[0].shape[0]
+
+
+def run_layers(layers: nnx.Module, scanned: bool, call: Callable, x_BxLxD: jax.Array,
+               rngs: nnx.Rngs | None) -> jax.Array:
+    """`x_BxLxD` through every layer, `call(layer, x_BxLxD, rngs) -> x_BxLxD` each: a Python
+    loop over `layers` (an nnx.List), or, `scanned`, one `scan_blocks` over stacked ones. A
+    scan cannot draw from `rngs` inside its body, so each layer gets a stream of its own
+    from one key split ahead: dropout masks of the same law as the loop's, not the same."""
+    if not scanned:
+        for layer in layers:
+            x_BxLxD = call(layer, x_BxLxD, rngs)
+        return x_BxLxD
+    keys = None if rngs is None else jax.random.split(rngs.dropout(), num_stacked(layers))
+
+    def step(layer, x_BxLxD, key):
+        return call(layer, x_BxLxD, None if key is None else nnx.Rngs(dropout=key)), None
+
+    return scan_blocks(layers, step, x_BxLxD, (keys,))[0]
+
+
+def decode_layers(layers: nnx.Module, scanned: bool, decode_layer: Callable,
+                  x_BxLxD: jax.Array, cache: KVCache):
+    """`x_BxLxD` through every layer, `decode_layer(layer, x_BxLxD, keys, values) -> (x_BxLxD,
+    keys, values)` each, attending over its part of `cache`: the last hidden states and the
+    layers' new keys and values (stacked for a scanned model, as its cache holds them)."""
+    if scanned:
+        def step(layer, x_BxLxD, keys_BxSxGxH, values_BxSxGxH):
+            x_BxLxD, keys_BxSxGxH, values_BxSxGxH = decode_layer(
+                layer, x_BxLxD, keys_BxSxGxH, values_BxSxGxH)
+            return x_BxLxD, (keys_BxSxGxH, values_BxSxGxH)
+
+        x_BxLxD, (keys, values) = scan_blocks(layers, step, x_BxLxD,
+                                              (cache.keys_BxSxGxH, cache.values_BxSxGxH))
+        return x_BxLxD, keys, values
+    keys, values = [], []
+    for layer, keys_BxSxGxH, values_BxSxGxH in zip(layers, cache.keys_BxSxGxH,
+                                                   cache.values_BxSxGxH):
+        x_BxLxD, keys_BxSxGxH, values_BxSxGxH = decode_layer(layer, x_BxLxD, keys_BxSxGxH,
+                                                             values_BxSxGxH)
+        keys.append(keys_BxSxGxH)
+        values.append(values_BxSxGxH)
+    return x_BxLxD, tuple(keys), tuple(values)
+
+
+def _stack_arrays(arrays):
+    """Host arrays stay on the host; shapes (an abstract model's) stay shapes."""
+    arrays = list(arrays)
+    if isinstance(arrays[0], jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((len(arrays), *arrays[0].shape), arrays[0].dtype)
+    return np.stack(arrays) if isinstance(arrays[0], np.ndarray) else jnp.stack(arrays)
+
+
+def _layer_of(array, index: int):
+    if isinstance(array, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(array.shape[1:], array.dtype)
+    return array[index]
+
+
+def stack_layers(params: dict, layers_key: str) -> dict:
+    """A nested parameter dict (as `nnx.to_pure_dict` gives) in the scanned layout: the
+    per-layer dicts under `layers_key` (`{0: {...}, 1: {...}}`, HF's layout) become one dict
+    of arrays stacked on a leading layer axis. A dict already stacked is returned as it is."""
+    return _convert_layers(params, layers_key, stack=True)
+
+
+def unstack_layers(params: dict, layers_key: str) -> dict:
+    """`stack_layers` undone: one dict per layer under `layers_key`, keyed by layer index. A
+    dict already unrolled is returned as it is."""
+    return _convert_layers(params, layers_key, stack=False)
+
+
+def is_unrolled(layers: dict) -> bool:
+    """Whether a layer collection's dict is keyed by layer index (else it is stacked)."""
+    return bool(layers) and all(isinstance(key, int) or str(key).isdigit() for key in layers)
+
+
+def has_stacked_layers(params: dict, layers_key: str) -> bool:
+    """Whether the nested parameter dict is in the scanned layout (see `stack_layers`)."""
+    return any(isinstance(child, dict) and (
+        (key == layers_key and not is_unrolled(child)) or
+        (key != layers_key and has_stacked_layers(child, layers_key)))
+        for key, child in params.items())
+
+
+def per_layer_paths(path: tuple, layers_key: str, num_layers: int) -> list[tuple] | None:
+    """The per-layer (HF layout) paths of the leaf at `path` of a scanned-layout dict, layer by
+    layer; None when the leaf is not stacked (outside the layers, or already one per layer)."""
+    if layers_key not in path[:-1]:
+        return None
+    at = path.index(layers_key) + 1
+    if isinstance(path[at], int) or str(path[at]).isdigit():
+        return None
+    return [(*path[:at], layer, *path[at:]) for layer in range(num_layers)]
+
+
+def _convert_layers(params: dict, layers_key: str, stack: bool) -> dict:
+    converted = {}
+    for key, child in params.items():
+        if not isinstance(child, dict):
+            converted[key] = child
+        elif key != layers_key:
+            converted[key] = _convert_layers(child, layers_key, stack)
+        elif stack and is_unrolled(child):
+            layers = [child[index] for index in sorted(child, key=int)]
+            converted[key] = jax.tree.map(lambda *leaves: _stack_arrays(leaves), *layers)
+        elif not stack and not is_unrolled(child):
+            num_layers = jax.tree.leaves(child)[0].shape[0]
+            converted[key] = {index: jax.tree.map(lambda leaf, i=index: _layer_of(leaf, i), child)
+                              for index in range(num_layers)}
+        else:
+            converted[key] = child
+    return converted
 
 
 def last_token_states(x_BxLxD: jax.Array, attention_mask_BxL: jax.Array) -> jax.Array:
@@ -166,17 +333,23 @@ class KVCache:
     `filled_BxS` keeps the padding out of attention and out of the position count.
     """
 
-    keys_BxSxGxH: tuple[jax.Array, ...]  # one per layer
-    values_BxSxGxH: tuple[jax.Array, ...]  # one per layer
+    # One per layer: a tuple, or for a scanned model one array stacked on a leading layer axis
+    # (which `scan_blocks` reads and writes layer by layer).
+    keys_BxSxGxH: tuple[jax.Array, ...] | jax.Array
+    values_BxSxGxH: tuple[jax.Array, ...] | jax.Array
     filled_BxS: jax.Array  # bool
     index: jax.Array  # int32 scalar: the slot the next token is written to
 
 
 def empty_cache(batch_size: int, num_slots: int, num_layers: int, num_kv_heads: int,
-                head_width: int, dtype) -> KVCache:
-    """A cache for `batch_size` rows of up to `num_slots` tokens, prompt included."""
+                head_width: int, dtype, stacked: bool = False) -> KVCache:
+    """A cache for `batch_size` rows of up to `num_slots` tokens, prompt included; `stacked`:
+    each layer's keys and values in one array (a scanned model's)."""
     shape = (batch_size, num_slots, num_kv_heads, head_width)
-    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+    if stacked:
+        zeros = jnp.zeros((num_layers, *shape), dtype)
+    else:
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
     return KVCache(zeros, zeros, jnp.zeros((batch_size, num_slots), bool),
                    jnp.zeros((), jnp.int32))
 
@@ -252,6 +425,7 @@ class HFNames:
     special_tokens: tuple[str, ...]  # which of bos/eos/pad_token_id the HF config carries
     body_prefix: str  # the HF base model's prefix in a task model's keys ("bert.")
     body_modules: tuple[str, ...]  # the base model's top-level modules, as a bare one names them
+    layers_module: str  # the module holding the blocks, one per layer ("h"), or stacked
     linear_modules: tuple[str, ...]  # top-level modules whose kernels HF stores (out, in)
     config_extras: dict = dataclasses.field(default_factory=dict)  # fixed HF config values
     mlp_width_required: bool = False  # the HF config has no "None: 4 × width" for the MLP

@@ -42,12 +42,15 @@ from flaxlm.models.layers import (
     TransformerSpec,
     cached_attention,
     check_shape,
+    decode_layers,
     decode_step,
     dense,
     embedding,
     empty_cache,
     last_token_states,
     run_block,
+    run_layers,
+    stack_blocks,
 )
 
 ROPE_TYPES = ("default", "linear", "llama3")  # HF's rope_type names
@@ -270,9 +273,12 @@ class LlamaModel(nnx.Module):
     def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         cfg = spec.model
         self.embed_tokens = embedding(cfg.vocab_size, spec, rngs, rows="vocab")
-        self.layers = nnx.List([LlamaDecoderLayer(spec, rngs) for _ in range(cfg.num_layers)])
+        layers = [LlamaDecoderLayer(spec, rngs) for _ in range(cfg.num_layers)]
+        # model.scan_layers: one layer whose parameters are every layer's, stacked.
+        self.layers = stack_blocks(layers) if cfg.scan_layers else nnx.List(layers)
         self.norm = RMSNorm(spec)
         self.remat = Remat(cfg.remat)
+        self.scan_layers, self.num_layers = cfg.scan_layers, cfg.num_layers
 
     def __call__(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None, *,
                  segment_ids_BxL: jax.Array | None = None,
@@ -283,8 +289,11 @@ class LlamaModel(nnx.Module):
         if positions_BxL is None:
             positions_BxL = jnp.arange(input_ids_BxL.shape[1])[None]
         x_BxLxD = self.embed_tokens(input_ids_BxL)
-        for layer in self.layers:
-            x_BxLxD = run_block(layer, self.remat, x_BxLxD, positions_BxL, rngs, segment_ids_BxL)
+        x_BxLxD = run_layers(
+            self.layers, self.scan_layers,
+            lambda layer, x_BxLxD, rngs: run_block(layer, self.remat, x_BxLxD, positions_BxL,
+                                                   rngs, segment_ids_BxL),
+            x_BxLxD, rngs)
         return self.norm(x_BxLxD)
 
 
@@ -335,8 +344,9 @@ class LlamaForCausalLM(nnx.Module):
     def init_cache(self, batch_size: int, num_slots: int) -> KVCache:
         """An empty cache for `batch_size` rows of up to `num_slots` tokens, prompt included:
         the key/value heads only."""
-        return empty_cache(batch_size, num_slots, len(self.model.layers), self.num_kv_heads,
-                           self.head_width, self.model.embed_tokens.dtype)
+        return empty_cache(batch_size, num_slots, self.model.num_layers, self.num_kv_heads,
+                           self.head_width, self.model.embed_tokens.dtype,
+                           stacked=self.model.scan_layers)
 
     def decode(self, input_ids_BxL: jax.Array, cache: KVCache,
                input_mask_BxL: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
@@ -345,17 +355,13 @@ class LlamaForCausalLM(nnx.Module):
         L = input_ids_BxL.shape[1]
         positions_BxL, filled_BxS, mask_BxLxS = decode_step(cache, input_mask_BxL, L)
         x_BxLxD = self.model.embed_tokens(input_ids_BxL)
-        keys, values = [], []
-        for layer, keys_BxSxGxH, values_BxSxGxH in zip(
-            self.model.layers, cache.keys_BxSxGxH, cache.values_BxSxGxH
-        ):
-            x_BxLxD, keys_BxSxGxH, values_BxSxGxH = layer.decode(
-                x_BxLxD, positions_BxL, keys_BxSxGxH, values_BxSxGxH, cache.index, mask_BxLxS
-            )
-            keys.append(keys_BxSxGxH)
-            values.append(values_BxSxGxH)
+        x_BxLxD, keys, values = decode_layers(
+            self.model.layers, self.model.scan_layers,
+            lambda layer, x_BxLxD, keys_BxSxGxH, values_BxSxGxH: layer.decode(
+                x_BxLxD, positions_BxL, keys_BxSxGxH, values_BxSxGxH, cache.index, mask_BxLxS),
+            x_BxLxD, cache)
         logits_BxLxV = self.lm_head_logits(self.model.norm(x_BxLxD))
-        return logits_BxLxV, KVCache(tuple(keys), tuple(values), filled_BxS, cache.index + L)
+        return logits_BxLxV, KVCache(keys, values, filled_BxS, cache.index + L)
 
 
 class LlamaForSequenceClassification(nnx.Module):
@@ -482,6 +488,7 @@ HF_NAMES = HFNames(
     special_tokens=("bos_token_id", "eos_token_id", "pad_token_id"),
     body_prefix="model.",
     body_modules=("embed_tokens", "layers", "norm"),
+    layers_module="layers",
     linear_modules=("model", "lm_head", "score"),  # every projection is an nn.Linear
     mlp_width_required=True,
     shape_settings=(("embed_tokens", "model.vocab_size"), ("lm_head", "model.vocab_size"),

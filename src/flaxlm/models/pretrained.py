@@ -26,7 +26,12 @@ from flax import nnx
 from flaxlm.config import ModelConfig, ModelFamily
 from flaxlm.errors import FlaxlmError
 from flaxlm.models import hf
-from flaxlm.models.layers import ACTIVATIONS, HFNames
+from flaxlm.models.layers import (
+    ACTIVATIONS,
+    HFNames,
+    per_layer_paths,
+    unstack_layers,
+)
 
 # ---------------------------------------------------------------- finding a checkpoint
 
@@ -225,7 +230,12 @@ def load_pretrained_weights(model: nnx.Module, local_dir: str, *, source: str | 
     checkpoint = _canonical_keys(open_checkpoint(local_dir, setting), arch.names)
 
     state = nnx.state(model, nnx.Param)
-    params = nnx.to_pure_dict(state)
+    own = nnx.to_pure_dict(state)
+    # The shapes in HF's layout, one entry per layer, whatever the model's (model.scan_layers):
+    # a scanned model's stacked parameters are not copied apart to be checked.
+    layers_key = arch.names.layers_module
+    params = unstack_layers(jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(
+        np.shape(leaf), leaf.dtype), own), layers_key)
     targets = {hf.hf_name(path, arch.name): path for path, _ in hf.flatten_params(params)}
     # A body module the checkpoint has none of at all (a BertModel saved without its pooler).
     absent = tuple(prefix for prefix in (f"{arch.names.body_prefix}{module}."
@@ -270,15 +280,23 @@ def load_pretrained_weights(model: nnx.Module, local_dir: str, *, source: str | 
             "architecture or variant than its config.json says; point model.init_from at a "
             "standard checkpoint (or load with allow_unexpected=True to ignore them)."
         )
-    for key in loaded:
-        path = targets[key]
-        stored = checkpoint[key].transposed() if hf.is_transposed(path, arch.name) \
-            else checkpoint[key]
-        target = _get(params, path)
-        _set(params, path, place(stored, target))
+    stored_at = {targets[key]: checkpoint[key].transposed()
+                 if hf.is_transposed(targets[key], arch.name) else checkpoint[key]
+                 for key in loaded}
+    for path, target in hf.flatten_params(own):
+        layer_paths = per_layer_paths(path, layers_key, np.shape(target)[0])
+        if layer_paths is None:
+            stored = stored_at.get(path)
+        elif all(layer_path in stored_at for layer_path in layer_paths):
+            stored = _stacked([stored_at[layer_path] for layer_path in layer_paths])
+        else:
+            stored = None
+        if stored is None:
+            continue
+        _set(own, path, place(stored, target))
         if isinstance(target, jax.Array):  # its memory back now, not when the model is
             target.delete()                # updated: one tensor's extra at a time
-    nnx.replace_by_pure_dict(state, params)
+    nnx.replace_by_pure_dict(state, own)
     nnx.update(model, state)
     return LoadReport(loaded, missing + list(reshaped), unexpected, reshaped)
 
@@ -292,6 +310,15 @@ def place(stored: StoredTensor, target) -> jax.Array | np.ndarray:
         return stored.read().astype(target.dtype)
     return jax.make_array_from_callback(
         tuple(target.shape), sharding, lambda index: stored.read(index).astype(target.dtype))
+
+
+def _stacked(layers: list[StoredTensor]) -> StoredTensor:
+    """Per-layer tensors as one stacked on a leading layer axis (the scanned layout), each part
+    read from the layers it spans."""
+    return StoredTensor(
+        (len(layers), *layers[0].shape),
+        lambda index: np.stack([layers[layer].read(index[1:])
+                                for layer in range(len(layers))[index[0]]]))
 
 
 def _check_family(local_dir: str, arch: hf.Architecture, setting: str) -> None:

@@ -78,14 +78,15 @@ OUTPUT_HEADS = ("lm_head", "score", "classifier")
 
 
 def muon_labels(params):
-    """`muon` for the hidden layers' weight matrices (2-D `kernel`s), `adamw` for the rest:
+    """`muon` for the hidden layers' weight matrices (2-D `kernel`s; 3-D in a scanned model,
+    one matrix per layer stacked), `adamw` for the rest:
     embeddings (a lookup table, and GPT-2's tied LM head), untied LM heads and classifiers
     (output layers), biases and norm scales (vectors). Muon's recipe (Jordan 2024) and
     Moonlight's (Liu et al. 2025) both leave these to AdamW."""
 
     def label(path, leaf) -> str:
         modules = {key.key for key in path if isinstance(key, jax.tree_util.DictKey)}
-        hidden_matrix = (leaf.ndim == 2 and parameter_name(path) == "kernel"
+        hidden_matrix = (leaf.ndim in (2, 3) and parameter_name(path) == "kernel"
                          and not modules & set(OUTPUT_HEADS))
         return "muon" if hidden_matrix else "adamw"
 
@@ -177,8 +178,16 @@ def _muon(opt: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTrans
     MUON_RMS × sqrt(max(fan_in, fan_out)) as Moonlight does, so that AdamW's learning rate and
     weight decay carry over; its decay is decoupled (× the scheduled lr) on every matrix."""
     muon = optax.contrib.muon(schedule, beta=opt.momentum, nesterov=opt.nesterov,
-                              weight_decay=opt.weight_decay, consistent_rms=MUON_RMS)
+                              weight_decay=opt.weight_decay, consistent_rms=MUON_RMS,
+                              muon_weight_dimension_numbers=_per_layer_matrices)
     return optax.partition({"muon": muon, "adamw": _adamw(opt, schedule)}, muon_labels)
+
+
+def _per_layer_matrices(params):
+    """Muon's matrices are each kernel's last two axes (in, out): a scanned model's leading
+    layer axis is a batch of matrices, each orthogonalised on its own."""
+    return jax.tree.map(
+        lambda leaf: optax.contrib.MuonDimensionNumbers(leaf.ndim - 2, leaf.ndim - 1), params)
 
 
 # Moonlight's match of Muon's update RMS to AdamW's typical 0.2-0.4 (Liu et al. 2025).
