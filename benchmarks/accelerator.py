@@ -7,19 +7,32 @@ On a machine with a GPU or a TPU, from the repository root, as it is:
     make bench-accelerator
     make bench-accelerator ARGS="--models gpt2 --seq 2048 --max-batch 512"
 
+Several sequence lengths and attention backends make one row each (model × length × backend):
+
+    python benchmarks/accelerator.py --models smollm-135m --seq 2048,4096 \
+        --attention splash,xla --start-batch 4 --max-batch 4 model.max_positions=4096 --out a.json
+
 JAX's platform picks the hardware group (conf/hardware/gpu.yaml or tpu.yaml: bfloat16 compute,
 float32 parameters and AdamW state, all devices on the data axis); `hardware=...` among the
 arguments chooses another, and any other Hydra override of conf/train.yaml is passed on. For
 each model the search starts at the group's per-device batch (`--start-batch` to change it)
 and doubles the global batch up to `--max-batch`; when the start itself runs out of memory it
-halves instead, down to one row per device. Every try is a fresh process of
-benchmarks/train_step.py's flaxlm worker running two steps; the first try that fails ends the
-search, and only a failure that names memory (XLA's RESOURCE_EXHAUSTED, "out of memory", or the
-process killed by SIGKILL) counts as "does not fit": any other failure is printed as one. The
-largest batch that ran is then timed in `--rounds` fresh processes (harness.py), and one table
-gives the median tokens/s, the spread, the device memory peak and MFU: tokens/s × training
-FLOPs per token ÷ the devices' peak (flaxlm.hardware_peak). JAX's GPU allocator takes 75% of
-the memory by default (XLA_PYTHON_CLIENT_MEM_FRACTION changes it, and the batch that fits).
+halves instead, down to one row per device. At each further `--seq` the start and the cap
+are the same number of tokens (rows × the first length ÷ this one). Every try is a fresh
+process of benchmarks/train_step.py's flaxlm worker running two steps; the first try that
+fails ends the search, and only a failure that names memory (XLA's RESOURCE_EXHAUSTED, "out of
+memory", or the process killed by SIGKILL) counts as "does not fit": any other failure is
+printed as one. The largest batch that ran is then timed in `--rounds` fresh processes
+(harness.py), and one table gives the median tokens/s, the spread, the device memory peak and
+MFU: tokens/s × training FLOPs per token ÷ the devices' peak (flaxlm.hardware_peak). The
+memory peak is JAX's `peak_bytes_in_use`; on a TPU it leaves out the program's temporaries
+(activations and all), so the table also gives the compiled step's footprint from XLA's
+`memory_analysis()`. JAX's GPU allocator takes 75% of the memory by default
+(XLA_PYTHON_CLIENT_MEM_FRACTION changes it, and the batch that fits).
+`--attention` names `model.attention` for each row (default: the model's own, `auto`). `--out`
+also writes the rows as JSON. On a TPU, where the train step of a 30-layer model takes over a
+minute to compile, set JAX_COMPILATION_CACHE_DIR: the timed process can then take the compile
+of the try that found its batch from the cache.
 
 For scale: MaxText, the reference JAX stack, reports 45–65% MFU for large models on TPUs and
 GPUs in its own published figures; that is the bar, and a model as small as GPT-2 small, with
@@ -33,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 import signal
@@ -161,27 +175,50 @@ def describe_devices(overrides: list[str]) -> dict:
     return found
 
 
-def step_command(overrides: list[str], model: str, args, batch: int, warmup: int,
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One row of the table: a model at a sequence length, with an attention backend (None:
+    the model's own setting)."""
+
+    model: str
+    seq: int
+    attention: str | None = None
+
+    @property
+    def label(self) -> str:
+        return "/".join([self.model, str(self.seq), *([self.attention] if self.attention else [])])
+
+    def overrides(self) -> list[str]:
+        return [f"model={self.model}",
+                *([f"model.attention={self.attention}"] if self.attention else [])]
+
+
+def step_command(overrides: list[str], variant: Variant, batch: int, warmup: int,
                  steps: int) -> tuple[str, ...]:
-    argv = [*overrides, f"model={model}", "--seq", str(args.seq), "--batch", str(batch),
+    argv = [*overrides, *variant.overrides(), "--seq", str(variant.seq), "--batch", str(batch),
             "--warmup", str(warmup), "--steps", str(steps)]
     return harness.worker_command(TRAIN_STEP, argv, "flaxlm")
 
 
-def search_model(overrides: list[str], model: str, args, start: int, unit: int,
+def search_batch(overrides: list[str], variant: Variant, args, start: int, unit: int,
                  cap: int) -> Search:
     def attempt(batch: int) -> Attempt:
-        command = step_command(overrides, model, args, batch, PROBE_WARMUP, PROBE_STEPS)
+        command = step_command(overrides, variant, batch, PROBE_WARMUP, PROBE_STEPS)
         tried = run_attempt(batch, command, args.timeout)
         if tried.failure:
-            print(f"  {model}: batch {batch}: {tried.failure}", flush=True)
+            print(f"  {variant.label}: batch {batch}: {tried.failure}", flush=True)
         else:
             used = memory(tried.result)
-            print(f"  {model}: batch {batch} runs"
+            print(f"  {variant.label}: batch {batch} runs"
                   + (f" (device memory at its peak: {used})" if used != "—" else ""), flush=True)
         return tried
 
     return largest_batch(attempt, start, unit, cap)
+
+
+def same_tokens(rows: int, first_seq: int, seq: int, unit: int) -> int:
+    """`rows` of `first_seq` tokens as rows of `seq` tokens, at least one per device."""
+    return max(unit, rows * first_seq // seq // unit * unit)
 
 
 def memory(result: dict) -> str:
@@ -193,20 +230,50 @@ def memory(result: dict) -> str:
     return f"{peak / 2**30:.1f}" + (f" of {limit / 2**30:.1f}" if limit else "") + " GiB"
 
 
-def table_row(model: str, args, search: Search, rates: list[float], info: dict | None,
+def step_memory(result: dict) -> str:
+    """The compiled train step's footprint (arguments + outputs − donated + temporaries): on a
+    TPU the figure to read, since the peak above leaves the program's temporaries out."""
+    step_bytes = result.get("step_bytes")
+    return f"{step_bytes / 2**30:.1f} GiB" if step_bytes else "—"
+
+
+def table_row(variant: Variant, search: Search, rates: list[float], info: dict | None,
               failure: str | None) -> tuple[list[str], str]:
-    """The model's cells, and a note: why the search stopped, or why a figure is missing."""
+    """The variant's cells, and a note: why the search stopped, or why a figure is missing."""
+    attention = variant.attention or "(model's)"
     if not rates:
-        empty = [model, "", str(args.seq), "", "", "no result (below)", "", "", ""]
-        return empty, f"{model}: {failure or search.stopped}"
+        empty = [variant.model, "", str(variant.seq), attention, "", "", "", "no result (below)",
+                 "", "", "", ""]
+        return empty, f"{variant.label}: {failure or search.stopped}"
     median = statistics.median(rates)
     mfu = "—"
     if info.get("peak_flops"):
         mfu = f"{median * info['flops_per_token'] / info['peak_flops']:.1%}"
     params = f"{info['num_params'] / 1e6:.1f}M" if info.get("num_params") else "?"
-    cells = [model, params, str(args.seq), str(search.batch), info.get("devices", "?"),
-             f"{median:,.0f}", f"{min(rates):,.0f}–{max(rates):,.0f}", mfu, memory(info)]
-    return cells, f"{model}: batch {search.batch}; the search stopped: {search.stopped}"
+    step_ms = search.batch * variant.seq / median * 1e3
+    cells = [variant.model, params, str(variant.seq), attention, str(search.batch),
+             info.get("devices", "?"), f"{step_ms:,.1f}", f"{median:,.0f}",
+             f"{min(rates):,.0f}–{max(rates):,.0f}", mfu, memory(info), step_memory(info)]
+    return cells, f"{variant.label}: batch {search.batch}; the search stopped: {search.stopped}"
+
+
+def json_row(variant: Variant, search: Search, rates: list[float], info: dict | None,
+             failure: str | None) -> dict:
+    """One row's figures as numbers, for --out."""
+    row = dict(model=variant.model, seq=variant.seq, attention=variant.attention,
+               global_batch=search.batch, search_stopped=search.stopped, failure=failure,
+               tokens_per_s=[float(rate) for rate in rates])
+    if rates:
+        median = statistics.median(rates)
+        row.update(median_tokens_per_s=median,
+                   step_s=search.batch * variant.seq / median,
+                   mfu=(median * info["flops_per_token"] / info["peak_flops"]
+                        if info.get("peak_flops") else None),
+                   **{key: info.get(key) for key in ("num_params", "flops_per_token",
+                                                     "peak_flops", "devices",
+                                                     "peak_bytes_in_use", "bytes_limit",
+                                                     "step_bytes")})
+    return row
 
 
 def main() -> None:
@@ -214,13 +281,18 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. hardware=tpu-v3-8")
     parser.add_argument("--models", default="gpt2,distilgpt2",
                         help="comma-separated model groups (conf/model/)")
-    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--seq", default="1024",
+                        help="comma-separated sequence lengths, one row each")
+    parser.add_argument("--attention", default=None,
+                        help="comma-separated model.attention backends, one row each (default: "
+                             "the model's own)")
     parser.add_argument("--start-batch", type=int, default=None,
-                        help="first global batch tried (default: the group's per-device batch "
-                             "× devices)")
+                        help="first global batch tried at the first --seq (default: the group's "
+                             "per-device batch × devices)")
     parser.add_argument("--max-batch", type=int, default=None,
-                        help=f"largest global batch tried (default: {MAX_ROWS_PER_DEVICE} "
-                             "per device)")
+                        help=f"largest global batch tried at the first --seq (default: "
+                             f"{MAX_ROWS_PER_DEVICE} per device)")
+    parser.add_argument("--out", default=None, help="also write the rows to this JSON file")
     parser.add_argument("--timeout", type=float, default=1800,
                         help="seconds one worker process may take")
     harness.add_arguments(parser, choose=False)
@@ -244,30 +316,42 @@ def main() -> None:
               "jax has that accelerator's extra (JAX falls back to the CPU without it).")
     start = args.start_batch or found["per_device_batch"] * unit
     cap = args.max_batch or MAX_ROWS_PER_DEVICE * unit
-    print(f"sequence {args.seq}; batches from {start}, at most {cap}, each try "
-          f"{PROBE_WARMUP + PROBE_STEPS} steps in a fresh process; then {args.rounds} round(s) of "
-          f"{args.warmup} warm-up + {args.steps} timed steps", flush=True)
+    seqs = [int(seq) for seq in args.seq.split(",")]
+    attentions = args.attention.split(",") if args.attention else [None]
+    print(f"sequence {args.seq}; batches from {start}, at most {cap} (at sequence {seqs[0]}), "
+          f"each try {PROBE_WARMUP + PROBE_STEPS} steps in a fresh process; then {args.rounds} "
+          f"round(s) of {args.warmup} warm-up + {args.steps} timed steps", flush=True)
 
-    rows, notes = [], []
-    for model in args.models.split(","):
-        search = search_model(overrides, model, args, start, unit, cap)
+    rows, notes, records = [], [], []
+    for variant in [Variant(model, seq, attention) for model in args.models.split(",")
+                    for seq in seqs for attention in attentions]:
+        search = search_batch(overrides, variant, args,
+                              same_tokens(start, seqs[0], variant.seq, unit), unit,
+                              same_tokens(cap, seqs[0], variant.seq, unit))
         rates, failures, info = [], {}, {}
         if search.batch is not None:
-            contender = harness.Contender(model, step_command(
-                overrides, model, args, search.batch, args.warmup, args.steps))
+            contender = harness.Contender(variant.label, step_command(
+                overrides, variant, search.batch, args.warmup, args.steps))
             timed, failures, info = harness.run_rounds(
-                [contender], args.rounds, search.batch * args.seq, args.timeout, args.profile)
-            rates = timed[model]
-        cells, note = table_row(model, args, search, rates, info.get(model), failures.get(model))
+                [contender], args.rounds, search.batch * variant.seq, args.timeout,
+                args.profile)
+            rates = timed[variant.label]
+        outcome = (search, rates, info.get(variant.label), failures.get(variant.label))
+        cells, note = table_row(variant, *outcome)
         rows.append(cells)
         notes.append(note)
+        records.append(json_row(variant, *outcome))
 
-    header = ["model", "parameters", "seq", "global batch", "devices", "median tokens/s",
-              "spread (min–max)", "MFU", "device memory (peak)"]
+    header = ["model", "parameters", "seq", "attention", "global batch", "devices",
+              "step (ms)", "median tokens/s", "spread (min–max)", "MFU", "device memory (peak)",
+              "compiled step"]
     lines = harness.aligned_columns([header, *rows])
     print()
     print("\n".join(["| " + " | ".join(cells) + " |" for cells in lines] + notes))
-    if found["platform"] != "cpu" and any(cells[7] == "—" for cells in rows):
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(dict(devices=found, overrides=overrides, rows=records), f, indent=2)
+    if found["platform"] != "cpu" and any(cells[9] == "—" for cells in rows):
         print(f"no MFU: the bfloat16 peak of {found['device_kind']} is not known "
               "(flaxlm.hardware_peak); hardware.peak_tflops_per_device=... sets one")
 

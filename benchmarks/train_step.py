@@ -94,11 +94,20 @@ def flax_worker(config, tokens_np, args) -> None:
     seconds = harness.time_steps(step, args.warmup, args.steps)
     kinds = [device.device_kind for device in mesh.devices.flat]
     memory = mesh.devices.flat[0].memory_stats() or {}  # None where the platform keeps none
+    # The step's own footprint, as XLA's buffer assignment sized it: a TPU reserves a program's
+    # temporaries outside the allocator whose peak memory_stats reports, so on a TPU that peak
+    # is the train state and batch alone. Lowering again after the timed steps reuses the
+    # executable they ran (JAX caches the lowering and the compile).
+    footprint = compiled.train.lower(holder["state"], inputs, key).compile().memory_analysis()
     harness.emit(seconds, flops_per_token=lm_flops_per_token(config.model, num_params, args.seq),
                  peak_flops=peak_flops(config.hardware.peak_tflops_per_device, kinds),
                  devices=f"{mesh.size} × {kinds[0]}", num_params=num_params,
                  peak_bytes_in_use=memory.get("peak_bytes_in_use"),
-                 bytes_limit=memory.get("bytes_limit"))
+                 bytes_limit=memory.get("bytes_limit"),
+                 step_bytes=footprint and (footprint.argument_size_in_bytes
+                                           + footprint.output_size_in_bytes
+                                           - footprint.alias_size_in_bytes
+                                           + footprint.temp_size_in_bytes))
 
 
 def torch_worker(config, tokens_np, args, compiled: bool) -> None:

@@ -240,21 +240,26 @@ def test_the_run_resolves_its_backend_from_its_config():
     assert attention_choice(tpu, tpu.model, pads_rows=True).backend is AttentionBackend.xla
 
 
-# --------------------------------------------------------------------- GPU script
+# ------------------------------------------------------------------ backends script
 
 
 @pytest.mark.slow
-def test_the_gpu_check_script_runs_its_cpu_backends_on_tiny_shapes(tmp_path):
-    """benchmarks/attention_gpu.py on this CPU: xla and reference on tiny shapes; cudnn fails
-    soft (no GPU) and the table and JSON still come out."""
+def test_the_backends_script_runs_on_tiny_shapes_on_a_cpu(tmp_path):
+    """benchmarks/attention_backends.py on this CPU: xla, reference and splash (interpret
+    mode) in float32 and bfloat16 against the float32 reference; cudnn fails soft (no GPU)
+    and the table and JSON still come out."""
     out = tmp_path / "attention.json"
     env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "src"), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(
-        [sys.executable, os.path.join(REPO, "benchmarks", "attention_gpu.py"), "--tiny",
+        [sys.executable, os.path.join(REPO, "benchmarks", "attention_backends.py"), "--tiny",
          "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert {row["backend"] for row in rows} == {"xla", "reference", "cudnn"}
+    assert {row["backend"] for row in rows} == {"xla", "reference", "cudnn", "splash"}
+    assert {row["dtype"] for row in rows} == {"float32", "bfloat16"}
     assert all(row["error"] for row in rows if row["backend"] == "cudnn")
-    assert all(row["max_abs_diff_out"] < 0.05 for row in rows if row["backend"] == "xla")
+    for row in rows:
+        if row["backend"] in ("xla", "splash"):
+            limit = 1e-4 if row["dtype"] == "float32" else 0.05
+            assert row["rel_diff_out"] < limit and row["rel_diff_grad"] < limit, row
     assert "backend" in done.stdout

@@ -4,7 +4,6 @@ of memory from other failures, and one whole run of the script on the CPU."""
 import os
 import subprocess
 import sys
-import types
 
 import pytest
 from conftest import REPO
@@ -110,22 +109,30 @@ def test_a_worker_that_reports_a_step_time_fits():
     assert tried.failure is None and tried.result["seconds_per_step"] == 0.25
 
 
-def test_the_row_gives_mfu_against_the_known_peak_and_the_memory_peak():
+def test_the_row_gives_step_time_mfu_against_the_known_peak_and_the_memory_peak():
     info = {"flops_per_token": 6e8, "peak_flops": 1e15, "num_params": 124_439_808,
             "devices": "1 × NVIDIA H200", "peak_bytes_in_use": 3 * 2**30,
-            "bytes_limit": 96 * 2**30}
-    args = types.SimpleNamespace(seq=1024)
+            "bytes_limit": 96 * 2**30, "step_bytes": 5 * 2**29}
+    variant = accelerator.Variant("gpt2", 1024, "cudnn")
     search = accelerator.Search(64, "batch 128 ran out of memory: exit 1: RESOURCE_EXHAUSTED")
-    cells, note = accelerator.table_row("gpt2", args, search, [8e5, 1e6, 9e5], info, None)
-    assert cells == ["gpt2", "124.4M", "1024", "64", "1 × NVIDIA H200", "900,000",
-                     "800,000–1,000,000", "54.0%", "3.0 of 96.0 GiB"]
-    assert note == f"gpt2: batch 64; the search stopped: {search.stopped}"
-    info.update(peak_flops=None, peak_bytes_in_use=None)
-    cells, _ = accelerator.table_row("gpt2", args, search, [1e6], info, None)
-    assert cells[7] == cells[8] == "—"
-    cells, note = accelerator.table_row("gpt2", args, accelerator.Search(None, "why"), [], None,
-                                        None)
-    assert cells[5] == "no result (below)" and note == "gpt2: why"
+    cells, note = accelerator.table_row(variant, search, [8e5, 1e6, 9e5], info, None)
+    assert cells == ["gpt2", "124.4M", "1024", "cudnn", "64", "1 × NVIDIA H200", "72.8",
+                     "900,000", "800,000–1,000,000", "54.0%", "3.0 of 96.0 GiB", "2.5 GiB"]
+    assert note == f"gpt2/1024/cudnn: batch 64; the search stopped: {search.stopped}"
+    record = accelerator.json_row(variant, search, [8e5, 1e6, 9e5], info, None)
+    assert record["median_tokens_per_s"] == 9e5 and record["mfu"] == 0.54
+    assert record["peak_bytes_in_use"] == 3 * 2**30
+    info.update(peak_flops=None, peak_bytes_in_use=None, step_bytes=None)
+    cells, _ = accelerator.table_row(accelerator.Variant("gpt2", 1024), search, [1e6], info, None)
+    assert cells[3] == "(model's)" and cells[9] == cells[10] == cells[11] == "—"
+    cells, note = accelerator.table_row(variant, accelerator.Search(None, "why"), [], None, None)
+    assert cells[7] == "no result (below)" and note == "gpt2/1024/cudnn: why"
+
+
+def test_longer_sequences_start_from_the_same_tokens_per_step():
+    assert accelerator.same_tokens(8, 2048, 4096, unit=1) == 4
+    assert accelerator.same_tokens(8, 2048, 2048, unit=2) == 8
+    assert accelerator.same_tokens(2, 1024, 8192, unit=2) == 2  # never below a row per device
 
 
 @pytest.mark.slow
@@ -141,10 +148,11 @@ def test_the_script_on_a_cpu_prints_tokens_per_second_and_no_mfu():
     out = done.stdout
     assert "CPU'S FIGURES" in out and "no MFU is printed" in out
     assert harness.machine_description().splitlines()[0] in out
-    assert "gpt2-tiny: batch 4 runs" in out and "batch 2 " not in out
+    assert "gpt2-tiny/32: batch 4 runs" in out and "batch 2 " not in out
     row = next(line for line in out.splitlines() if line.startswith("| gpt2-tiny"))
     cells = [cell.strip() for cell in row.strip("|").split("|")]
-    model, params, seq, batch, devices, tokens, spread, mfu, _ = cells
-    assert (seq, batch, devices, mfu) == ("32", "4", "2 × cpu", "—")
+    model, params, seq, attention, batch, devices, step_ms, tokens, spread, mfu, _, step = cells
+    assert (seq, attention, batch, devices, mfu) == ("32", "(model's)", "4", "2 × cpu", "—")
     assert params.endswith("M") and float(tokens.replace(",", "")) > 0
+    assert step.endswith(" GiB")
     assert "the search stopped: reached the cap, --max-batch 4" in out
