@@ -238,7 +238,7 @@ def page(cache: dict, batch: int) -> str:
         " \"·\" is not",
         "planned yet. The step time and MFU are the first fitting layout's roofline",
         "**estimates** (compiled FLOPs and HBM bytes against the chip's published peaks, no",
-        "communication: upper bounds on speed). Presets with learned positions shorter than",
+        "communication; not bounds). Presets with learned positions shorter than",
         "the sequence get `model.max_positions=<sequence>`.",
         "",
     ] + _effort_lines(cache)
