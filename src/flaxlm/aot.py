@@ -18,9 +18,9 @@ What the compiler reports, and how far to trust it:
   a TPU) attention's FLOPs and bytes are missing from both, and the roofline is low;
 - the time is a roofline, not a measurement: the larger of FLOPs over the chip's peak and
   bytes over its HBM bandwidth; communication between chips and imperfect overlap are not in
-  it, and cost analysis's bytes can exceed the chip's real traffic (one TPU v5e ran a
-  smollm-135m step 2% faster than its roofline), so the tokens/s and MFU it projects are
-  estimates, not bounds.
+  it, and cost analysis's bytes can exceed the chip's real traffic (a real chip can run the
+  step faster than this roofline; docs/benchmarks.md), so the tokens/s and MFU it projects
+  are estimates, not bounds.
 """
 
 from __future__ import annotations
