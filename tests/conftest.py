@@ -166,9 +166,11 @@ def compose(overrides=(), run_dir=None, return_hydra_config=False):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    from flaxlm.cli.language_list import expand_language_list
     from flaxlm.config import register_configs
 
     register_configs()
+    overrides = expand_language_list(overrides)
     extra = [f"run_dir={run_dir}"] if run_dir is not None else ["run_dir=unset"]
     with initialize_config_dir(CONF_DIR, version_base="1.3"):
         return hydra_compose("train", overrides=[*overrides, *extra],

@@ -41,6 +41,9 @@ def config_of(overrides):
 # from a base they extend).
 HUB_LANGUAGES = [option for option in LANGUAGES
                  if config_of([f"language={option}"]).language.source == CorpusSource.hub]
+# The options that mix several languages' corpora (conf/language/mixture.yaml and presets).
+MIXTURES = [option for option in LANGUAGES
+            if config_of([f"language={option}"]).language.source == CorpusSource.mixture]
 
 
 # --- the languages --------------------------------------------------------------------------------
@@ -56,7 +59,17 @@ def test_every_shipped_language_composes_to_an_offline_corpus_or_a_hub_corpus(op
 def test_the_offline_languages_need_no_network():
     assert config_of(["language=en-builtin"]).language.source == CorpusSource.builtin
     assert config_of(["language=files"]).language.source == CorpusSource.files
-    assert HUB_LANGUAGES and set(LANGUAGES) - set(HUB_LANGUAGES) == {"en-builtin", "files"}
+    assert HUB_LANGUAGES and set(LANGUAGES) - set(HUB_LANGUAGES) - set(MIXTURES) == {
+        "en-builtin", "files"}
+
+
+def test_a_mixture_preset_mixes_hub_languages_by_temperature():
+    nordic = config_of(["language=nordic"])
+    assert MIXTURES == ["mixture", "nordic"]
+    assert list(nordic.mixture.sources) == ["is", "no", "da", "sv"]
+    assert set(nordic.mixture.sources) <= set(HUB_LANGUAGES)
+    assert (nordic.mixture.temperature, nordic.mixture.weights) == (0.3, None)
+    assert config_of(["language=is"]).mixture is None
 
 
 @pytest.mark.parametrize("option", HUB_LANGUAGES)

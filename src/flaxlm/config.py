@@ -20,7 +20,7 @@ import copy
 import dataclasses
 import enum
 import re
-from typing import Optional
+from typing import Any, Optional
 
 # OmegaConf's marker of a value the config must give (`omegaconf.MISSING`), spelt out so that
 # the schema (and the model code that reads its enums) imports without Hydra or OmegaConf.
@@ -31,6 +31,7 @@ class CorpusSource(str, enum.Enum):
     builtin = "builtin"  # the interpreter's own documentation: offline, on every machine
     files = "files"  # local txt / jsonl / parquet / csv files (globs allowed)
     hub = "hub"  # a Hugging Face Hub dataset, loaded with `datasets.load_dataset`
+    mixture = "mixture"  # several of the above, mixed by weight (the `mixture` node)
 
 
 class TextSplitting(str, enum.Enum):
@@ -68,6 +69,32 @@ class LanguageConfig:
     streaming: bool = False
     # Streaming only: blocks shuffled together, a window at a time (seeded); 1 → stream order.
     shuffle_buffer: int = MISSING
+
+
+@dataclasses.dataclass
+class MixtureStage:
+    """The mixture's weights from a step on (`mixture.stages`)."""
+
+    start_step: int = MISSING
+    weights: Any = MISSING  # by source name, as mixture.weights
+
+
+@dataclasses.dataclass
+class MixtureConfig:
+    """Several corpora in one run (`language=[is,no,da]`, or a preset such as language=nordic):
+    each source a language option of its own, by name, and the share of the training blocks
+    each gets. docs/languages.md says how blocks are drawn."""
+
+    sources: dict[str, LanguageConfig] = dataclasses.field(default_factory=dict)
+    # Weights ∝ (the source's training text in bytes) ^ temperature: 1 → by size, 0 → equal.
+    temperature: float = MISSING
+    # Explicit weights by source name, normalised to sum to 1 (e.g. {is: 0.4, "no": 0.6});
+    # null → by temperature. `Any`, not a typed dict: Hydra's struct mode refuses a new key in
+    # one, i.e. `mixture.weights={is: 0.4}` on the command line; the job checks the values.
+    weights: Any = None
+    # Weights that change at given steps, e.g. [{start_step: 9000, weights: {is: 0.6, ...}}];
+    # the weights above hold until the first stage starts.
+    stages: list[MixtureStage] = dataclasses.field(default_factory=list)
 
 
 class ModelFamily(str, enum.Enum):
@@ -448,6 +475,8 @@ class TrainConfig:
     """The whole composed config of `flaxlm-train`."""
 
     language: Optional[LanguageConfig] = None  # task=classify: none (its data is in task)
+    # language=[a,b,...] (language.source=mixture): the corpora mixed and their weights.
+    mixture: Optional[MixtureConfig] = None
     model: ModelConfig = MISSING
     optimizer: OptimizerConfig = MISSING
     hardware: HardwareConfig = MISSING

@@ -70,8 +70,10 @@ def compose(overrides: Sequence[str]):
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    from flaxlm.cli.language_list import expand_language_list
     from flaxlm.cli.train import CONFIG_DIR, composition_error
 
+    overrides = expand_language_list(overrides)
     extra = [] if any(o.startswith("run_dir=") for o in overrides) else [_NO_RUN_DIR]
     try:
         with initialize_config_dir(os.path.abspath(CONFIG_DIR), version_base="1.3"):

@@ -24,6 +24,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from flaxlm.cli.language_list import expand_language_list, folded
 from flaxlm.cli.sweep import SweepJob
 from flaxlm.config import register_configs, renamed_keys
 from flaxlm.errors import FlaxlmError, yaml_error_text
@@ -70,7 +71,7 @@ def train_job(cfg: DictConfig) -> float | None:
             cfg,
             choices={k: v for k, v in hydra_cfg.runtime.choices.items()
                      if not k.startswith("hydra")},
-            run_name=",".join(overrides) or None,
+            run_name=",".join(folded(overrides)) or None,
             run_group=os.path.basename(hydra_cfg.sweep.dir) if multirun else None,
         )
     except FlaxlmError as err:
@@ -119,6 +120,11 @@ def main() -> None:
     # HYDRA_FULL_ERROR asked for Hydra's full report and gets it.
     full_error_asked = bool(os.environ.get("HYDRA_FULL_ERROR"))
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        sys.argv[1:] = expand_language_list(sys.argv[1:])  # a list of languages: a mixture
+    except FlaxlmError as err:
+        print(f"flaxlm: error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
     try:
         train_job()
     except (CompactHydraException, OmegaConfBaseException) as err:
