@@ -247,6 +247,9 @@ def model_card(model_config: ModelConfig, architecture: str, run_config: dict | 
     configuration's model section is the model trained (model.init_from's shape, not the
     preset's)."""
     language = ((run_config or {}).get("language") or {}).get("name")
+    mixture = (run_config or {}).get("mixture") or {}
+    if mixture.get("sources"):  # a mixture: its languages, not its option's name
+        language = ", ".join(mixture["sources"])
     arch = hf.architecture(architecture)
     lines = [
         "---",
@@ -268,6 +271,13 @@ def model_card(model_config: ModelConfig, architecture: str, run_config: dict | 
     ]
     figures = [(label, fmt.format(plain(eval_metrics[key])))
                for key, label, fmt in _CARD_FIGURES if eval_metrics and key in eval_metrics]
+    figures += [(f"eval bits per byte, {name}", f"{eval_metrics[key]:.3f}")
+                for name in mixture.get("sources") or {}
+                if eval_metrics and (key := f"eval/{name}/bits_per_byte") in eval_metrics]
+    if mixture.get("sources") and isinstance(mixture.get("weights"), dict):
+        total = sum(mixture["weights"].values())
+        lines[-3:-3] = ["", "Trained on a mixture of languages, sampled by weight: " + ", ".join(
+            f"{name} {weight / total:.1%}" for name, weight in mixture["weights"].items()) + "."]
     if figures:
         lines += ["| | |", "|---|---|", *(f"| {label} | {value} |" for label, value in figures)]
     else:

@@ -39,7 +39,9 @@ from flaxlm.layout import (
 from flaxlm.run_records import job_statuses, read_metrics, read_status
 
 # Metrics where lower is better; every other eval metric (accuracy, F1, correlations) is better
-# higher. Perplexity and bits per byte are the loss again in other units, so the table skips them.
+# higher. Perplexity and bits per byte are the loss again in other units, so the table skips them
+# (a mixture's per-language figures, eval/<language>/loss and .../bits_per_byte, it shows: bits
+# per byte is what compares the languages).
 LOWER_IS_BETTER = ("eval/loss", "eval/perplexity", "eval/bits_per_byte")
 DERIVED_FROM_LOSS = ("eval/perplexity", "eval/bits_per_byte")
 # Settings every run has its own value of, whatever the sweep changed.
@@ -242,8 +244,16 @@ def report_objective(runs: Sequence[Run], objective: str | None = None,
         if name == saved_name and saved_mode in ("min", "max"):
             maximize = saved_mode == "max"
         else:
-            maximize = name not in LOWER_IS_BETTER
+            maximize = not lower_is_better(name)
     return name, maximize
+
+
+def lower_is_better(key: str) -> bool:
+    """Whether a lower value of the eval metric `key` is better: a loss in any unit, the
+    whole validation set's (eval/loss) or one language's (eval/is/bits_per_byte)."""
+    return key in LOWER_IS_BETTER or (
+        key.startswith("eval/") and key.rsplit("/", 1)[-1] in
+        {name.removeprefix("eval/") for name in LOWER_IS_BETTER})
 
 
 def sort_runs(runs: Sequence[Run], objective: str, maximize: bool) -> list[Run]:
@@ -298,7 +308,7 @@ def build_table(runs: Sequence[Run], objective: str, maximize: bool) -> Table:
     for run in runs:
         row = [run.name, *(_cell(run.config.get(key)) if run.config else "-" for key in settings)]
         for key in metrics:
-            direction = maximize if key == objective else key not in LOWER_IS_BETTER
+            direction = maximize if key == objective else not lower_is_better(key)
             row += [_number(run.last(key)), _number(run.best(key, direction))]
         row.append("-" if run.steps is None else str(run.steps))
         if with_tokens:

@@ -137,11 +137,19 @@ def open_run_dir(config: TrainConfig, resolved: dict) -> RunDir:
             if mode != ResumeMode.never:
                 _set_aside_start_without_checkpoint(path, resolved)
             claim_run_dir(path)
-            OmegaConf.save(OmegaConf.create(resolved), run_path(path, CONFIG_FILE))
+            save_config(path, resolved)
         return RunDir(path, resuming, _wandb_run_id(path), lock)
     except BaseException:
         os.close(lock)
         raise
+
+
+def save_config(run_dir: str, resolved: dict) -> None:
+    """The run's config.yaml, written to a temporary name and renamed into place: a run killed
+    while it rewrites the file (`JobContext.record_in_config`) leaves the old one whole."""
+    path = run_path(run_dir, CONFIG_FILE)
+    OmegaConf.save(OmegaConf.create(resolved), f"{path}.tmp")
+    os.replace(f"{path}.tmp", path)
 
 
 def open_shared_run_dir(config: TrainConfig, resolved: dict) -> RunDir:

@@ -163,7 +163,7 @@ def _start_wandb(logger: LoggerConfig, run_dir: str, config: dict, name: str | N
         name=name,
         group=group,
         job_type=config.get("task", {}).get("name"),
-        tags=[*logger.tags, *choice_tags(config.get("choices", {}))],
+        tags=[*logger.tags, *choice_tags(config.get("choices", {})), *language_tags(config)],
         notes=logger.notes,
         config=config,
         reinit="finish_previous",
@@ -186,6 +186,13 @@ def choice_tags(choices: Mapping[str, Any]) -> list[str]:
     """`group=option` for every config group with an option picked (`model=gpt2-tiny`,
     `experiment=oscar-is-distilgpt2`): W&B tags to filter runs by."""
     return [f"{group}={option}" for group, option in choices.items() if option is not None]
+
+
+def language_tags(config: Mapping[str, Any]) -> list[str]:
+    """`language=<name>` for every language a mixture run mixes (its option, `language=
+    mixture` or a preset's name, is already a choice tag)."""
+    sources = (config.get("mixture") or {}).get("sources") or {}
+    return [f"language={name}" for name in sources]
 
 
 class TensorBoard:

@@ -29,7 +29,7 @@ from flaxlm.models import pretrained
 from flaxlm.models.attention import Choice, choose_backend
 from flaxlm.models.layers import TransformerSpec, count_params
 from flaxlm.parallel import init_on_mesh
-from flaxlm.runs import RunDir
+from flaxlm.runs import RunDir, save_config
 from flaxlm.tracking import Tracker
 from flaxlm.training.checkpoint.manager import Checkpointer, key_to_json
 from flaxlm.training.checkpoint.resume import DATA_FINGERPRINT_KEY, CheckpointSaver, restore_run
@@ -68,6 +68,13 @@ class JobContext:
     def path(self, name: str) -> str:
         """`name` (a `flaxlm.layout` constant) inside the run directory."""
         return layout.run_path(self.run.path, name)
+
+    def record_in_config(self, node: str, values: dict) -> None:
+        """Settings the run worked out from its data (a mixture's weights, from its corpora's
+        sizes) into its resolved config, so that config.yaml, the checkpoints and the model
+        card say what the run did. Recorded before training; a resumed run records the same."""
+        self.resolved[node].update(values)
+        self.write(save_config, self.run.path, self.resolved)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,10 +17,21 @@ import jax
 import jax.numpy as jnp
 import transformers
 
-from flaxlm.config import TrainConfig
+from flaxlm.config import CorpusSource, LanguageConfig, TrainConfig
 from flaxlm.data.corpus import load_corpus, load_corpus_stream
 from flaxlm.data.fingerprint import documents_fingerprint, text_fingerprint
 from flaxlm.data.loader import BatchSource, block_loader
+from flaxlm.data.mixture import (
+    MixtureSchedule,
+    check_mixture_settings,
+    describe_weights,
+    mixture_weights,
+    source_error,
+    stage_weights,
+    text_bytes,
+    tokenizer_sample,
+)
+from flaxlm.data.mixture_loader import MixtureLoader, PackedSource, StreamedSource
 from flaxlm.data.packing import PackedBlocks, pack_blocks
 from flaxlm.data.streaming import StreamingLoader, process_shard
 from flaxlm.data.tokenizer import (
@@ -37,7 +48,7 @@ from flaxlm.models.build import lm_from_params
 from flaxlm.parallel import replicated
 from flaxlm.tasks import base
 from flaxlm.tasks.base import JobContext
-from flaxlm.training.evaluation import LMEvaluator
+from flaxlm.training.evaluation import LMEvaluator, MixtureEvaluator, source_metrics
 from flaxlm.training.plan import global_batch_size
 from flaxlm.training.step import CompiledSteps, LossSettings, compile_steps
 
@@ -68,12 +79,20 @@ class CausalLM:
             )
         seq_len = config.task.max_seq_length or config.model.max_positions
         check_block_length(config, seq_len)
-        if config.language.streaming:
+        if is_mixture(config):
+            check_mixture_settings(config.mixture)
+            if config.language.streaming:
+                raise FlaxlmError(
+                    "language.streaming=true streams one corpus; a mixture's sources stream "
+                    "each on its own: set mixture.sources.<language>.streaming=true.")
+        if any(language.streaming for language in corpora(config).values()):
             check_streaming_settings(config)
         return seq_len
 
     def eval_metrics(self, config: TrainConfig) -> base.EvalMetrics:
-        return base.EvalMetrics(EVAL_METRICS, "eval/loss", lower_is_better=EVAL_METRICS)
+        logged = EVAL_METRICS + (source_metrics(config.mixture.sources)
+                                 if is_mixture(config) and config.mixture else ())
+        return base.EvalMetrics(logged, "eval/loss", lower_is_better=logged)
 
     def run(self, job: JobContext, seq_len: int) -> dict[str, float]:
         config = job.config
@@ -83,9 +102,12 @@ class CausalLM:
         fixed_tokenizer = (pretrained.load_pretrained_tokenizer(start.checkpoint_dir)
                            if start.checkpoint_dir and config.tokenizer.path is None else None)
         own = keeps_own_conventions(config.tokenizer.convention, config.model.init_from)
-        prepare = _streamed_data if config.language.streaming else _packed_data
+        prepare = (_mixed_data if is_mixture(config) else
+                   _streamed_data if config.language.streaming else _packed_data)
         data = prepare(config, job.mesh, seq_len, batch_size, fixed_tokenizer, own)
-        tokenizer, loader, eval_blocks = data.tokenizer, data.loader, data.eval_blocks.tokens
+        tokenizer, loader = data.tokenizer, data.loader
+        if data.weights is not None:  # the weights the run trains with, worked out from data
+            job.record_in_config("mixture", {"weights": data.weights})
         sample_settings = settings_from_samples(config.samples)  # a bad setting fails now
         training = base.prepare_training(job, start, build.build_lm, lm_steps_compiler(config),
                                          loader, tokenizer, data.fingerprint,
@@ -100,14 +122,23 @@ class CausalLM:
 
         token_bytes = jax.device_put(jnp.asarray(token_byte_lengths(tokenizer)),
                                      replicated(job.mesh))
-        evaluator = LMEvaluator(training.steps, eval_blocks,
-                                base.eval_batch_size(config.hardware, job.mesh.size), job.mesh,
-                                token_bytes, data.eval_blocks.document_starts)
+        evaluators = {name: LMEvaluator(training.steps, blocks.tokens,
+                                        base.eval_batch_size(config.hardware, job.mesh.size),
+                                        job.mesh, token_bytes, blocks.document_starts)
+                      for name, blocks in data.eval_blocks.items()}
+        evaluator = (MixtureEvaluator(evaluators) if data.weights is not None
+                     else next(iter(evaluators.values())))
         flops = build.lm_flops_per_token(config.model, training.num_params, seq_len)
         speed = base.throughput(job, batch_size * seq_len, flops)
+        eval_size = sum(len(blocks) for blocks in data.eval_blocks.values())
+        mixed = (f" | mixture {describe_weights(data.weights)}" + "".join(
+            f", from step {stage.start_step} {describe_weights(weights)}"
+            for stage, weights in zip(config.mixture.stages,
+                                      stage_weights(config.mixture, data.weights)))
+                 if data.weights is not None else "")
         print(base.banner(job, training, config.model, "",
-                     f"{data.train_size} train / {len(eval_blocks)} eval blocks of {seq_len} "
-                     f"tokens{_DOCUMENTS[config.task.document_masking]} | global batch "
+                     f"{data.train_size} train / {eval_size} eval blocks of {seq_len} "
+                     f"tokens{_DOCUMENTS[config.task.document_masking]}{mixed} | global batch "
                      f"{batch_size} ({batch_size * seq_len} tokens/step)"))
         state, last_eval = base.run_loop(job, training, loader, evaluator, speed)
         final = {**last_eval, "tokens_seen": int(state.step) * batch_size * seq_len,
@@ -149,9 +180,10 @@ class LMData(NamedTuple):
 
     tokenizer: transformers.PreTrainedTokenizerFast
     loader: BatchSource
-    eval_blocks: PackedBlocks
+    eval_blocks: dict[str, PackedBlocks]  # by language: one, or each source of a mixture
     train_size: int | str  # training blocks, or "streamed"
     fingerprint: dict[str, str]  # what a checkpoint records of the data (see prepare_training)
+    weights: dict[str, float] | None = None  # a mixture's, by source, before any stage
 
 
 def _packed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, tokenizer=None,
@@ -174,7 +206,8 @@ def _packed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, token
                           document_starts=train_blocks.document_starts)
     fingerprint = {"training data": text_fingerprint(corpus.train),
                    "validation data": text_fingerprint(corpus.validation)}
-    return LMData(tokenizer, loader, eval_blocks, len(train_blocks), fingerprint)
+    return LMData(tokenizer, loader, {config.language.name: eval_blocks}, len(train_blocks),
+                  fingerprint)
 
 
 def _streamed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, tokenizer=None,
@@ -211,7 +244,104 @@ def _streamed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, tok
     head = documents_fingerprint(row["text"] for row in train_stream.take(STREAM_CHECKED_DOCS))
     fingerprint = {f"training data (first {STREAM_CHECKED_DOCS} documents of the stream)": head,
                    "validation data": text_fingerprint(validation)}
-    return LMData(tokenizer, loader, eval_blocks, "streamed", fingerprint)
+    return LMData(tokenizer, loader, {config.language.name: eval_blocks}, "streamed",
+                  fingerprint)
+
+
+def is_mixture(config: TrainConfig) -> bool:
+    """Whether the run mixes several corpora (`language=[is,no]`, language.source=mixture)."""
+    return config.language.source == CorpusSource.mixture
+
+
+def corpora(config: TrainConfig) -> dict[str, LanguageConfig]:
+    """The corpora the run reads, by name: a mixture's sources, or the one language."""
+    if is_mixture(config):
+        return dict(config.mixture.sources) if config.mixture else {}
+    return {config.language.name: config.language}
+
+
+class _Source(NamedTuple):
+    """One source of a mixture as read: its validation documents, its training documents (a
+    stream's whole stream: each process's shard is taken when the loader is made), and the
+    text its share of the tokenizer's sample comes from."""
+
+    language: LanguageConfig
+    validation: datasets.Dataset
+    train: datasets.Dataset | datasets.IterableDataset
+    tokenizer_text: datasets.Dataset
+
+
+def _read_source(name: str, language: LanguageConfig, config: TrainConfig) -> _Source:
+    """A source's corpus loaded and checked (an error names the source)."""
+    try:
+        if not language.streaming:
+            corpus = load_corpus(language, config.cache_dir)
+            return _Source(language, corpus.validation, corpus.train, corpus.train)
+        validation, train = load_corpus_stream(language)
+        head = datasets.Dataset.from_dict(
+            {"text": [row["text"] for row in train.take(config.tokenizer.train_docs)]},
+            features=datasets.Features({"text": datasets.Value("string")}),
+        )
+        if not len(head):
+            raise FlaxlmError(f"{name}'s training stream holds no document after its "
+                              "validation head. Add text, or lower language.max_eval_docs.")
+        return _Source(language, validation, train, head)
+    except FlaxlmError as err:
+        raise source_error(name, language, err) from err
+
+
+def _mixed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, tokenizer=None,
+                own_conventions: bool = False) -> LMData:
+    """language=[...]: every source read and checked first; then one tokenizer, trained on a
+    sample drawn with the weights (data/mixture.py); then each source packed on its own (a
+    streamed one on the fly), its validation blocks evaluated on their own. Its fingerprint:
+    each source's, as a single corpus's."""
+    mixture = config.mixture
+    read = {name: _read_source(name, language, config)
+            for name, language in mixture.sources.items()}
+    sizes = {name: int(text_bytes(source.train).sum()) for name, source in read.items()
+             if not source.language.streaming}
+    weights = mixture_weights(mixture, sizes)
+    if tokenizer is None:
+        sample = tokenizer_sample({name: s.tokenizer_text for name, s in read.items()}, weights)
+        tokenizer = prepare_tokenizer(config.tokenizer, sample, config.model.vocab_size,
+                                      config.cache_dir)
+    prefix = _document_prefix(tokenizer, own_conventions)
+    documents = config.task.document_masking
+    sources, eval_blocks, fingerprint = [], {}, {}
+    for name, source in read.items():
+        eval_blocks[name] = pack_blocks(source.validation, tokenizer, seq_len, config.cache_dir,
+                                        f"tokenize validation ({name})", prefix, documents)
+        fingerprint[f"validation data ({name})"] = text_fingerprint(source.validation)
+        try:
+            check_eval_size(config, len(eval_blocks[name]), seq_len, source.language)
+        except FlaxlmError as err:
+            raise source_error(name, source.language, err) from err
+        if source.language.streaming:
+            sources.append(StreamedSource(
+                name, process_shard(source.train, jax.process_index(), jax.process_count()),
+                tokenizer, seq_len, config.seed, source.language.shuffle_buffer, prefix))
+            fingerprint[f"training data ({name}, first {STREAM_CHECKED_DOCS} documents of "
+                        "the stream)"] = documents_fingerprint(
+                row["text"] for row in source.train.take(STREAM_CHECKED_DOCS))
+            continue
+        blocks = pack_blocks(source.train, tokenizer, seq_len, config.cache_dir,
+                             f"tokenize train ({name})", prefix, documents)
+        if weights[name] > 0 and len(blocks) == 0:
+            raise source_error(name, source.language, FlaxlmError(
+                f"its training split is shorter than one block of {seq_len} tokens, and the "
+                "mixture weighs it. Use more text, or a smaller task.max_seq_length."))
+        sources.append(PackedSource(name, blocks.tokens, blocks.document_starts, config.seed))
+        fingerprint[f"training data ({name})"] = text_fingerprint(source.train)
+    schedule = MixtureSchedule.of(list(read), weights, zip(
+        (stage.start_step for stage in mixture.stages), stage_weights(mixture, weights)))
+    loader = MixtureLoader(sources, schedule, batch_size, mesh, config.seed,
+                           config.trainer.max_steps, documents=documents)
+    packed = sum(len(s.blocks) for s in sources if isinstance(s, PackedSource))
+    if loader.steps_per_epoch == 0:
+        check_corpus_size(config, packed, 1, seq_len, batch_size)
+    return LMData(tokenizer, loader, eval_blocks,
+                  "streamed" if loader.streamed else packed, fingerprint, weights)
 
 
 def _document_prefix(tokenizer, own_conventions: bool) -> tuple[int, ...]:
@@ -271,10 +401,12 @@ def check_corpus_size(config: TrainConfig, train_blocks: int, eval_blocks: int, 
         )
 
 
-def check_eval_size(config: TrainConfig, eval_blocks: int, seq_len: int) -> None:
+def check_eval_size(config: TrainConfig, eval_blocks: int, seq_len: int,
+                    language: LanguageConfig | None = None) -> None:
     if eval_blocks == 0:
         raise FlaxlmError(
-            f"The validation split of language={config.language.name} is shorter than one block "
+            f"The validation split of language={(language or config.language).name} is shorter "
+            "than one block "
             f"of task.max_seq_length={seq_len} tokens, so there is nothing to evaluate on. Use "
             "more text, a larger language.validation_fraction / max_eval_docs, or a smaller "
             "task.max_seq_length."

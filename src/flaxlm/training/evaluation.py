@@ -75,7 +75,11 @@ class LMEvaluator:
 
     def __call__(self, params, stop: StopRequest | None = None) -> dict[str, float]:
         """Loss over every validation token exactly once: sums over all batches, divided once.
-        A requested `stop` cuts it short (`EvaluationCut`).
+        A requested `stop` cuts it short (`EvaluationCut`)."""
+        return lm_metrics(self.sums(params, stop))
+
+    def sums(self, params, stop: StopRequest | None = None) -> dict[str, float]:
+        """The loss summed over every validation token, the tokens and their UTF-8 bytes.
 
         Each batch's sums are fetched one batch after its dispatch, so only a couple of eval
         programs are ever queued (see `inflight` for why that matters), and are added up on
@@ -91,12 +95,44 @@ class LMEvaluator:
                          desc="eval", leave=False, file=progress_file()):
             for key, value in jax.device_get(sums).items():
                 totals[key] += float(value)
-        loss = totals["loss_sum"] / totals["tokens"]
-        return {
-            "eval/loss": loss,
-            "eval/perplexity": math.exp(min(loss, 700.0)),
-            "eval/bits_per_byte": totals["loss_sum"] / (math.log(2) * totals["bytes"]),
-        }
+        return totals
+
+
+def lm_metrics(totals: dict[str, float], prefix: str = "eval/",
+               perplexity: bool = True) -> dict[str, float]:
+    """Loss (nats per token), perplexity and bits per byte from `LMEvaluator.sums`."""
+    loss = totals["loss_sum"] / totals["tokens"]
+    return {
+        f"{prefix}loss": loss,
+        **({f"{prefix}perplexity": math.exp(min(loss, 700.0))} if perplexity else {}),
+        f"{prefix}bits_per_byte": totals["loss_sum"] / (math.log(2) * totals["bytes"]),
+    }
+
+
+@dataclasses.dataclass
+class MixtureEvaluator:
+    """A mixture's evaluation: each source's validation blocks on their own, as
+    `eval/<source>/loss` and `eval/<source>/bits_per_byte`, and all of them together as the
+    usual eval/loss, eval/perplexity and eval/bits_per_byte (every token once, whichever
+    source it is from). Bits per byte is what compares languages: a loss per token depends on
+    how finely the shared tokenizer cuts each language's text, the bytes do not."""
+
+    sources: dict[str, LMEvaluator]
+
+    def __call__(self, params, stop: StopRequest | None = None) -> dict[str, float]:
+        each = {name: evaluator.sums(params, stop) for name, evaluator in self.sources.items()}
+        overall = {key: sum(totals[key] for totals in each.values())
+                   for key in ("loss_sum", "tokens", "bytes")}
+        results = lm_metrics(overall)
+        for name, totals in each.items():
+            results.update(lm_metrics(totals, f"eval/{name}/", perplexity=False))
+        return results
+
+
+def source_metrics(names) -> tuple[str, ...]:
+    """The per-source metrics a `MixtureEvaluator` of sources `names` logs."""
+    return tuple(f"eval/{name}/{metric}" for name in names
+                 for metric in ("loss", "bits_per_byte"))
 
 
 # --- the classifier ------------------------------------------------------------------------------

@@ -131,11 +131,13 @@ PER_PROCESS_KEY = "per_process"
 def own_loader_state(saved: dict, run_dir: str) -> dict:
     """This process's loader position in a checkpoint's loader state. A stream's position
     belongs to the process that read it: a run that changed its number of processes cannot
-    continue it (packed blocks are read by (epoch, step), the same on every process)."""
+    continue it (packed blocks are read by (epoch, step), or a mixture's schedule position,
+    the same on every process)."""
     per_process = saved.get(PER_PROCESS_KEY, {"0": saved})
     mine = per_process.get(str(jax.process_index()))
-    if saved.get("kind") == "stream" and (mine is None
-                                           or len(per_process) != jax.process_count()):
+    # A mixture's streamed sources (`streams`) are read per process as one stream is.
+    per_process_stream = saved.get("kind") == "stream" or bool(saved.get("streams"))
+    if per_process_stream and (mine is None or len(per_process) != jax.process_count()):
         raise FlaxlmError(
             f"The checkpoint in run_dir={run_dir} holds the stream positions of "
             f"{len(per_process)} process(es), and this run has {jax.process_count()}: each "
