@@ -158,7 +158,7 @@ class MixtureSchedule:
     its epochs): the source whose count lags its weight's share of the stage's rows most."""
 
     weights: tuple[np.ndarray, ...]  # per stage (the first: before any stage), by source index
-    stage_starts: tuple[int, ...]  # the step each stage begins at (the first: 0)
+    stage_starts: tuple[int, ...]  # the first step of each stage (the first stage's: 0)
 
     @classmethod
     def of(cls, names: Sequence[str], weights: Mapping[str, float],
@@ -177,7 +177,8 @@ class MixtureSchedule:
              rows: int) -> tuple[np.ndarray, np.ndarray, SchedulePosition]:
         """The next global batch of `rows` rows: each row's source index and that source's row
         number (its `taken` count before the row), and the position after the batch."""
-        stage = int(np.searchsorted(self.stage_starts, position.steps, side="right")) - 1
+        # The batch of step `steps + 1` (the loop counts steps from 1): a stage's own first.
+        stage = int(np.searchsorted(self.stage_starts, position.steps + 1, side="right")) - 1
         weights = self.weights[stage]
         counts = np.asarray(position.stage_counts if stage == position.stage
                             else (0,) * len(weights), np.int64)

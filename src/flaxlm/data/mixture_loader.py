@@ -134,7 +134,7 @@ class MixtureLoader:
         """Global batches from the current position until step `steps_per_epoch` of `epoch`.
         The position, not (epoch, step), says which rows come next."""
         first, count = process_rows(self.global_batch_size, self.mesh)
-        local = self._local_batches(first, count)
+        local = self.local_batches(first, count)
         batches = Prefetcher(local, self.prefetch) if self.streamed else local
         try:
             for _, (rows, position, streams) in zip(range(start_step, self.steps_per_epoch),
@@ -144,9 +144,10 @@ class MixtureLoader:
         finally:
             batches.close()
 
-    def _local_batches(self, first: int, count: int):
-        """This process's rows of each global batch from the current position on, with the
-        position after it (the schedule's, and this process's streams')."""
+    def local_batches(self, first: int, count: int):
+        """Rows [first, first + count) of each global batch (a process's: `process_rows`) from
+        the current position on, with the position after the batch (the schedule's, and the
+        streams' as this process reads them), as numpy arrays."""
         position, streams = self._position, dict(self._streams)
         readers = {s.name: s.blocks(streams[s.name]) for s in self.sources
                    if isinstance(s, StreamedSource)}
