@@ -183,6 +183,20 @@ ROWS = {
     "corpus-smaller-than-a-batch": Row([*corpus("english.txt"),
                                         "hardware.per_device_batch_size=64"],
                                        ["hardware.per_device_batch_size"]),
+    # --- mixtures (language=[...]): each caught before any tokenizer is trained ({{ }}: a brace)
+    "mixture-unknown-language": Row(["language=[files,klingon]"], ["language/klingon"]),
+    "mixture-negative-weight": Row(["language=[files,en-builtin]",
+                                    "mixture.weights={{files: -1, en-builtin: 1}}"],
+                                   ["mixture.weights.files=-1"]),
+    "mixture-all-zero-weights": Row(["language=[files,en-builtin]",
+                                     "mixture.weights={{files: 0, en-builtin: 0}}"],
+                                    ["mixture.weights", "all zero"]),
+    "mixture-weight-for-another-language": Row(
+        ["language=[files,en-builtin]", "mixture.weights={{files: 1, en-builtin: 1, is: 1}}"],
+        ["mixture.weights.is", "not in the mixture"]),
+    "mixture-source-without-text": Row(["language=[files,en-builtin]",
+                                        "mixture.sources.files.files=[{data}/empty.txt]"],
+                                       ["mixture.sources.files", "empty.txt"]),
     # --- the tokenizer
     "vocab-below-the-byte-alphabet": Row([*corpus("english.txt"), "tokenizer.vocab_size=100"],
                                          ["tokenizer.vocab_size=100", "261"]),
