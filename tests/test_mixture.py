@@ -222,6 +222,85 @@ def test_two_processes_read_disjoint_rows_of_every_source(tokenizer):
     assert not set(shards[0]) & set(shards[1]) and len(shards[0]) + len(shards[1]) == 40
 
 
+# What each of two real processes joined by jax.distributed reads of three global batches: its
+# rows' first tokens from the packed sources (which say the block), and its rows of the
+# streamed source (its own shard) whole.
+TWO_PROCESSES = """
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax
+jax.config.update("jax_platforms", "cpu")
+port, rank, tokenizer_dir, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=rank,
+                           initialization_timeout=60)
+import datasets, numpy as np, transformers
+from flaxlm.data.mixture import MixtureSchedule
+from flaxlm.data.mixture_loader import MixtureLoader, PackedSource, StreamedSource
+from flaxlm.data.streaming import process_shard
+from flaxlm.parallel import make_mesh, process_rows
+
+def packed(name, index, num_blocks):
+    blocks = np.repeat(np.arange(num_blocks, dtype=np.int32)[:, None] + 1000 * (index + 1), 8, 1)
+    return PackedSource(name, blocks, None, 0)
+
+texts = json.loads(os.environ["MIXTURE_TEXTS"])
+stream = datasets.Dataset.from_dict({"text": texts}).to_iterable_dataset()
+tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+shard = process_shard(stream, jax.process_index(), jax.process_count())
+sources = [packed("a", 0, 30), packed("b", 1, 40), StreamedSource("s", shard, tokenizer, 8, 0, 4)]
+schedule = MixtureSchedule.of("abs", {"a": 0.3, "b": 0.3, "s": 0.4})
+mesh = make_mesh(None)
+loader = MixtureLoader(sources, schedule, 8, mesh, 0, max_steps=3)
+first, count = process_rows(8, mesh)
+def local(batch):  # this process's rows of a global array, in row order
+    shards = sorted(batch.addressable_shards, key=lambda shard: shard.index[0].start)
+    return np.concatenate([np.asarray(shard.data) for shard in shards]).tolist()
+
+rows = [local(batch) for batch, _ in zip(loader.epoch(0), range(3))]
+with open(out, "w") as f:
+    json.dump({"first": first, "count": count, "rows": rows}, f)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_real_processes_read_disjoint_rows_of_every_source(tokenizer, tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    texts = documents(40, seed=5)
+    env = {**{k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")},
+           "MIXTURE_TEXTS": json.dumps(texts)}
+    processes = [subprocess.Popen(
+        [sys.executable, "-c", TWO_PROCESSES, str(port), str(rank), str(tmp_path / "tokenizer"),
+         str(tmp_path / f"rows-{rank}.json")], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [process.communicate(timeout=240)[0] for process in processes]
+    assert [p.returncode for p in processes] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    read = [json.loads((tmp_path / f"rows-{rank}.json").read_text()) for rank in (0, 1)]
+    assert [(r["first"], r["count"]) for r in read] == [(0, 4), (4, 4)]
+    # A global batch's rows hold what each process read of it (a streamed row: its own).
+    packed_rows = [[tuple(row) for batch in r["rows"] for row in batch if row[0] >= 1000]
+                   for r in read]
+    streamed_rows = [[tuple(row) for batch in r["rows"] for row in batch if row[0] < 1000]
+                     for r in read]
+    for code in (1, 2):  # sources a and b: no block read by both, none twice
+        blocks = [[row[0] for row in rows if row[0] // 1000 == code] for rows in packed_rows]
+        assert blocks[0] and blocks[1] and not set(blocks[0]) & set(blocks[1])
+        assert len(set(blocks[0] + blocks[1])) == len(blocks[0] + blocks[1])
+    assert streamed_rows[0] and streamed_rows[1]
+    assert not set(streamed_rows[0]) & set(streamed_rows[1])
+    # Process 0's rows of the streamed source are blocks of its own documents: every other one.
+    own = tokenizer.decode([t for row in streamed_rows[0] for t in row])
+    assert texts[0].split()[0] in own or texts[2].split()[0] in own
+
+
 # --- the tokenizer's text -------------------------------------------------------------------------
 
 
