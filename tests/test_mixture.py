@@ -43,6 +43,25 @@ def mixture_of(names, **fields) -> MixtureConfig:
                          **settings_)
 
 
+# --- the command line -----------------------------------------------------------------------------
+
+
+def test_a_list_of_languages_is_spelt_as_a_mixture_and_named_as_the_list():
+    from flaxlm.cli.language_list import expand_language_list, folded
+    from flaxlm.tracking import language_tags
+
+    expanded = expand_language_list(["-m", "language=[is, no]", "model=gpt2"])
+    assert expanded == ["-m", "language=mixture", "+language@mixture.sources.is=is",
+                        "+language@mixture.sources.no=no", "model=gpt2"]
+    assert folded(expanded[1:]) == ["language=[is,no]", "model=gpt2"]  # the W&B run's name
+    assert expand_language_list(["language=[is]", "logger=[wandb]"]) == ["language=is",
+                                                                         "logger=[wandb]"]
+    with pytest.raises(FlaxlmError, match="names a language twice"):
+        expand_language_list(["language=[is,is]"])
+    config = OmegaConf.to_container(compose(["language=[is,no]"]))
+    assert language_tags(config) == ["language=is", "language=no"]
+
+
 # --- weights --------------------------------------------------------------------------------------
 
 
@@ -154,7 +173,7 @@ def take(loader, epoch=0, start=0, steps=None) -> list[np.ndarray]:
     return batches
 
 
-def test_the_same_seed_gives_the_same_blocks_and_no_block_mixes_sources():
+def test_the_same_seed_gives_the_same_blocks_and_no_block_mixes_sources(capsys):
     def run(seed):
         return np.stack(take(loader_of([packed("a", 0, 5, seed), packed("b", 1, 11, seed),
                                         packed("c", 2, 30, seed)], seed)))
@@ -170,6 +189,7 @@ def test_the_same_seed_gives_the_same_blocks_and_no_block_mixes_sources():
     epochs = [a_blocks[i:i + 5] for i in (0, 5)]
     assert all(sorted(epoch) == list(range(5)) for epoch in epochs)
     assert not np.array_equal(*epochs)
+    assert "mixture source a ran out and begins its epoch 3" in capsys.readouterr().out
 
 
 def test_a_resumed_loader_continues_mid_stage_exactly(tokenizer):

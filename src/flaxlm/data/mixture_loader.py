@@ -17,6 +17,7 @@ import dataclasses
 import zlib
 from collections.abc import Iterator, Sequence
 
+import datasets
 import grain
 import jax
 import numpy as np
@@ -55,15 +56,20 @@ class PackedSource:
     def rows(self, numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """The blocks at the source's row `numbers` (counted over its epochs: row n is row
         n mod N of epoch n // N), and which of their tokens open a document, if recorded."""
-        for number in numbers:
-            if number and number % len(self.blocks) == 0 and distributed.is_primary():
-                print(f"flaxlm: mixture source {self.name} begins its epoch "
-                      f"{number // len(self.blocks) + 1} (a new shuffle of its "
-                      f"{len(self.blocks)} blocks)", flush=True)
         indices = np.fromiter((self._order[int(n)] for n in numbers), np.int64, len(numbers))
         starts = (None if self.document_starts is None
                   else block_starts(self.document_starts, indices, self.blocks.shape[1]))
         return np.asarray(self.blocks[indices]), starts
+
+    def announce_epochs(self, taken_before: int, taken_after: int) -> None:
+        """One line when the rows drawn from the source (over all processes) went from
+        `taken_before` to `taken_after` across the start of one of its epochs."""
+        size = len(self.blocks)
+        first_of_epoch = -(-taken_before // size) * size  # the first epoch start from there
+        if 0 < first_of_epoch < taken_after and distributed.is_primary():
+            print(f"flaxlm: mixture source {self.name} ran out and begins its epoch "
+                  f"{(taken_after - 1) // size + 1} (a new shuffle of its {size} blocks)",
+                  flush=True)
 
 
 @dataclasses.dataclass
@@ -72,7 +78,7 @@ class StreamedSource:
     shuffled a window at a time (data/streaming.py)."""
 
     name: str
-    shard: object  # datasets.IterableDataset: this process's documents
+    shard: datasets.IterableDataset  # this process's documents
     tokenizer: transformers.PreTrainedTokenizerFast
     max_seq_length: int
     seed: int  # the run's; the source's own is derived from it and its name
@@ -153,7 +159,11 @@ class MixtureLoader:
                    if isinstance(s, StreamedSource)}
         try:
             while True:
+                before = position.taken
                 sources, numbers, position = self.schedule.draw(position, self.global_batch_size)
+                for source, taken_before, taken_after in zip(self.sources, before, position.taken):
+                    if isinstance(source, PackedSource):
+                        source.announce_epochs(taken_before, taken_after)
                 sources, numbers = sources[first:first + count], numbers[first:first + count]
                 tokens = starts = None
                 for index, source in enumerate(self.sources):

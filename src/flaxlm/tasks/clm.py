@@ -90,8 +90,7 @@ class CausalLM:
         return seq_len
 
     def eval_metrics(self, config: TrainConfig) -> base.EvalMetrics:
-        logged = EVAL_METRICS + (source_metrics(config.mixture.sources)
-                                 if is_mixture(config) and config.mixture else ())
+        logged = EVAL_METRICS + (source_metrics(corpora(config)) if is_mixture(config) else ())
         return base.EvalMetrics(logged, "eval/loss", lower_is_better=logged)
 
     def run(self, job: JobContext, seq_len: int) -> dict[str, float]:
@@ -106,7 +105,8 @@ class CausalLM:
                    _streamed_data if config.language.streaming else _packed_data)
         data = prepare(config, job.mesh, seq_len, batch_size, fixed_tokenizer, own)
         tokenizer, loader = data.tokenizer, data.loader
-        if data.weights is not None:  # the weights the run trains with, worked out from data
+        if data.weights is not None and config.mixture.weights is None:
+            # The weights the temperature gave, from the sources' sizes: what the run trains by.
             job.record_in_config("mixture", {"weights": data.weights})
         sample_settings = settings_from_samples(config.samples)  # a bad setting fails now
         training = base.prepare_training(job, start, build.build_lm, lm_steps_compiler(config),
@@ -339,7 +339,12 @@ def _mixed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, tokeni
                            config.trainer.max_steps, documents=documents)
     packed = sum(len(s.blocks) for s in sources if isinstance(s, PackedSource))
     if loader.steps_per_epoch == 0:
-        check_corpus_size(config, packed, 1, seq_len, batch_size)
+        raise FlaxlmError(
+            f"The sources of language={config.language.name} make {packed} training block(s) "
+            f"of {seq_len} tokens together, fewer than one global batch of {batch_size} "
+            "(per-device batch × devices × trainer.grad_accum_steps), which is one epoch of "
+            "a mixture. Use more text, or lower hardware.per_device_batch_size, "
+            "trainer.grad_accum_steps or task.max_seq_length.")
     return LMData(tokenizer, loader, eval_blocks,
                   "streamed" if loader.streamed else packed, fingerprint, weights)
 
