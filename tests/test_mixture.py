@@ -1,8 +1,9 @@
 """Several corpora in one run (`language=[a,b,c]`): the weights, the rows each source gives
 (shares, determinism, blocks that never mix sources, epochs per source, disjoint rows per
 process), the loader's position surviving a checkpoint mid-stage, the tokenizer's sample; and
-one tiny run of three local corpora with distinct alphabets, whose per-language evaluation
-reaches metrics.jsonl, the report and the objective, and which resumes mid-stage exactly."""
+one tiny run of three corpora with distinct alphabets, one of each kind of source (files, a Hub
+dataset, a streamed one), whose per-language evaluation reaches metrics.jsonl, the report and
+the objective, and which resumes mid-stage exactly, stream position included."""
 
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ import shutil
 import datasets
 import numpy as np
 import pytest
-from conftest import TINY, assert_same_params, compose, config_node, documents, metrics_of
+from conftest import (
+    TINY,
+    assert_same_params,
+    compose,
+    config_node,
+    documents,
+    metrics_of,
+    write_hub_stand_in,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
@@ -356,15 +365,24 @@ def words(alphabet: str, docs: int, seed: int) -> str:
 
 
 def three_languages(folder) -> list[str]:
-    """The overrides of a mixture of three local corpora, written into `folder`."""
+    """The overrides of a mixture of three corpora written into `folder`, one of each kind of
+    source: local files (ice), a Hub dataset (cons, a local stand-in of Icelandic's FineWeb-2
+    config) and the same streamed (greek). A stream has no known size: the weights are given."""
     folder.mkdir(exist_ok=True)
-    overrides = ["language=mixture"]
-    for seed, (name, alphabet) in enumerate(ALPHABETS.items()):
-        text = "\n\n".join(documents(120, seed)) if alphabet is None else words(alphabet, 100,
-                                                                                  seed)
-        (folder / f"{name}.txt").write_text(text, encoding="utf-8")
-        overrides += [f"+language@mixture.sources.{name}=files",
-                      f"mixture.sources.{name}.files=[{folder / name}.txt]"]
+    texts = {name: ["\n\n".join(documents(120, seed))] if alphabet is None
+             else words(alphabet, 100, seed).split("\n\n")
+             for seed, (name, alphabet) in enumerate(ALPHABETS.items())}
+    (folder / "ice.txt").write_text(texts["ice"][0], encoding="utf-8")
+    overrides = ["language=mixture", "+language@mixture.sources.ice=files",
+                 f"mixture.sources.ice.files=[{folder / 'ice.txt'}]",
+                 "mixture.weights={ice: 0.5, cons: 0.3, greek: 0.2}"]
+    for name, streaming in (("cons", False), ("greek", True)):
+        hub = write_hub_stand_in(folder / name, "isl_Latn", texts[name][10:], texts[name][:10])
+        overrides += [f"+language@mixture.sources.{name}=is",
+                      f"mixture.sources.{name}.hub_path={hub}",
+                      f"mixture.sources.{name}.streaming={str(streaming).lower()}"]
+    overrides += ["mixture.sources.greek.max_eval_docs=10",
+                  "mixture.sources.greek.shuffle_buffer=8"]
     return overrides
 
 
@@ -388,9 +406,13 @@ def test_a_mixture_run_evaluates_each_language_and_records_its_weights(mixture_r
     for name in ALPHABETS:
         assert np.isfinite(last[f"eval/{name}/loss"]) and last[f"eval/{name}/bits_per_byte"] > 0
     saved = OmegaConf.load(run_dir / "config.yaml")
-    weights = OmegaConf.to_container(saved.mixture.weights)
-    assert list(weights) == list(ALPHABETS) and sum(weights.values()) == pytest.approx(1)
+    assert OmegaConf.to_container(saved.mixture.weights) == {"ice": 0.5, "cons": 0.3,
+                                                             "greek": 0.2}
     assert saved.trainer.objective == "eval/greek/bits_per_byte"
+    loader = json.loads((run_dir / "checkpoints" / "5" / "loader" / "metadata").read_text())
+    assert set(loader["num_blocks"]) == {"ice", "cons"} and set(loader["streams"]) == {"greek"}
+    # The 80 rows by source: 32 at 0.5/0.3/0.2 before the stage of step 3, 48 at 1/1/2 in it.
+    assert loader["position"]["taken"] == [28, 22, 30]
     card = (run_dir / "model" / "README.md").read_text()
     assert "on ice, cons, greek" in card and "eval bits per byte, greek" in card
 
