@@ -136,8 +136,17 @@ def objective_and_grads(graphdef, loss: LossSettings):
     return jax.jit(jax.value_and_grad(objective, has_aux=True))
 
 
+# Four of the six (model, batch) pairs: each LM head (GPT-2's tied, Llama's own and tied) and
+# each batch (plain rows, documents) with both families. The two sides of the comparison share
+# the family's `hidden_states`; what the chunked side adds is how step.py hands it the batch
+# (the same code for every family: the batch decides it) and the head it runs chunk by chunk,
+# which sees hidden states only (the batch does not reach it). So Llama's own head on plain
+# rows and its tied head on documents take no path the four do not.
 @pytest.mark.slow
-@pytest.mark.parametrize("documents", [False, True], ids=["plain", "documents"])
+@pytest.mark.parametrize("model, documents", [
+    ("gpt2", False), ("gpt2", True), ("llama-untied", True), ("llama-tied", False),
+], indirect=["model"], ids=["gpt2-plain", "gpt2-documents", "llama-untied-documents",
+                            "llama-tied-plain"])
 def test_a_models_chunked_loss_and_gradients_are_the_whole_logits(model, documents):
     """GPT-2 (tied head), Llama with its own LM head and with a tied one: the training
     objective (with a z-loss) and every parameter's gradient, chunked or not, plain rows or
