@@ -204,7 +204,8 @@ def test_a_run_with_chunked_loss_and_z_loss_logs_the_z_loss(tmp_path):
 
     config = compose([*TINY, "trainer.max_steps=4", "trainer.log_every_steps=2",
                       "trainer.eval_before_training=false", "trainer.z_loss=1e-3",
-                      "trainer.loss_chunk_size=24"], run_dir=str(tmp_path / "run"))
+                      "trainer.loss_chunk_size=24", "samples.prompts=[]"],
+                     run_dir=str(tmp_path / "run"))
     train(config)
     logged = [m for m in metrics_of(tmp_path / "run") if "train/loss" in m]
     assert len(logged) == 2
