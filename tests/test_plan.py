@@ -5,8 +5,10 @@ the plan prints follow from them."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
+import io
 import json
 import os
 import re
@@ -162,15 +164,23 @@ def test_a_step_the_tpu_compiler_cannot_fit_exits_2_with_its_figures(capsys):
     assert "hardware.per_device_batch_size=65536 with trainer.grad_accum_steps=2" in message
 
 
+@pytest.fixture(scope="module")
+def cpu_plan(tmp_path_factory):
+    """`flaxlm-plan` of TINY on hardware=cpu-8 (its mesh: data=8): what it printed, and its
+    JSON figures. Two tests read it: one compile of those steps for the module."""
+    path = tmp_path_factory.mktemp("cpu-plan") / "plan.json"
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        plan_cli.main([*TINY, "task.max_seq_length=32", "--json", str(path)])
+    return out.getvalue(), json.loads(path.read_text())
+
+
 @pytest.mark.slow
-def test_a_cpu_group_is_planned_for_its_own_devices(tmp_path, capsys):
+def test_a_cpu_group_is_planned_for_its_own_devices(cpu_plan):
     """No libtpu needed: hardware=cpu-8 compiles for the 8 CPU devices; a CPU's memory is not
     known, so there is no verdict, and no peak, so no roofline."""
-    plan_cli.main([*TINY, "task.max_seq_length=32", "--json", str(tmp_path / "plan.json")])
-    out = capsys.readouterr().out
+    out, run = cpu_plan
     assert "hardware=cpu-8: 8 × cpu (the devices attached)" in out
     assert "roofline estimate     none" in out and "flaxlm: fits" not in out
-    run = json.loads((tmp_path / "plan.json").read_text())
     assert (run["num_devices"], run["topology"], run["fits"], run["mfu"]) == (8, None, None, None)
     # Unpadded on a CPU: the compiler's arguments are the state, the batch and the key.
     assert run["train"]["argument_bytes"] == run["state_bytes"] + run["batch_bytes"] + 8
@@ -178,18 +188,19 @@ def test_a_cpu_group_is_planned_for_its_own_devices(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_under_fsdp_each_device_holds_the_activations_of_its_own_rows():
+def test_under_fsdp_each_device_holds_the_activations_of_its_own_rows(cpu_plan):
     """fsdp is data parallelism for the activations: the hidden states keep their rows split
     over data × fsdp (`parallel.constrain_batch`), so a device's temporaries under fsdp=8 are
     those of data=8 plus at most one gathered copy of the weights, not the whole global
     batch's activations (which made them grow with the number of devices)."""
-    data, fsdp = (aot.plan(compose([*TINY, "task.max_seq_length=32", *mesh]))
-                  for mesh in (["hardware.mesh.data=8"],
-                               ["hardware.mesh.data=1", "hardware.mesh.fsdp=8"]))
-    assert fsdp.param_bytes * 8 == data.param_bytes
+    _, data = cpu_plan
+    assert data["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
+    fsdp = aot.plan(compose([*TINY, "task.max_seq_length=32", "hardware.mesh.data=1",
+                             "hardware.mesh.fsdp=8"]))
+    assert fsdp.param_bytes * 8 == data["param_bytes"]
     for step in ("train", "eval"):
-        data_temps, fsdp_temps = getattr(data, step).temp_bytes, getattr(fsdp, step).temp_bytes
-        assert fsdp_temps <= data_temps + data.param_bytes, (step, data_temps, fsdp_temps)
+        data_temps, fsdp_temps = data[step]["temp_bytes"], getattr(fsdp, step).temp_bytes
+        assert fsdp_temps <= data_temps + data["param_bytes"], (step, data_temps, fsdp_temps)
 
 
 def test_the_abstract_state_has_the_shardings_training_gives_the_real_one():
