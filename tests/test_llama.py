@@ -394,7 +394,8 @@ def test_a_tiny_llama_trains_the_same_on_8_devices_as_on_1(tmp_path):
 
     base = ["model=llama-tiny", *TINY, "model.num_heads=8", "model.num_kv_heads=2",
             "model.mlp_size=96", "trainer.max_steps=3", "trainer.log_every_steps=1",
-            "trainer.eval_every_steps=3", "language.max_train_docs=60", "optimizer.lr=3e-3"]
+            "trainer.eval_every_steps=3", "language.max_train_docs=60", "optimizer.lr=3e-3",
+            "samples.prompts=[]"]  # no samples: they are not compared
     losses = []
     for devices, per_device in ((8, 2), (1, 16)):
         run_dir = tmp_path / f"devices-{devices}"
@@ -417,7 +418,8 @@ def test_a_stopped_llama_run_resumes_to_the_same_parameters_and_metrics(tmp_path
     from flaxlm.training.stop import Preempted
 
     run = ["model=llama-tiny", *TINY, "trainer.max_steps=6", "trainer.log_every_steps=1",
-           "checkpoint.every_steps=4", "language.max_train_docs=60", "model.attention_dropout=0.1"]
+           "checkpoint.every_steps=4", "language.max_train_docs=60", "model.attention_dropout=0.1",
+           "samples.prompts=[]"]  # no samples: they are not in metrics.jsonl
     train(compose(run, run_dir=tmp_path / "reference"))
     with monkeypatch.context() as patch:
         stop_at(patch, 3)
@@ -435,7 +437,7 @@ def test_a_llama_pretrained_here_finetunes_as_a_classifier(tmp_path):
 
     tiny = [*TINY, "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2",
             "model.num_kv_heads=1", "model.max_positions=32"]
-    train(compose(["model=llama-tiny", *tiny, "trainer.max_steps=2"],
+    train(compose(["model=llama-tiny", *tiny, "trainer.max_steps=2", "samples.prompts=[]"],
                   run_dir=tmp_path / "clm"))
     pairs = (write_pairs(tmp_path / "train.tsv", 64, 0),
              write_pairs(tmp_path / "validation.tsv", 16, 1))
