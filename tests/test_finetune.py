@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import TINY_CLASSIFY, compose, files_overrides, write_pairs
+from conftest import TINY_CLASSIFY, compose, files_overrides, trained_run, write_pairs
 from omegaconf import OmegaConf
 
 from flaxlm.errors import FlaxlmError
@@ -21,13 +21,17 @@ def pair_files(tmp_path_factory):
             write_pairs(directory / "validation.tsv", 99, 1))
 
 
-@pytest.mark.slow
-def test_finetuning_raises_accuracy_above_chance(pair_files, tmp_path):
+@pytest.fixture(scope="module")
+def finetuned(pair_files, tmp_path_factory):
+    """A classifier fine-tuned for 3 epochs: its run dir (the accuracy test reads it, the
+    export test exports it)."""
+    return trained_run(tmp_path_factory, "finetuned",
+                       [*TINY_CLASSIFY, *files_overrides(pair_files), "trainer.num_epochs=3"])
 
-    run_dir = tmp_path / "run"
-    cfg = compose([*TINY_CLASSIFY, *files_overrides(pair_files), "trainer.num_epochs=3"],
-                  run_dir=run_dir)
-    train(cfg)
+
+@pytest.mark.slow
+def test_finetuning_raises_accuracy_above_chance(pair_files, finetuned):
+    run_dir = finetuned
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     evals = [r for r in records if "eval/accuracy" in r]
     assert evals[0]["step"] == 0 and evals[-1]["step"] > 0
@@ -82,7 +86,7 @@ def test_cli_finetunes_gpt2_pretrained_here(pair_files, tmp_path, train_cli):
 
 @pytest.mark.slow
 @pytest.mark.torch
-def test_a_classify_run_exports_to_transformers_with_our_logits(pair_files, tmp_path):
+def test_a_classify_run_exports_to_transformers_with_our_logits(finetuned, tmp_path):
     """flaxlm-export on a task=classify run → AutoModelForSequenceClassification loads it with
     nothing missing or unused, and its logits are ours; flaxlm-generate refuses it."""
     import torch
@@ -94,9 +98,7 @@ def test_a_classify_run_exports_to_transformers_with_our_logits(pair_files, tmp_
     from flaxlm.models.build import build_classifier
     from flaxlm.models.layers import TransformerSpec
 
-    run_dir = tmp_path / "run"
-    train(compose([*TINY_CLASSIFY, *files_overrides(pair_files), "trainer.max_steps=3"],
-                  run_dir=run_dir))
+    run_dir = finetuned
     out = export([str(run_dir), "--out", str(tmp_path / "hf")])
     torch_model, info = transformers.AutoModelForSequenceClassification.from_pretrained(
         out, output_loading_info=True)
