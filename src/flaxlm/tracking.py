@@ -79,6 +79,19 @@ class Tracker:
         if self.tensorboard is not None:
             self.tensorboard.log(record, step)
 
+    def log_after_the_run(self, metrics: Mapping[str, Any], step: int) -> None:
+        """`log` for metrics of an earlier step, computed after the run (flaxlm-eval): W&B
+        refuses a step lower than the run's last, so its row carries the step only as the
+        charts' x axis (`STEP_AXIS`)."""
+        if self._jsonl is None:
+            return
+        record = {k: plain(v) for k, v in metrics.items()}
+        self._jsonl.write(json.dumps({"step": step, "time": time.time(), **record}) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({**record, STEP_AXIS: step})
+        if self.tensorboard is not None:
+            self.tensorboard.log(record, step)
+
     def log_table(self, key: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
                   step: int) -> None:
         """A small table (e.g. generated samples): one metrics.jsonl record whose `key` holds

@@ -87,6 +87,8 @@ class CausalLM:
                     "each on its own: set mixture.sources.<language>.streaming=true.")
         if any(language.streaming for language in corpora(config).values()):
             check_streaming_settings(config)
+        if config.eval.harness is not None:
+            _downstream().check_harness(config.eval.harness)
         return seq_len
 
     def eval_metrics(self, config: TrainConfig) -> base.EvalMetrics:
@@ -140,7 +142,11 @@ class CausalLM:
                      f"{data.train_size} train / {eval_size} eval blocks of {seq_len} "
                      f"tokens{_DOCUMENTS[config.task.document_masking]}{mixed} | global batch "
                      f"{batch_size} ({batch_size * seq_len} tokens/step)"))
-        state, last_eval = base.run_loop(job, training, loader, evaluator, speed)
+        hooks = []
+        if config.eval.harness is not None:
+            hooks.append(_downstream().HarnessEvaluation(
+                config.eval.harness, config.model, tokenizer, own, job.mesh, job.run.path))
+        state, last_eval = base.run_loop(job, training, loader, evaluator, speed, hooks)
         final = {**last_eval, "tokens_seen": int(state.step) * batch_size * seq_len,
                  "steps": int(state.step)}
         params = base.model_params(state)
@@ -149,6 +155,19 @@ class CausalLM:
         log_samples(lm_from_params(config.model, params), tokenizer, config.samples.prompts,
                     sample_settings, job.tracker, step=final["steps"], own_conventions=own)
         return final
+
+
+def _downstream():
+    """flaxlm.downstream, which loads lm-evaluation-harness: only for a run with
+    eval.harness, and with a clear error where the harness is not installed."""
+    try:
+        from flaxlm import downstream
+    except ImportError as error:
+        raise FlaxlmError(
+            f"eval.harness needs lm-evaluation-harness, which is not installed ({error}). "
+            "Install flaxlm's `eval` extra (pip install -e '.[eval]'), or set eval.harness=null."
+        ) from None
+    return downstream
 
 
 def lm_start(config: TrainConfig, seq_len: int) -> tuple[TrainConfig, base.Start, int]:
