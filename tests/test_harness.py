@@ -213,3 +213,44 @@ def test_a_task_whose_data_is_unreachable_says_how_to_use_local_data(flaxlm_lm, 
     with pytest.raises(FlaxlmError) as error:
         evaluate(flaxlm_lm, ["remote_task"], include_path=str(tmp_path))
     assert_names(error.value, "remote_task", "local copy")
+
+
+@pytest.mark.slow
+def test_eval_harness_runs_during_training_and_can_be_the_objective(tmp_path_factory, task_dir):
+    from flaxlm.config import ObjectiveMode
+    from flaxlm.tasks.objective import choose_objective
+
+    overrides = [*TINY, "trainer.max_steps=6", "trainer.eval_before_training=false",
+                 "samples.prompts=[]", "checkpoint.every_steps=null",
+                 "eval.harness.tasks=[tiny_mc]", f"eval.harness.include_path={task_dir}",
+                 "eval.harness.limit=4", "eval.harness.every_steps=3",
+                 "trainer.objective=eval/tiny_mc/acc_norm"]
+    run_dir = trained_run(tmp_path_factory, "harness-in-training", overrides)
+    logged = [(r["step"], r["eval/tiny_mc/acc_norm"]) for r in metrics_of(run_dir)
+              if "eval/tiny_mc/acc_norm" in r]
+    assert [step for step, _ in logged] == [3, 6]
+    assert all(0.0 <= value <= 1.0 for _, value in logged)
+    assert os.path.exists(os.path.join(run_dir, "eval", "harness-3.json"))
+    from conftest import compose
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.to_object(compose(overrides))
+    assert choose_objective(config).mode == ObjectiveMode.max
+
+
+def test_bad_eval_harness_settings_are_refused_before_training():
+    from conftest import SHORT, compose
+    from omegaconf import OmegaConf
+
+    from flaxlm.job import check_settings
+    from flaxlm.tasks.objective import choose_objective
+
+    config = OmegaConf.to_object(compose([*SHORT, "eval.harness.tasks=[x]",
+                                          "eval.harness.every_steps=0"]))
+    with pytest.raises(FlaxlmError) as error:
+        check_settings(config, 8)
+    assert_names(error.value, "eval.harness.every_steps=0")
+    config = OmegaConf.to_object(compose([*SHORT, "trainer.objective=eval/hellaswag/acc"]))
+    with pytest.raises(FlaxlmError) as error:
+        choose_objective(config)
+    assert_names(error.value, "trainer.objective=eval/hellaswag/acc", "eval.harness.tasks")

@@ -475,7 +475,8 @@ class HarnessConfig:
     """lm-evaluation-harness tasks run on the model while it trains (docs/evaluating.md),
     logged as `eval/<task>/<metric>`; any of these can be trainer.objective."""
 
-    tasks: list[str] = MISSING  # harness task or group names, e.g. [hellaswag, arc_easy]
+    # Harness task or group names, e.g. [hellaswag, arc_easy]; none → no downstream evaluation.
+    tasks: list[str] = dataclasses.field(default_factory=list)
     limit: Optional[float] = None  # examples per task (below 1: a fraction); null → all
     every_steps: Optional[int] = None  # null → at the end of the run only
     num_fewshot: Optional[int] = None  # null → each task's own
@@ -485,9 +486,9 @@ class HarnessConfig:
 
 @dataclasses.dataclass
 class EvalConfig:
-    """Evaluation beyond the task's own held-out loss: `eval.harness` (null → none)."""
+    """Evaluation beyond the task's own held-out loss: `eval.harness`."""
 
-    harness: Optional[HarnessConfig] = None
+    harness: HarnessConfig = dataclasses.field(default_factory=HarnessConfig)
 
 
 @dataclasses.dataclass

@@ -105,15 +105,13 @@ class HarnessEvaluation(Hook):
                      for name, value in results.metrics.items() if "stderr" not in name})
 
 
-def check_harness(harness: HarnessConfig | None) -> None:
+def check_harness(harness: HarnessConfig) -> None:
     """What can be checked of `eval.harness` before any data is read."""
-    if harness is None:
-        return
-    if not harness.tasks:
-        raise FlaxlmError("eval.harness.tasks is empty: name the harness tasks to run, e.g. "
-                          "'eval.harness.tasks=[hellaswag]', or set eval.harness=null.")
     if harness.every_steps is not None and harness.every_steps < 1:
         raise FlaxlmError(f"eval.harness.every_steps={harness.every_steps} must be at least 1 "
                           "(or null: at the end of the run only).")
     if harness.batch_size < 1:
         raise FlaxlmError(f"eval.harness.batch_size={harness.batch_size} must be at least 1.")
+    if harness.limit is not None and harness.limit <= 0:
+        raise FlaxlmError(f"eval.harness.limit={harness.limit} must be positive: examples per "
+                          "task, or below 1 a fraction of each task (null: all).")

@@ -87,7 +87,7 @@ class CausalLM:
                     "each on its own: set mixture.sources.<language>.streaming=true.")
         if any(language.streaming for language in corpora(config).values()):
             check_streaming_settings(config)
-        if config.eval.harness is not None:
+        if config.eval.harness.tasks:
             _downstream().check_harness(config.eval.harness)
         return seq_len
 
@@ -143,7 +143,7 @@ class CausalLM:
                      f"tokens{_DOCUMENTS[config.task.document_masking]}{mixed} | global batch "
                      f"{batch_size} ({batch_size * seq_len} tokens/step)"))
         hooks = []
-        if config.eval.harness is not None:
+        if config.eval.harness.tasks:
             hooks.append(_downstream().HarnessEvaluation(
                 config.eval.harness, config.model, tokenizer, own, job.mesh, job.run.path))
         state, last_eval = base.run_loop(job, training, loader, evaluator, speed, hooks)
@@ -159,13 +159,14 @@ class CausalLM:
 
 def _downstream():
     """flaxlm.downstream, which loads lm-evaluation-harness: only for a run with
-    eval.harness, and with a clear error where the harness is not installed."""
+    eval.harness.tasks, and with a clear error where the harness is not installed."""
     try:
         from flaxlm import downstream
     except ImportError as error:
         raise FlaxlmError(
             f"eval.harness needs lm-evaluation-harness, which is not installed ({error}). "
-            "Install flaxlm's `eval` extra (pip install -e '.[eval]'), or set eval.harness=null."
+            "Install flaxlm's `eval` extra (pip install -e '.[eval]'), or set "
+            "eval.harness.tasks=[]."
         ) from None
     return downstream
 

@@ -48,9 +48,9 @@ def choose_objective(config: TrainConfig) -> Objective:
     return Objective(name, mode, config.trainer.objective_value)
 
 
-def harness_metric(name: str, harness: HarnessConfig | None) -> bool:
+def harness_metric(name: str, harness: HarnessConfig) -> bool:
     """Whether `name` is a metric `eval.harness` logs (`eval/<task>/<metric>`)."""
-    return harness is not None and any(name.startswith(f"eval/{task}/")
+    return any(name.startswith(f"eval/{task}/")
                                        for task in harness.tasks)
 
 
