@@ -481,7 +481,7 @@ class HarnessConfig:
     every_steps: Optional[int] = None  # null → at the end of the run only
     num_fewshot: Optional[int] = None  # null → each task's own
     include_path: Optional[str] = None  # a folder of task YAML files (tasks on local data)
-    batch_size: int = 32  # rows per forward pass, split over the devices
+    batch_size: int = MISSING  # rows per forward pass, split over the devices
 
 
 @dataclasses.dataclass
