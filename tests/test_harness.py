@@ -5,18 +5,16 @@ run's export (torch), the harness's token boundaries, results written and logged
 import json
 import os
 
+import lm_eval
 import numpy as np
 import pytest
 from conftest import TINY, assert_names, metrics_of, trained_run, write
+from lm_eval.api.instance import Instance
+
+from flaxlm.errors import FlaxlmError
+from flaxlm.harness import FlaxlmLM, evaluate, flat_metrics
 
 pytestmark = [pytest.mark.harness]
-
-lm_eval = pytest.importorskip("lm_eval", reason="the `eval` extra (make test installs it)")
-
-from lm_eval.api.instance import Instance  # noqa: E402
-
-from flaxlm.errors import FlaxlmError  # noqa: E402
-from flaxlm.harness import FlaxlmLM, evaluate, flat_metrics  # noqa: E402
 
 RUN = [*TINY, "trainer.max_steps=30", "trainer.eval_before_training=false",
        "samples.prompts=[]", "checkpoint.every_steps=null"]
@@ -36,7 +34,6 @@ def flaxlm_lm(run_dir):
 
 @pytest.fixture(scope="module")
 def hf_lm(run_dir):
-    pytest.importorskip("torch")
     from lm_eval.models.huggingface import HFLM
 
     lm = HFLM(pretrained=os.path.join(run_dir, "model"), dtype="float32", batch_size=8,
@@ -254,3 +251,32 @@ def test_bad_eval_harness_settings_are_refused_before_training():
     with pytest.raises(FlaxlmError) as error:
         choose_objective(config)
     assert_names(error.value, "trainer.objective=eval/hellaswag/acc", "eval.harness.tasks")
+
+
+def test_results_logged_after_the_run_reach_metrics_tensorboard_and_wandb(tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from test_tracking import offline_wandb_env
+    from wandb_records import items, of_type, read_wandb_records
+
+    from flaxlm.downstream import record_results
+    from flaxlm.harness import HarnessResults
+    from flaxlm.runs import _lock
+
+    run_dir = tmp_path / "run"
+    offline_wandb_env(run_dir, monkeypatch)
+    run_dir.mkdir()
+    write(run_dir / "config.yaml", "logger:\n  name: wandb\n  wandb: true\n  tensorboard: true\n"
+                                   "  mode: offline\n  project: p\n  tags: []\n")
+    results = HarnessResults({"results": {"t": {"acc,none": 0.5}}}, {"eval/t/acc": 0.5}, "")
+    held = _lock(str(run_dir))  # a run training there: its files are left alone
+    record_results(str(run_dir), 30, results)
+    assert not (run_dir / "metrics.jsonl").exists()
+    os.close(held)
+    record_results(str(run_dir), 30, results)
+    assert [r["step"] for r in metrics_of(run_dir)] == [30]
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("eval/t/acc")] == [(30, 0.5)]
+    [log] = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    [row] = [items(h.item) for h in of_type(read_wandb_records(log), "history")]
+    assert row["eval/t/acc"] == 0.5 and row["step"] == 30
+    assert sorted(os.listdir(run_dir / "eval")) == ["harness-30.2.json", "harness-30.json"]
