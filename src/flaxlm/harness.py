@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import jax
 from jax.sharding import Mesh
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -260,8 +259,3 @@ def flat_metrics(results: dict) -> dict[str, float]:
             name = metric if filter_name == "none" else f"{metric}_{filter_name}"
             metrics[f"eval/{task}/{name}"] = float(value)
     return metrics
-
-
-def is_writer() -> bool:
-    """Whether this process writes the results (process 0 of a multi-host run)."""
-    return jax.process_index() == 0

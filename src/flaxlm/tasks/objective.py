@@ -50,8 +50,7 @@ def choose_objective(config: TrainConfig) -> Objective:
 
 def harness_metric(name: str, harness: HarnessConfig) -> bool:
     """Whether `name` is a metric `eval.harness` logs (`eval/<task>/<metric>`)."""
-    return any(name.startswith(f"eval/{task}/")
-                                       for task in harness.tasks)
+    return any(name.startswith(f"eval/{task}/") for task in harness.tasks)
 
 
 def lower_is_better(name: str) -> bool:
