@@ -28,7 +28,8 @@ def parser() -> Parser:
     parse = Parser("flaxlm-eval", __doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
     add_run_dir(parse, "whose model is evaluated")
     parse.add_argument("--tasks", required=True, metavar="NAMES",
-                       help="harness tasks or groups, comma-separated (e.g. hellaswag,arc_easy)")
+                       help="required: harness tasks or groups, comma-separated (e.g. "
+                            "hellaswag,arc_easy)")
     add_step(parse)
     parse.add_argument("--limit", type=float, metavar="N",
                        help="evaluate the first N examples of each task (below 1: that "
@@ -36,7 +37,8 @@ def parser() -> Parser:
     parse.add_argument("--num-fewshot", type=int, metavar="K",
                        help="examples shown before each question (default: the task's own)")
     parse.add_argument("--include-path", metavar="DIR",
-                       help="a folder of task YAML files of your own (tasks on local data)")
+                       help="a folder of task YAML files of your own (tasks on local data); "
+                            "default: the harness's tasks only")
     parse.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_ROWS, metavar="N",
                        help="rows per forward pass, split over the devices")
     parse.add_argument("--seed", type=int, default=0,
