@@ -302,6 +302,13 @@ class Padding(str, enum.Enum):
     buckets = "buckets"  # each batch padded to the next of a few lengths: less padding, few shapes
 
 
+class LongConversations(str, enum.Enum):
+    """task=sft: what happens to a conversation longer than task.max_seq_length."""
+
+    truncate = "truncate"  # keep its first max_seq_length tokens (the rest is not trained on)
+    drop = "drop"  # leave it out
+
+
 @dataclasses.dataclass
 class TaskConfig:
     """WHAT objective. `clm`: causal language modelling on packed blocks. `classify`:
@@ -322,7 +329,7 @@ class TaskConfig:
     hub_path: Optional[str] = None
     hub_config: Optional[str] = None
     hub_split: str = MISSING  # the Hub dataset's split to train on
-    hub_eval_split: str = MISSING  # ... and to evaluate on
+    hub_eval_split: Optional[str] = MISSING  # ... and to evaluate on (sft: null → hold out)
     files: list[str] = dataclasses.field(default_factory=list)  # training examples
     eval_files: list[str] = dataclasses.field(default_factory=list)
     text_column: str = MISSING
@@ -333,6 +340,24 @@ class TaskConfig:
     # pearson, spearman. Empty → accuracy (+ f1 with two labels), or pearson/spearman.
     metrics: list[str] = dataclasses.field(default_factory=list)
     padding: Padding = MISSING
+    # sft only, below (conf/task/sft.yaml; the data settings above are shared with classify:
+    # hub_path, hub_config, hub_split, hub_eval_split, files, eval_files). A conversation is a
+    # `messages_column` of [{role, content}, ...] (HF chat datasets, e.g. UltraChat) or, when
+    # the data has no such column, one user turn `prompt_column` and one assistant turn
+    # `response_column`.
+    messages_column: str = "messages"
+    prompt_column: str = "prompt"
+    response_column: str = "response"
+    long_conversations: LongConversations = LongConversations.truncate
+    # A Jinja chat template that replaces the tokenizer's (null: the tokenizer's own, else
+    # flaxlm's ChatML default, data/chat_template.py).
+    chat_template: Optional[str] = None
+    # Held-out conversations when there are no eval files and hub_eval_split is null: this
+    # fraction of the training split (at least one conversation).
+    eval_fraction: float = 0.05
+    # > 0: that many generated drill conversations (arithmetic, word reversal; data/drills.py)
+    # instead of files or a hub dataset: offline data for experiment=sft-llama-tiny-drills.
+    drills: int = 0
 
 
 class TokenConvention(str, enum.Enum):
