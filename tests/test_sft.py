@@ -1,0 +1,274 @@
+"""task=sft: conversations read and checked, rendered by a chat template with a mask on the
+assistant's tokens, laid out in rows (packed or padded), scored only on those tokens in
+training and evaluation; one end-to-end run through flaxlm-train, replies in chat mode from
+flaxlm-generate --chat and, with torch, from transformers on the exported model."""
+
+from __future__ import annotations
+
+import json
+from unittest import mock
+
+import datasets
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY, config_node, make_tokenizer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flaxlm.config import LongConversations
+from flaxlm.data.chat import conversations_of
+from flaxlm.data.chat_packing import encode_conversations, layout_rows
+from flaxlm.data.chat_template import (
+    CHATML_TEMPLATE,
+    IM_END,
+    encode_chat,
+    stop_token_ids,
+    with_chat_template,
+)
+from flaxlm.data.documents import INPUT_IDS, POSITIONS, SEGMENT_IDS, TARGET_MASK
+from flaxlm.data.drills import drill_conversations
+from flaxlm.errors import FlaxlmError
+from flaxlm.training import step
+from flaxlm.training.step import eval_step, lm_objective
+
+CHAT = [{"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "the cat"},
+        {"role": "assistant", "content": "sat on the mat"},
+        {"role": "user", "content": "the dog"},
+        {"role": "assistant", "content": "ate the cat"}]
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    return with_chat_template(make_tokenizer(), None, vocab_size=512)
+
+
+def task_config(**changes):
+    return config_node("task", ["task=sft", "task.drills=10"], **changes)
+
+
+# --- the template and the mask -------------------------------------------------------------------
+
+
+def test_chatml_targets_are_each_reply_and_its_end_of_turn_and_nothing_else(chat_tokenizer):
+    ids, mask = encode_chat(chat_tokenizer, CHAT, "test")
+    # The ids are what transformers' apply_chat_template gives the exported tokenizer.
+    assert ids.tolist() == chat_tokenizer.apply_chat_template(CHAT, tokenize=True,
+                                                              return_dict=True)["input_ids"]
+    targets = chat_tokenizer.decode(ids[mask])
+    assert targets == f"sat on the mat{IM_END}\nate the cat{IM_END}\n"
+    prompt = chat_tokenizer.decode(ids[~mask])
+    assert "Be brief." in prompt and "the dog" in prompt and "<|im_start|>assistant\n" in prompt
+    assert stop_token_ids(chat_tokenizer)[0] == chat_tokenizer.convert_tokens_to_ids(IM_END)
+
+
+def test_a_template_that_does_not_render_or_rewrites_earlier_turns_is_refused(chat_tokenizer):
+    with pytest.raises(FlaxlmError, match="task.chat_template does not render"):
+        with_chat_template(make_tokenizer(), "{% for message in messages %}{{ message.role ",
+                           vocab_size=512)
+    # Renders only the last turn: the conversation's start is not the start of its text.
+    last_only = "{{ messages[-1]['content'] }}{% if add_generation_prompt %}>{% endif %}"
+    rewriting = with_chat_template(make_tokenizer(), last_only, vocab_size=512)
+    with pytest.raises(FlaxlmError, match="rewrites earlier turns"):
+        encode_chat(rewriting, CHAT, "chats.jsonl, conversation 1")
+
+
+def test_chatml_markers_that_do_not_fit_the_models_vocabulary_are_refused():
+    tokenizer = make_tokenizer()
+    with pytest.raises(FlaxlmError, match="model.vocab_size=97"):
+        with_chat_template(tokenizer, None, vocab_size=len(tokenizer))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_changing_the_non_target_tokens_targets_changes_neither_loss(seed):
+    """A model whose logits do not depend on its input: the loss then depends on the labels
+    only, and changing every label whose token is not a target (a user's, the template's)
+    changes neither the training loss nor the eval sums; changing one target's label does."""
+    rng = np.random.default_rng(seed)
+    B, L, V = 3, 9, 7
+    logits_BxLxV = jnp.asarray(rng.normal(size=(B, L, V)), jnp.float32)
+    model = lambda inputs_BxL, rngs=None, **documents: logits_BxLxV  # noqa: E731
+    mask_BxL = rng.random((B, L)) < 0.4
+    mask_BxL[0, 3] = True  # at least one target with a position before it
+    inputs_BxL = rng.integers(0, V, (B, L)).astype(np.int32)
+    changed_BxL = np.where(mask_BxL, inputs_BxL, rng.integers(0, V, (B, L))).astype(np.int32)
+
+    def batch(inputs):
+        return {INPUT_IDS: jnp.asarray(inputs), SEGMENT_IDS: jnp.zeros((B, L), jnp.int32),
+                POSITIONS: jnp.tile(jnp.arange(L), (B, 1)), TARGET_MASK: jnp.asarray(mask_BxL)}
+
+    def losses(inputs):
+        loss = lm_objective(model, batch(inputs), None)[0]
+        sums = eval_step_of(model, batch(inputs))
+        return float(loss), float(sums["loss_sum"]), float(sums["tokens"])
+
+    before = losses(inputs_BxL)
+    assert losses(changed_BxL) == pytest.approx(before, rel=1e-6)
+    # Token-weighted: the mean over the targets that have a position before them.
+    assert before[2] == mask_BxL[:, 1:].sum()
+    assert before[0] == pytest.approx(before[1] / before[2], rel=1e-5)
+    flipped = inputs_BxL.copy()
+    flipped[0, 3] = (flipped[0, 3] + 1) % V
+    assert losses(flipped)[0] != pytest.approx(before[0], rel=1e-6)
+
+
+def eval_step_of(model, batch):
+    """The eval step's sums for a stand-in model: the step merges its model from a graphdef
+    and parameters, which a plain function has none of."""
+    with mock.patch.object(step.nnx, "merge", lambda graphdef, params: model):
+        B = batch[INPUT_IDS].shape[0]
+        return eval_step(None, batch, jnp.ones(B), jnp.ones(7), graphdef=None)
+
+
+# --- conversations and rows ----------------------------------------------------------------------
+
+
+def test_conversations_come_from_messages_or_from_prompt_and_response_columns():
+    task = task_config()
+    messages = datasets.Dataset.from_dict({"messages": [CHAT], "id": [1]})
+    assert conversations_of(messages, task, "a") == [CHAT]
+    pairs = datasets.Dataset.from_dict({"q": ["hi"], "a": ["hello"]})
+    task = task_config(prompt_column="q", response_column="a")
+    assert conversations_of(pairs, task, "b") == [[{"role": "user", "content": "hi"},
+                                                  {"role": "assistant", "content": "hello"}]]
+    with pytest.raises(FlaxlmError, match="task.messages_column='messages'.*columns are"):
+        conversations_of(datasets.Dataset.from_dict({"text": ["x"]}), task, "c.jsonl")
+
+
+@pytest.mark.parametrize(("turns", "message"), [
+    ([{"role": "human", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+     "role 'human'"),
+    ([{"role": "user", "content": "hi"}], "no assistant turn"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}], "not text"),
+])
+def test_a_bad_conversation_is_refused_naming_its_file_and_row(turns, message):
+    table = datasets.Dataset.from_list([{"messages": CHAT}, {"messages": turns}])
+    with pytest.raises(FlaxlmError, match=f"'chats.jsonl', row 2: .*{message}"):
+        conversations_of(table, task_config(), "'chats.jsonl'")
+
+
+def test_packed_rows_keep_each_conversation_whole_in_a_segment_of_its_own():
+    encoded = [(np.arange(1, n + 1, dtype=np.int32), np.arange(n) % 2 == 1) for n in (5, 4, 6, 3)]
+    rows = layout_rows(encoded, 10, pad_id=0, pack=True)
+    # 5+4 fit one row, 6+3 the next: next fit, in order.
+    assert rows[INPUT_IDS].tolist() == [[1, 2, 3, 4, 5, 1, 2, 3, 4, 0],
+                                        [1, 2, 3, 4, 5, 6, 1, 2, 3, 0]]
+    assert rows[SEGMENT_IDS].tolist() == [[0] * 5 + [1] * 4 + [2], [0] * 6 + [1] * 3 + [2]]
+    assert rows[POSITIONS][0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 0]
+    assert not rows[TARGET_MASK][:, -1].any()  # padding is never a target
+    assert rows[TARGET_MASK].sum() == sum(mask.sum() for _, mask in encoded)
+    padded = layout_rows(encoded, 10, pad_id=0, pack=False)
+    assert len(padded[INPUT_IDS]) == 4 and padded[SEGMENT_IDS][0].tolist() == [0] * 5 + [1] * 5
+
+
+@pytest.mark.parametrize(("policy", "counts"), [(LongConversations.truncate, (4, 2, 0)),
+                                                (LongConversations.drop, (2, 0, 2))])
+def test_long_conversations_are_truncated_or_dropped_and_counted(chat_tokenizer, policy, counts):
+    short = [{"role": "user", "content": "cat"}, {"role": "assistant", "content": "mat"}]
+    long = [{"role": "user", "content": "the cat"},
+            {"role": "assistant", "content": "the dog ate the cat on the mat " * 4}]
+    length = len(encode_chat(chat_tokenizer, short, "t")[0])
+    rows = encode_conversations(chat_tokenizer, [short, long, short, long], length + 4, policy,
+                                "t", pad_id=0, pack=False)
+    assert (rows.conversations, rows.truncated, rows.dropped) == counts
+    assert f"task.long_conversations={policy.value}" in rows.describe("train", policy)
+
+
+def test_the_drills_are_deterministic_and_right():
+    conversations = drill_conversations(50, seed=3)
+    assert conversations == drill_conversations(50, seed=3)
+    for turns in conversations:
+        for question, answer in zip(turns[::2], turns[1::2]):
+            text = question["content"]
+            if text.startswith("What is"):
+                a, b = (int(x) for x in text.removeprefix("What is ").rstrip("?").split(" + "))
+                assert answer["content"] == f"{a} + {b} = {a + b}."
+            else:
+                letters = text.removeprefix("Reverse: ").split()
+                assert answer["content"].split() == letters[::-1]
+
+
+# --- end to end ----------------------------------------------------------------------------------
+
+
+def write_chats(path, count: int, seed: int) -> str:
+    rows = [{"messages": turns} for turns in drill_conversations(count, seed)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+SFT_RUN = [*TINY, "task=sft", "model=llama-tiny", "model.num_layers=2", "model.hidden_size=64",
+           "model.num_heads=4", "model.num_kv_heads=2", "model.mlp_size=128",
+           "model.max_positions=64", "task.max_seq_length=64", "trainer.max_steps=3",
+           "checkpoint.every_steps=null", "samples.prompts=[What is 2 + 5?]",
+           "samples.max_new_tokens=6", "samples.temperature=0"]
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    """flaxlm-train task=sft on a generated chat file, through the real entrypoint."""
+    folder = tmp_path_factory.mktemp("sft")
+    train = write_chats(folder / "train.jsonl", 120, seed=1)
+    evaluation = write_chats(folder / "eval.jsonl", 10, seed=2)
+    return folder, [*SFT_RUN, f"task.files=[{train}]", f"task.eval_files=[{evaluation}]",
+                    f"run_dir={folder / 'run'}"]
+
+
+@pytest.mark.slow
+def test_flaxlm_train_task_sft_trains_on_a_chat_file_and_exports_its_template(sft_run,
+                                                                              train_cli):
+    folder, overrides = sft_run
+    result = train_cli(*overrides, cwd=folder)
+    assert result.returncode == 0, result.stderr
+    banner = next(line for line in result.stdout.splitlines() if "conversations in" in line)
+    assert "120 train conversations" in banner and "10 held-out conversations" in banner
+    assert "loss on assistant tokens" in banner
+    assert result.stdout.count("flaxlm: sample | user: What is 2 + 5? | assistant:") == 2
+    records = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").open()]
+    assert any("eval/loss" in record for record in records)
+    model_dir = folder / "run" / "model"
+    tokenizer_files = " ".join(p.read_text() for p in model_dir.iterdir()
+                               if p.name.startswith(("tokenizer_config", "chat_template")))
+    assert "<|im_start|>" in tokenizer_files
+    generation = json.loads((model_dir / "generation_config.json").read_text())
+    assert isinstance(generation["eos_token_id"], list) and len(generation["eos_token_id"]) == 2
+
+    from flaxlm.cli.generate import run as generate_run
+    replies = generate_run([str(folder / "run"), "--chat", "--greedy", "--prompt",
+                            "What is 2 + 5?", "--max-new-tokens", "6"])
+    assert len(replies) == 1
+
+    pytest.importorskip("torch")
+    check_transformers_reproduces_chat(model_dir, folder / "run")
+
+
+def check_transformers_reproduces_chat(model_dir, run_dir):
+    """transformers' apply_chat_template(add_generation_prompt=True) + greedy generate on the
+    export give the ids flaxlm-generate --chat gives."""
+    import torch
+    import transformers
+
+    from flaxlm.generate import GenerationSettings, encode_prompts, generate_ids
+    from flaxlm.run_model import load_run_model, local_mesh
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    prompts = ["What is 2 + 5?", "Reverse: a b c"]
+    run_model = load_run_model(str(run_dir), None, local_mesh())
+    ours = generate_ids(run_model.model(), encode_prompts(run_model.tokenizer, prompts, chat=True),
+                        GenerationSettings(max_new_tokens=8, greedy=True),
+                        eos_token_id=stop_token_ids(run_model.tokenizer),
+                        pad_token_id=run_model.tokenizer.pad_token_id)
+    for prompt, mine in zip(prompts, ours):
+        encoded = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                add_generation_prompt=True, return_tensors="pt",
+                                                return_dict=True)
+        with torch.no_grad():
+            out = model.generate(**encoded, max_new_tokens=8, do_sample=False)
+        theirs = out[0, encoded["input_ids"].shape[1]:].tolist()
+        stops = set(model.generation_config.eos_token_id)
+        theirs = theirs[: next((i for i, t in enumerate(theirs) if t in stops), len(theirs))]
+        assert theirs == mine
+    assert CHATML_TEMPLATE == tokenizer.chat_template
