@@ -12,7 +12,7 @@ import datasets
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY, config_node, make_tokenizer
+from conftest import TINY, TOKENIZER_TEXT, config_node, make_tokenizer, trained_run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -39,9 +39,26 @@ CHAT = [{"role": "system", "content": "Be brief."},
         {"role": "assistant", "content": "ate the cat"}]
 
 
+def byte_tokenizer():
+    """A byte-level BPE with every byte in its alphabet (as flaxlm trains them; conftest's
+    make_tokenizer has only the letters of its text, and no newline)."""
+    import tokenizers
+    import transformers
+
+    model = tokenizers.Tokenizer(tokenizers.models.BPE())
+    model.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = tokenizers.decoders.ByteLevel()
+    model.train_from_iterator(TOKENIZER_TEXT, tokenizers.trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=model, bos_token="<s>", pad_token="<pad>", eos_token="</s>",
+        unk_token="<unk>", mask_token="<mask>")
+
+
 @pytest.fixture(scope="module")
 def chat_tokenizer():
-    return with_chat_template(make_tokenizer(), None, vocab_size=512)
+    return with_chat_template(byte_tokenizer(), None, vocab_size=512)
 
 
 def task_config(**changes):
@@ -76,7 +93,7 @@ def test_a_template_that_does_not_render_or_rewrites_earlier_turns_is_refused(ch
 
 def test_chatml_markers_that_do_not_fit_the_models_vocabulary_are_refused():
     tokenizer = make_tokenizer()
-    with pytest.raises(FlaxlmError, match="model.vocab_size=97"):
+    with pytest.raises(FlaxlmError, match=f"model.vocab_size={len(tokenizer)} embeddings"):
         with_chat_template(tokenizer, None, vocab_size=len(tokenizer))
 
 
@@ -206,69 +223,69 @@ SFT_RUN = [*TINY, "task=sft", "model=llama-tiny", "model.num_layers=2", "model.h
            "samples.max_new_tokens=6", "samples.temperature=0"]
 
 
-@pytest.fixture(scope="module")
-def sft_run(tmp_path_factory):
-    """flaxlm-train task=sft on a generated chat file, through the real entrypoint."""
-    folder = tmp_path_factory.mktemp("sft")
+def sft_overrides(folder) -> list[str]:
+    """task=sft on generated chat files (train and held-out) written into `folder`."""
     train = write_chats(folder / "train.jsonl", 120, seed=1)
     evaluation = write_chats(folder / "eval.jsonl", 10, seed=2)
-    return folder, [*SFT_RUN, f"task.files=[{train}]", f"task.eval_files=[{evaluation}]",
-                    f"run_dir={folder / 'run'}"]
+    return [*SFT_RUN, f"task.files=[{train}]", f"task.eval_files=[{evaluation}]"]
 
 
 @pytest.mark.slow
-def test_flaxlm_train_task_sft_trains_on_a_chat_file_and_exports_its_template(sft_run,
+def test_flaxlm_train_task_sft_trains_on_a_chat_file_and_exports_its_template(tmp_path,
                                                                               train_cli):
-    folder, overrides = sft_run
-    result = train_cli(*overrides, cwd=folder)
+    result = train_cli(*sft_overrides(tmp_path), f"run_dir={tmp_path / 'run'}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     banner = next(line for line in result.stdout.splitlines() if "conversations in" in line)
     assert "120 train conversations" in banner and "10 held-out conversations" in banner
     assert "loss on assistant tokens" in banner
+    # Replies before and after training.
     assert result.stdout.count("flaxlm: sample | user: What is 2 + 5? | assistant:") == 2
-    records = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").open()]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert any("eval/loss" in record for record in records)
-    model_dir = folder / "run" / "model"
-    tokenizer_files = " ".join(p.read_text() for p in model_dir.iterdir()
-                               if p.name.startswith(("tokenizer_config", "chat_template")))
-    assert "<|im_start|>" in tokenizer_files
+    model_dir = tmp_path / "run" / "model"
+    assert "<|im_start|>" in (model_dir / "chat_template.jinja").read_text()
     generation = json.loads((model_dir / "generation_config.json").read_text())
-    assert isinstance(generation["eos_token_id"], list) and len(generation["eos_token_id"]) == 2
+    assert len(generation["eos_token_id"]) == 2  # <|im_end|> and EOS
 
     from flaxlm.cli.generate import run as generate_run
-    replies = generate_run([str(folder / "run"), "--chat", "--greedy", "--prompt",
+    replies = generate_run([str(tmp_path / "run"), "--chat", "--greedy", "--prompt",
                             "What is 2 + 5?", "--max-new-tokens", "6"])
-    assert len(replies) == 1
-
-    pytest.importorskip("torch")
-    check_transformers_reproduces_chat(model_dir, folder / "run")
+    assert len(replies) == 1 and "<|im_end|>" not in replies[0]
 
 
-def check_transformers_reproduces_chat(model_dir, run_dir):
+@pytest.mark.slow
+@pytest.mark.torch
+def test_transformers_answers_as_flaxlm_generate_chat_does(tmp_path_factory):
     """transformers' apply_chat_template(add_generation_prompt=True) + greedy generate on the
-    export give the ids flaxlm-generate --chat gives."""
-    import torch
+    export give the ids flaxlm-generate --chat gives, stopping where it stops."""
+    torch = pytest.importorskip("torch")
     import transformers
 
-    from flaxlm.generate import GenerationSettings, encode_prompts, generate_ids
+    from flaxlm.cli.generate import run as generate_run
+    from flaxlm.generate import encode_prompts
     from flaxlm.run_model import load_run_model, local_mesh
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    folder = tmp_path_factory.mktemp("sft-torch")
+    # Trained long enough to answer in the drills' form and end its turn: a fresh model (tied
+    # embeddings) repeats the prompt's last token, which would compare nothing.
+    run_dir = trained_run(tmp_path_factory, "sft-torch-run",
+                          [*sft_overrides(folder), "optimizer.lr=3e-3", "trainer.max_steps=40"])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(run_dir / "model")
+    model = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "model").eval()
+    assert tokenizer.chat_template == CHATML_TEMPLATE
     prompts = ["What is 2 + 5?", "Reverse: a b c"]
-    run_model = load_run_model(str(run_dir), None, local_mesh())
-    ours = generate_ids(run_model.model(), encode_prompts(run_model.tokenizer, prompts, chat=True),
-                        GenerationSettings(max_new_tokens=8, greedy=True),
-                        eos_token_id=stop_token_ids(run_model.tokenizer),
-                        pad_token_id=run_model.tokenizer.pad_token_id)
-    for prompt, mine in zip(prompts, ours):
+    ours = generate_run([str(run_dir), "--chat", "--greedy", "--max-new-tokens", "12",
+                         *(arg for prompt in prompts for arg in ("--prompt", prompt))])
+    our_prompts = encode_prompts(load_run_model(str(run_dir), None, local_mesh()).tokenizer,
+                                 prompts, chat=True)
+    stops = set(model.generation_config.eos_token_id)
+    for prompt, our_prompt, reply in zip(prompts, our_prompts, ours):
         encoded = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                 add_generation_prompt=True, return_tensors="pt",
                                                 return_dict=True)
+        assert encoded["input_ids"][0].tolist() == our_prompt
         with torch.no_grad():
-            out = model.generate(**encoded, max_new_tokens=8, do_sample=False)
+            out = model.generate(**encoded, max_new_tokens=12, do_sample=False)
         theirs = out[0, encoded["input_ids"].shape[1]:].tolist()
-        stops = set(model.generation_config.eos_token_id)
         theirs = theirs[: next((i for i, t in enumerate(theirs) if t in stops), len(theirs))]
-        assert theirs == mine
-    assert CHATML_TEMPLATE == tokenizer.chat_template
+        assert tokenizer.decode(theirs, skip_special_tokens=True) == reply

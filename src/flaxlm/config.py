@@ -345,16 +345,16 @@ class TaskConfig:
     # `messages_column` of [{role, content}, ...] (HF chat datasets, e.g. UltraChat) or, when
     # the data has no such column, one user turn `prompt_column` and one assistant turn
     # `response_column`.
-    messages_column: str = "messages"
-    prompt_column: str = "prompt"
-    response_column: str = "response"
-    long_conversations: LongConversations = LongConversations.truncate
+    messages_column: str = MISSING
+    prompt_column: str = MISSING
+    response_column: str = MISSING
+    long_conversations: LongConversations = MISSING
     # A Jinja chat template that replaces the tokenizer's (null: the tokenizer's own, else
     # flaxlm's ChatML default, data/chat_template.py).
     chat_template: Optional[str] = None
     # Held-out conversations when there are no eval files and hub_eval_split is null: this
     # fraction of the training split (at least one conversation).
-    eval_fraction: float = 0.05
+    eval_fraction: float = MISSING
     # > 0: that many generated drill conversations (arithmetic, word reversal; data/drills.py)
     # instead of files or a hub dataset: offline data for experiment=sft-llama-tiny-drills.
     drills: int = 0

@@ -21,7 +21,12 @@ from flaxlm.data.chat import Conversation, load_conversations
 from flaxlm.data.chat_packing import ChatRows, chat_loader, chat_rows, encode_conversations
 from flaxlm.data.chat_template import CHATML_MARKERS, with_chat_template
 from flaxlm.data.fingerprint import arrays_fingerprint
-from flaxlm.data.tokenizer import keeps_own_conventions, prepare_tokenizer, token_byte_lengths
+from flaxlm.data.tokenizer import (
+    keeps_own_conventions,
+    prepare_tokenizer,
+    prompt_tokenizer,
+    token_byte_lengths,
+)
 from flaxlm.errors import FlaxlmError
 from flaxlm.generate import log_samples, settings_from_samples
 from flaxlm.models import build, hf, pretrained
@@ -93,7 +98,8 @@ class SupervisedFineTuning:
         hf_config = hf.to_lm_config(config.model, bos_token_id=tokenizer.bos_token_id,
                                     eos_token_id=tokenizer.eos_token_id,
                                     pad_token_id=tokenizer.pad_token_id)
-        base.start_model_dir(job, config.model, tokenizer, hf_config)
+        own = keeps_own_conventions(config.tokenizer.convention, config.model.init_from)
+        base.start_model_dir(job, config.model, prompt_tokenizer(tokenizer, own), hf_config)
 
         token_bytes = jax.device_put(jnp.asarray(token_byte_lengths(tokenizer)),
                                      replicated(job.mesh))
@@ -111,7 +117,6 @@ class SupervisedFineTuning:
                           f"{eval_rows.describe('held-out', policy)} of {seq_len} tokens, "
                           f"{_LAYOUT[pack]}, loss on assistant tokens | from "
                           f"{conversations.origin} | global batch {batch_size}"))
-        own = keeps_own_conventions(config.tokenizer.convention, config.model.init_from)
         if training.resume is None:  # what the model says before it learns, to compare with
             log_samples(lm_from_params(config.model, base.model_params(training.state)),
                         tokenizer, config.samples.prompts, sample_settings, job.tracker, step=0,
