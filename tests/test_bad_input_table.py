@@ -264,7 +264,7 @@ ROWS = {
                                             "task.long_conversations=drop"],
                                            ["task.long_conversations=drop", "dropped"]),
     "sft-template-does-not-render": Row([*sft("chats.jsonl"),
-                                         "task.chat_template='{% for m in messages %}'"],
+                                         "task.chat_template='{{% for m in messages %}}'"],
                                         ["task.chat_template does not render"]),
     "retry-after-a-failed-start": Row([*FILES, "language.files=[{tmp}/missing/*.txt]"],
                                       ["language.files", "missing/*.txt"], setup=failed_start),
