@@ -312,7 +312,8 @@ class LongConversations(str, enum.Enum):
 @dataclasses.dataclass
 class TaskConfig:
     """WHAT objective. `clm`: causal language modelling on packed blocks. `classify`:
-    sequence (or sentence-pair) classification, or regression when num_labels = 1."""
+    sequence (or sentence-pair) classification, or regression when num_labels = 1. `sft`:
+    supervised fine-tuning on conversations, the loss on the assistant's tokens."""
 
     name: str = MISSING
     # clm: blocks of this many tokens; null → the model's context length (model.max_positions).
@@ -485,7 +486,8 @@ class SamplesConfig:
     """Text the trained model writes at the end of a task=clm run: printed, logged to
     metrics.jsonl and as a W&B table. Each prompt starts a document (it follows the EOS that
     separates documents, or the tokenizer's own BOS: tokenizer.convention); an empty prompt
-    lets the model start its own. No prompts → none."""
+    lets the model start its own. No prompts → none. task=sft: each prompt is a user's turn in
+    the chat template, and the model's replies are printed before training and after it."""
 
     prompts: list[str] = MISSING
     max_new_tokens: int = MISSING  # cut to what the context (model.max_positions) leaves
