@@ -9,6 +9,7 @@ import json
 from unittest import mock
 
 import datasets
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flaxlm.config import LongConversations
-from flaxlm.data.chat import conversations_of
+from flaxlm.data.chat import conversations_of, turns_reader
 from flaxlm.data.chat_packing import encode_conversations, layout_rows
 from flaxlm.data.chat_template import (
     CHATML_TEMPLATE,
@@ -191,6 +192,40 @@ def test_long_conversations_are_truncated_or_dropped_and_counted(chat_tokenizer,
                                 "t", pad_id=0, pack=False)
     assert (rows.conversations, rows.truncated, rows.dropped) == counts
     assert f"task.long_conversations={policy.value}" in rows.describe("train", policy)
+
+
+def test_a_streamed_shard_gives_the_materialised_rows_and_resumes_at_a_row(chat_tokenizer):
+    from flaxlm.data.chat_stream import ChatStreamLoader
+    from flaxlm.parallel import make_mesh
+
+    conversations = drill_conversations(12, seed=4)
+    stream = datasets.Dataset.from_list([{"messages": turns} for turns in conversations]
+                                        ).to_iterable_dataset()
+    task = task_config()
+    turns_of = turns_reader(task, ["messages"], "stream")
+    mesh = make_mesh(2)
+
+    def loader():
+        return ChatStreamLoader(stream, turns_of, chat_tokenizer, 128, task.long_conversations,
+                                0, True, 2, mesh, max_steps=12)
+
+    whole = encode_conversations(chat_tokenizer, conversations, 128, task.long_conversations,
+                                 "t", pad_id=0, pack=True)
+    streamed = loader()
+    batches = [jax.device_get(batch) for batch in streamed.epoch(0)]
+    ids = np.concatenate([batch[INPUT_IDS] for batch in batches])
+    # Rows in stream order, as materialised; then a new pass from the shard's start.
+    n = len(whole)
+    assert whole.conversations > n and 2 * n <= len(ids)  # several conversations a row
+    assert (ids[:n] == whole.arrays[INPUT_IDS]).all()
+    assert (ids[n : 2 * n] == whole.arrays[INPUT_IDS]).all()
+
+    first = loader()
+    next(iter(first.epoch(0)))  # one batch: two rows
+    resumed = loader()
+    resumed.load_state_dict(first.state_dict())
+    after = jax.device_get(next(iter(resumed.epoch(0, start_step=1))))
+    assert (after[TARGET_MASK] == whole.arrays[TARGET_MASK][2:4]).all()
 
 
 def test_the_drills_are_deterministic_and_right():

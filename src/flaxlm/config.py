@@ -356,6 +356,9 @@ class TaskConfig:
     # Held-out conversations when there are no eval files and hub_eval_split is null: this
     # fraction of the training split (at least one conversation).
     eval_fraction: float = MISSING
+    # Read the training conversations as a stream (a Hub dataset or JSON lines / parquet
+    # files): nothing materialised whole; needs trainer.max_steps and an eval split or files.
+    streaming: bool = False
     # > 0: that many generated drill conversations (arithmetic, word reversal; data/drills.py)
     # instead of files or a hub dataset: offline data for experiment=sft-llama-tiny-drills.
     drills: int = 0

@@ -98,26 +98,75 @@ def _from_hub(task: TaskConfig, split: str) -> list[Conversation]:
 
 
 def conversations_of(table: datasets.Dataset, task: TaskConfig, where: str) -> list[Conversation]:
-    """The rows of `table` as checked conversations: its task.messages_column, or a user turn
-    from task.prompt_column and an assistant turn from task.response_column."""
-    columns = table.column_names
+    """The rows of `table` as checked conversations (`turns_reader`)."""
+    turns_of = turns_reader(task, table.column_names, where)
+    return [turns_of(row, f"{where}, row {index + 1}") for index, row in enumerate(table)]
+
+
+def turns_reader(task: TaskConfig, columns: list[str], where: str):
+    """`turns_of(row, row_where)`: a row's checked conversation, from its
+    task.messages_column, or from a user turn in task.prompt_column and an assistant turn in
+    task.response_column; which, the data's `columns` say."""
     if task.messages_column in columns:
-        rows = [[{"role": turn.get("role"), "content": turn.get("content")}
-                 for turn in (messages or [])] for messages in table[task.messages_column]]
-    elif task.prompt_column in columns and task.response_column in columns:
-        rows = [[{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
-                for prompt, reply in zip(table[task.prompt_column], table[task.response_column])]
-    else:
+        def turns_of(row: dict, row_where: str) -> Conversation:
+            turns = [{"role": turn.get("role"), "content": turn.get("content")}
+                     for turn in (row[task.messages_column] or [])]
+            check_turns(turns, row_where)
+            return turns
+        return turns_of
+    if task.prompt_column in columns and task.response_column in columns:
+        def turns_of(row: dict, row_where: str) -> Conversation:
+            turns = [{"role": "user", "content": row[task.prompt_column]},
+                     {"role": "assistant", "content": row[task.response_column]}]
+            check_turns(turns, row_where)
+            return turns
+        return turns_of
+    raise FlaxlmError(
+        f"{where} has neither task.messages_column={task.messages_column!r} nor both "
+        f"task.prompt_column={task.prompt_column!r} and "
+        f"task.response_column={task.response_column!r}; its columns are {columns}. Set "
+        "task.messages_column to the column of [{role, content}] turns, or "
+        "task.prompt_column and task.response_column to the columns of one exchange."
+    )
+
+
+def open_conversation_stream(task: TaskConfig):
+    """task.streaming: the held-out conversations (task.eval_files or task.hub_eval_split,
+    read whole), the training split as a stream, and its rows' `turns_of`."""
+    if not (task.eval_files or (task.hub_path and task.hub_eval_split)):
         raise FlaxlmError(
-            f"{where} has neither task.messages_column={task.messages_column!r} nor both "
-            f"task.prompt_column={task.prompt_column!r} and "
-            f"task.response_column={task.response_column!r}; its columns are {columns}. Set "
-            "task.messages_column to the column of [{role, content}] turns, or "
-            "task.prompt_column and task.response_column to the columns of one exchange."
-        )
-    for index, turns in enumerate(rows):
-        check_turns(turns, f"{where}, row {index + 1}")
-    return rows
+            "task.streaming=true reads the held-out conversations from task.eval_files or "
+            "task.hub_eval_split (a stream has no end to hold out from). Set one of them.")
+    if task.files:
+        paths = expand_patterns(task.files, "task.files")
+        builders = {_STREAM_BUILDERS.get(path.suffix.lower()) for path in paths}
+        if None in builders or len(builders) > 1:
+            raise FlaxlmError(
+                f"task.streaming=true streams JSON lines or parquet files of one kind; "
+                f"task.files={list(task.files)} holds {sorted(p.suffix for p in paths)}. "
+                "Convert them, or set task.streaming=false.")
+        stream = datasets.load_dataset(builders.pop(), data_files=[str(p) for p in paths],
+                                       split="train", streaming=True)
+        evaluation = _from_files(task.eval_files, "task.eval_files", task)
+        where = "task.files"
+    else:
+        where = f"task.hub_path={task.hub_path!r} split {task.hub_split!r} (streamed)"
+        try:
+            stream = datasets.load_dataset(task.hub_path, task.hub_config,
+                                           split=task.hub_split, streaming=True)
+        except Exception as err:  # not found, offline, unknown config or split
+            raise FlaxlmError(f"Could not stream {where}: {root_cause(err)}. Check the "
+                              "dataset, config and split names, and that the Hub is "
+                              "reachable.") from err
+        evaluation = (_from_files(task.eval_files, "task.eval_files", task) if task.eval_files
+                      else _from_hub(task, task.hub_eval_split))
+    first = next(iter(stream), None)
+    if first is None:
+        raise FlaxlmError(f"{where} holds no conversation. Add some, or point to other data.")
+    return evaluation, stream, turns_reader(task, list(first), where)
+
+
+_STREAM_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
 def check_turns(turns: Conversation, where: str) -> None:

@@ -11,16 +11,22 @@ replies to samples.prompts before and after training.
 from __future__ import annotations
 
 import dataclasses
+import json
+from typing import NamedTuple
 
 import datasets
 import jax
 import jax.numpy as jnp
+import transformers
 
 from flaxlm.config import TrainConfig
-from flaxlm.data.chat import Conversation, load_conversations
+from flaxlm.data.chat import Conversation, load_conversations, open_conversation_stream
 from flaxlm.data.chat_packing import ChatRows, chat_loader, chat_rows, encode_conversations
+from flaxlm.data.chat_stream import ChatStreamLoader
 from flaxlm.data.chat_template import CHATML_MARKERS, with_chat_template
-from flaxlm.data.fingerprint import arrays_fingerprint
+from flaxlm.data.fingerprint import arrays_fingerprint, documents_fingerprint
+from flaxlm.data.loader import BatchSource
+from flaxlm.data.streaming import process_shard
 from flaxlm.data.tokenizer import (
     keeps_own_conventions,
     prepare_tokenizer,
@@ -62,6 +68,11 @@ class SupervisedFineTuning:
                 "column of {role, content} turns, or `prompt` and `response` columns), "
                 "task.hub_path (e.g. experiment=sft-smollm-ultrachat), or task.drills=2000 "
                 "(generated offline drills, experiment=sft-llama-tiny-drills).")
+        if task.streaming and config.trainer.max_steps is None:
+            raise FlaxlmError(
+                "task.streaming=true needs trainer.max_steps: a stream of conversations has no "
+                "known length, so trainer.num_epochs cannot say how long to train. Set "
+                "trainer.max_steps, e.g. trainer.max_steps=10000.")
         if task.eval_files and not task.files:
             raise FlaxlmError("task.eval_files is set but task.files is empty: give the "
                               "training conversations too, task.files=[train.jsonl].")
@@ -75,23 +86,13 @@ class SupervisedFineTuning:
     def run(self, job: JobContext, seq_len: int) -> dict[str, float]:
         config, start, seq_len = lm_start(job.config, seq_len)
         task = config.task
-        conversations = load_conversations(task)
-        tokenizer = with_chat_template(_tokenizer(config, start, conversations.train),
-                                       task.chat_template, config.model.vocab_size)
-        pad_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
-                  else tokenizer.eos_token_id)
-        pack = task.document_masking
-        train_rows, eval_rows = (
-            encode_conversations(tokenizer, rows, seq_len, task.long_conversations, where,
-                                 pad_id, pack)
-            for rows, where in ((conversations.train, "the training conversations"),
-                                (conversations.eval, "the held-out conversations")))
         batch_size = global_batch_size(config, job.mesh.size)
-        check_rows(train_rows, eval_rows, batch_size, seq_len)
-        loader = chat_loader(train_rows, batch_size, job.mesh, seed=config.seed)
+        data = (_streamed_data if task.streaming else _data)(config, start, seq_len, batch_size,
+                                                             job.mesh)
+        tokenizer, loader, eval_rows = data.tokenizer, data.loader, data.eval_rows
+        pack = task.document_masking
         sample_settings = settings_from_samples(config.samples)  # a bad setting fails now
-        fingerprint = {"training conversations": arrays_fingerprint(train_rows.arrays),
-                       "held-out conversations": arrays_fingerprint(eval_rows.arrays)}
+        fingerprint = data.fingerprint
         training = base.prepare_training(job, start, build.build_lm, lm_steps_compiler(config),
                                          loader, tokenizer, fingerprint,
                                          pads_rows=self.pads_rows)
@@ -113,10 +114,10 @@ class SupervisedFineTuning:
         print(base.banner(job, training, config.model, "chat template "
                           + ("task.chat_template" if task.chat_template else "ChatML"
                              if "<|im_start|>" in tokenizer.chat_template else "the tokenizer's"),
-                          f"{train_rows.describe('train', policy)} / "
+                          f"{data.train_size} / "
                           f"{eval_rows.describe('held-out', policy)} of {seq_len} tokens, "
                           f"{_LAYOUT[pack]}, loss on assistant tokens | from "
-                          f"{conversations.origin} | global batch {batch_size}"))
+                          f"{data.origin} | global batch {batch_size}"))
         if training.resume is None:  # what the model says before it learns, to compare with
             log_samples(lm_from_params(config.model, base.model_params(training.state)),
                         tokenizer, config.samples.prompts, sample_settings, job.tracker, step=0,
@@ -130,6 +131,69 @@ class SupervisedFineTuning:
         log_samples(lm_from_params(config.model, params), tokenizer, config.samples.prompts,
                     sample_settings, job.tracker, step=final["steps"], chat=True)
         return final
+
+
+class ChatData(NamedTuple):
+    """What the task trains and evaluates on."""
+
+    tokenizer: transformers.PreTrainedTokenizerFast
+    loader: BatchSource
+    eval_rows: ChatRows
+    train_size: str  # for the banner: "5700 train conversations in 1314 rows (...)"
+    origin: str  # where the training conversations come from
+    fingerprint: dict[str, str]  # what a checkpoint records of the data
+
+
+def _chat_tokenizer(config: TrainConfig, start: Start, sample: list[Conversation]):
+    return with_chat_template(_tokenizer(config, start, sample), config.task.chat_template,
+                              config.model.vocab_size)
+
+
+def _pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def _data(config: TrainConfig, start: Start, seq_len: int, batch_size: int, mesh) -> ChatData:
+    """Every conversation read, checked and laid out in rows up front."""
+    task = config.task
+    conversations = load_conversations(task)
+    tokenizer = _chat_tokenizer(config, start, conversations.train)
+    train_rows, eval_rows = (
+        encode_conversations(tokenizer, rows, seq_len, task.long_conversations, where,
+                             _pad_id(tokenizer), task.document_masking)
+        for rows, where in ((conversations.train, "the training conversations"),
+                            (conversations.eval, "the held-out conversations")))
+    check_rows(train_rows, eval_rows, batch_size, seq_len)
+    fingerprint = {"training conversations": arrays_fingerprint(train_rows.arrays),
+                   "held-out conversations": arrays_fingerprint(eval_rows.arrays)}
+    return ChatData(tokenizer, chat_loader(train_rows, batch_size, mesh, seed=config.seed),
+                    eval_rows, train_rows.describe("train", task.long_conversations),
+                    conversations.origin, fingerprint)
+
+
+def _streamed_data(config: TrainConfig, start: Start, seq_len: int, batch_size: int,
+                   mesh) -> ChatData:
+    """task.streaming: the held-out conversations read whole; the training ones laid out in
+    rows as this process's shard of the stream is read (data/chat_stream.py). A BPE trains on
+    the stream's first tokenizer.train_docs conversations."""
+    task = config.task
+    evaluation, stream, turns_of = open_conversation_stream(task)
+    head = [turns_of(row, f"the training stream, conversation {index + 1}")
+            for index, row in enumerate(stream.take(config.tokenizer.train_docs))]
+    tokenizer = _chat_tokenizer(config, start, head)
+    eval_rows = encode_conversations(tokenizer, evaluation, seq_len, task.long_conversations,
+                                     "the held-out conversations", _pad_id(tokenizer),
+                                     task.document_masking)
+    check_rows(None, eval_rows, batch_size, seq_len)
+    loader = ChatStreamLoader(process_shard(stream, jax.process_index(), jax.process_count()),
+                              turns_of, tokenizer, seq_len, task.long_conversations,
+                              _pad_id(tokenizer), task.document_masking, batch_size, mesh,
+                              config.trainer.max_steps)
+    head_key = f"training conversations (the first {len(head)} of the stream)"
+    fingerprint = {head_key: documents_fingerprint(json.dumps(turns) for turns in head),
+                   "held-out conversations": arrays_fingerprint(eval_rows.arrays)}
+    return ChatData(tokenizer, loader, eval_rows, "streamed train conversations",
+                    f"{task.hub_path or 'task.files'} (streamed)", fingerprint)
 
 
 def _tokenizer(config: TrainConfig, start: Start, train: list[Conversation]):
@@ -148,14 +212,15 @@ def _tokenizer(config: TrainConfig, start: Start, train: list[Conversation]):
     return prepare_tokenizer(settings, texts, config.model.vocab_size, config.cache_dir)
 
 
-def check_rows(train: ChatRows, evaluation: ChatRows, batch_size: int, seq_len: int) -> None:
+def check_rows(train: ChatRows | None, evaluation: ChatRows, batch_size: int,
+               seq_len: int) -> None:
     if len(evaluation) == 0:
         raise FlaxlmError(
             f"No held-out conversation is left to evaluate on: {evaluation.dropped} were "
             f"dropped (longer than task.max_seq_length={seq_len} tokens with "
             "task.long_conversations=drop, or no assistant token left once cut). Raise "
             "task.max_seq_length, set task.long_conversations=truncate, or hold out more.")
-    if len(train) < batch_size:
+    if train is not None and len(train) < batch_size:
         raise FlaxlmError(
             f"The training conversations make {len(train)} row(s) of {seq_len} tokens "
             f"({train.dropped} dropped), fewer than one global batch of {batch_size} "
