@@ -266,6 +266,11 @@ ROWS = {
     "sft-template-does-not-render": Row([*sft("chats.jsonl"),
                                          "task.chat_template='{{% for m in messages %}}'"],
                                         ["task.chat_template does not render"]),
+    "sft-streaming-without-max-steps": Row([*sft("chats.jsonl"), "task.streaming=true",
+                                            "trainer.max_steps=null"],
+                                           ["task.streaming=true", "trainer.max_steps"]),
+    "sft-streaming-without-held-out-data": Row([*sft("chats.jsonl"), "task.streaming=true"],
+                                               ["task.eval_files", "task.hub_eval_split"]),
     "retry-after-a-failed-start": Row([*FILES, "language.files=[{tmp}/missing/*.txt]"],
                                       ["language.files", "missing/*.txt"], setup=failed_start),
 }
