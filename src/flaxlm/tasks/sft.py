@@ -23,7 +23,7 @@ from flaxlm.config import TrainConfig
 from flaxlm.data.chat import Conversation, load_conversations, open_conversation_stream
 from flaxlm.data.chat_packing import ChatRows, chat_loader, chat_rows, encode_conversations
 from flaxlm.data.chat_stream import ChatStreamLoader
-from flaxlm.data.chat_template import CHATML_MARKERS, with_chat_template
+from flaxlm.data.chat_template import CHATML_MARKERS, CHATML_TEMPLATE, with_chat_template
 from flaxlm.data.fingerprint import arrays_fingerprint, documents_fingerprint
 from flaxlm.data.loader import BatchSource
 from flaxlm.data.streaming import process_shard
@@ -90,11 +90,9 @@ class SupervisedFineTuning:
         data = (_streamed_data if task.streaming else _data)(config, start, seq_len, batch_size,
                                                              job.mesh)
         tokenizer, loader, eval_rows = data.tokenizer, data.loader, data.eval_rows
-        pack = task.document_masking
         sample_settings = settings_from_samples(config.samples)  # a bad setting fails now
-        fingerprint = data.fingerprint
         training = base.prepare_training(job, start, build.build_lm, lm_steps_compiler(config),
-                                         loader, tokenizer, fingerprint,
+                                         loader, tokenizer, data.fingerprint,
                                          pads_rows=self.pads_rows)
         hf_config = hf.to_lm_config(config.model, bos_token_id=tokenizer.bos_token_id,
                                     eos_token_id=tokenizer.eos_token_id,
@@ -110,14 +108,11 @@ class SupervisedFineTuning:
                                   job.mesh, token_bytes)
         flops = build.lm_flops_per_token(config.model, training.num_params, seq_len)
         speed = base.throughput(job, batch_size * seq_len, flops)
-        policy = task.long_conversations
-        print(base.banner(job, training, config.model, "chat template "
-                          + ("task.chat_template" if task.chat_template else "ChatML"
-                             if "<|im_start|>" in tokenizer.chat_template else "the tokenizer's"),
+        print(base.banner(job, training, config.model, _template_name(config, tokenizer),
                           f"{data.train_size} / "
-                          f"{eval_rows.describe('held-out', policy)} of {seq_len} tokens, "
-                          f"{_LAYOUT[pack]}, loss on assistant tokens | from "
-                          f"{data.origin} | global batch {batch_size}"))
+                          f"{eval_rows.describe('held-out', task.long_conversations)} of "
+                          f"{seq_len} tokens, {_LAYOUT[task.document_masking]}, loss on "
+                          f"assistant tokens | from {data.origin} | global batch {batch_size}"))
         if training.resume is None:  # what the model says before it learns, to compare with
             log_samples(lm_from_params(config.model, base.model_params(training.state)),
                         tokenizer, config.samples.prompts, sample_settings, job.tracker, step=0,
@@ -131,6 +126,15 @@ class SupervisedFineTuning:
         log_samples(lm_from_params(config.model, params), tokenizer, config.samples.prompts,
                     sample_settings, job.tracker, step=final["steps"], chat=True)
         return final
+
+
+def _template_name(config: TrainConfig, tokenizer) -> str:
+    """Which chat template the run renders with, for the banner."""
+    if config.task.chat_template:
+        return "chat template task.chat_template"
+    if tokenizer.chat_template == CHATML_TEMPLATE:
+        return "chat template ChatML"
+    return "the tokenizer's chat template"
 
 
 class ChatData(NamedTuple):
