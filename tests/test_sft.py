@@ -5,6 +5,7 @@ flaxlm-generate --chat and, with torch, from transformers on the exported model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from unittest import mock
 
@@ -153,6 +154,21 @@ def test_conversations_come_from_messages_or_from_prompt_and_response_columns():
                                                   {"role": "assistant", "content": "hello"}]]
     with pytest.raises(FlaxlmError, match="task.messages_column='messages'.*columns are"):
         conversations_of(datasets.Dataset.from_dict({"text": ["x"]}), task, "c.jsonl")
+
+
+def test_a_hub_dataset_gives_its_train_and_eval_splits_and_a_split_to_hold_out_from(tmp_path):
+    """A local directory laid out like a Hub dataset stands in for one (the Hub is offline)."""
+    from flaxlm.data.chat import load_conversations
+
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    write_chats(hub / "train.jsonl", 20, seed=1)
+    write_chats(hub / "test.jsonl", 3, seed=2)
+    task = task_config(drills=0, hub_path=str(hub), hub_split="train", hub_eval_split="test")
+    loaded = load_conversations(task)
+    assert (loaded.train, loaded.eval) == (drill_conversations(20, 1), drill_conversations(3, 2))
+    held = load_conversations(dataclasses.replace(task, hub_eval_split=None))
+    assert (len(held.train), held.eval) == (19, drill_conversations(20, 1)[19:])
 
 
 @pytest.mark.parametrize(("turns", "message"), [

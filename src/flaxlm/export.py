@@ -295,6 +295,11 @@ def model_card(model_config: ModelConfig, architecture: str, run_config: dict | 
               "```", ""]
     if arch.is_lm:
         lines += [_document_note(tokenizer, own_conventions), ""]
+    if arch.is_lm and tokenizer.chat_template:
+        lines += ["A chat model: `tokenizer.apply_chat_template(messages, "
+                  "add_generation_prompt=True, return_dict=True, return_tensors=\"pt\")` "
+                  "encodes a conversation as training rendered it, and `model.generate` stops "
+                  "at the end of the reply (generation_config.json's `eos_token_id`).", ""]
     if run_config:
         trained = OmegaConf.to_container(OmegaConf.structured(model_config), enum_to_str=True)
         run_config = {**run_config, "model": {**(run_config.get("model") or {}), **trained}}
