@@ -40,6 +40,18 @@ def jsonl(rows: list[dict]) -> str:
     return "".join(json.dumps(row) + "\n" for row in rows)
 
 
+def sft(train: str) -> list[str]:
+    return ["task=sft", "task.max_seq_length=64", f"task.files=[{{data}}/{train}]"]
+
+
+def chats(*conversations: list[tuple[str, str]]) -> str:
+    return jsonl([{"messages": [{"role": role, "content": text} for role, text in turns]}
+                  for turns in conversations])
+
+
+GOOD_CHAT = [("user", "What is 2 + 5?"), ("assistant", "7.")]
+
+
 def labelled(labels: list) -> str:
     return jsonl([{"text": f"example {i}", "label": label} for i, label in enumerate(labels)])
 
@@ -65,6 +77,10 @@ DATA = {
     "names.jsonl": labelled(["neg", "pos"] * 8),
     "unseen-name.jsonl": labelled(["neg", "pos", "meh"]),
     "missing-label.csv": "text,label\na,1\nb,\nc,0\n",
+    "human-role.jsonl": chats(GOOD_CHAT, [("human", "hi"), ("assistant", "hello")]),
+    "no-reply.jsonl": chats(GOOD_CHAT, [("user", "hi")]),
+    "long-chats.jsonl": chats(*[[("user", "a long question " * 20), ("assistant", "yes")]] * 4),
+    "chats.jsonl": chats(*[GOOD_CHAT] * 4),
 }
 
 
@@ -246,6 +262,23 @@ ROWS = {
                               setup=a_file_at("blocker")),
     "cache-dir-unwritable": Row([*corpus("english.txt"), "cache_dir={tmp}/blocker/cache"],
                                 ["cache_dir", "blocker"], setup=a_file_at("blocker")),
+    # --- task=sft's conversations and chat template
+    "sft-without-data": Row(["task=sft", "task.max_seq_length=64"],
+                            ["task.files", "task.hub_path", "task.drills"]),
+    "sft-unknown-role": Row(sft("human-role.jsonl"), ["human-role.jsonl", "row 2", "'human'"]),
+    "sft-no-assistant-turn": Row(sft("no-reply.jsonl"), ["no-reply.jsonl", "row 2",
+                                                         "no assistant turn"]),
+    "sft-every-conversation-too-long": Row([*sft("long-chats.jsonl"),
+                                            "task.long_conversations=drop"],
+                                           ["task.long_conversations=drop", "dropped"]),
+    "sft-template-does-not-render": Row([*sft("chats.jsonl"),
+                                         "task.chat_template='{{% for m in messages %}}'"],
+                                        ["task.chat_template does not render"]),
+    "sft-streaming-without-max-steps": Row([*sft("chats.jsonl"), "task.streaming=true",
+                                            "trainer.max_steps=null"],
+                                           ["task.streaming=true", "trainer.max_steps"]),
+    "sft-streaming-without-held-out-data": Row([*sft("chats.jsonl"), "task.streaming=true"],
+                                               ["task.eval_files", "task.hub_eval_split"]),
     "retry-after-a-failed-start": Row([*FILES, "language.files=[{tmp}/missing/*.txt]"],
                                       ["language.files", "missing/*.txt"], setup=failed_start),
 }

@@ -52,7 +52,8 @@ from flaxlm.parallel import (
     target_devices,
 )
 from flaxlm.tasks import base
-from flaxlm.tasks.clm import CausalLM, lm_start, lm_steps_compiler
+from flaxlm.tasks.clm import CausalLM
+from flaxlm.tasks.language_model import lm_start, lm_steps_compiler
 from flaxlm.training.optimizer import make_optimizer, make_schedule
 from flaxlm.training.plan import global_batch_size
 from flaxlm.training.step import CompiledSteps, TrainState, create_state

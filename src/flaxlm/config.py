@@ -302,10 +302,18 @@ class Padding(str, enum.Enum):
     buckets = "buckets"  # each batch padded to the next of a few lengths: less padding, few shapes
 
 
+class LongConversations(str, enum.Enum):
+    """task=sft: what happens to a conversation longer than task.max_seq_length."""
+
+    truncate = "truncate"  # keep its first max_seq_length tokens (the rest is not trained on)
+    drop = "drop"  # leave it out
+
+
 @dataclasses.dataclass
 class TaskConfig:
     """WHAT objective. `clm`: causal language modelling on packed blocks. `classify`:
-    sequence (or sentence-pair) classification, or regression when num_labels = 1."""
+    sequence (or sentence-pair) classification, or regression when num_labels = 1. `sft`:
+    supervised fine-tuning on conversations, the loss on the assistant's tokens."""
 
     name: str = MISSING
     # clm: blocks of this many tokens; null → the model's context length (model.max_positions).
@@ -322,7 +330,7 @@ class TaskConfig:
     hub_path: Optional[str] = None
     hub_config: Optional[str] = None
     hub_split: str = MISSING  # the Hub dataset's split to train on
-    hub_eval_split: str = MISSING  # ... and to evaluate on
+    hub_eval_split: Optional[str] = MISSING  # ... and to evaluate on (sft: null → hold out)
     files: list[str] = dataclasses.field(default_factory=list)  # training examples
     eval_files: list[str] = dataclasses.field(default_factory=list)
     text_column: str = MISSING
@@ -333,6 +341,27 @@ class TaskConfig:
     # pearson, spearman. Empty → accuracy (+ f1 with two labels), or pearson/spearman.
     metrics: list[str] = dataclasses.field(default_factory=list)
     padding: Padding = MISSING
+    # sft only, below (conf/task/sft.yaml; the data settings above are shared with classify:
+    # hub_path, hub_config, hub_split, hub_eval_split, files, eval_files). A conversation is a
+    # `messages_column` of [{role, content}, ...] (HF chat datasets, e.g. UltraChat) or, when
+    # the data has no such column, one user turn `prompt_column` and one assistant turn
+    # `response_column`.
+    messages_column: str = MISSING
+    prompt_column: str = MISSING
+    response_column: str = MISSING
+    long_conversations: LongConversations = MISSING
+    # A Jinja chat template that replaces the tokenizer's (null: the tokenizer's own, else
+    # flaxlm's ChatML default, data/chat_template.py).
+    chat_template: Optional[str] = None
+    # Held-out conversations when there are no eval files and hub_eval_split is null: this
+    # fraction of the training split (at least one conversation).
+    eval_fraction: float = MISSING
+    # Read the training conversations as a stream (a Hub dataset or JSON lines / parquet
+    # files): nothing materialised whole; needs trainer.max_steps and an eval split or files.
+    streaming: bool = False
+    # > 0: that many generated drill conversations (arithmetic, word reversal; data/drills.py)
+    # instead of files or a hub dataset: offline data for experiment=sft-llama-tiny-drills.
+    drills: int = 0
 
 
 class TokenConvention(str, enum.Enum):
@@ -460,7 +489,8 @@ class SamplesConfig:
     """Text the trained model writes at the end of a task=clm run: printed, logged to
     metrics.jsonl and as a W&B table. Each prompt starts a document (it follows the EOS that
     separates documents, or the tokenizer's own BOS: tokenizer.convention); an empty prompt
-    lets the model start its own. No prompts → none."""
+    lets the model start its own. No prompts → none. task=sft: each prompt is a user's turn in
+    the chat template, and the model's replies are printed before training and after it."""
 
     prompts: list[str] = MISSING
     max_new_tokens: int = MISSING  # cut to what the context (model.max_positions) leaves

@@ -42,6 +42,7 @@ from omegaconf import OmegaConf
 
 from flaxlm import layout
 from flaxlm.config import ModelConfig
+from flaxlm.data.chat_template import stop_token_ids
 from flaxlm.data.tokenizer import document_prefix, prompt_tokenizer
 from flaxlm.errors import FlaxlmError
 from flaxlm.generate import GenerationSettings
@@ -229,8 +230,11 @@ def _self_and_parents(path: str):
 
 def generation_config(settings: GenerationSettings, tokenizer) -> transformers.GenerationConfig:
     """transformers' generation defaults for the export: our sampling settings and the
-    tokenizer's special ids (generation stops at EOS; batches pad with the pad token)."""
-    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    tokenizer's special ids (generation stops at EOS; batches pad with the pad token). A chat
+    model's stops at the end of its turn too (`stop_token_ids`), as flaxlm-generate --chat."""
+    stops = list(stop_token_ids(tokenizer)) if tokenizer.chat_template else []
+    eos = stops if len(stops) > 1 else tokenizer.eos_token_id
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,
                pad_token_id=tokenizer.pad_token_id, max_new_tokens=settings.max_new_tokens)
     if settings.is_greedy:
         return transformers.GenerationConfig(do_sample=False, **ids)
@@ -291,6 +295,11 @@ def model_card(model_config: ModelConfig, architecture: str, run_config: dict | 
               "```", ""]
     if arch.is_lm:
         lines += [_document_note(tokenizer, own_conventions), ""]
+    if arch.is_lm and tokenizer.chat_template:
+        lines += ["A chat model: `tokenizer.apply_chat_template(messages, "
+                  "add_generation_prompt=True, return_dict=True, return_tensors=\"pt\")` "
+                  "encodes a conversation as training rendered it, and `model.generate` stops "
+                  "at the end of the reply (generation_config.json's `eos_token_id`).", ""]
     if run_config:
         trained = OmegaConf.to_container(OmegaConf.structured(model_config), enum_to_str=True)
         run_config = {**run_config, "model": {**(run_config.get("model") or {}), **trained}}

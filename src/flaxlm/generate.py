@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from flaxlm.data.chat_template import chat_prompt_ids, stop_token_ids
 from flaxlm.data.tokenizer import prompt_tokenizer
 from flaxlm.errors import FlaxlmError
 from flaxlm.models.layers import KVCache
@@ -92,14 +93,29 @@ def generate(model: LanguageModel, tokenizer, prompts: Sequence[str],
     return [tokenizer.decode(ids, skip_special_tokens=True) for ids in new_ids]
 
 
+def generate_chat(model: LanguageModel, tokenizer, prompts: Sequence[str],
+                  settings: GenerationSettings) -> list[str]:
+    """The model's replies to `prompts`, each a user's turn rendered by the tokenizer's chat
+    template with the generation prompt after it; a reply ends at the template's end of turn
+    or at EOS (`chat_template.stop_token_ids`). What transformers' `apply_chat_template(...,
+    add_generation_prompt=True)` and `generate` give with the exported model."""
+    new_ids = generate_ids(model, encode_prompts(tokenizer, prompts, chat=True), settings,
+                           eos_token_id=stop_token_ids(tokenizer),
+                           pad_token_id=tokenizer.pad_token_id)
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in new_ids]
+
+
 def encode_prompts(tokenizer, prompts: Sequence[str], *,
-                   own_conventions: bool = False) -> list[list[int]]:
+                   own_conventions: bool = False, chat: bool = False) -> list[list[int]]:
     """The ids of each prompt read as the start of a document: after the EOS token that
     separates documents in the packed training stream (`with_document_start`), or, for a model
     that keeps its tokenizer's own conventions (a model from someone else's weights), as the
     tokenizer encodes it (its BOS, if it adds one). The exported tokenizer encodes a prompt the
     same way. An empty prompt that gets no token starts from BOS (else EOS), as transformers'
-    `generate` does without input ids."""
+    `generate` does without input ids. With `chat`, each prompt is a user's turn in the
+    tokenizer's chat template, followed by its generation prompt (`chat_prompt_ids`)."""
+    if chat:
+        return [chat_prompt_ids(tokenizer, prompt) for prompt in prompts]
     encoder = prompt_tokenizer(tokenizer, own_conventions)
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     empty = [start] if start is not None else []
@@ -107,21 +123,23 @@ def encode_prompts(tokenizer, prompts: Sequence[str], *,
 
 
 def generate_ids(model: LanguageModel, prompt_ids: Sequence[Sequence[int]],
-                 settings: GenerationSettings, *, eos_token_id: int | None,
+                 settings: GenerationSettings, *, eos_token_id: int | Sequence[int] | None,
                  pad_token_id: int | None = None) -> list[list[int]]:
     """New token ids for each prompt (a list of ids, at least one), up to and without the first
-    `eos_token_id`, at most `settings.max_new_tokens`."""
+    `eos_token_id` (or the first of several: a chat model stops at the end of its turn or at
+    EOS, as transformers does with a list), at most `settings.max_new_tokens`."""
     check_prompts(settings, prompt_ids, model.context_length)
     pad = pad_token_id if pad_token_id is not None else 0
     ids_BxP, mask_BxP = left_pad(prompt_ids, pad)
-    eos = -1 if eos_token_id is None else eos_token_id
+    eos = ((-1,) if eos_token_id is None else (eos_token_id,) if isinstance(eos_token_id, int)
+           else tuple(eos_token_id))
     graphdef, params = nnx.split(model)
     tokens_BxT = _generate_tokens(
         graphdef, params, jnp.asarray(ids_BxP), jnp.asarray(mask_BxP),
         jax.random.key(settings.seed), jnp.float32(max(settings.temperature, 1e-6)),
         jnp.float32(settings.top_p), max_new_tokens=settings.max_new_tokens,
         greedy=settings.is_greedy, top_k=settings.top_k,
-        eos_token_id=eos, pad_token_id=pad,
+        stop_ids=eos, pad_token_id=pad,
     )
     return [_until_eos(row, eos) for row in np.asarray(tokens_BxT).tolist()]
 
@@ -156,14 +174,14 @@ def prompt_bucket(length: int) -> int:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "top_k", "eos_token_id",
+    jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "top_k", "stop_ids",
                               "pad_token_id")
 )
 def _generate_tokens(graphdef, params, ids_BxP, mask_BxP, key, temperature, top_p, *,
-                     max_new_tokens: int, greedy: bool, top_k: int, eos_token_id: int,
+                     max_new_tokens: int, greedy: bool, top_k: int, stop_ids: tuple[int, ...],
                      pad_token_id: int):
-    """(B, max_new_tokens) new tokens; after a row's EOS, `pad_token_id`. The loop stops early
-    once every row has emitted EOS."""
+    """(B, max_new_tokens) new tokens; after a row's first of `stop_ids` (its EOS),
+    `pad_token_id`. The loop stops early once every row has emitted one."""
     model = nnx.merge(graphdef, params)
     B, P = ids_BxP.shape
     T = max_new_tokens
@@ -185,7 +203,7 @@ def _generate_tokens(graphdef, params, ids_BxP, mask_BxP, key, temperature, top_
         step, token_B, done_B, tokens_BxT, cache = carry
         token_B = jnp.where(done_B, pad_token_id, token_B)
         tokens_BxT = tokens_BxT.at[:, step].set(token_B)
-        done_B = done_B | (token_B == eos_token_id)
+        done_B = done_B | jnp.isin(token_B, jnp.asarray(stop_ids))
         # After the last token this decode is wasted, but skipping it under a `cond` would
         # trace the model twice; the cache has a slot for it.
         logits_Bx1xV, cache = model.decode(token_B[:, None], cache)
@@ -216,8 +234,9 @@ def sample(logits_BxV: jax.Array, key: jax.Array, temperature, top_k: int,
     return jnp.take_along_axis(ids_BxK, choice_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
-def _until_eos(tokens: list[int], eos_token_id: int) -> list[int]:
-    return tokens[: tokens.index(eos_token_id)] if eos_token_id in tokens else tokens
+def _until_eos(tokens: list[int], stop_ids: tuple[int, ...]) -> list[int]:
+    ends = [index for index, token in enumerate(tokens) if token in stop_ids]
+    return tokens[: ends[0]] if ends else tokens
 
 
 def settings_from_samples(samples) -> GenerationSettings:
@@ -231,21 +250,25 @@ def settings_from_samples(samples) -> GenerationSettings:
 
 def log_samples(model: LanguageModel, tokenizer, prompts: Sequence[str],
                 settings: GenerationSettings, tracker, step: int, *,
-                own_conventions: bool = False) -> list[str]:
+                own_conventions: bool = False, chat: bool = False) -> list[str]:
     """End-of-run samples: printed, and logged through `tracker` as table `samples` (prompt,
-    completion). max_new_tokens is cut to what the context leaves, so a run never fails here."""
+    completion). max_new_tokens is cut to what the context leaves, so a run never fails here.
+    With `chat` each prompt is a user's turn and the completion the model's reply
+    (`generate_chat`)."""
     if not prompts:
         return []
-    longest = max(len(ids) for ids in encode_prompts(tokenizer, prompts,
+    longest = max(len(ids) for ids in encode_prompts(tokenizer, prompts, chat=chat,
                                                      own_conventions=own_conventions))
     room = model.context_length - longest
     if room < 1:
         print("flaxlm: no samples: the longest sample prompt fills the whole context")
         return []
     settings = dataclasses.replace(settings, max_new_tokens=min(settings.max_new_tokens, room))
-    completions = generate(model, tokenizer, prompts, settings, own_conventions=own_conventions)
+    completions = (generate_chat(model, tokenizer, prompts, settings) if chat else
+                   generate(model, tokenizer, prompts, settings, own_conventions=own_conventions))
     for prompt, completion in zip(prompts, completions):
-        print(f"flaxlm: sample | {prompt}{completion}".replace("\n", "⏎ "))
+        said = f"user: {prompt} | assistant: {completion}" if chat else f"{prompt}{completion}"
+        print(f"flaxlm: sample | {said}".replace("\n", "⏎ "))
     tracker.log_table("samples", ["prompt", "completion"],
                       [[p, c] for p, c in zip(prompts, completions)], step=step)
     return completions

@@ -4,8 +4,11 @@ checkpoint, or `--step`; a run without checkpoints uses the model it exported at
     flaxlm-generate outputs/clm/runs/<time> --prompt "Return the"
     flaxlm-generate outputs/clm/runs/<time> --prompt "The list" --prompt "A dict" --top-k 40
     flaxlm-generate outputs/clm/runs/<time> --prompt "The list" --greedy --max-new-tokens 100
+    flaxlm-generate outputs/sft/runs/<time> --chat --prompt "What is 2 + 5?" --greedy
 
-Prints each prompt with its completion, separated by `---` lines.
+Prints each prompt with its completion, separated by `---` lines; with --chat, each prompt is a
+user's turn in the run's chat template and the completion the model's reply (up to its end of
+turn), as transformers' apply_chat_template(..., add_generation_prompt=True) + generate give.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ def parser() -> Parser:
     parse.add_argument("--seed", type=int, default=defaults.seed, help="sampling seed")
     parse.add_argument("--greedy", action="store_true", default=defaults.greedy,
                        help="always take the most likely token (no sampling)")
+    parse.add_argument("--chat", action="store_true",
+                       help="answer each prompt as a user's turn, in the tokenizer's chat "
+                            "template (a task=sft run's model)")
     return parse
 
 
@@ -46,7 +52,8 @@ def run(argv: Sequence[str]) -> list[str]:
     """Generate as the command line says, print each prompt with its completion, return the
     completions."""
     args = parser().parse_args(argv)
-    from flaxlm.generate import GenerationSettings, generate
+    from flaxlm.errors import FlaxlmError
+    from flaxlm.generate import GenerationSettings, generate, generate_chat
     from flaxlm.run_model import load_run_model, local_mesh
 
     prompts = args.prompt or [""]
@@ -56,6 +63,15 @@ def run(argv: Sequence[str]) -> list[str]:
     )
     run_model = load_run_model(args.run_dir, args.step, local_mesh())  # split over devices
     print(f"flaxlm: generating with {run_model.source}", file=sys.stderr)
+    if args.chat and not run_model.tokenizer.chat_template:
+        raise FlaxlmError(
+            f"--chat: the tokenizer of {args.run_dir} has no chat template (a task=clm run's "
+            "model has none). Drop --chat to complete the prompts as text, or pass a task=sft "
+            "run.")
+    if args.chat:
+        completions = generate_chat(run_model.model(), run_model.tokenizer, prompts, settings)
+        print("\n---\n".join(f"user: {p}\nassistant: {c}" for p, c in zip(prompts, completions)))
+        return completions
     completions = generate(run_model.model(), run_model.tokenizer, prompts, settings,
                            own_conventions=run_model.own_conventions)
     print("\n---\n".join(p + c for p, c in zip(prompts, completions)))

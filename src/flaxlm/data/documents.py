@@ -26,6 +26,9 @@ from __future__ import annotations
 import numpy as np
 
 INPUT_IDS, SEGMENT_IDS, POSITIONS = "input_ids", "segment_ids", "positions"
+# True on the tokens the loss scores; a batch without it scores every next token. task=sft's
+# batches carry it (data/chat_packing.py): only the assistant's tokens are targets.
+TARGET_MASK = "target_mask"
 DOCUMENT_KEYS = (INPUT_IDS, SEGMENT_IDS, POSITIONS)
 
 

@@ -113,13 +113,13 @@ def _check_both_files(task: TaskConfig) -> None:
 
 def _load_files(patterns: list[str], setting: str, task: TaskConfig) -> datasets.Dataset:
     parts = [
-        _map_columns(_read_file(path, setting), task, repr(str(path)))
+        _map_columns(read_data_file(path, setting), task, repr(str(path)))
         for path in expand_patterns(patterns, setting)
     ]
     return parts[0] if len(parts) == 1 else _concatenate(parts)
 
 
-def _read_file(path: Path, setting: str) -> datasets.Dataset:
+def read_data_file(path: Path, setting: str) -> datasets.Dataset:
     check_file_type(path, setting, _BUILDERS)
     suffix = path.suffix.lower()
     builder, options = _BUILDERS[suffix]

@@ -8,8 +8,6 @@ samples.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from typing import NamedTuple
 
 import datasets
@@ -48,9 +46,15 @@ from flaxlm.models.build import lm_from_params
 from flaxlm.parallel import replicated
 from flaxlm.tasks import base
 from flaxlm.tasks.base import JobContext
+from flaxlm.tasks.language_model import (
+    check_block_length,
+    check_downstream,
+    downstream_hooks,
+    lm_start,
+    lm_steps_compiler,
+)
 from flaxlm.training.evaluation import LMEvaluator, MixtureEvaluator, source_metrics
 from flaxlm.training.plan import global_batch_size
-from flaxlm.training.step import CompiledSteps, LossSettings, compile_steps
 
 # Training documents of a streamed corpus that its fingerprint covers, from the stream's start.
 STREAM_CHECKED_DOCS = 1000
@@ -87,8 +91,7 @@ class CausalLM:
                     "each on its own: set mixture.sources.<language>.streaming=true.")
         if any(language.streaming for language in corpora(config).values()):
             check_streaming_settings(config)
-        if config.eval.harness.tasks:
-            _downstream().check_harness(config.eval.harness)
+        check_downstream(config)
         return seq_len
 
     def eval_metrics(self, config: TrainConfig) -> base.EvalMetrics:
@@ -142,10 +145,7 @@ class CausalLM:
                      f"{data.train_size} train / {eval_size} eval blocks of {seq_len} "
                      f"tokens{_DOCUMENTS[config.task.document_masking]}{mixed} | global batch "
                      f"{batch_size} ({batch_size * seq_len} tokens/step)"))
-        hooks = []
-        if config.eval.harness.tasks:
-            hooks.append(_downstream().HarnessEvaluation(
-                config.eval.harness, config.model, tokenizer, own, job.mesh, job.run.path))
+        hooks = downstream_hooks(job, tokenizer, own)
         state, last_eval = base.run_loop(job, training, loader, evaluator, speed, hooks)
         final = {**last_eval, "tokens_seen": int(state.step) * batch_size * seq_len,
                  "steps": int(state.step)}
@@ -155,44 +155,6 @@ class CausalLM:
         log_samples(lm_from_params(config.model, params), tokenizer, config.samples.prompts,
                     sample_settings, job.tracker, step=final["steps"], own_conventions=own)
         return final
-
-
-def _downstream():
-    """flaxlm.downstream, which loads lm-evaluation-harness: only for a run with
-    eval.harness.tasks, and with a clear error where the harness is not installed."""
-    try:
-        from flaxlm import downstream
-    except ImportError as error:
-        raise FlaxlmError(
-            f"eval.harness needs lm-evaluation-harness, which is not installed ({error}). "
-            "Install flaxlm's `eval` extra (pip install -e '.[eval]'), or set "
-            "eval.harness.tasks=[]."
-        ) from None
-    return downstream
-
-
-def lm_start(config: TrainConfig, seq_len: int) -> tuple[TrainConfig, base.Start, int]:
-    """The run's start (`base.model_start`), the config with the model it starts from, and the
-    block length: with model.init_from, the checkpoint's shape decides its default."""
-    start = base.model_start(config)
-    if start.checkpoint_dir:
-        config = dataclasses.replace(config, model=start.model)
-        seq_len = config.task.max_seq_length or config.model.max_positions
-        check_block_length(config, seq_len)
-    return config, start, seq_len
-
-
-def lm_steps_compiler(config: TrainConfig) -> Callable[..., CompiledSteps]:
-    """`compile(mesh, graphdef, tx, schedule)`: the LM's train and eval steps as this run
-    jits them (its gradient accumulation, its handling of non-finite steps)."""
-
-    def compile_lm_steps(mesh, graphdef, tx, schedule) -> CompiledSteps:
-        return compile_steps(mesh, graphdef, tx, schedule, config.trainer.grad_accum_steps,
-                             skip_nonfinite=config.trainer.skip_nonfinite,
-                             loss=LossSettings(z_loss=config.trainer.z_loss,
-                                               chunk_size=config.trainer.loss_chunk_size))
-
-    return compile_lm_steps
 
 
 class LMData(NamedTuple):
@@ -389,15 +351,6 @@ def announce_long_blocks(config: TrainConfig, seq_len: int) -> None:
         print(f"flaxlm: note: blocks of {seq_len} tokens, model.max_positions ({origin}), since "
               "task.max_seq_length is null; activation memory grows with the block length. "
               "Set task.max_seq_length (e.g. 1024) for shorter blocks.")
-
-
-def check_block_length(config: TrainConfig, seq_len: int) -> None:
-    if not 2 <= seq_len <= config.model.max_positions:
-        raise FlaxlmError(
-            f"task.max_seq_length={seq_len} must be between 2 and the model's context length "
-            f"model.max_positions={config.model.max_positions} ({config.model.name}). Lower "
-            "task.max_seq_length, or pick a model with more positions."
-        )
 
 
 def check_streaming_settings(config: TrainConfig) -> None:

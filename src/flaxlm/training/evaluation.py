@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from flaxlm.config import Padding
 from flaxlm.data.encoding import example_rows
-from flaxlm.data.loader import block_rows, eval_batches, num_eval_batches
+from flaxlm.data.loader import RowGather, block_rows, eval_batches, num_eval_batches
 from flaxlm.errors import FlaxlmError
 from flaxlm.training.inflight import ready_in_order
 from flaxlm.training.progress import progress_file
@@ -79,23 +79,48 @@ class LMEvaluator:
         return lm_metrics(self.sums(params, stop))
 
     def sums(self, params, stop: StopRequest | None = None) -> dict[str, float]:
-        """The loss summed over every validation token, the tokens and their UTF-8 bytes.
-
-        Each batch's sums are fetched one batch after its dispatch, so only a couple of eval
-        programs are ever queued (see `inflight` for why that matters), and are added up on
-        the host in float64.
-        """
+        """The loss summed over every validation token, the tokens and their UTF-8 bytes
+        (`lm_sums`)."""
         gather = block_rows(self.blocks, self.global_batch_size, self.mesh, self.document_starts)
-        batches = eval_batches(len(self.blocks), self.global_batch_size, self.mesh, gather)
-        dispatched = (self.steps.eval(params, inputs, mask, self.token_bytes)
-                      for inputs, mask in batches)
-        total = num_eval_batches(len(self.blocks), self.global_batch_size)
-        totals = dict.fromkeys(("loss_sum", "tokens", "bytes"), 0.0)
-        for sums in tqdm(unless_stopped(ready_in_order(dispatched), stop, total), total=total,
-                         desc="eval", leave=False, file=progress_file()):
-            for key, value in jax.device_get(sums).items():
-                totals[key] += float(value)
-        return totals
+        return lm_sums(self.steps, params, len(self.blocks), gather, self.global_batch_size,
+                       self.mesh, self.token_bytes, stop)
+
+
+@dataclasses.dataclass
+class ChatEvaluator:
+    """task=sft's: the LM metrics over the assistant tokens of every held-out conversation
+    once (rows from data/chat_packing.py, whose target mask the eval step applies)."""
+
+    steps: CompiledSteps
+    num_rows: int
+    gather: RowGather  # `chat_packing.chat_rows` of the held-out rows
+    global_batch_size: int
+    mesh: Mesh
+    token_bytes: jax.Array
+
+    def __call__(self, params, stop: StopRequest | None = None) -> dict[str, float]:
+        return lm_metrics(lm_sums(self.steps, params, self.num_rows, self.gather,
+                                  self.global_batch_size, self.mesh, self.token_bytes, stop))
+
+
+def lm_sums(steps: CompiledSteps, params, num_rows: int, gather: RowGather,
+            global_batch_size: int, mesh: Mesh, token_bytes: jax.Array,
+            stop: StopRequest | None = None) -> dict[str, float]:
+    """The LM eval step's sums over rows 0..num_rows-1 (`gather`), each row once.
+
+    Each batch's sums are fetched one batch after its dispatch, so only a couple of eval
+    programs are ever queued (see `inflight` for why that matters), and are added up on the
+    host in float64.
+    """
+    batches = eval_batches(num_rows, global_batch_size, mesh, gather)
+    dispatched = (steps.eval(params, inputs, mask, token_bytes) for inputs, mask in batches)
+    total = num_eval_batches(num_rows, global_batch_size)
+    totals = dict.fromkeys(("loss_sum", "tokens", "bytes"), 0.0)
+    for sums in tqdm(unless_stopped(ready_in_order(dispatched), stop, total), total=total,
+                     desc="eval", leave=False, file=progress_file()):
+        for key, value in jax.device_get(sums).items():
+            totals[key] += float(value)
+    return totals
 
 
 def lm_metrics(totals: dict[str, float], prefix: str = "eval/",

@@ -22,7 +22,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flaxlm.data.documents import INPUT_IDS, POSITIONS, SEGMENT_IDS
+from flaxlm.data.documents import INPUT_IDS, POSITIONS, SEGMENT_IDS, TARGET_MASK
 from flaxlm.parallel import (
     BATCH_AXES,
     batch_sharded,
@@ -184,11 +184,29 @@ def lm_objective(model, batch, rngs: nnx.Rngs,
     its coefficient is not 0)."""
     losses_BxL, log_z_BxL, _ = lm_token_losses(model, batch, rngs, settings.chunk_size,
                                                with_log_z=settings.z_loss > 0)
-    loss = losses_BxL.mean()
+    weights_BxL = target_weights(batch)
+    loss = weighted_mean(losses_BxL, weights_BxL)
     if not settings.z_loss:
         return loss, {}
-    z_term = settings.z_loss * jnp.square(log_z_BxL).mean()
+    z_term = settings.z_loss * weighted_mean(jnp.square(log_z_BxL), weights_BxL)
     return loss + z_term, {"z_loss": z_term}
+
+
+def target_weights(batch) -> jax.Array | None:
+    """1.0 where the next token is a target, for the (B, L-1) losses; None: every one is. A
+    batch with a target mask (task=sft) scores only its targets' predictions: position t's
+    loss counts when token t+1 is a target."""
+    if not isinstance(batch, dict) or TARGET_MASK not in batch:
+        return None
+    return batch[TARGET_MASK][:, 1:].astype(jnp.float32)
+
+
+def weighted_mean(values_BxL: jax.Array, weights_BxL: jax.Array | None) -> jax.Array:
+    """The mean of `values_BxL` over the positions `weights_BxL` selects (all: None), each
+    target weighing the same whichever row it is in; 0 for a batch without any."""
+    if weights_BxL is None:
+        return values_BxL.mean()
+    return (values_BxL * weights_BxL).sum() / jnp.maximum(weights_BxL.sum(), 1.0)
 
 
 def lm_loss(model, batch, rngs: nnx.Rngs) -> jax.Array:
@@ -315,13 +333,15 @@ def split_micro_batches(batch_N, num_micro: int, sharding: NamedSharding):
 
 def eval_step(params, batch, row_mask_B: jax.Array, token_bytes_V: jax.Array,
               *, graphdef, chunk_size: int | None = None) -> dict[str, jax.Array]:
-    """Sums, not means: loss summed over real tokens, their count and their UTF-8 bytes, so
-    batches (and padding) combine exactly. `batch`: as `lm_logits` reads it; the loss is
-    training's cross-entropy (`lm_token_losses`, chunked as training chunks it), without the
-    z-loss."""
+    """Sums, not means: loss summed over real tokens (a batch's targets, when it has a target
+    mask), their count and their UTF-8 bytes, so batches (and padding) combine exactly.
+    `batch`: as `lm_logits` reads it; the loss is training's cross-entropy (`lm_token_losses`,
+    chunked as training chunks it), without the z-loss."""
     model = nnx.merge(graphdef, params)
     losses_BxL, _, inputs_BxL = lm_token_losses(model, batch, chunk_size=chunk_size)
     mask_BxL = jnp.broadcast_to(row_mask_B[:, None], losses_BxL.shape).astype(jnp.float32)
+    if (weights_BxL := target_weights(batch)) is not None:
+        mask_BxL = mask_BxL * weights_BxL
     targets_BxL = inputs_BxL[:, 1:]
     return {
         "loss_sum": (losses_BxL * mask_BxL).sum(),

@@ -1,0 +1,78 @@
+"""What the language-model tasks (clm, sft) share: where a run starts and how long its
+sequences are, how its next-token train and eval steps are compiled, and its downstream
+evaluation (eval.harness). The tasks themselves stay independent of each other; each imports
+this."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from flaxlm.config import TrainConfig
+from flaxlm.errors import FlaxlmError
+from flaxlm.tasks import base
+from flaxlm.tasks.base import JobContext
+from flaxlm.training.loop import Hook
+from flaxlm.training.step import CompiledSteps, LossSettings, compile_steps
+
+
+def lm_start(config: TrainConfig, seq_len: int) -> tuple[TrainConfig, base.Start, int]:
+    """The run's start (`base.model_start`), the config with the model it starts from, and the
+    block length: with model.init_from, the checkpoint's shape decides its default."""
+    start = base.model_start(config)
+    if start.checkpoint_dir:
+        config = dataclasses.replace(config, model=start.model)
+        seq_len = config.task.max_seq_length or config.model.max_positions
+        check_block_length(config, seq_len)
+    return config, start, seq_len
+
+
+def lm_steps_compiler(config: TrainConfig) -> Callable[..., CompiledSteps]:
+    """`compile(mesh, graphdef, tx, schedule)`: the LM's train and eval steps as this run
+    jits them (its gradient accumulation, its handling of non-finite steps)."""
+
+    def compile_lm_steps(mesh, graphdef, tx, schedule) -> CompiledSteps:
+        return compile_steps(mesh, graphdef, tx, schedule, config.trainer.grad_accum_steps,
+                             skip_nonfinite=config.trainer.skip_nonfinite,
+                             loss=LossSettings(z_loss=config.trainer.z_loss,
+                                               chunk_size=config.trainer.loss_chunk_size))
+
+    return compile_lm_steps
+
+
+def check_block_length(config: TrainConfig, seq_len: int) -> None:
+    if not 2 <= seq_len <= config.model.max_positions:
+        raise FlaxlmError(
+            f"task.max_seq_length={seq_len} must be between 2 and the model's context length "
+            f"model.max_positions={config.model.max_positions} ({config.model.name}). Lower "
+            "task.max_seq_length, or pick a model with more positions."
+        )
+
+
+def check_downstream(config: TrainConfig) -> None:
+    """eval.harness's settings, checked before any data is read."""
+    if config.eval.harness.tasks:
+        _downstream().check_harness(config.eval.harness)
+
+
+def downstream_hooks(job: JobContext, tokenizer, own_conventions: bool) -> list[Hook]:
+    """The loop hook of eval.harness (none without tasks)."""
+    harness = job.config.eval.harness
+    if not harness.tasks:
+        return []
+    return [_downstream().HarnessEvaluation(harness, job.config.model, tokenizer,
+                                            own_conventions, job.mesh, job.run.path)]
+
+
+def _downstream():
+    """flaxlm.downstream, which loads lm-evaluation-harness: only for a run with
+    eval.harness.tasks, and with a clear error where the harness is not installed."""
+    try:
+        from flaxlm import downstream
+    except ImportError as error:
+        raise FlaxlmError(
+            f"eval.harness needs lm-evaluation-harness, which is not installed ({error}). "
+            "Install flaxlm's `eval` extra (pip install -e '.[eval]'), or set "
+            "eval.harness.tasks=[]."
+        ) from None
+    return downstream
