@@ -15,6 +15,7 @@ widths, R the adapter's rank.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import jax
@@ -44,6 +45,16 @@ _ADAPTER_KEY_SALT = 0x10A
 def enabled(model: ModelConfig) -> bool:
     """Whether `model` trains adapters (model.lora.rank is set)."""
     return model.lora.rank is not None
+
+
+def trainable(model: ModelConfig) -> type[nnx.Variable] | None:
+    """The nnx filter of what trains: the adapters with model.lora, else (None) everything."""
+    return nnx.LoRAParam if enabled(model) else None
+
+
+def without_adapters(model: ModelConfig) -> ModelConfig:
+    """`model` with model.lora off: the plain model that the merged weights make."""
+    return dataclasses.replace(model, lora=LoraConfig())
 
 
 def targets(model: ModelConfig) -> tuple[str, ...]:

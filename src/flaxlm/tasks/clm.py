@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import transformers
 
+from flaxlm import layout
 from flaxlm.config import CorpusSource, LanguageConfig, TrainConfig
 from flaxlm.data.corpus import load_corpus, load_corpus_stream
 from flaxlm.data.fingerprint import documents_fingerprint, text_fingerprint
@@ -42,8 +43,9 @@ from flaxlm.data.tokenizer import (
     token_byte_lengths,
 )
 from flaxlm.errors import FlaxlmError
+from flaxlm.export import export_adapter
 from flaxlm.generate import log_samples, settings_from_samples
-from flaxlm.models import build, hf, pretrained
+from flaxlm.models import build, hf, lora, pretrained
 from flaxlm.models.build import lm_from_params
 from flaxlm.parallel import replicated
 from flaxlm.tasks import base
@@ -71,6 +73,7 @@ class CausalLM:
 
     def check_settings(self, config: TrainConfig) -> int:
         build.check_lm_family(config.model)
+        lora.check_lora(config.model)
         if config.language is None:
             raise FlaxlmError(
                 "task=clm needs a corpus, and language is null. Pick one, e.g. "
@@ -143,10 +146,15 @@ class CausalLM:
         state, last_eval = base.run_loop(job, training, loader, evaluator, speed)
         final = {**last_eval, "tokens_seen": int(state.step) * batch_size * seq_len,
                  "steps": int(state.step)}
-        params = base.model_params(state)
-        base.export_model(job, params, config.model, tokenizer, final, generation=sample_settings,
+        params, model = base.model_params(state), config.model
+        if lora.enabled(model):
+            job.write(export_adapter, job.path(layout.ADAPTER_SUBDIR), params, model,
+                      base_model=model.init_from, source=f"{job.run.path}, step {final['steps']}")
+            params = lora.merged_params(params, lora.adapter_scale(model.lora))
+            model = lora.without_adapters(model)
+        base.export_model(job, params, model, tokenizer, final, generation=sample_settings,
                           own_conventions=own)
-        log_samples(lm_from_params(config.model, params), tokenizer, config.samples.prompts,
+        log_samples(lm_from_params(model, params), tokenizer, config.samples.prompts,
                     sample_settings, job.tracker, step=final["steps"], own_conventions=own)
         return final
 
@@ -170,7 +178,8 @@ def lm_steps_compiler(config: TrainConfig) -> Callable[..., CompiledSteps]:
         return compile_steps(mesh, graphdef, tx, schedule, config.trainer.grad_accum_steps,
                              skip_nonfinite=config.trainer.skip_nonfinite,
                              loss=LossSettings(z_loss=config.trainer.z_loss,
-                                               chunk_size=config.trainer.loss_chunk_size))
+                                               chunk_size=config.trainer.loss_chunk_size),
+                             trainable=lora.trainable(config.model))
 
     return compile_lm_steps
 
