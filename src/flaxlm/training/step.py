@@ -58,7 +58,8 @@ def create_state(model: nnx.Module, tx: optax.GradientTransformation,
     graphdef, params = nnx.split(model, nnx.Param)
     abstract = is_abstract(params)
     step = jax.ShapeDtypeStruct((), jnp.int32) if abstract else jnp.zeros((), jnp.int32)
-    trained = lambda params: params if trainable is None else params.filter(trainable)  # noqa: E731
+    trained = lambda params: (params if trainable is None  # noqa: E731
+                              else nnx.filter_state(params, trainable))
     if mesh is None:
         init = jax.eval_shape if abstract else lambda fn, tree: fn(tree)
         return graphdef, TrainState(step=step, params=params,
@@ -77,7 +78,7 @@ def trained_part(state: TrainState, trainable: Filter | None) -> TrainState:
     checkpoint; it comes back from where it was loaded (`with_trained_part`)."""
     if trainable is None:
         return state
-    return state.replace(params=state.params.filter(trainable))
+    return state.replace(params=nnx.filter_state(state.params, trainable))
 
 
 def with_trained_part(state: TrainState, part: TrainState, trainable: Filter | None
@@ -85,7 +86,7 @@ def with_trained_part(state: TrainState, part: TrainState, trainable: Filter | N
     """`state` with what trains replaced by `part` (a restored `trained_part`)."""
     if trainable is None:
         return part
-    frozen = state.params.split(trainable, ...)[1]
+    frozen = nnx.split_state(state.params, trainable, ...)[1]
     return part.replace(params=nnx.merge_state(part.params, frozen))
 
 
@@ -247,7 +248,7 @@ def train_step(state: TrainState, batch_K, dropout_key: jax.Array, *, graphdef,
     if trainable is None:
         trained, frozen = state.params, None
     else:
-        trained, frozen = state.params.split(trainable, ...)
+        trained, frozen = nnx.split_state(state.params, trainable, ...)
 
     def micro_batch_loss(trained, micro_batch, key):
         params = (trained,) if frozen is None else (trained, frozen)
