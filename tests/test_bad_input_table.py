@@ -162,6 +162,12 @@ ROWS = {
     "attention-splash-on-cpu": Row(["model.attention=splash"], ["model.attention=splash"]),
     "attention-unknown": Row(["model.attention=flash"], ["model.attention"]),
     "clm-with-an-encoder": Row(["model=bert-tiny"], ["model=bert-tiny", "task=clm"]),
+    "lora-rank-zero": Row(["model.lora.rank=0"], ["model.lora.rank=0"]),
+    "lora-unknown-target": Row(["model=gpt2-tiny", "model.lora.rank=4",
+                                "model.lora.targets=[q_proj]"],
+                               ["model.lora.targets", "q_proj", "c_attn, c_proj, c_fc"]),
+    "lora-with-classify": Row([*classify("pairs.jsonl", "pairs.jsonl"), "model.lora.rank=4"],
+                              ["model.lora.rank=4", "task=classify"]),
     # --- the corpus
     "files-without-files": Row(FILES, ["language.files is empty"]),
     "missing-corpus-file": Row(corpus("nothing-*.txt"), ["language.files", "nothing-*.txt"]),
