@@ -47,10 +47,10 @@ def logits(model, input_ids_BxL):
 
 def randomised_adapters(model, seed: int = 1):
     """`model` with every adapter's B drawn at random (a fresh B is zero: no effect at all)."""
+    rng = np.random.default_rng(seed)  # numpy: no compile per shape, as jax.random would
     state = nnx.state(model, nnx.LoRAParam)
-    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(state))))
-    nnx.update(model, jax.tree.map(lambda p: 0.1 * jax.random.normal(next(keys), p.shape),
-                                   state))
+    nnx.update(model, jax.tree.map(
+        lambda p: jnp.asarray(0.1 * rng.standard_normal(p.shape), p.dtype), state))
     return model
 
 
@@ -97,8 +97,8 @@ def test_merged_weights_give_the_adapted_logits(family, scan):
 def test_a_train_step_changes_the_adapters_only():
     import optax
 
-    model_config = tiny_model("llama", dropout=0.1)
-    mesh = make_mesh(8)
+    model_config = tiny_model("llama")  # adapter dropout: the resume test's runs
+    mesh = make_mesh(2)
     tx = optax.adamw(1e-2)
     graphdef, state = create_state(built(model_config), tx, mesh, nnx.LoRAParam)
     adapters = nnx.filter_state(state.params, nnx.LoRAParam)
@@ -108,7 +108,7 @@ def test_a_train_step_changes_the_adapters_only():
     before = jax.device_get(state.params)
     train = compile_train_step(mesh, graphdef, tx, optax.constant_schedule(1e-2),
                                trainable=nnx.LoRAParam)
-    batch = jnp.tile(INPUTS_BxL, (8, 1))[None].reshape(16, 12)
+    batch = INPUTS_BxL
     structure = jax.tree.structure(state)
     for step in range(2):
         state, metrics = train(state, batch, jax.random.key(step))
@@ -277,3 +277,37 @@ def _flaxlm_adapted(run_dir, base_dir):
     nnx.replace_by_pure_dict(state, adapters)
     nnx.update(model, state)
     return model
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+@pytest.mark.parametrize("family", list(OPTIONS))
+def test_peft_loads_the_adapter_onto_the_base_with_flaxlms_logits(family, tmp_path):
+    """Each family's adapter directory, loaded by PEFT onto the HF base (GPT-2's Conv1D
+    projections with fan_in_fan_out), and the merged export, give flaxlm's logits."""
+    torch = pytest.importorskip("torch")
+    peft_lib = pytest.importorskip("peft")
+    import transformers
+    from conftest import make_tokenizer
+
+    from flaxlm.export import export_adapter, export_hf
+
+    model_config = tiny_model(family, alpha=8.0, targets=list(lora.TARGETS[lora.ModelFamily(
+        family)][:3]))
+    adapted = randomised_adapters(built(model_config))
+    params = nnx.to_pure_dict(nnx.state(adapted, nnx.Param))
+    plain_config = lora.without_adapters(model_config)
+    tokenizer = make_tokenizer()
+    export_hf(tmp_path / "base", lora.merged_params(params, 0.0), plain_config, tokenizer)
+    export_hf(tmp_path / "merged", lora.merged_params(params, lora.adapter_scale(
+        model_config.lora)), plain_config, tokenizer)
+    export_adapter(tmp_path / "adapter", params, model_config, base_model=str(tmp_path / "base"))
+    expected = np.asarray(logits(adapted, INPUTS_BxL))
+    ids = torch.tensor(np.asarray(INPUTS_BxL))
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    with_adapter = peft_lib.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    for hf_model in (with_adapter, merged):
+        with torch.no_grad():
+            np.testing.assert_allclose(hf_model(ids).logits.numpy(), expected, rtol=1e-4,
+                                       atol=1e-4)
