@@ -194,6 +194,7 @@ def test_a_lora_run_checkpoints_its_adapters_and_exports_both_ways(lora_run, bas
     with open(os.path.join(lora_run, "adapter", "adapter_config.json")) as f:
         assert json.load(f)["base_model_name_or_path"] == base_dir
     assert os.path.isfile(os.path.join(lora_run, "model", "model.safetensors"))
+    assert_checkpoint_reads_as_the_export(lora_run)
     # The same run resumed onto its base after the base's weights changed is refused.
     weights = os.path.join(base_dir, "model.safetensors")
     with open(weights, "rb") as f:
@@ -234,6 +235,25 @@ def test_a_lora_run_resumes_exactly(tmp_path, monkeypatch, capsys):
     straight, _, _ = restore_params(str(tmp_path / "straight"))
     resumed, _, _ = restore_params(str(tmp_path / "resumed"))
     assert jax.tree.all(jax.tree.map(np.array_equal, straight, resumed))
+    assert_checkpoint_reads_as_the_export(tmp_path / "resumed")
+
+
+def assert_checkpoint_reads_as_the_export(run_dir):
+    """flaxlm-export and flaxlm-generate read a LoRA run's checkpoint (its adapters) onto its
+    base, merged: the weights of the run's own merged export."""
+    from flaxlm.models import pretrained
+    from flaxlm.run_model import load_run_model
+
+    read = load_run_model(str(run_dir))
+    assert read.model_config.lora.rank is None
+    exported = nnx.eval_shape(lambda: build_lm(TransformerSpec(read.model_config),
+                                               nnx.Rngs(0)))
+    pretrained.load_pretrained_weights(exported, str(run_dir / "model"))
+    expected = nnx.to_pure_dict(nnx.state(exported, nnx.Param))
+    for (path, leaf), (_, other) in zip(nnx.to_flat_state(nnx.State(read.params)),
+                                        nnx.to_flat_state(nnx.State(expected)), strict=True):
+        np.testing.assert_allclose(np.asarray(leaf), np.asarray(other), rtol=0, atol=1e-6,
+                                   err_msg=str(path))
 
 
 @pytest.mark.slow
