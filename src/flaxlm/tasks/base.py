@@ -214,6 +214,10 @@ def prepare_training(
                 DATA_FINGERPRINT_KEY: data_fingerprint}
     if trainable is not None:
         metadata[LORA_BASE_KEY] = lora_base(config, start)
+        if start.checkpoint_dir is None:
+            print(f"flaxlm: note: model.lora trains adapters on a base of random weights (no "
+                  f"model.init_from; made from seed={config.seed}, which a resume needs "
+                  "again); set model.init_from to adapt a pretrained model")
     training = Training(state, steps, plan, dropout_key, metadata, count_params(model), None,
                         attention, num_trainable=_count(trained_part(state, trainable).params),
                         opt_state_bytes=_bytes(state.opt_state), trainable=trainable)
