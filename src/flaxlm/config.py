@@ -493,6 +493,27 @@ class SamplesConfig:
 
 
 @dataclasses.dataclass
+class HarnessConfig:
+    """lm-evaluation-harness tasks run on the model while it trains (docs/evaluating.md),
+    logged as `eval/<task>/<metric>`; any of these can be trainer.objective."""
+
+    # Harness task or group names, e.g. [hellaswag, arc_easy]; none → no downstream evaluation.
+    tasks: list[str] = dataclasses.field(default_factory=list)
+    limit: Optional[float] = None  # examples per task (below 1: a fraction); null → all
+    every_steps: Optional[int] = None  # null → at the end of the run only
+    num_fewshot: Optional[int] = None  # null → each task's own
+    include_path: Optional[str] = None  # a folder of task YAML files (tasks on local data)
+    batch_size: int = MISSING  # rows per forward pass, split over the devices
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    """Evaluation beyond the task's own held-out loss: `eval.harness`."""
+
+    harness: HarnessConfig = dataclasses.field(default_factory=HarnessConfig)
+
+
+@dataclasses.dataclass
 class TrainConfig:
     """The whole composed config of `flaxlm-train`."""
 
@@ -508,6 +529,7 @@ class TrainConfig:
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     samples: SamplesConfig = dataclasses.field(default_factory=SamplesConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     seed: int = MISSING
     # Where this run writes; a new run never reuses an existing one. Hydra fills it in for a
     # run (null only where Hydra runs no job, e.g. `flaxlm-train --cfg job --resolve`).

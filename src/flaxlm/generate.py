@@ -41,7 +41,15 @@ class LanguageModel(Protocol):
     def init_cache(self, batch_size: int, num_slots: int) -> KVCache: ...
 
     def decode(self, input_ids_BxL: jax.Array, cache: KVCache,
-               input_mask_BxL: jax.Array | None = None) -> tuple[jax.Array, KVCache]: ...
+               input_mask_BxL: jax.Array | None = None,
+               branches_BxL: jax.Array | None = None) -> tuple[jax.Array, KVCache]: ...
+
+    def decode_hidden_states(self, input_ids_BxL: jax.Array, cache: KVCache,
+                             input_mask_BxL: jax.Array | None = None,
+                             branches_BxL: jax.Array | None = None
+                             ) -> tuple[jax.Array, KVCache]: ...
+
+    def lm_head_logits(self, x_BxLxD: jax.Array) -> jax.Array: ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -175,7 +175,7 @@ def _from_export(model_dir: str, run_dir: str, tokenizer, mesh: Mesh | None) -> 
             "weights. "
             "Give the directory of a run that finished or saved a checkpoint."
         )
-    run_config = _saved_run_config(run_dir)
+    run_config = saved_run_config(run_dir)
     if os.path.isfile(run_path(run_dir, layout.MODEL_CONFIG_FILE)):
         model_config = _trained_model_config(run_dir, run_config)
     else:  # the export's own config.json gives the shape
@@ -224,7 +224,8 @@ def _is_classifier_run(run_config: dict) -> bool:
     return ((run_config or {}).get("task") or {}).get("name") == "classify"
 
 
-def _saved_run_config(run_dir: str) -> dict:
+def saved_run_config(run_dir: str) -> dict:
+    """The config a run saved when it started ({} if none), upgraded to today's keys."""
     path = run_path(run_dir, layout.CONFIG_FILE)
     if not os.path.isfile(path):
         return {}

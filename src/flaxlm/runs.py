@@ -82,7 +82,7 @@ RESUMABLE_CHANGES = (
     "trainer.log_every_steps", "trainer.eval_every_steps", "trainer.max_steps",
     "trainer.num_epochs", "trainer.eval_before_training", "trainer.resume",
     "trainer.resume_on_changed_data", "trainer.skip_nonfinite",
-    "trainer.objective",
+    "trainer.objective", "eval.",
     "hardware.name", "hardware.cpu_devices", "hardware.num_devices",
     "hardware.per_device_batch_size", "hardware.per_device_eval_batch_size",
     "hardware.peak_tflops_per_device", "hardware.hbm_gib_per_device",
@@ -138,7 +138,7 @@ def open_run_dir(config: TrainConfig, resolved: dict) -> RunDir:
                 _set_aside_start_without_checkpoint(path, resolved)
             claim_run_dir(path)
             save_config(path, resolved)
-        return RunDir(path, resuming, _wandb_run_id(path), lock)
+        return RunDir(path, resuming, wandb_run_id(path), lock)
     except BaseException:
         os.close(lock)
         raise
@@ -310,7 +310,24 @@ def _lock(run_dir: str) -> int:
     return descriptor
 
 
-def _wandb_run_id(run_dir: str) -> str:
+@contextlib.contextmanager
+def held_run_dir(run_dir: str):
+    """The run directory's lock for a tool that writes into a finished run (flaxlm-eval
+    logging its results): yields True while held, or False at once if a run is training
+    there, whose files the tool must then leave alone."""
+    descriptor = os.open(run_path(run_dir, LOCK_FILE), os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(descriptor)  # which releases the lock
+
+
+def wandb_run_id(run_dir: str) -> str:
     """The W&B run id of this run directory, made once and kept in the directory, so that a
     resumed run continues the same W&B run. Started by a W&B sweep agent, the run takes the id
     the agent assigned (WANDB_RUN_ID): a run under another id would not belong to the sweep."""

@@ -70,12 +70,21 @@ class Tracker:
         return dropped
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        self._log(metrics, step, wandb_step=step)
+
+    def log_after_the_run(self, metrics: Mapping[str, Any], step: int) -> None:
+        """`log` for metrics of an earlier step, computed after the run (flaxlm-eval): W&B
+        refuses a step lower than the run's last, so its row carries the step only as the
+        charts' x axis (`STEP_AXIS`)."""
+        self._log(metrics, step, wandb_step=None)
+
+    def _log(self, metrics: Mapping[str, Any], step: int, wandb_step: int | None) -> None:
         if self._jsonl is None:
             return
         record = {k: plain(v) for k, v in metrics.items()}
         self._jsonl.write(json.dumps({"step": step, "time": time.time(), **record}) + "\n")
         if self.wandb_run is not None:
-            self.wandb_run.log({**record, STEP_AXIS: step}, step=step)
+            self.wandb_run.log({**record, STEP_AXIS: step}, step=wandb_step)
         if self.tensorboard is not None:
             self.tensorboard.log(record, step)
 

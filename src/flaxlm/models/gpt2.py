@@ -192,23 +192,34 @@ class GPT2LMHeadModel(nnx.Module):
                            stacked=self.scan_layers)
 
     def decode(self, input_ids_BxL: jax.Array, cache: KVCache,
-               input_mask_BxL: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+               input_mask_BxL: jax.Array | None = None,
+               branches_BxL: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """Logits of L new tokens given everything in `cache`, and the cache with them in it.
 
         The prompt goes in once (L = prompt length, `input_mask_BxL` False on left padding),
-        then one token per step (L = 1). Evaluation mode: no dropout.
+        then one token per step (L = 1). Evaluation mode: no dropout. `branches_BxL`: see
+        `layers.decode_step`.
         """
-        positions_BxL, filled_BxS, mask_BxLxS = decode_step(
-            cache, input_mask_BxL, input_ids_BxL.shape[1])
+        x_BxLxD, cache = self.decode_hidden_states(input_ids_BxL, cache, input_mask_BxL,
+                                                   branches_BxL)
+        return self.lm_head_logits(x_BxLxD), cache
+
+    def decode_hidden_states(self, input_ids_BxL: jax.Array, cache: KVCache,
+                             input_mask_BxL: jax.Array | None = None,
+                             branches_BxL: jax.Array | None = None
+                             ) -> tuple[jax.Array, KVCache]:
+        """`decode` up to the final hidden states (B, L, D), for a caller that needs the
+        vocabulary-wide head at a few positions only."""
+        L = input_ids_BxL.shape[1]
+        positions_BxL, filled_BxS, mask_BxLxS = decode_step(cache, input_mask_BxL, L,
+                                                            branches_BxL)
         x_BxLxD = self.wte(input_ids_BxL) + self.wpe(positions_BxL)
         x_BxLxD, keys, values = decode_layers(
             self.h, self.scan_layers,
             lambda block, x_BxLxD, keys_BxSxNxH, values_BxSxNxH: block.decode(
                 x_BxLxD, keys_BxSxNxH, values_BxSxNxH, cache.index, mask_BxLxS),
             x_BxLxD, cache)
-        logits_BxLxV = self.lm_head_logits(self.ln_f(x_BxLxD))
-        L = input_ids_BxL.shape[1]
-        return logits_BxLxV, KVCache(keys, values, filled_BxS, cache.index + L)
+        return self.ln_f(x_BxLxD), KVCache(keys, values, filled_BxS, cache.index + L)
 
 
 class GPT2ForSequenceClassification(nnx.Module):

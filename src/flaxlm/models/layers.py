@@ -362,26 +362,40 @@ def empty_cache(batch_size: int, num_slots: int, num_layers: int, num_kv_heads: 
                    jnp.zeros((), jnp.int32))
 
 
-def decode_step(cache: KVCache, input_mask_BxL: jax.Array | None, L: int):
+def decode_step(cache: KVCache, input_mask_BxL: jax.Array | None, L: int,
+                branches_BxL: jax.Array | None = None):
     """Where L new tokens go: their positions (B, L), the cache's filled slots with them
     (B, S), and which slots each may attend to (B, L, S).
 
-    A token's position counts only the real tokens before it, so left padding shifts nothing:
-    a padded row sees the positions it would see alone.
+    `branches_BxL` (0: the trunk) makes the new tokens a tree: a token of branch b > 0 sees
+    everything before it in the cache and in the trunk, and the earlier tokens of its own
+    branch, never another branch. Several continuations of one context are then read in one
+    row, each as if it alone followed the context (`flaxlm.scoring`).
+
+    A token's position is the number of tokens it sees before itself, so left padding shifts
+    nothing (a padded row sees the positions it would see alone) and every branch starts
+    where the trunk ends.
     """
     B = cache.filled_BxS.shape[0]
     if input_mask_BxL is None:
         input_mask_BxL = jnp.ones((B, L), bool)
     input_mask_BxL = input_mask_BxL.astype(bool)
-    seen_Bx1 = cache.filled_BxS.sum(axis=1, keepdims=True)
-    positions_BxL = jnp.maximum(seen_Bx1 + jnp.cumsum(input_mask_BxL, axis=1) - 1, 0)
     filled_BxS = lax.dynamic_update_slice_in_dim(
         cache.filled_BxS, input_mask_BxL, cache.index, axis=1
     )
     slots_S = jnp.arange(filled_BxS.shape[1])
     query_slots_L = cache.index + jnp.arange(L)
     causal_LxS = slots_S[None, :] <= query_slots_L[:, None]
-    return positions_BxL, filled_BxS, causal_LxS[None] & filled_BxS[:, None, :]
+    mask_BxLxS = causal_LxS[None] & filled_BxS[:, None, :]
+    if branches_BxL is not None:
+        slot_branches_BxS = lax.dynamic_update_slice_in_dim(
+            jnp.zeros(filled_BxS.shape, jnp.int32), branches_BxL.astype(jnp.int32),
+            cache.index, axis=1)
+        same_branch_BxLxS = ((slot_branches_BxS[:, None, :] == 0)
+                             | (slot_branches_BxS[:, None, :] == branches_BxL[:, :, None]))
+        mask_BxLxS = mask_BxLxS & same_branch_BxLxS
+    positions_BxL = jnp.maximum(mask_BxLxS.sum(axis=-1) - 1, 0)
+    return positions_BxL, filled_BxS, mask_BxLxS
 
 
 def cached_attention(q_BxLxNxH, k_BxLxGxH, v_BxLxGxH, keys_BxSxGxH, values_BxSxGxH,

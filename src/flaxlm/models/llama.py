@@ -355,19 +355,29 @@ class LlamaForCausalLM(nnx.Module):
                            stacked=self.model.scan_layers)
 
     def decode(self, input_ids_BxL: jax.Array, cache: KVCache,
-               input_mask_BxL: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+               input_mask_BxL: jax.Array | None = None,
+               branches_BxL: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """Logits of L new tokens given everything in `cache`, and the cache with them in it
         (as `GPT2LMHeadModel.decode`: the prompt once, left-padded, then a token a step)."""
+        x_BxLxD, cache = self.decode_hidden_states(input_ids_BxL, cache, input_mask_BxL,
+                                                   branches_BxL)
+        return self.lm_head_logits(x_BxLxD), cache
+
+    def decode_hidden_states(self, input_ids_BxL: jax.Array, cache: KVCache,
+                             input_mask_BxL: jax.Array | None = None,
+                             branches_BxL: jax.Array | None = None
+                             ) -> tuple[jax.Array, KVCache]:
+        """`decode` up to the final (normalised) hidden states (B, L, D)."""
         L = input_ids_BxL.shape[1]
-        positions_BxL, filled_BxS, mask_BxLxS = decode_step(cache, input_mask_BxL, L)
+        positions_BxL, filled_BxS, mask_BxLxS = decode_step(cache, input_mask_BxL, L,
+                                                            branches_BxL)
         x_BxLxD = self.model.embed_tokens(input_ids_BxL)
         x_BxLxD, keys, values = decode_layers(
             self.model.layers, self.model.scan_layers,
             lambda layer, x_BxLxD, keys_BxSxGxH, values_BxSxGxH: layer.decode(
                 x_BxLxD, positions_BxL, keys_BxSxGxH, values_BxSxGxH, cache.index, mask_BxLxS),
             x_BxLxD, cache)
-        logits_BxLxV = self.lm_head_logits(self.model.norm(x_BxLxD))
-        return logits_BxLxV, KVCache(keys, values, filled_BxS, cache.index + L)
+        return self.model.norm(x_BxLxD), KVCache(keys, values, filled_BxS, cache.index + L)
 
 
 class LlamaForSequenceClassification(nnx.Module):

@@ -55,6 +55,12 @@ class Classification:
                 "beside them, and the PEFT export has no place for it). Fine-tune the whole "
                 "classifier (model.lora.rank=null), or train adapters with task=clm."
             )
+        if config.eval.harness.tasks:
+            raise FlaxlmError(
+                f"eval.harness.tasks={list(config.eval.harness.tasks)} evaluates a language "
+                "model, and task=classify trains a classifier. Drop eval.harness, or evaluate "
+                "the task=clm run this classifier starts from (flaxlm-eval RUN_DIR --tasks ...)."
+            )
         if config.language is not None:
             raise FlaxlmError(
                 f"task=classify reads its examples from task.hub_path or task.files, so "

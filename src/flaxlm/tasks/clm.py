@@ -90,6 +90,8 @@ class CausalLM:
                     "each on its own: set mixture.sources.<language>.streaming=true.")
         if any(language.streaming for language in corpora(config).values()):
             check_streaming_settings(config)
+        if config.eval.harness.tasks:
+            _downstream().check_harness(config.eval.harness)
         return seq_len
 
     def eval_metrics(self, config: TrainConfig) -> base.EvalMetrics:
@@ -143,7 +145,11 @@ class CausalLM:
                      f"{data.train_size} train / {eval_size} eval blocks of {seq_len} "
                      f"tokens{_DOCUMENTS[config.task.document_masking]}{mixed} | global batch "
                      f"{batch_size} ({batch_size * seq_len} tokens/step)"))
-        state, last_eval = base.run_loop(job, training, loader, evaluator, speed)
+        hooks = []
+        if config.eval.harness.tasks:
+            hooks.append(_downstream().HarnessEvaluation(
+                config.eval.harness, config.model, tokenizer, own, job.mesh, job.run.path))
+        state, last_eval = base.run_loop(job, training, loader, evaluator, speed, hooks)
         final = {**last_eval, "tokens_seen": int(state.step) * batch_size * seq_len,
                  "steps": int(state.step)}
         params, model = base.model_params(state), config.model
@@ -157,6 +163,20 @@ class CausalLM:
         log_samples(lm_from_params(model, params), tokenizer, config.samples.prompts,
                     sample_settings, job.tracker, step=final["steps"], own_conventions=own)
         return final
+
+
+def _downstream():
+    """flaxlm.downstream, which loads lm-evaluation-harness: only for a run with
+    eval.harness.tasks, and with a clear error where the harness is not installed."""
+    try:
+        from flaxlm import downstream
+    except ImportError as error:
+        raise FlaxlmError(
+            f"eval.harness needs lm-evaluation-harness, which is not installed ({error}). "
+            "Install flaxlm's `eval` extra (pip install -e '.[eval]'), or set "
+            "eval.harness.tasks=[]."
+        ) from None
+    return downstream
 
 
 def lm_start(config: TrainConfig, seq_len: int) -> tuple[TrainConfig, base.Start, int]:
