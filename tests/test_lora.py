@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY, compose, config_node, metrics_of, stop_at
+from conftest import TINY, compose, config_node, mesh_config, metrics_of, stop_at
 from flax import nnx
 
 from flaxlm.config import LoraConfig
@@ -98,10 +98,12 @@ def test_a_train_step_changes_the_adapters_only():
     import optax
 
     model_config = tiny_model("llama")  # adapter dropout: the resume test's runs
-    mesh = make_mesh(2)
+    mesh = make_mesh(2, mesh_config(data=1, fsdp=2))  # the adapters split as their kernels
     tx = optax.adamw(1e-2)
     graphdef, state = create_state(built(model_config), tx, mesh, nnx.LoRAParam)
     adapters = nnx.filter_state(state.params, nnx.LoRAParam)
+    lora_a = adapters["model"]["layers"][0]["self_attn"]["q_proj"]["lora"]["lora_a"]
+    assert tuple(lora_a[...].sharding.spec)[:1] == ("fsdp",)  # its input width, as q_proj's
     adapter_count = sum(p.size for p in jax.tree.leaves(adapters))
     # Adam's two moments of the adapters, and nothing of the base.
     assert sum(leaf.size for leaf in jax.tree.leaves(state.opt_state)) == 2 * adapter_count + 1
