@@ -38,7 +38,7 @@ from jax.sharding import Mesh
 from omegaconf import DictConfig, OmegaConf
 
 from flaxlm import hardware_peak
-from flaxlm.config import MeshConfig, Remat, TrainConfig
+from flaxlm.config import MeshConfig, ModelConfig, Remat, TrainConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.job import check_settings
 from flaxlm.models import build, lora
@@ -55,7 +55,7 @@ from flaxlm.tasks import base
 from flaxlm.tasks.clm import CausalLM, lm_start, lm_steps_compiler
 from flaxlm.training.optimizer import make_optimizer, make_schedule
 from flaxlm.training.plan import global_batch_size
-from flaxlm.training.step import CompiledSteps, TrainState, create_state
+from flaxlm.training.step import CompiledSteps, TrainState, create_state, trained_part
 
 GIB = 2**30
 
@@ -277,7 +277,8 @@ def plan(cfg: DictConfig | TrainConfig) -> RunPlan:
         seq_len=run.seq_len, num_params=num_params, param_bytes=layout.param_bytes,
         opt_state_bytes=layout.opt_state_bytes, batch_bytes=per_device_bytes(batch),
         train=train, eval=evaluate,
-        flops_per_token=build.lm_flops_per_token(config.model, num_params, run.seq_len),
+        flops_per_token=build.lm_flops_per_token(config.model, num_params, run.seq_len,
+                                                 _trained_params(state, config.model)),
         hbm_bytes=_hbm_bytes(hardware.hbm_gib_per_device, run.devices[0]),
         peak_flops=hardware_peak.peak_flops(hardware.peak_tflops_per_device, [kind]),
         hbm_bandwidth=None if hardware.hbm_gbps_per_device is None
@@ -362,6 +363,14 @@ def _hbm_bytes(configured_gib: float | None, device) -> float | None:
     except Exception:  # noqa: BLE001 — compile-only devices raise
         return None
     return stats.get("bytes_limit")
+
+
+def _trained_params(state: TrainState, model: ModelConfig) -> int | None:
+    """The parameters a model.lora run trains (its adapters); None: every one."""
+    trainable = lora.trainable(model)
+    if trainable is None:
+        return None
+    return sum(leaf.size for leaf in jax.tree.leaves(trained_part(state, trainable).params))
 
 
 def _fsdp_state_bytes(mesh: Mesh, model, tx, trainable=None) -> int | None:

@@ -133,7 +133,9 @@ class CausalLM:
                       for name, blocks in data.eval_blocks.items()}
         evaluator = (MixtureEvaluator(evaluators) if data.weights is not None
                      else next(iter(evaluators.values())))
-        flops = build.lm_flops_per_token(config.model, training.num_params, seq_len)
+        flops = build.lm_flops_per_token(
+            config.model, training.num_params, seq_len,
+            training.num_trainable if training.trainable is not None else None)
         speed = base.throughput(job, batch_size * seq_len, flops)
         eval_size = sum(len(blocks) for blocks in data.eval_blocks.values())
         mixed = (f" | mixture {describe_weights(data.weights)}" + "".join(
