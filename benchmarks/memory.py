@@ -3,6 +3,7 @@ preset that trains one step with each on this machine's 8 simulated CPU devices.
 
     python benchmarks/memory.py                      # both parts
     python benchmarks/memory.py --bytes-only         # the per-device table only (seconds)
+    python benchmarks/memory.py --lora               # full fine-tuning vs LoRA's optimizer state
     python benchmarks/memory.py --memory-gb 12 --timeout 900 --seq 128
 
 The table is exact and allocates nothing: each array's shard shape on the mesh (the state's
@@ -123,6 +124,48 @@ def bytes_table() -> None:
         _, fsdp = bytes_per_device(abstract, meshes["fsdp=8"])
         print(f"  {preset:12} {params / 1e6:8.1f}M {whole / 2**20:10.0f}MB "
               f"{data / 2**20:8.0f}MB {fsdp / 2**20:8.0f}MB 1/{data / fsdp:.2f}")
+
+
+LORA_PRESET = "llama-1b-lora"  # conf/experiment/: its model and its model.lora settings
+
+
+def lora_table() -> None:
+    """Full fine-tuning against the adapters of experiment=llama-1b-lora: parameters, those
+    that train, and the AdamW state of those, whole (from the abstract state: exact, nothing
+    allocated)."""
+    import dataclasses
+
+    import jax
+    from flax import nnx
+    from omegaconf import OmegaConf
+    from train_step import config_node
+
+    from flaxlm.config import LoraConfig
+    from flaxlm.models import lora
+    from flaxlm.models.build import build_lm
+    from flaxlm.models.layers import TransformerSpec
+    from flaxlm.training.step import create_state, trained_part
+
+    tx, _ = optimizer()
+    preset = OmegaConf.load(os.path.join(REPO, "conf", "experiment", f"{LORA_PRESET}.yaml"))
+    settings = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LoraConfig),
+                                                   preset.model.lora))
+    base = config_node("model", ["model=llama-1b"])
+    print(f"llama-1b, AdamW state of what trains, float32 (experiment={LORA_PRESET}: rank "
+          f"{settings.rank} on {', '.join(settings.targets)}):")
+    print(f"  {'':18} {'params':>9} {'trained':>9} {'optimizer state':>16}")
+    for name, model in [("full fine-tuning", base),
+                        (f"LoRA r{settings.rank}", dataclasses.replace(base, lora=settings))]:
+        abstract = nnx.eval_shape(lambda model=model: build_lm(TransformerSpec(model),
+                                                               nnx.Rngs(0)))
+        trainable = lora.trainable(model)
+        _, state = create_state(abstract, tx, trainable=trainable)
+        count = lambda tree: sum(leaf.size for leaf in jax.tree.leaves(tree))  # noqa: E731
+        opt_bytes = sum(leaf.size * leaf.dtype.itemsize
+                        for leaf in jax.tree.leaves(state.opt_state))
+        print(f"  {name:18} {count(state.params) / 1e6:8.1f}M "
+              f"{count(trained_part(state, trainable).params) / 1e6:8.2f}M "
+              f"{opt_bytes / 2**20:13,.1f}MiB")
 
 
 def train_one_step(preset: str, mesh_name: str, seq_len: int) -> dict:
@@ -507,6 +550,8 @@ def breakdown(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bytes-only", action="store_true")
+    parser.add_argument("--lora", action="store_true",
+                        help=f"full fine-tuning against experiment={LORA_PRESET} (only this)")
     parser.add_argument("--memory-gb", type=float, default=8.0)
     parser.add_argument("--timeout", type=int, default=600)
     parser.add_argument("--seq", type=int, default=64)
@@ -529,6 +574,9 @@ def main() -> None:
         breakdown(args)
         return
     use_cpu_devices()
+    if args.lora:
+        lora_table()
+        return
     if args.child:  # the cap holds this process only, set before JAX allocates anything
         cap = int(args.memory_gb * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))

@@ -38,10 +38,10 @@ from jax.sharding import Mesh
 from omegaconf import DictConfig, OmegaConf
 
 from flaxlm import hardware_peak
-from flaxlm.config import MeshConfig, Remat, TrainConfig
+from flaxlm.config import MeshConfig, ModelConfig, Remat, TrainConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.job import check_settings
-from flaxlm.models import build
+from flaxlm.models import build, lora
 from flaxlm.models.layers import count_params
 from flaxlm.parallel import (
     batch_spec,
@@ -56,7 +56,7 @@ from flaxlm.tasks.clm import CausalLM
 from flaxlm.tasks.language_model import lm_start, lm_steps_compiler
 from flaxlm.training.optimizer import make_optimizer, make_schedule
 from flaxlm.training.plan import global_batch_size
-from flaxlm.training.step import CompiledSteps, TrainState, create_state
+from flaxlm.training.step import CompiledSteps, TrainState, create_state, trained_part
 
 GIB = 2**30
 
@@ -222,7 +222,7 @@ def abstract_run(cfg: DictConfig | TrainConfig) -> AbstractRun:
     schedule = make_schedule(config.optimizer, _schedule_length(config))
     tx = make_optimizer(config.optimizer, schedule)
     model = abstract_model(config)
-    graphdef, state = create_state(model, tx, mesh)
+    graphdef, state = create_state(model, tx, mesh, lora.trainable(config.model))
     steps = lm_steps_compiler(config)(mesh, graphdef, tx, schedule)
     batch = batch_spec((global_batch_size(config, mesh.size), seq_len), jnp.int32, mesh)
     eval_rows = base.eval_batch_size(hardware, mesh.size)
@@ -263,7 +263,8 @@ def plan(cfg: DictConfig | TrainConfig) -> RunPlan:
         per_device_batch=rows // accum // mesh.size, grad_accum_steps=accum,
         param_bytes=per_device_bytes(state.params),
         opt_state_bytes=per_device_bytes((state.step, state.opt_state)),
-        fsdp_state_bytes=_fsdp_state_bytes(mesh, run.model, run.tx))
+        fsdp_state_bytes=_fsdp_state_bytes(mesh, run.model, run.tx,
+                                           lora.trainable(config.model)))
     train = _compile_or_refuse(run, layout, "train", run.steps.train, run.train_args)
     evaluate = _compile_or_refuse(run, layout, "eval", run.steps.eval, run.eval_args)
     num_params = count_params(run.model)
@@ -277,7 +278,8 @@ def plan(cfg: DictConfig | TrainConfig) -> RunPlan:
         seq_len=run.seq_len, num_params=num_params, param_bytes=layout.param_bytes,
         opt_state_bytes=layout.opt_state_bytes, batch_bytes=per_device_bytes(batch),
         train=train, eval=evaluate,
-        flops_per_token=build.lm_flops_per_token(config.model, num_params, run.seq_len),
+        flops_per_token=build.lm_flops_per_token(config.model, num_params, run.seq_len,
+                                                 _trained_params(state, config.model)),
         hbm_bytes=_hbm_bytes(hardware.hbm_gib_per_device, run.devices[0]),
         peak_flops=hardware_peak.peak_flops(hardware.peak_tflops_per_device, [kind]),
         hbm_bandwidth=None if hardware.hbm_gbps_per_device is None
@@ -364,15 +366,24 @@ def _hbm_bytes(configured_gib: float | None, device) -> float | None:
     return stats.get("bytes_limit")
 
 
-def _fsdp_state_bytes(mesh: Mesh, model, tx) -> int | None:
+def _trained_params(state: TrainState, model: ModelConfig) -> int | None:
+    """The parameters a model.lora run trains (its adapters); None: every one."""
+    trainable = lora.trainable(model)
+    if trainable is None:
+        return None
+    return sum(leaf.size for leaf in jax.tree.leaves(trained_part(state, trainable).params))
+
+
+def _fsdp_state_bytes(mesh: Mesh, model, tx, trainable=None) -> int | None:
     """Per-chip parameter and optimizer bytes with every device on `fsdp` (the tensor axis
-    kept), computed from the shardings alone; None when that is the mesh already."""
+    kept), computed from the shardings alone; None when that is the mesh already. `trainable`:
+    what has optimizer state (model.lora: the adapters; None: every parameter)."""
     tensor = mesh.shape["tensor"]
     if mesh.shape["fsdp"] * tensor == mesh.size:
         return None
     fsdp_mesh = make_mesh(None, MeshConfig(data=1, fsdp=-1, tensor=tensor),
                           list(mesh.devices.flat))
-    _, state = create_state(model, tx, fsdp_mesh)
+    _, state = create_state(model, tx, fsdp_mesh, trainable)
     return per_device_bytes(state.params) + per_device_bytes((state.step, state.opt_state))
 
 

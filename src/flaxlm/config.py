@@ -145,6 +145,26 @@ class RopeScaling:
 
 
 @dataclasses.dataclass
+class LoraConfig:
+    """Low-rank adapters (LoRA, Hu et al. 2021) on the projections named in `targets`: each
+    targeted weight W is frozen and its layer computes x·W + (alpha / rank)·dropout(x)·A·B,
+    with A (in × rank) and B (rank × out) the only parameters that train. B starts at zero,
+    so the adapted model starts as the base model. On once `rank` is set: model.lora.rank=16,
+    or model.lora={rank: 16, targets: [q_proj, v_proj]}.
+
+    Not an Optional node that is null when off: OmegaConf cannot merge a command-line dict
+    into a null dataclass node, so the node is always there and its rank says whether it is on."""
+
+    rank: Optional[int] = None  # null: no adapters, every parameter trains
+    alpha: float = 32.0  # the adapter's output is scaled by alpha / rank, as PEFT scales it
+    dropout: float = 0.0  # on the adapter's input only, during training
+    # Projection names, as the family's HF modules are named: llama/qwen2 q_proj, k_proj,
+    # v_proj, o_proj, gate_proj, up_proj, down_proj; gpt2 c_attn, c_proj, c_fc (c_proj is
+    # both the attention's output and the MLP's). null: every projection of the blocks.
+    targets: Optional[list[str]] = None
+
+
+@dataclasses.dataclass
 class ModelConfig:
     """WHICH network. The shape and dropout fields have one name for every family; docs/models.md
     tables each against GPT2Config's, BertConfig's and LlamaConfig's name for it (each family
@@ -186,6 +206,8 @@ class ModelConfig:
     attention_bias: bool = False  # biases on the q/k/v/o projections
     qkv_bias: bool = False  # biases on q/k/v only, none on o: Qwen2's (model.family=qwen2)
     mlp_bias: bool = False  # biases on the gate/up/down projections
+    # Low-rank adapters on a frozen base (task=clm); off while model.lora.rank is null.
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
 
 class OptimizerName(str, enum.Enum):

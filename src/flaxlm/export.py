@@ -47,7 +47,7 @@ from flaxlm.data.tokenizer import document_prefix, prompt_tokenizer
 from flaxlm.errors import FlaxlmError
 from flaxlm.generate import GenerationSettings
 from flaxlm.layout import CHECKPOINT_SUBDIR, MODEL_SUBDIR, RUN_FILES, run_path
-from flaxlm.models import hf
+from flaxlm.models import hf, peft
 from flaxlm.run_records import plain, read_metrics
 
 MARKER = "flaxlm_export.json"
@@ -113,6 +113,33 @@ def export_hf(out_dir: str, params: dict, model_config: ModelConfig, tokenizer, 
             "architecture": architecture,
             "source": source,
             "eval_metrics": plain(eval_metrics or {}),
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }, indent=2) + "\n")
+        _give_default_modes(staging)
+        _move_into_place(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def export_adapter(out_dir: str, params: dict, model_config: ModelConfig, *,
+                   base_model: str | None = None, source: str | None = None) -> str:
+    """Write the adapters in `params` (model.lora's, see `flaxlm.models.peft`) as a PEFT
+    adapter directory at `out_dir`, safely as `export_hf` writes a model: what
+    `peft.PeftModel.from_pretrained(base, out_dir)` loads onto the base model
+    (`base_model`, its model.init_from, recorded in adapter_config.json). Returns its path."""
+    out_dir = os.path.abspath(os.path.expanduser(out_dir))
+    check_destination(out_dir)
+    architecture = hf.lm_architecture(model_config.family).name
+    staging = _staging_dir(out_dir)
+    try:
+        peft.save_adapter(staging, params, model_config, architecture, base_model)
+        _write_text(os.path.join(staging, MARKER), json.dumps({
+            "exported_by": "flaxlm",
+            "architecture": architecture,
+            "adapter": "peft-lora",
+            "source": source,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }, indent=2) + "\n")
         _give_default_modes(staging)

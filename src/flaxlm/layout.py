@@ -12,7 +12,9 @@
       .lock               held while a process trains in the directory
       checkpoints/<step>/ orbax checkpoints (a damaged one set aside as <step>.damaged-<time>)
       model/              the run's Hugging Face export: tokenizer and config from the start,
-                          weights and model card at the end
+                          weights and model card at the end (model.lora: the adapters
+                          merged into the base)
+      adapter/            model.lora: the adapters alone, a PEFT adapter directory
       predictions.jsonl   task=classify: the last evaluation's prediction for every example
 
 A multirun's sweep directory holds its jobs' run directories (named by job number) and:
@@ -38,6 +40,7 @@ STATUS_FILE = "status.json"
 LOCK_FILE = ".lock"
 CHECKPOINT_SUBDIR = "checkpoints"
 MODEL_SUBDIR = "model"
+ADAPTER_SUBDIR = "adapter"  # model.lora: the PEFT adapter directory, beside model/
 PREDICTIONS_FILE = "predictions.jsonl"
 TENSORBOARD_SUBDIR = "tensorboard"
 

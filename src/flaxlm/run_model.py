@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any, NamedTuple
 
+import jax
 import transformers
 from flax import nnx
 from jax.sharding import Mesh
@@ -19,7 +20,7 @@ from flaxlm.data.tokenizer import keeps_own_conventions
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import read_marker
 from flaxlm.layout import CHECKPOINT_SUBDIR, MODEL_SUBDIR, run_path
-from flaxlm.models import pretrained
+from flaxlm.models import lora, pretrained
 from flaxlm.models.build import build_classifier, build_lm, lm_from_params
 from flaxlm.models.layers import TransformerSpec
 from flaxlm.parallel import make_mesh, place_state, state_shardings
@@ -85,6 +86,8 @@ def load_run_model(run_dir: str, step: int | None = None, mesh: Mesh | None = No
         run_config = upgrade_saved_config(run_config)  # an earlier release's keys too
         model_config = _trained_model_config(run_dir, run_config)
         hf_config = _hf_config(run_config, model_dir)
+        if lora.enabled(model_config):  # the checkpoint holds the adapters only
+            params, model_config = _merged_onto_base(params, model_config, run_config, mesh)
         return RunModel(params, model_config, tokenizer, run_config, step,
                         f"{run_dir} checkpoint step {step}", hf_config)
     if step is not None:
@@ -94,6 +97,34 @@ def load_run_model(run_dir: str, step: int | None = None, mesh: Mesh | None = No
             f"({model_dir})."
         )
     return _from_export(model_dir, run_dir, tokenizer, mesh)
+
+
+def _merged_onto_base(adapters: dict, model_config: ModelConfig, run_config: dict,
+                      mesh: Mesh | None) -> tuple[dict, ModelConfig]:
+    """A LoRA run's checkpointed `adapters` on its frozen base, merged: the parameters and
+    config of the plain model the run's export holds. The base comes from model.init_from,
+    or, for a random base, from the run's seed as training made it. The base is read to the
+    host whole, then laid out on `mesh` if one is given."""
+    spec = TransformerSpec(model_config)
+    if model_config.init_from:
+        model = nnx.eval_shape(lambda: build_lm(spec, nnx.Rngs(0)))
+        pretrained.load_pretrained_weights(
+            model, pretrained.resolve_checkpoint(model_config.init_from),
+            source=model_config.init_from, shape_from_checkpoint=True)
+    else:
+        init_key = jax.random.split(jax.random.key(run_config.get("seed", 0)))[0]
+        model = build_lm(spec, nnx.Rngs(params=init_key))
+    state = nnx.state(model, nnx.LoRAParam)
+    nnx.replace_by_pure_dict(state, jax.device_get(adapters))
+    nnx.update(model, state)
+    params = lora.merged_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+                                lora.adapter_scale(model_config.lora))
+    model_config = lora.without_adapters(model_config)
+    if mesh is not None:
+        state = nnx.state(_abstract_model(model_config, None), nnx.Param)
+        nnx.replace_by_pure_dict(state, params)
+        params = nnx.to_pure_dict(place_state(state, mesh))
+    return params, model_config
 
 
 def _load_tokenizer(model_dir: str, run_dir: str):

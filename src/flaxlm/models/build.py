@@ -40,11 +40,17 @@ def build_classifier(spec: TransformerSpec, num_labels: int, rngs: nnx.Rngs) -> 
     return hf.classifier_architecture(spec.model.family).model_class(spec, num_labels, rngs)
 
 
-def lm_flops_per_token(model: ModelConfig, num_params: int, seq_len: int) -> float:
+def lm_flops_per_token(model: ModelConfig, num_params: int, seq_len: int,
+                       num_trained: int | None = None) -> float:
     """Training FLOPs per token of the language model of `model`'s family, with `num_params`
-    parameters, on sequences of `seq_len` tokens."""
+    parameters, on sequences of `seq_len` tokens. With `num_trained` (model.lora: the
+    adapters) the other weights are frozen: 4 FLOPs each, as no gradient of theirs is made
+    (the forward pass and the gradient of their inputs), where a trained weight costs 6."""
     lookups = hf.lm_architecture(model.family).model_class.lookup_params(model)
-    return training_flops_per_token(model, num_params - lookups, seq_len)
+    flops = training_flops_per_token(model, num_params - lookups, seq_len)
+    if num_trained is None:
+        return flops
+    return flops - 2 * (num_params - num_trained - lookups)
 
 
 def classifier_flops_per_token(model: ModelConfig, num_params: int, seq_len: int) -> float:

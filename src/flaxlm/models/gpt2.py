@@ -53,20 +53,20 @@ class Attention(nnx.Module):
         # c_attn's columns are q | k | v, each head by head: "heads" splits them in whole
         # blocks only where 3 × hidden_size divides evenly; any split computes the same result.
         self.c_attn = dense(cfg.hidden_size, 3 * cfg.hidden_size, spec, rngs, cfg.initializer_range,
-                            logical_axes=("embed", "heads"))
+                            logical_axes=("embed", "heads"), name="c_attn")
         self.c_proj = dense(cfg.hidden_size, cfg.hidden_size, spec, rngs, residual_std,
-                            logical_axes=("heads", "embed"))
+                            logical_axes=("heads", "embed"), name="c_proj")
         self.resid_dropout = Dropout(cfg.hidden_dropout)
 
     def __call__(self, x_BxLxD: jax.Array, rngs: nnx.Rngs | None,
                  segment_ids_BxL: jax.Array | None = None) -> jax.Array:
         B, L, D = x_BxLxD.shape
-        q_BxLxNxH, k_BxLxNxH, v_BxLxNxH = self._heads(x_BxLxD)
+        q_BxLxNxH, k_BxLxNxH, v_BxLxNxH = self._heads(x_BxLxD, rngs)
         out_BxLxNxH = attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, is_causal=True,
                                 segment_ids_BxL=segment_ids_BxL,
                                 dropout_rate=self.attention_dropout, rngs=rngs,
                                 backend=self.attention_backend)
-        out_BxLxD = self.c_proj(out_BxLxNxH.reshape(B, L, D))
+        out_BxLxD = self.c_proj(out_BxLxNxH.reshape(B, L, D), rngs)
         return self.resid_dropout(out_BxLxD, deterministic=rngs is None, rngs=rngs)
 
     def decode(self, x_BxLxD: jax.Array, keys_BxSxNxH: jax.Array, values_BxSxNxH: jax.Array,
@@ -79,9 +79,9 @@ class Attention(nnx.Module):
             self.attention_backend)
         return self.c_proj(out_BxLxNxH.reshape(B, L, D)), keys_BxSxNxH, values_BxSxNxH
 
-    def _heads(self, x_BxLxD: jax.Array):
+    def _heads(self, x_BxLxD: jax.Array, rngs: nnx.Rngs | None = None):
         B, L, D = x_BxLxD.shape
-        qkv_BxLx3D = self.c_attn(x_BxLxD)
+        qkv_BxLx3D = self.c_attn(x_BxLxD, rngs)
         return (
             part.reshape(B, L, self.num_heads, D // self.num_heads)
             for part in jnp.split(qkv_BxLx3D, 3, axis=-1)
@@ -93,15 +93,15 @@ class MLP(nnx.Module):
         cfg = spec.model
         residual_std = cfg.initializer_range / (2 * cfg.num_layers) ** 0.5
         self.c_fc = dense(cfg.hidden_size, spec.mlp_width, spec, rngs, cfg.initializer_range,
-                          logical_axes=("embed", "mlp"))
+                          logical_axes=("embed", "mlp"), name="c_fc")
         self.c_proj = dense(spec.mlp_width, cfg.hidden_size, spec, rngs, residual_std,
-                            logical_axes=("mlp", "embed"))
+                            logical_axes=("mlp", "embed"), name="c_proj")
         self.activation = ACTIVATIONS[cfg.activation]
         self.dropout = Dropout(cfg.hidden_dropout)
 
     def __call__(self, x_BxLxD: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:
-        h_BxLxF = self.activation(self.c_fc(x_BxLxD))
-        return self.dropout(self.c_proj(h_BxLxF), deterministic=rngs is None, rngs=rngs)
+        h_BxLxF = self.activation(self.c_fc(x_BxLxD, rngs))
+        return self.dropout(self.c_proj(h_BxLxF, rngs), deterministic=rngs is None, rngs=rngs)
 
 
 class Block(nnx.Module):

@@ -24,6 +24,7 @@ from flax import nnx, struct
 from jax import lax
 
 from flaxlm.config import AttentionBackend, ModelConfig, Remat
+from flaxlm.models import lora
 from flaxlm.models.attention import attention
 from flaxlm.parallel import constrain_batch
 
@@ -49,7 +50,8 @@ class TransformerSpec:
 
 
 def check_shape(spec: TransformerSpec) -> None:
-    """The settings every family needs to make sense: whole heads and a known activation."""
+    """The settings every family needs to make sense: whole heads, a known activation and
+    adapters (model.lora) on projections the family has."""
     cfg = spec.model
     if cfg.hidden_size % cfg.num_heads:
         raise ValueError(f"model.hidden_size={cfg.hidden_size} is not divisible by "
@@ -59,6 +61,7 @@ def check_shape(spec: TransformerSpec) -> None:
             f"model.activation={cfg.activation!r} is not one of "
             f"{sorted(ACTIVATIONS)}"
         )
+    lora.check_lora(cfg)
 
 
 def axes(*names: str | None) -> dict:
@@ -68,11 +71,11 @@ def axes(*names: str | None) -> dict:
 
 def dense(in_features: int, out_features: int, spec: TransformerSpec, rngs: nnx.Rngs,
           std: float, use_bias: bool = True, *,
-          logical_axes: tuple[str | None, str | None]) -> nnx.Linear:
-    """A Linear layer; `logical_axes` names its (input, output) dimensions."""
-    return nnx.Linear(
-        in_features,
-        out_features,
+          logical_axes: tuple[str | None, str | None], name: str | None = None) -> nnx.Linear:
+    """A Linear layer; `logical_axes` names its (input, output) dimensions. A block's
+    projection passes its HF module `name`: it is then a `lora.Projection`, called with the
+    step's rngs, and carries an adapter when model.lora targets that name."""
+    linear = dict(
         use_bias=use_bias,
         dtype=spec.compute_dtype,
         param_dtype=spec.param_dtype,
@@ -81,6 +84,11 @@ def dense(in_features: int, out_features: int, spec: TransformerSpec, rngs: nnx.
         bias_metadata=axes(logical_axes[1]),
         rngs=rngs,
     )
+    if name is None:
+        return nnx.Linear(in_features, out_features, **linear)
+    adapted = lora.enabled(spec.model) and name in lora.targets(spec.model)
+    return lora.Projection(in_features, out_features, lora=spec.model.lora if adapted else None,
+                           logical_axes=logical_axes, **linear)
 
 
 def embedding(num_embeddings: int, spec: TransformerSpec, rngs: nnx.Rngs,

@@ -182,25 +182,28 @@ class LlamaAttention(nnx.Module):
         self.attention_backend = cfg.attention
         kv_width = self.num_kv_heads * self.head_width
 
-        def projection(width_in, width_out, logical_axes, use_bias):
+        def projection(name, width_in, width_out, logical_axes, use_bias):
             return dense(width_in, width_out, spec, rngs, cfg.initializer_range,
-                         use_bias=use_bias, logical_axes=logical_axes)
+                         use_bias=use_bias, logical_axes=logical_axes, name=name)
 
         qkv_bias = cfg.attention_bias or cfg.qkv_bias
-        self.q_proj = projection(cfg.hidden_size, cfg.hidden_size, ("embed", "heads"), qkv_bias)
-        self.k_proj = projection(cfg.hidden_size, kv_width, ("embed", "kv_heads"), qkv_bias)
-        self.v_proj = projection(cfg.hidden_size, kv_width, ("embed", "kv_heads"), qkv_bias)
-        self.o_proj = projection(cfg.hidden_size, cfg.hidden_size, ("heads", "embed"),
+        self.q_proj = projection("q_proj", cfg.hidden_size, cfg.hidden_size, ("embed", "heads"),
+                                 qkv_bias)
+        self.k_proj = projection("k_proj", cfg.hidden_size, kv_width, ("embed", "kv_heads"),
+                                 qkv_bias)
+        self.v_proj = projection("v_proj", cfg.hidden_size, kv_width, ("embed", "kv_heads"),
+                                 qkv_bias)
+        self.o_proj = projection("o_proj", cfg.hidden_size, cfg.hidden_size, ("heads", "embed"),
                                  cfg.attention_bias)
 
     def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
                  rngs: nnx.Rngs | None, segment_ids_BxL: jax.Array | None = None) -> jax.Array:
         B, L, D = x_BxLxD.shape
-        out_BxLxNxH = attention(*self._heads(x_BxLxD, positions_BxL), is_causal=True,
+        out_BxLxNxH = attention(*self._heads(x_BxLxD, positions_BxL, rngs), is_causal=True,
                                 segment_ids_BxL=segment_ids_BxL,
                                 dropout_rate=self.attention_dropout, rngs=rngs,
                                 backend=self.attention_backend)
-        return self.o_proj(out_BxLxNxH.reshape(B, L, D))
+        return self.o_proj(out_BxLxNxH.reshape(B, L, D), rngs)
 
     def decode(self, x_BxLxD, positions_BxL, keys_BxSxGxH, values_BxSxGxH, index, mask_BxLxS):
         """Attention of L new positions over the cache (`layers.cached_attention`)."""
@@ -210,12 +213,13 @@ class LlamaAttention(nnx.Module):
             mask_BxLxS, self.attention_backend)
         return self.o_proj(out_BxLxNxH.reshape(B, L, D)), keys_BxSxGxH, values_BxSxGxH
 
-    def _heads(self, x_BxLxD: jax.Array, positions_BxL: jax.Array):
+    def _heads(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
+               rngs: nnx.Rngs | None = None):
         B, L, _ = x_BxLxD.shape
         H = self.head_width
-        q_BxLxNxH = self.q_proj(x_BxLxD).reshape(B, L, self.num_heads, H)
-        k_BxLxGxH = self.k_proj(x_BxLxD).reshape(B, L, self.num_kv_heads, H)
-        v_BxLxGxH = self.v_proj(x_BxLxD).reshape(B, L, self.num_kv_heads, H)
+        q_BxLxNxH = self.q_proj(x_BxLxD, rngs).reshape(B, L, self.num_heads, H)
+        k_BxLxGxH = self.k_proj(x_BxLxD, rngs).reshape(B, L, self.num_kv_heads, H)
+        v_BxLxGxH = self.v_proj(x_BxLxD, rngs).reshape(B, L, self.num_kv_heads, H)
         cos_BxLx1xH, sin_BxLx1xH = rotary(positions_BxL, np.asarray(self.inv_freq_R, np.float32))
         return (apply_rotary(q_BxLxNxH, cos_BxLx1xH, sin_BxLx1xH),
                 apply_rotary(k_BxLxGxH, cos_BxLx1xH, sin_BxLx1xH), v_BxLxGxH)
@@ -228,17 +232,19 @@ class LlamaMLP(nnx.Module):
         cfg = spec.model
         F = spec.mlp_width
 
-        def projection(width_in, width_out, logical_axes):
+        def projection(name, width_in, width_out, logical_axes):
             return dense(width_in, width_out, spec, rngs, cfg.initializer_range,
-                         use_bias=cfg.mlp_bias, logical_axes=logical_axes)
+                         use_bias=cfg.mlp_bias, logical_axes=logical_axes, name=name)
 
-        self.gate_proj = projection(cfg.hidden_size, F, ("embed", "mlp"))
-        self.up_proj = projection(cfg.hidden_size, F, ("embed", "mlp"))
-        self.down_proj = projection(F, cfg.hidden_size, ("mlp", "embed"))
+        self.gate_proj = projection("gate_proj", cfg.hidden_size, F, ("embed", "mlp"))
+        self.up_proj = projection("up_proj", cfg.hidden_size, F, ("embed", "mlp"))
+        self.down_proj = projection("down_proj", F, cfg.hidden_size, ("mlp", "embed"))
         self.activation = ACTIVATIONS[cfg.activation]
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        return self.down_proj(self.activation(self.gate_proj(x_BxLxD)) * self.up_proj(x_BxLxD))
+    def __call__(self, x_BxLxD: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
+        """`rngs` (training) draws the adapters' dropout, if they have any."""
+        h_BxLxF = self.activation(self.gate_proj(x_BxLxD, rngs)) * self.up_proj(x_BxLxD, rngs)
+        return self.down_proj(h_BxLxF, rngs)
 
 
 class LlamaDecoderLayer(nnx.Module):
@@ -254,7 +260,7 @@ class LlamaDecoderLayer(nnx.Module):
                  segment_ids_BxL: jax.Array | None = None) -> jax.Array:
         x_BxLxD = x_BxLxD + self.self_attn(self.input_layernorm(x_BxLxD), positions_BxL, rngs,
                                            segment_ids_BxL)
-        return x_BxLxD + self.mlp(self.post_attention_layernorm(x_BxLxD))
+        return x_BxLxD + self.mlp(self.post_attention_layernorm(x_BxLxD), rngs)
 
     def decode(self, x_BxLxD, positions_BxL, keys_BxSxGxH, values_BxSxGxH, index, mask_BxLxS):
         """`__call__` attending over the cache (see `LlamaAttention.decode`)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import importlib.util
 import json
 import os
@@ -229,7 +230,8 @@ def load_pretrained_weights(model: nnx.Module, local_dir: str, *, source: str | 
     _check_family(local_dir, arch, setting)
     checkpoint = _canonical_keys(open_checkpoint(local_dir, setting), arch.names)
 
-    state = nnx.state(model, nnx.Param)
+    # Adapters (model.lora) are the run's own, never in a base checkpoint: they keep their init.
+    state = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
     own = nnx.to_pure_dict(state)
     # The shapes in HF's layout, one entry per layer, whatever the model's (model.scan_layers):
     # a scanned model's stacked parameters are not copied apart to be checked.
@@ -411,6 +413,17 @@ class StoredTensor:
         as our kernel (in, out)."""
         return StoredTensor(self.shape[::-1],
                             lambda index: self.read_part(tuple(index)[::-1]).T)
+
+
+def weights_sha256(local_dir: str) -> str:
+    """SHA-256 of the checkpoint's weight files, in the order they are read: what a run that
+    trains adapters on these weights records, to know them again when it resumes."""
+    digest = hashlib.sha256()
+    for path in _weight_files(local_dir):
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def open_checkpoint(local_dir: str, setting: str = "model.init_from") -> dict[str, StoredTensor]:

@@ -25,7 +25,7 @@ from flaxlm import hardware_peak, layout
 from flaxlm.config import HardwareConfig, ModelConfig, TrainConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import export_hf
-from flaxlm.models import pretrained
+from flaxlm.models import lora, pretrained
 from flaxlm.models.attention import Choice, choose_backend
 from flaxlm.models.layers import TransformerSpec, count_params
 from flaxlm.parallel import init_on_mesh
@@ -38,7 +38,13 @@ from flaxlm.training.hooks import standard_hooks
 from flaxlm.training.loop import Hook, LoopState, Throughput, fit
 from flaxlm.training.optimizer import make_optimizer, make_schedule
 from flaxlm.training.plan import Plan, make_plan
-from flaxlm.training.step import CompiledSteps, TrainState, create_state
+from flaxlm.training.step import (
+    CompiledSteps,
+    TrainState,
+    create_state,
+    trained_part,
+    with_trained_part,
+)
 from flaxlm.training.stop import StopRequest
 
 
@@ -154,6 +160,13 @@ class Training:
     num_params: int
     resume: LoopState | None
     attention: Choice
+    num_trainable: int = 0  # parameters the optimizer updates (model.lora: the adapters)
+    opt_state_bytes: int = 0
+    trainable: Any = None  # the nnx filter of what trains; None: every parameter
+
+    def checkpointed(self, state: TrainState) -> TrainState:
+        """What a checkpoint holds of `state`: all of it, or with model.lora what trains."""
+        return trained_part(state, self.trainable)
 
 
 def prepare_training(
@@ -183,28 +196,88 @@ def prepare_training(
     spec = model_spec(config, start.model, pads_rows)
     attention = attention_choice(config, start.model, pads_rows)
     init_key, dropout_key = jax.random.split(jax.random.key(config.seed))
+    trainable = lora.trainable(start.model)
     # Made where it lives: each device computes (and keeps) only its part of each parameter.
     model = init_on_mesh(lambda: build_model(spec, nnx.Rngs(params=init_key)), job.mesh)
-    if start.checkpoint_dir and not job.run.resuming:  # else the weights come from the run's
-        report = pretrained.load_pretrained_weights(model, start.checkpoint_dir,  # checkpoint
+    # A resumed run's weights come from its checkpoint, except a frozen base, which its
+    # checkpoints do not hold.
+    if start.checkpoint_dir and (not job.run.resuming or trainable is not None):
+        report = pretrained.load_pretrained_weights(model, start.checkpoint_dir,
                                                     source=config.model.init_from,
                                                     shape_from_checkpoint=True)
         print(f"flaxlm: model.init_from={config.model.init_from}: {report}")
-    graphdef, state = create_state(model, tx, job.mesh)  # split by its logical axes
+    graphdef, state = create_state(model, tx, job.mesh, trainable)  # by its logical axes
     steps = compile_steps(job.mesh, graphdef, tx, schedule)
     tokenizer_hash = tokenizer_sha256(tokenizer)
     metadata = {"config": job.resolved, "tokenizer_sha256": tokenizer_hash,
                 "dropout_key": key_to_json(dropout_key), "wandb_run_id": job.run.wandb_run_id,
                 DATA_FINGERPRINT_KEY: data_fingerprint}
-    resume = None
+    if trainable is not None:
+        metadata[LORA_BASE_KEY] = lora_base(config, start)
+        if start.checkpoint_dir is None:
+            print(f"flaxlm: note: model.lora trains adapters on a base of random weights (no "
+                  f"model.init_from; made from seed={config.seed}, which a resume needs "
+                  "again); set model.init_from to adapt a pretrained model")
+    training = Training(state, steps, plan, dropout_key, metadata, count_params(model), None,
+                        attention, num_trainable=_count(trained_part(state, trainable).params),
+                        opt_state_bytes=_bytes(state.opt_state), trainable=trainable)
     if job.run.resuming:  # before model/ is written: a resume that is refused changes nothing
-        resumed = restore_run(job.checkpointer, state, dropout_key, loader, tokenizer_hash,
-                              job.tracker, job.run.path, data_fingerprint=data_fingerprint,
+        resumed = restore_run(job.checkpointer, training.checkpointed(state), dropout_key,
+                              loader, tokenizer_hash, job.tracker, job.run.path,
+                              data_fingerprint=data_fingerprint,
                               accept_changed_data=config.trainer.resume_on_changed_data)
-        state, dropout_key, resume = resumed.state, resumed.dropout_key, resumed.loop
-        announce_new_length(config, resumed.saved_config, plan, schedule, resume.step)
-    return Training(state, steps, plan, dropout_key, metadata, count_params(model), resume,
-                    attention)
+        if trainable is not None:
+            check_lora_base(resumed.metadata.get(LORA_BASE_KEY), metadata[LORA_BASE_KEY],
+                            job.run.path, resumed.loop.step)
+        training.state = with_trained_part(state, resumed.state, trainable)
+        training.dropout_key, training.resume = resumed.dropout_key, resumed.loop
+        announce_new_length(config, resumed.saved_config, plan, schedule, resumed.loop.step)
+    return training
+
+
+# The checkpoint metadata of a run that trains adapters (model.lora): the frozen base they
+# were trained on, which its checkpoints do not hold.
+LORA_BASE_KEY = "lora_base"
+
+
+def lora_base(config: TrainConfig, start: Start) -> dict:
+    """What a LoRA run's checkpoints record of its frozen base: model.init_from and the
+    SHA-256 of its weight files, or, for a base initialised at random, the seed that made it."""
+    if start.checkpoint_dir is None:
+        return {"init_from": None, "seed": config.seed}
+    return {"init_from": config.model.init_from,
+            "weights_sha256": pretrained.weights_sha256(start.checkpoint_dir)}
+
+
+def check_lora_base(saved: dict | None, current: dict, run_dir: str, step: int) -> None:
+    """Adapters mean something only on the base they were trained on: a resume onto another
+    is refused."""
+    if saved == current:
+        return
+
+    def describe(base: dict | None) -> str:
+        if not base:
+            return "an unrecorded base"
+        if base.get("init_from") is None:
+            return f"a random base of seed={base.get('seed')}"
+        return (f"model.init_from={base['init_from']} (weights SHA-256 "
+                f"{str(base.get('weights_sha256'))[:12]})")
+
+    raise FlaxlmError(
+        f"Cannot resume the LoRA run in {run_dir}: its checkpoint at step {step} holds adapters "
+        f"trained on {describe(saved)}, and this start's base is {describe(current)}. Its "
+        "checkpoints hold only the adapters, which fit only the weights they were trained on. "
+        "Resume with the original base (the same model.init_from, its files unchanged, and "
+        "seed), or start a new run (trainer.resume=never with a new run_dir)."
+    )
+
+
+def _count(params) -> int:
+    return sum(leaf.size for leaf in jax.tree.leaves(params))
+
+
+def _bytes(tree) -> int:
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
 
 def model_spec(config: TrainConfig, model: ModelConfig, pads_rows: bool) -> TransformerSpec:
@@ -290,6 +363,11 @@ def banner(job: JobContext, training: Training, model: ModelConfig, what: str,
     """The line that says what the run is about to do; `what` adds to the parameter count
     (e.g. "2 labels"), `data` describes the data and the batch."""
     extra = f", {what}" if what else ""
+    if training.trainable is not None:
+        extra += (f", {training.num_trainable / 1e6:.3g}M of them trained "
+                  f"({100 * training.num_trainable / training.num_params:.2g}%: "
+                  f"model.lora rank {model.lora.rank} on {', '.join(lora.targets(model))})")
+    extra += f", optimizer state {training.opt_state_bytes / 2**20:,.1f} MiB"
     return (f"flaxlm: {model.name} ({training.num_params / 1e6:.2f}M params{extra}) on "
             f"{job.mesh.size} {jax.default_backend()} device(s), "
             f"{training.attention.describe()} | {data} | "
@@ -302,7 +380,8 @@ def run_loop(job: JobContext, training: Training, loader, evaluate: Evaluate,
              ) -> tuple[TrainState, dict[str, float]]:
     """The loop with the standard hooks and the task's own `hooks` (see training/hooks.py),
     checkpointing with the run's metadata; the final state and last evaluation."""
-    saver = CheckpointSaver(job.checkpointer, loader, training.metadata)
+    saver = CheckpointSaver(job.checkpointer, loader, training.metadata,
+                            select=training.checkpointed)
     state, last_eval = fit(training.state, training.steps, loader, training.plan, throughput,
                            job.tracker, training.dropout_key,
                            standard_hooks(training.plan, evaluate, extra=hooks), save=saver,

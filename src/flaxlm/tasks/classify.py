@@ -48,6 +48,13 @@ class Classification:
 
     def check_settings(self, config: TrainConfig) -> int:
         task = config.task
+        if config.model.lora.rank is not None:
+            raise FlaxlmError(
+                f"model.lora.rank={config.model.lora.rank} with task=classify: flaxlm trains "
+                "adapters for task=clm and task=sft only (a classifier's fresh head would have "
+                "to train beside them, and the PEFT export has no place for it). Fine-tune the "
+                "whole classifier (model.lora.rank=null), or train adapters with task=clm."
+            )
         if config.eval.harness.tasks:
             raise FlaxlmError(
                 f"eval.harness.tasks={list(config.eval.harness.tasks)} evaluates a language "

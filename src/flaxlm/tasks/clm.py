@@ -41,7 +41,7 @@ from flaxlm.data.tokenizer import (
 )
 from flaxlm.errors import FlaxlmError
 from flaxlm.generate import log_samples, settings_from_samples
-from flaxlm.models import build, hf, pretrained
+from flaxlm.models import build, hf, lora, pretrained
 from flaxlm.models.build import lm_from_params
 from flaxlm.parallel import replicated
 from flaxlm.tasks import base
@@ -50,6 +50,7 @@ from flaxlm.tasks.language_model import (
     check_block_length,
     check_downstream,
     downstream_hooks,
+    export_lm,
     lm_start,
     lm_steps_compiler,
 )
@@ -75,6 +76,7 @@ class CausalLM:
 
     def check_settings(self, config: TrainConfig) -> int:
         build.check_lm_family(config.model)
+        lora.check_lora(config.model)
         if config.language is None:
             raise FlaxlmError(
                 "task=clm needs a corpus, and language is null. Pick one, e.g. "
@@ -133,7 +135,9 @@ class CausalLM:
                       for name, blocks in data.eval_blocks.items()}
         evaluator = (MixtureEvaluator(evaluators) if data.weights is not None
                      else next(iter(evaluators.values())))
-        flops = build.lm_flops_per_token(config.model, training.num_params, seq_len)
+        flops = build.lm_flops_per_token(
+            config.model, training.num_params, seq_len,
+            training.num_trainable if training.trainable is not None else None)
         speed = base.throughput(job, batch_size * seq_len, flops)
         eval_size = sum(len(blocks) for blocks in data.eval_blocks.values())
         mixed = (f" | mixture {describe_weights(data.weights)}" + "".join(
@@ -149,10 +153,9 @@ class CausalLM:
         state, last_eval = base.run_loop(job, training, loader, evaluator, speed, hooks)
         final = {**last_eval, "tokens_seen": int(state.step) * batch_size * seq_len,
                  "steps": int(state.step)}
-        params = base.model_params(state)
-        base.export_model(job, params, config.model, tokenizer, final, generation=sample_settings,
-                          own_conventions=own)
-        log_samples(lm_from_params(config.model, params), tokenizer, config.samples.prompts,
+        model, params = export_lm(job, base.model_params(state), tokenizer, final,
+                                  generation=sample_settings, own_conventions=own)
+        log_samples(lm_from_params(model, params), tokenizer, config.samples.prompts,
                     sample_settings, job.tracker, step=final["steps"], own_conventions=own)
         return final
 

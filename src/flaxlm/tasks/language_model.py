@@ -8,8 +8,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from flaxlm.config import TrainConfig
+from flaxlm import layout
+from flaxlm.config import ModelConfig, TrainConfig
 from flaxlm.errors import FlaxlmError
+from flaxlm.export import export_adapter
+from flaxlm.models import lora
 from flaxlm.tasks import base
 from flaxlm.tasks.base import JobContext
 from flaxlm.training.loop import Hook
@@ -35,7 +38,8 @@ def lm_steps_compiler(config: TrainConfig) -> Callable[..., CompiledSteps]:
         return compile_steps(mesh, graphdef, tx, schedule, config.trainer.grad_accum_steps,
                              skip_nonfinite=config.trainer.skip_nonfinite,
                              loss=LossSettings(z_loss=config.trainer.z_loss,
-                                               chunk_size=config.trainer.loss_chunk_size))
+                                               chunk_size=config.trainer.loss_chunk_size),
+                             trainable=lora.trainable(config.model))
 
     return compile_lm_steps
 
@@ -47,6 +51,21 @@ def check_block_length(config: TrainConfig, seq_len: int) -> None:
             f"model.max_positions={config.model.max_positions} ({config.model.name}). Lower "
             "task.max_seq_length, or pick a model with more positions."
         )
+
+
+def export_lm(job: JobContext, params: dict, tokenizer, final: dict, **export_options
+              ) -> tuple[ModelConfig, dict]:
+    """The run's model/ (`base.export_model`); with model.lora, the PEFT adapter directory
+    beside it first, and model/ the merged model. Returns the exported network's config and
+    parameters (merged), what end-of-run samples are drawn from."""
+    model = job.config.model
+    if lora.enabled(model):
+        job.write(export_adapter, job.path(layout.ADAPTER_SUBDIR), params, model,
+                  base_model=model.init_from, source=f"{job.run.path}, step {final['steps']}")
+        params = lora.merged_params(params, lora.adapter_scale(model.lora))
+        model = lora.without_adapters(model)
+    base.export_model(job, params, model, tokenizer, final, **export_options)
+    return model, params
 
 
 def check_downstream(config: TrainConfig) -> None:

@@ -35,7 +35,7 @@ from flaxlm.data.tokenizer import (
 )
 from flaxlm.errors import FlaxlmError
 from flaxlm.generate import log_samples, settings_from_samples
-from flaxlm.models import build, hf, pretrained
+from flaxlm.models import build, hf, lora, pretrained
 from flaxlm.models.build import lm_from_params
 from flaxlm.parallel import replicated
 from flaxlm.tasks import base
@@ -44,6 +44,7 @@ from flaxlm.tasks.language_model import (
     check_block_length,
     check_downstream,
     downstream_hooks,
+    export_lm,
     lm_start,
     lm_steps_compiler,
 )
@@ -62,6 +63,7 @@ class SupervisedFineTuning:
 
     def check_settings(self, config: TrainConfig) -> int:
         build.check_lm_family(config.model)
+        lora.check_lora(config.model)
         task = config.task
         if config.language is not None:
             raise FlaxlmError(
@@ -113,7 +115,9 @@ class SupervisedFineTuning:
         evaluator = ChatEvaluator(training.steps, len(eval_rows),
                                   chat_rows(eval_rows.arrays, eval_batch, job.mesh), eval_batch,
                                   job.mesh, token_bytes)
-        flops = build.lm_flops_per_token(config.model, training.num_params, seq_len)
+        flops = build.lm_flops_per_token(
+            config.model, training.num_params, seq_len,
+            training.num_trainable if training.trainable is not None else None)
         speed = base.throughput(job, batch_size * seq_len, flops)
         print(base.banner(job, training, config.model, _template_name(config, tokenizer),
                           f"{data.train_size} / "
@@ -128,10 +132,9 @@ class SupervisedFineTuning:
                                          downstream_hooks(job, tokenizer, own))
         final = {**last_eval, "steps": int(state.step),
                  "tokens_seen": int(state.step) * batch_size * seq_len}
-        params = base.model_params(state)
-        base.export_model(job, params, config.model, tokenizer, final,
-                          generation=sample_settings, own_conventions=own)
-        log_samples(lm_from_params(config.model, params), tokenizer, config.samples.prompts,
+        model, params = export_lm(job, base.model_params(state), tokenizer, final,
+                                  generation=sample_settings, own_conventions=own)
+        log_samples(lm_from_params(model, params), tokenizer, config.samples.prompts,
                     sample_settings, job.tracker, step=final["steps"], chat=True)
         return final
 

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
+from flax.nnx.filterlib import Filter
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flaxlm.data.documents import INPUT_IDS, POSITIONS, SEGMENT_IDS, TARGET_MASK
@@ -43,10 +44,13 @@ class TrainState:
 
 
 def create_state(model: nnx.Module, tx: optax.GradientTransformation,
-                 mesh: Mesh | None = None) -> tuple[Any, TrainState]:
+                 mesh: Mesh | None = None, trainable: Filter | None = None
+                 ) -> tuple[Any, TrainState]:
     """Split the model into its static graph and its parameters; start the optimizer. With a
     `mesh`, the state is laid out on it by its logical axes (`flaxlm.parallel`), the optimizer
-    state made there directly: it is never whole on one device.
+    state made there directly: it is never whole on one device. With `trainable` (an nnx
+    filter, e.g. `nnx.LoRAParam`) the optimizer state covers only the parameters it selects,
+    the rest stays frozen (`train_step`).
 
     An abstract model (`nnx.eval_shape`) gives the abstract state, each leaf a
     `jax.ShapeDtypeStruct` with the sharding training gives it: no parameter is allocated,
@@ -54,14 +58,36 @@ def create_state(model: nnx.Module, tx: optax.GradientTransformation,
     graphdef, params = nnx.split(model, nnx.Param)
     abstract = is_abstract(params)
     step = jax.ShapeDtypeStruct((), jnp.int32) if abstract else jnp.zeros((), jnp.int32)
+    trained = lambda params: (params if trainable is None  # noqa: E731
+                              else nnx.filter_state(params, trainable))
     if mesh is None:
         init = jax.eval_shape if abstract else lambda fn, tree: fn(tree)
-        return graphdef, TrainState(step=step, params=params, opt_state=init(tx.init, params))
+        return graphdef, TrainState(step=step, params=params,
+                                    opt_state=init(tx.init, trained(params)))
     params = place_state(params, mesh)
-    opt_state_sharding = state_shardings(jax.eval_shape(tx.init, params), mesh)
+    opt_state_sharding = state_shardings(jax.eval_shape(tx.init, trained(params)), mesh)
     init_opt_state = jax.jit(tx.init, out_shardings=opt_state_sharding)
-    opt_state = jax.eval_shape(init_opt_state, params) if abstract else init_opt_state(params)
+    opt_state = (jax.eval_shape(init_opt_state, trained(params)) if abstract
+                 else init_opt_state(trained(params)))
     return graphdef, place_state(TrainState(step=step, params=params, opt_state=opt_state), mesh)
+
+
+def trained_part(state: TrainState, trainable: Filter | None) -> TrainState:
+    """What of `state` trains, as a checkpoint holds it: the parameters `trainable` selects
+    (None: all), the optimizer state and the step. A frozen base is not saved again with every
+    checkpoint; it comes back from where it was loaded (`with_trained_part`)."""
+    if trainable is None:
+        return state
+    return state.replace(params=nnx.filter_state(state.params, trainable))
+
+
+def with_trained_part(state: TrainState, part: TrainState, trainable: Filter | None
+                      ) -> TrainState:
+    """`state` with what trains replaced by `part` (a restored `trained_part`)."""
+    if trainable is None:
+        return part
+    frozen = nnx.split_state(state.params, trainable, ...)[1]
+    return part.replace(params=nnx.merge_state(part.params, frozen))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +243,7 @@ def lm_loss(model, batch, rngs: nnx.Rngs) -> jax.Array:
 def train_step(state: TrainState, batch_K, dropout_key: jax.Array, *, graphdef,
                tx: optax.GradientTransformation, schedule: optax.Schedule,
                loss_fn: Callable = lm_objective, skip_nonfinite: bool = False,
-               layout: Callable = lambda tree: tree):
+               layout: Callable = lambda tree: tree, trainable: Filter | None = None):
     """One optimizer step on the mean gradient of K micro-batches of B rows.
 
     `batch_K` is an array or a pytree of arrays (e.g. a dict of input ids, masks and labels),
@@ -232,17 +258,28 @@ def train_step(state: TrainState, batch_K, dropout_key: jax.Array, *, graphdef,
 
     `layout(tree)` pins a tree shaped like the state (gradients, the new state) to the state's
     sharding; the identity outside a mesh.
-    """
 
-    def micro_batch_loss(params, micro_batch, key):
-        return loss_fn(nnx.merge(graphdef, params), micro_batch, nnx.Rngs(dropout=key))
+    `trainable` (an nnx filter, e.g. `nnx.LoRAParam`; None: every parameter) selects what is
+    differentiated and updated; the other parameters go through the step unchanged, and no
+    gradient or optimizer state of theirs exists.
+    """
+    if trainable is None:
+        trained, frozen = state.params, None
+    else:
+        trained, frozen = nnx.split_state(state.params, trainable, ...)
+
+    def micro_batch_loss(trained, micro_batch, key):
+        params = (trained,) if frozen is None else (trained, frozen)
+        return loss_fn(nnx.merge(graphdef, *params), micro_batch, nnx.Rngs(dropout=key))
 
     first_micro_batch = state.step * jax.tree.leaves(batch_K)[0].shape[0]
     (loss, loss_metrics), grads = accumulate_gradients(
-        micro_batch_loss, state.params, batch_K, dropout_key, first_micro_batch, layout
+        micro_batch_loss, trained, batch_K, dropout_key, first_micro_batch, layout
     )
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    updates, opt_state = tx.update(grads, state.opt_state, trained)
+    params = optax.apply_updates(trained, updates)
+    if frozen is not None:
+        params = nnx.merge_state(params, frozen)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(params)
     skipped = jnp.zeros((), jnp.bool_)
@@ -357,13 +394,14 @@ class CompiledSteps:
 
 
 def compile_train_step(mesh: Mesh, graphdef, tx, schedule, loss_fn: Callable = lm_objective,
-                       grad_accum_steps: int = 1, skip_nonfinite: bool = False) -> Callable:
+                       grad_accum_steps: int = 1, skip_nonfinite: bool = False,
+                       trainable: Filter | None = None) -> Callable:
     """`train(state, batch, dropout_key) -> (state, metrics)`, jitted: the batch (an array or
     a pytree of arrays with `grad_accum_steps` micro-batches' rows) sharded over `data` ×
     `fsdp`, the state donated (updated in place). The state comes in as `create_state` laid it
     out on the mesh (its sharding is the argument's own) and goes out the same way, by its
     logical axes.
-    `loss_fn(model, micro_batch, rngs) -> (loss, metrics)`."""
+    `loss_fn(model, micro_batch, rngs) -> (loss, metrics)`; `trainable`: as `train_step`."""
     rep, data = replicated(mesh), batch_sharded(mesh)
     micro_batches = NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))
     return jax.jit(
@@ -371,6 +409,7 @@ def compile_train_step(mesh: Mesh, graphdef, tx, schedule, loss_fn: Callable = l
             state, split_micro_batches(batch, grad_accum_steps, micro_batches), key,
             graphdef=graphdef, tx=tx, schedule=schedule, loss_fn=loss_fn,
             skip_nonfinite=skip_nonfinite, layout=lambda tree: constrain_state(tree, mesh),
+            trainable=trainable,
         )),
         in_shardings=(None, data, rep),
         out_shardings=(None, rep),
@@ -380,12 +419,14 @@ def compile_train_step(mesh: Mesh, graphdef, tx, schedule, loss_fn: Callable = l
 
 def compile_steps(mesh: Mesh, graphdef, tx, schedule, grad_accum_steps: int = 1,
                   skip_nonfinite: bool = False,
-                  loss: LossSettings = LossSettings()) -> CompiledSteps:
-    """The causal-LM train and eval steps, jitted with explicit shardings."""
+                  loss: LossSettings = LossSettings(),
+                  trainable: Filter | None = None) -> CompiledSteps:
+    """The causal-LM train and eval steps, jitted with explicit shardings; `trainable`: what
+    trains (`train_step`)."""
     rep, data = replicated(mesh), batch_sharded(mesh)
     train = compile_train_step(mesh, graphdef, tx, schedule,
                                functools.partial(lm_objective, settings=loss),
-                               grad_accum_steps, skip_nonfinite)
+                               grad_accum_steps, skip_nonfinite, trainable)
     evaluate = jax.jit(
         traced_on(mesh, lambda params, inputs, mask, token_bytes: eval_step(
             params, inputs, mask, token_bytes, graphdef=graphdef, chunk_size=loss.chunk_size

@@ -7,6 +7,7 @@ from its latest checkpoint after checking that its tokenizer and data are the ru
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -31,6 +32,7 @@ class Resumed(NamedTuple):
     dropout_key: jax.Array
     loop: LoopState
     saved_config: dict  # the resolved config of the start that wrote the checkpoint
+    metadata: dict  # the checkpoint's metadata, whole
 
 
 def restore_run(checkpointer: Checkpointer, state, dropout_key, loader, tokenizer_hash: str,
@@ -78,7 +80,8 @@ def restore_run(checkpointer: Checkpointer, state, dropout_key, loader, tokenize
               flush=True)
     if changed:
         _record_changed_data(tracker, changed, saved_data, data_fingerprint, restored.step)
-    return Resumed(restored.state, dropout_key, resume, restored.metadata.get("config") or {})
+    return Resumed(restored.state, dropout_key, resume, restored.metadata.get("config") or {},
+                   restored.metadata)
 
 
 def _check_same_tokenizer(saved_hash: str | None, tokenizer_hash: str, run_dir: str,
@@ -149,10 +152,13 @@ def own_loader_state(saved: dict, run_dir: str) -> dict:
 
 class CheckpointSaver:
     """The loop's `save`: adds the loader's position (every process's, on several hosts) and
-    the run's metadata to each checkpoint, and times how long the loop waits for each save."""
+    the run's metadata to each checkpoint (of the train state, what `select` takes: with
+    model.lora, what trains), and times how long the loop waits for each save."""
 
-    def __init__(self, checkpointer: Checkpointer, loader, metadata: dict):
+    def __init__(self, checkpointer: Checkpointer, loader, metadata: dict,
+                 select: Callable[[Any], Any] = lambda state: state):
         self.checkpointer, self.loader, self.metadata = checkpointer, loader, metadata
+        self.select = select  # what of the train state a checkpoint holds
         self.seconds: list[float] = []
 
     def __call__(self, step: int, state, loop_state: LoopState, metrics) -> None:
@@ -164,7 +170,7 @@ class CheckpointSaver:
                                                loader_state)
             loader_state = {**positions[0], PER_PROCESS_KEY: {
                 str(index): position for index, position in enumerate(positions)}}
-        self.checkpointer.save(step, state, loader_state,
+        self.checkpointer.save(step, self.select(state), loader_state,
                                {**self.metadata, "loop": loop_state.to_json()}, metrics)
         self.seconds.append(time.perf_counter() - began)
 
