@@ -284,7 +284,9 @@ def sft_overrides(folder) -> list[str]:
 @pytest.mark.slow
 def test_flaxlm_train_task_sft_trains_on_a_chat_file_and_exports_its_template(tmp_path,
                                                                               train_cli):
-    result = train_cli(*sft_overrides(tmp_path), f"run_dir={tmp_path / 'run'}", cwd=tmp_path)
+    # With LoRA adapters: an sft run exports the merged model and the PEFT adapter too.
+    result = train_cli(*sft_overrides(tmp_path), f"run_dir={tmp_path / 'run'}",
+                       "model.lora.rank=4", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     banner = next(line for line in result.stdout.splitlines() if "conversations in" in line)
     assert "120 train conversations" in banner and "10 held-out conversations" in banner
@@ -297,6 +299,8 @@ def test_flaxlm_train_task_sft_trains_on_a_chat_file_and_exports_its_template(tm
     assert "<|im_start|>" in (model_dir / "chat_template.jinja").read_text()
     generation = json.loads((model_dir / "generation_config.json").read_text())
     assert len(generation["eos_token_id"]) == 2  # <|im_end|> and EOS
+    adapter = json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == 4
 
     from flaxlm.cli.generate import run as generate_run
     replies = generate_run([str(tmp_path / "run"), "--chat", "--greedy", "--prompt",
