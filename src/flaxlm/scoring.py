@@ -54,8 +54,8 @@ def score(model: LanguageModel, requests: Sequence[tuple[Sequence[int], Sequence
     for each (context ids, continuation ids) request, as lm-evaluation-harness defines them.
 
     A request longer than the model's context keeps its last `context_length + 1` tokens (the
-    context is cut from the left). `batch_rows` rows go through the model at once (rounded up
-    to a multiple of the mesh's batch shards); `mesh`: where the rows are split (None: one
+    context is cut from the left). A batch holds as many positions as `batch_rows` rows of
+    the requests' typical length (`_batches`); `mesh`: where the rows are split (None: one
     device)."""
     max_length = model.context_length
     contexts: dict[tuple[int, ...], dict[tuple[int, ...], int]] = {}
@@ -128,15 +128,23 @@ def _shards(mesh: Mesh | None) -> int:
 
 
 def _batches(rows: list[_Row], batch_rows: int, shards: int):
-    """The rows, longest first, `batch_rows` at a time (rounded up to a multiple of
-    `shards`), each batch with the number of rows it is padded to: a last short batch to
-    `shards` times a power of two, so it compiles one of few shapes."""
-    batch_rows = -(-batch_rows // shards) * shards
+    """The rows, longest first, in batches of about the same number of padded positions:
+    `batch_rows` rows of the typical (median) length, fewer of longer ones, so that a few
+    long rows do not pad a whole batch of short ones to their length. Each batch comes with
+    the number of rows it is padded to: `shards` times a power of two, so batches compile one
+    of few shapes."""
     rows = sorted(rows, key=lambda row: (len(row.ids), len(row.targets)), reverse=True)
-    for first in range(0, len(rows), batch_rows):
-        batch = rows[first:first + batch_rows]
+    if not rows:
+        return
+    budget = batch_rows * bucket(len(rows[len(rows) // 2].ids))
+    first = 0
+    while first < len(rows):
+        fits = max(1, budget // (bucket(len(rows[first].ids)) * shards))
+        capacity = shards * (1 << (fits.bit_length() - 1))  # rows: shards × a power of two
+        batch = rows[first:first + capacity]
         per_shard = -(-len(batch) // shards)
-        yield batch, min(batch_rows, shards * (1 << (per_shard - 1).bit_length()))
+        yield batch, min(capacity, shards * (1 << (per_shard - 1).bit_length()))
+        first += len(batch)
 
 
 def bucket(length: int) -> int:
