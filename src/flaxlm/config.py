@@ -383,7 +383,14 @@ class TaskConfig:
     streaming: bool = False
     # > 0: that many generated drill conversations (arithmetic, word reversal; data/drills.py)
     # instead of files or a hub dataset: offline data for experiment=sft-llama-tiny-drills.
+    # dpo: that many generated preference pairs (data/preference_drills.py).
     drills: int = 0
+    # dpo only, below (conf/task/dpo.yaml): a pair is task.prompt_column and the two replies
+    # `chosen_column` and `rejected_column`, each a string or a list of {role, content} turns;
+    # `beta` scales the implicit reward β·(log π − log π_ref) (Rafailov et al. 2023).
+    chosen_column: str = MISSING
+    rejected_column: str = MISSING
+    beta: float = 0.1
 
 
 class TokenConvention(str, enum.Enum):
