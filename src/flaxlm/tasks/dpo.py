@@ -171,8 +171,9 @@ def _data(config: TrainConfig, start: base.Start, seq_len: int, batch_size: int,
     if len(eval_rows) == 0:
         raise FlaxlmError(
             f"No held-out preference pair is left to evaluate on ({eval_rows.dropped} dropped "
-            f"as longer than task.max_seq_length={seq_len} tokens or with no reply token left "
-            f"once cut, {eval_rows.identical} with identical replies). Raise "
+            f"as longer than task.max_seq_length={seq_len} tokens with task.long_conversations="
+            f"{task.long_conversations.value}, or with no reply token left once cut; "
+            f"{eval_rows.identical} with identical replies). Raise "
             "task.max_seq_length, set task.long_conversations=truncate, or hold out more.")
     if len(train_rows) < batch_size:
         raise FlaxlmError(
