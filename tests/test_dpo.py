@@ -218,7 +218,11 @@ def test_the_offline_preset_learns_the_preference(tmp_path_factory):
     run_dir = trained_run(tmp_path_factory, "dpo-run",
                           ["experiment=dpo-llama-tiny-offline", "logger=none",
                            "trainer.max_steps=200"])
-    evaluations = [r for r in metrics_records(run_dir) if "eval/rewards/accuracies" in r]
+    records = metrics_records(run_dir)
+    evaluations = [r for r in records if "eval/rewards/accuracies" in r]
+    trained = [r for r in records if "train/loss" in r]
+    assert trained[-1]["train/rewards/accuracies"] > 0.8  # the train step's own, TRL's names
+    assert {f"train/{name}" for name in ("rewards/margins", "logps/chosen")} <= set(trained[-1])
     first, last = evaluations[0], evaluations[-1]
     assert first["eval/loss"] == pytest.approx(np.log(2), abs=1e-4)  # the policy is the reference
     assert last["eval/rewards/accuracies"] > 0.8
