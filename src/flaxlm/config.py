@@ -335,7 +335,8 @@ class LongConversations(str, enum.Enum):
 class TaskConfig:
     """WHAT objective. `clm`: causal language modelling on packed blocks. `classify`:
     sequence (or sentence-pair) classification, or regression when num_labels = 1. `sft`:
-    supervised fine-tuning on conversations, the loss on the assistant's tokens."""
+    supervised fine-tuning on conversations, the loss on the assistant's tokens. `dpo`: Direct
+    Preference Optimisation on pairs of replies, one preferred."""
 
     name: str = MISSING
     # clm: blocks of this many tokens; null → the model's context length (model.max_positions).
