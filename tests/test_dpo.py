@@ -23,7 +23,13 @@ from flaxlm.config import LongConversations, LoraConfig
 from flaxlm.data.chat_template import IM_END, with_chat_template
 from flaxlm.data.documents import INPUT_IDS, TARGET_MASK
 from flaxlm.data.preference_drills import preference_drills
-from flaxlm.data.preferences import REFERENCE_LOGPS, Pair, encode_pairs, pairs_of
+from flaxlm.data.preferences import (
+    REFERENCE_LOGPS,
+    Pair,
+    encode_pairs,
+    load_preferences,
+    pairs_of,
+)
 from flaxlm.errors import FlaxlmError
 from flaxlm.models.build import build_lm
 from flaxlm.models.layers import TransformerSpec
@@ -120,6 +126,31 @@ def test_pairs_read_from_strings_and_from_conversations_that_repeat_the_prompt()
         "chosen": [*prompt, {"role": "assistant", "content": "Hello."}],
         "rejected": [*prompt, {"role": "assistant", "content": "Go away."}]}])
     assert pairs_of(table, task, "t") == [as_pair("Hi?", "Hello.", "Go away.")]
+
+
+def test_a_hub_dataset_in_ultrafeedbacks_layout_gives_both_splits(monkeypatch):
+    def conversation(prompt, reply):
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
+
+    splits = {split: datasets.Dataset.from_list([
+        {"prompt": f"{split} {i}?", "prompt_id": str(i), "score_chosen": 8.0,
+         "chosen": conversation(f"{split} {i}?", "good"),
+         "rejected": conversation(f"{split} {i}?", "bad")} for i in range(3)])
+        for split in ("train_prefs", "test_prefs")}
+    asked = []
+
+    def load_dataset(path, name=None, split=None):
+        asked.append((path, split))
+        return splits[split]
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    task = dataclasses.replace(task_config(), drills=0,
+                               hub_path="HuggingFaceH4/ultrafeedback_binarized",
+                               hub_split="train_prefs", hub_eval_split="test_prefs")
+    loaded = load_preferences(task)
+    assert [split for _, split in asked] == ["train_prefs", "test_prefs"]
+    assert loaded.train[1] == as_pair("train_prefs 1?", "good", "bad")
+    assert loaded.eval[0] == as_pair("test_prefs 0?", "good", "bad")
 
 
 def test_missing_columns_and_values_are_refused_naming_the_row():

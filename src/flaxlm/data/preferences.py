@@ -134,6 +134,7 @@ def pair_of(row: dict, task: TaskConfig, where: str) -> Pair:
     if not prompt:
         raise FlaxlmError(f"{where}: the prompt ({task.prompt_column!r}) is empty. Give every "
                           "pair a prompt, or remove the row.")
+    # The roles and texts checked as sft checks a conversation's, which must hold a reply.
     check_turns([*prompt, {"role": "assistant", "content": ""}], where)
     replies = []
     for column in (task.chosen_column, task.rejected_column):
