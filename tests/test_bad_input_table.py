@@ -44,6 +44,10 @@ def sft(train: str) -> list[str]:
     return ["task=sft", "task.max_seq_length=64", f"task.files=[{{data}}/{train}]"]
 
 
+def dpo(train: str) -> list[str]:
+    return ["task=dpo", "task.max_seq_length=64", f"task.files=[{{data}}/{train}]"]
+
+
 def chats(*conversations: list[tuple[str, str]]) -> str:
     return jsonl([{"messages": [{"role": role, "content": text} for role, text in turns]}
                   for turns in conversations])
@@ -81,6 +85,11 @@ DATA = {
     "no-reply.jsonl": chats(GOOD_CHAT, [("user", "hi")]),
     "long-chats.jsonl": chats(*[[("user", "a long question " * 20), ("assistant", "yes")]] * 4),
     "chats.jsonl": chats(*[GOOD_CHAT] * 4),
+    "no-rejected.jsonl": jsonl([{"prompt": "2 + 5?", "chosen": "7", "rejected": "8"},
+                                {"prompt": "2 + 2?", "chosen": "4"}]),
+    "question-pairs.jsonl": jsonl([{"question": "2 + 5?", "chosen": "7", "rejected": "8"}] * 4),
+    "long-pairs.jsonl": jsonl([{"prompt": "a long question " * 20, "chosen": "yes",
+                                "rejected": "no"}] * 4),
 }
 
 
@@ -285,6 +294,17 @@ ROWS = {
                                            ["task.streaming=true", "trainer.max_steps"]),
     "sft-streaming-without-held-out-data": Row([*sft("chats.jsonl"), "task.streaming=true"],
                                                ["task.eval_files", "task.hub_eval_split"]),
+    # --- task=dpo's preference pairs
+    "dpo-without-data": Row(["task=dpo", "task.max_seq_length=64"],
+                            ["task.files", "task.hub_path", "task.drills"]),
+    "dpo-a-pair-without-its-rejected-reply": Row(dpo("no-rejected.jsonl"),
+                                                 ["no-rejected.jsonl", "row 2", "'rejected'"]),
+    "dpo-no-prompt-column": Row(dpo("question-pairs.jsonl"),
+                                ["question-pairs.jsonl", "task.prompt_column='prompt'"]),
+    "dpo-every-pair-too-long": Row([*dpo("long-pairs.jsonl"), "task.long_conversations=drop"],
+                                   ["task.long_conversations=drop", "dropped"]),
+    "dpo-beta-not-positive": Row(["task=dpo", "task.drills=100", "task.beta=0"],
+                                 ["task.beta=0.0"]),
     "retry-after-a-failed-start": Row([*FILES, "language.files=[{tmp}/missing/*.txt]"],
                                       ["language.files", "missing/*.txt"], setup=failed_start),
 }

@@ -335,7 +335,8 @@ class LongConversations(str, enum.Enum):
 class TaskConfig:
     """WHAT objective. `clm`: causal language modelling on packed blocks. `classify`:
     sequence (or sentence-pair) classification, or regression when num_labels = 1. `sft`:
-    supervised fine-tuning on conversations, the loss on the assistant's tokens."""
+    supervised fine-tuning on conversations, the loss on the assistant's tokens. `dpo`: Direct
+    Preference Optimisation on pairs of replies, one preferred."""
 
     name: str = MISSING
     # clm: blocks of this many tokens; null → the model's context length (model.max_positions).
@@ -383,7 +384,14 @@ class TaskConfig:
     streaming: bool = False
     # > 0: that many generated drill conversations (arithmetic, word reversal; data/drills.py)
     # instead of files or a hub dataset: offline data for experiment=sft-llama-tiny-drills.
+    # dpo: that many generated preference pairs (data/preference_drills.py).
     drills: int = 0
+    # dpo only, below (conf/task/dpo.yaml): a pair is task.prompt_column and the two replies
+    # `chosen_column` and `rejected_column`, each a string or a list of {role, content} turns;
+    # `beta` scales the implicit reward β·(log π − log π_ref) (Rafailov et al. 2023).
+    chosen_column: str = MISSING
+    rejected_column: str = MISSING
+    beta: float = 0.1
 
 
 class TokenConvention(str, enum.Enum):

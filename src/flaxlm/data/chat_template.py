@@ -88,13 +88,16 @@ def render(tokenizer, turns: Sequence[dict], where: str,
         ) from err
 
 
-def encode_chat(tokenizer, turns: Sequence[dict], where: str) -> tuple[np.ndarray, np.ndarray]:
+def encode_chat(tokenizer, turns: Sequence[dict], where: str,
+                targets_from: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """The conversation's token ids (int32) and target mask (bool, True on the assistant's
-    tokens), as `apply_chat_template(turns, tokenize=True)` encodes it."""
+    tokens), as `apply_chat_template(turns, tokenize=True)` encodes it. `targets_from`: the
+    first turn whose tokens may be targets (task=dpo scores the reply, not a multi-turn
+    prompt's earlier assistant turns)."""
     text = render(tokenizer, turns, where)
     spans = []
     for index, turn in enumerate(turns):
-        if turn["role"] != "assistant":
+        if turn["role"] != "assistant" or index < targets_from:
             continue
         before = render(tokenizer, turns[:index], where, add_generation_prompt=True)
         through = render(tokenizer, turns[: index + 1], where)

@@ -1,18 +1,22 @@
-"""What the language-model tasks (clm, sft) share: where a run starts and how long its
-sequences are, how its next-token train and eval steps are compiled, and its downstream
-evaluation (eval.harness). The tasks themselves stay independent of each other; each imports
-this."""
+"""What the language-model tasks (clm, sft, dpo) share: where a run starts and how long its
+sequences are, how its next-token train and eval steps are compiled, the chat tasks'
+tokenizer, and its downstream evaluation (eval.harness). The tasks themselves stay
+independent of each other; each imports this."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+import datasets
 
 from flaxlm import layout
 from flaxlm.config import ModelConfig, TrainConfig
+from flaxlm.data.chat_template import CHATML_MARKERS, with_chat_template
+from flaxlm.data.tokenizer import prepare_tokenizer
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import export_adapter
-from flaxlm.models import lora
+from flaxlm.models import lora, pretrained
 from flaxlm.tasks import base
 from flaxlm.tasks.base import JobContext
 from flaxlm.training.loop import Hook
@@ -42,6 +46,28 @@ def lm_steps_compiler(config: TrainConfig) -> Callable[..., CompiledSteps]:
                              trainable=lora.trainable(config.model))
 
     return compile_lm_steps
+
+
+def chat_tokenizer(config: TrainConfig, start: base.Start,
+                   conversations: Sequence[Sequence[dict]]):
+    """The chat tasks' tokenizer with its chat template (`with_chat_template`):
+    model.init_from's, else tokenizer.path, else a byte-level BPE trained on the
+    `conversations`' text with ChatML's markers among its special tokens."""
+    if start.checkpoint_dir and config.tokenizer.path is None:
+        tokenizer = pretrained.load_pretrained_tokenizer(start.checkpoint_dir)
+    else:
+        settings = config.tokenizer
+        if config.task.chat_template is None:
+            extra = [m for m in CHATML_MARKERS if m not in settings.special_tokens]
+            settings = dataclasses.replace(settings,
+                                           special_tokens=[*settings.special_tokens, *extra])
+        texts = datasets.Dataset.from_dict(
+            {"text": ["\n".join(f"{turn['role']}\n{turn['content']}" for turn in turns)
+                      for turns in conversations]},
+            features=datasets.Features({"text": datasets.Value("string")}))
+        tokenizer = prepare_tokenizer(settings, texts, config.model.vocab_size,
+                                      config.cache_dir)
+    return with_chat_template(tokenizer, config.task.chat_template, config.model.vocab_size)
 
 
 def check_block_length(config: TrainConfig, seq_len: int) -> None:

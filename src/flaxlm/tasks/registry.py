@@ -7,17 +7,18 @@ from flaxlm.errors import FlaxlmError
 from flaxlm.tasks.base import Task
 from flaxlm.tasks.classify import Classification
 from flaxlm.tasks.clm import CausalLM
+from flaxlm.tasks.dpo import DirectPreferenceOptimisation
 from flaxlm.tasks.sft import SupervisedFineTuning
 
 TASKS: dict[str, Task] = {"clm": CausalLM(), "classify": Classification(),
-                         "sft": SupervisedFineTuning()}
+                         "sft": SupervisedFineTuning(), "dpo": DirectPreferenceOptimisation()}
 
 
 def task_named(name: str) -> Task:
     if name not in TASKS:
         raise FlaxlmError(
             f"task.name={name!r} is not a task flaxlm runs. Pick task=clm (pre-train a causal "
-            "LM), task=classify (fine-tune a classifier) or task=sft (fine-tune a chat "
-            "model on conversations)."
+            "LM), task=classify (fine-tune a classifier), task=sft (fine-tune a chat "
+            "model on conversations) or task=dpo (tune it on preference pairs)."
         )
     return TASKS[name]

@@ -10,37 +10,35 @@ replies to samples.prompts before and after training.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import NamedTuple
 
-import datasets
 import jax
 import jax.numpy as jnp
 import transformers
 
 from flaxlm.config import TrainConfig
-from flaxlm.data.chat import Conversation, load_conversations, open_conversation_stream
+from flaxlm.data.chat import load_conversations, open_conversation_stream
 from flaxlm.data.chat_packing import ChatRows, chat_loader, chat_rows, encode_conversations
 from flaxlm.data.chat_stream import ChatStreamLoader
-from flaxlm.data.chat_template import CHATML_MARKERS, CHATML_TEMPLATE, with_chat_template
+from flaxlm.data.chat_template import CHATML_TEMPLATE
 from flaxlm.data.fingerprint import arrays_fingerprint, documents_fingerprint
 from flaxlm.data.loader import BatchSource
 from flaxlm.data.streaming import process_shard
 from flaxlm.data.tokenizer import (
     keeps_own_conventions,
-    prepare_tokenizer,
     prompt_tokenizer,
     token_byte_lengths,
 )
 from flaxlm.errors import FlaxlmError
 from flaxlm.generate import log_samples, settings_from_samples
-from flaxlm.models import build, hf, lora, pretrained
+from flaxlm.models import build, hf, lora
 from flaxlm.models.build import lm_from_params
 from flaxlm.parallel import replicated
 from flaxlm.tasks import base
 from flaxlm.tasks.base import JobContext, Start
 from flaxlm.tasks.language_model import (
+    chat_tokenizer,
     check_block_length,
     check_downstream,
     downstream_hooks,
@@ -159,11 +157,6 @@ class ChatData(NamedTuple):
     fingerprint: dict[str, str]  # what a checkpoint records of the data
 
 
-def _chat_tokenizer(config: TrainConfig, start: Start, sample: list[Conversation]):
-    return with_chat_template(_tokenizer(config, start, sample), config.task.chat_template,
-                              config.model.vocab_size)
-
-
 def _pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -172,7 +165,7 @@ def _data(config: TrainConfig, start: Start, seq_len: int, batch_size: int, mesh
     """Every conversation read, checked and laid out in rows up front."""
     task = config.task
     conversations = load_conversations(task)
-    tokenizer = _chat_tokenizer(config, start, conversations.train)
+    tokenizer = chat_tokenizer(config, start, conversations.train)
     train_rows, eval_rows = (
         encode_conversations(tokenizer, rows, seq_len, task.long_conversations, where,
                              _pad_id(tokenizer), task.document_masking)
@@ -195,7 +188,7 @@ def _streamed_data(config: TrainConfig, start: Start, seq_len: int, batch_size: 
     evaluation, stream, turns_of = open_conversation_stream(task)
     head = [turns_of(row, f"the training stream, conversation {index + 1}")
             for index, row in enumerate(stream.take(config.tokenizer.train_docs))]
-    tokenizer = _chat_tokenizer(config, start, head)
+    tokenizer = chat_tokenizer(config, start, head)
     eval_rows = encode_conversations(tokenizer, evaluation, seq_len, task.long_conversations,
                                      "the held-out conversations", _pad_id(tokenizer),
                                      task.document_masking)
@@ -209,22 +202,6 @@ def _streamed_data(config: TrainConfig, start: Start, seq_len: int, batch_size: 
                    "held-out conversations": arrays_fingerprint(eval_rows.arrays)}
     return ChatData(tokenizer, loader, eval_rows, "streamed train conversations",
                     f"{task.hub_path or 'task.files'} (streamed)", fingerprint)
-
-
-def _tokenizer(config: TrainConfig, start: Start, train: list[Conversation]):
-    """model.init_from's tokenizer, else tokenizer.path, else a byte-level BPE trained on the
-    training conversations' text with ChatML's markers among its special tokens."""
-    if start.checkpoint_dir and config.tokenizer.path is None:
-        return pretrained.load_pretrained_tokenizer(start.checkpoint_dir)
-    settings = config.tokenizer
-    if config.task.chat_template is None:
-        extra = [m for m in CHATML_MARKERS if m not in settings.special_tokens]
-        settings = dataclasses.replace(settings, special_tokens=[*settings.special_tokens, *extra])
-    texts = datasets.Dataset.from_dict(
-        {"text": ["\n".join(f"{turn['role']}\n{turn['content']}" for turn in turns)
-                  for turns in train]},
-        features=datasets.Features({"text": datasets.Value("string")}))
-    return prepare_tokenizer(settings, texts, config.model.vocab_size, config.cache_dir)
 
 
 def check_rows(train: ChatRows | None, evaluation: ChatRows, batch_size: int,

@@ -259,11 +259,16 @@ def _batches(loader: BatchSource, step: int, steps_per_epoch: int) -> Iterator[B
         epoch, start = epoch + 1, 0
 
 
+# What every train step reports (`step.train_step`); any other metric is its objective's own
+# (the z-loss term, DPO's rewards), logged as the window's mean under train/<name>.
+_STEP_METRICS = frozenset({"loss", "grad_norm", "learning_rate", "finite", "skipped"})
+
+
 class _Window:
-    """Train metrics between two log lines: mean loss, last learning rate and grad norm, and
-    throughput over wall time (the first step, which compiles, is not timed). Every step's
-    metrics pass through `add`, which stops the run on a non-finite one (or counts it when
-    skipped)."""
+    """Train metrics between two log lines: mean loss and mean objective metrics, last learning
+    rate and grad norm, and throughput over wall time (the first step, which compiles, is not
+    timed). Every step's metrics pass through `add`, which stops the run on a non-finite one (or
+    counts it when skipped)."""
 
     def __init__(self, throughput: Throughput, losses=(), skipped: int = 0,
                  count_skipped: bool = False):
@@ -276,7 +281,7 @@ class _Window:
         self.last_loss = self.losses[-1] if self.losses else float("nan")
         self.last_lr = float("nan")
         self.last_grad_norm = float("nan")
-        self.z_losses: list[float] = []
+        self.objective_metrics: dict[str, list[float]] = {}
 
     def add(self, step: int, metrics, last_saved: int | None = None) -> None:
         metrics = jax.device_get(metrics)
@@ -291,8 +296,9 @@ class _Window:
         else:
             self.losses.append(loss)
             self.last_loss, self.last_grad_norm = loss, grad_norm
-            if "z_loss" in metrics:
-                self.z_losses.append(float(metrics["z_loss"]))
+            for name, value in metrics.items():
+                if name not in _STEP_METRICS:
+                    self.objective_metrics.setdefault(name, []).append(float(value))
         if self.started is None:
             self.started = time.perf_counter()  # the clock starts once a first step finished
         else:
@@ -308,8 +314,8 @@ class _Window:
             "train/grad_norm": self.last_grad_norm,
             "epoch": epoch,
         }
-        if self.z_losses:
-            record["train/z_loss"] = float(np.mean(self.z_losses))
+        for name, values in self.objective_metrics.items():
+            record[f"train/{name}"] = float(np.mean(values))
         if self.count_skipped:
             record["train/skipped_steps"] = self.skipped
         elapsed = time.perf_counter() - self.started if self.started is not None else 0.0
@@ -321,7 +327,7 @@ class _Window:
                     tokens_per_second * self.throughput.flops_per_token
                     / self.throughput.peak_flops
                 )
-        self.losses, self.z_losses, self.skipped, self.timed_steps = [], [], 0, 0
+        self.losses, self.objective_metrics, self.skipped, self.timed_steps = [], {}, 0, 0
         self.started = time.perf_counter()
         return record
 
