@@ -67,8 +67,8 @@ def kill_at(n):
 
 
 if fault == "step":
-    import flaxlm.tasks.clm as clm
-    compile_steps = clm.compile_steps
+    import flaxlm.tasks.language_model as language_model
+    compile_steps = language_model.compile_steps
 
     def compile_killing(*args, **kwargs):
         steps = compile_steps(*args, **kwargs)
@@ -80,7 +80,7 @@ if fault == "step":
 
         return dataclasses.replace(steps, train=train)
 
-    clm.compile_steps = compile_killing
+    language_model.compile_steps = compile_killing
 elif fault == "save":
     from orbax.checkpoint._src.path import atomicity
     finalize = atomicity.AtomicRenameTemporaryPath.finalize
@@ -462,7 +462,7 @@ def test_a_failed_asynchronous_save_stops_the_run_at_the_next_step(tmp_path, mon
     save's own error."""
     from orbax.checkpoint._src.serialization import serialization
 
-    import flaxlm.tasks.clm as clm
+    import flaxlm.tasks.language_model as language_model
 
     failed = threading.Event()
     serialize = serialization.async_serialize_from_host
@@ -473,7 +473,7 @@ def test_a_failed_asynchronous_save_stops_the_run_at_the_next_step(tmp_path, mon
             raise ValueError("PERMISSION_DENIED: injected failure of the save of step 4")
         return await serialize(slices, spec, **kwargs)
 
-    compile_steps, calls = clm.compile_steps, [0]
+    compile_steps, calls = language_model.compile_steps, [0]
 
     def compile_waiting(*args, **kwargs):
         steps = compile_steps(*args, **kwargs)
@@ -488,7 +488,7 @@ def test_a_failed_asynchronous_save_stops_the_run_at_the_next_step(tmp_path, mon
         return dataclasses.replace(steps, train=train_step)
 
     monkeypatch.setattr(serialization, "async_serialize_from_host", serialize_failing)
-    monkeypatch.setattr(clm, "compile_steps", compile_waiting)
+    monkeypatch.setattr(language_model, "compile_steps", compile_waiting)
     run_dir = tmp_path / "run"
     with pytest.raises(Exception, match="injected failure of the save of step 4"):
         train(compose(RUN, run_dir=run_dir))

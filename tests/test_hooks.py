@@ -4,8 +4,6 @@ the uninterrupted run would have."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 from conftest import TINY, compose, stop_at
 
@@ -32,8 +30,14 @@ class Recorder(Hook):
 
 
 def with_hook(monkeypatch, hook: Hook) -> None:
-    """The task's loop gets `hook`, as a task passes its own hooks to `base.run_loop`."""
-    monkeypatch.setattr(base, "run_loop", functools.partial(base.run_loop, hooks=[hook]))
+    """The task's loop gets `hook` after its own, as a task passes its hooks to
+    `base.run_loop`."""
+    run_loop = base.run_loop
+
+    def run_loop_with_hook(*args, hooks=(), **kwargs):
+        return run_loop(*args, hooks=[*hooks, hook], **kwargs)
+
+    monkeypatch.setattr(base, "run_loop", run_loop_with_hook)
 
 
 def test_a_hook_is_due_every_n_steps_and_at_its_events():

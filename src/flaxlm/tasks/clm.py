@@ -149,11 +149,11 @@ class CausalLM:
                      f"{data.train_size} train / {eval_size} eval blocks of {seq_len} "
                      f"tokens{_DOCUMENTS[config.task.document_masking]}{mixed} | global batch "
                      f"{batch_size} ({batch_size * seq_len} tokens/step)"))
-        hooks = downstream_hooks(job, tokenizer, own)
-        state, last_eval = base.run_loop(job, training, loader, evaluator, speed, hooks)
+        hooks = downstream_hooks(job, config.model, tokenizer, own)
+        state, last_eval = base.run_loop(job, training, loader, evaluator, speed, hooks=hooks)
         final = {**last_eval, "tokens_seen": int(state.step) * batch_size * seq_len,
                  "steps": int(state.step)}
-        model, params = export_lm(job, base.model_params(state), tokenizer, final,
+        model, params = export_lm(job, config.model, base.model_params(state), tokenizer, final,
                                   generation=sample_settings, own_conventions=own)
         log_samples(lm_from_params(model, params), tokenizer, config.samples.prompts,
                     sample_settings, job.tracker, step=final["steps"], own_conventions=own)

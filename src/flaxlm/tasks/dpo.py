@@ -136,10 +136,10 @@ class DirectPreferenceOptimisation:
                           f"prompt in a row of {seq_len} tokens, scored on the reply | from "
                           f"{data.origin} | global batch {batch_size} pairs"))
         state, last_eval = base.run_loop(job, training, data.loader, evaluator, speed,
-                                         downstream_hooks(job, tokenizer, own))
+                                         hooks=downstream_hooks(job, config.model, tokenizer, own))
         final = {**last_eval, "steps": int(state.step),
                  "tokens_seen": int(state.step) * batch_size * 2 * seq_len}
-        model, params = export_lm(job, base.model_params(state), tokenizer, final,
+        model, params = export_lm(job, config.model, base.model_params(state), tokenizer, final,
                                   generation=sample_settings, own_conventions=own)
         log_samples(lm_from_params(model, params), tokenizer, config.samples.prompts,
                     sample_settings, job.tracker, step=final["steps"], chat=True)

@@ -79,12 +79,12 @@ def check_block_length(config: TrainConfig, seq_len: int) -> None:
         )
 
 
-def export_lm(job: JobContext, params: dict, tokenizer, final: dict, **export_options
-              ) -> tuple[ModelConfig, dict]:
-    """The run's model/ (`base.export_model`); with model.lora, the PEFT adapter directory
-    beside it first, and model/ the merged model. Returns the exported network's config and
-    parameters (merged), what end-of-run samples are drawn from."""
-    model = job.config.model
+def export_lm(job: JobContext, model: ModelConfig, params: dict, tokenizer, final: dict,
+              **export_options) -> tuple[ModelConfig, dict]:
+    """The run's model/ (`base.export_model`) of `model` (the shape the run trained, after
+    model.init_from); with model.lora, the PEFT adapter directory beside it first, and model/
+    the merged model. Returns the exported network's config and parameters (merged), what
+    end-of-run samples are drawn from."""
     if lora.enabled(model):
         job.write(export_adapter, job.path(layout.ADAPTER_SUBDIR), params, model,
                   base_model=model.init_from, source=f"{job.run.path}, step {final['steps']}")
@@ -100,13 +100,15 @@ def check_downstream(config: TrainConfig) -> None:
         _downstream().check_harness(config.eval.harness)
 
 
-def downstream_hooks(job: JobContext, tokenizer, own_conventions: bool) -> list[Hook]:
-    """The loop hook of eval.harness (none without tasks)."""
+def downstream_hooks(job: JobContext, model: ModelConfig, tokenizer,
+                     own_conventions: bool) -> list[Hook]:
+    """The loop hook of eval.harness (none without tasks), on the network of `model` (the
+    shape the run trains, after model.init_from)."""
     harness = job.config.eval.harness
     if not harness.tasks:
         return []
-    return [_downstream().HarnessEvaluation(harness, job.config.model, tokenizer,
-                                            own_conventions, job.mesh, job.run.path)]
+    return [_downstream().HarnessEvaluation(harness, model, tokenizer, own_conventions,
+                                            job.mesh, job.run.path)]
 
 
 def _downstream():
