@@ -108,19 +108,21 @@ def export_hf(out_dir: str, params: dict, model_config: ModelConfig, tokenizer, 
         card = model_card(model_config, architecture, run_config, eval_metrics, source,
                           _count(params), tokenizer, own_conventions)
         _write_text(os.path.join(staging, "README.md"), card)
-        _write_text(os.path.join(staging, MARKER), json.dumps({
-            "exported_by": "flaxlm",
-            "architecture": architecture,
-            "source": source,
-            "eval_metrics": plain(eval_metrics or {}),
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        }, indent=2) + "\n")
+        _write_marker(staging, architecture=architecture, source=source,
+                      eval_metrics=plain(eval_metrics or {}))
         _give_default_modes(staging)
         _move_into_place(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
+
+
+def _write_marker(staging: str, **fields) -> None:
+    """The file that says flaxlm wrote this directory, from what, and when."""
+    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    _write_text(os.path.join(staging, MARKER), json.dumps(
+        {"exported_by": "flaxlm", **fields, "created": created}, indent=2) + "\n")
 
 
 def export_adapter(out_dir: str, params: dict, model_config: ModelConfig, *,
@@ -135,13 +137,7 @@ def export_adapter(out_dir: str, params: dict, model_config: ModelConfig, *,
     staging = _staging_dir(out_dir)
     try:
         peft.save_adapter(staging, params, model_config, architecture, base_model)
-        _write_text(os.path.join(staging, MARKER), json.dumps({
-            "exported_by": "flaxlm",
-            "architecture": architecture,
-            "adapter": "peft-lora",
-            "source": source,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        }, indent=2) + "\n")
+        _write_marker(staging, architecture=architecture, adapter="peft-lora", source=source)
         _give_default_modes(staging)
         _move_into_place(staging, out_dir)
     except BaseException:
