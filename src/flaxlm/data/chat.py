@@ -38,21 +38,21 @@ def load_conversations(task: TaskConfig) -> Conversations:
     """Both splits of the conversations `task` names, every turn checked (`check_turns`)."""
     if task.drills > 0:
         rows = drill_conversations(task.drills, seed=0)
-        train, evaluation = _hold_out(rows, task.eval_fraction, "task.eval_fraction")
+        train, evaluation = hold_out(rows, task.eval_fraction, "task.eval_fraction")
         return Conversations(train, evaluation, f"{task.drills} generated drills")
     if task.files:
         train = _from_files(task.files, "task.files", task)
         if task.eval_files:
             return Conversations(train, _from_files(task.eval_files, "task.eval_files", task),
                                  "task.files")
-        train, evaluation = _hold_out(train, task.eval_fraction, "task.files")
+        train, evaluation = hold_out(train, task.eval_fraction, "task.files")
         return Conversations(train, evaluation, "task.files")
     if task.hub_path:
         train = _from_hub(task, task.hub_split)
         if task.hub_eval_split:
             return Conversations(train, _from_hub(task, task.hub_eval_split),
                                  f"{task.hub_path} split {task.hub_split}")
-        train, evaluation = _hold_out(train, task.eval_fraction, "task.hub_path")
+        train, evaluation = hold_out(train, task.eval_fraction, "task.hub_path")
         return Conversations(train, evaluation, f"{task.hub_path} split {task.hub_split}")
     raise FlaxlmError(
         "task=sft needs conversations: set task.files=[chats.jsonl] (JSON lines or parquet "
@@ -63,37 +63,52 @@ def load_conversations(task: TaskConfig) -> Conversations:
     )
 
 
-def _hold_out(rows: list[Conversation], fraction: float, setting: str):
-    """The last `fraction` of `rows` (at least one) as the held-out conversations."""
+def hold_out(rows: list, fraction: float, setting: str, noun: str = "conversation"):
+    """The last `fraction` of `rows` (at least one) held out for evaluation, and the rest;
+    `noun` names a row in the messages (conversations, preference pairs)."""
     if not 0 < fraction < 1:
         raise FlaxlmError(f"task.eval_fraction={fraction} must be between 0 and 1 (exclusive).")
     if len(rows) < 2:
         raise FlaxlmError(
-            f"{setting} holds {len(rows)} conversation(s): with no eval files or eval split, "
+            f"{setting} holds {len(rows)} {noun}(s): with no eval files or eval split, "
             "task.eval_fraction of them are held out for evaluation, which needs at least two. "
-            "Add conversations, or give task.eval_files.")
+            f"Add {noun}s, or give task.eval_files.")
     held = max(1, math.floor(len(rows) * fraction))
     return rows[:-held], rows[-held:]
 
 
-def _from_files(patterns: list[str], setting: str, task: TaskConfig) -> list[Conversation]:
-    rows: list[Conversation] = []
+def rows_from_files(patterns: list[str], setting: str, rows_of) -> list:
+    """`rows_of(table, where)` of every file `patterns` (the setting `setting`) names."""
+    rows: list = []
     for path in expand_patterns(patterns, setting):
-        rows += conversations_of(read_data_file(path, setting), task, repr(str(path)))
+        rows += rows_of(read_data_file(path, setting), repr(str(path)))
     return rows
 
 
-def _from_hub(task: TaskConfig, split: str) -> list[Conversation]:
+def hub_table(task: TaskConfig, split: str, example: str) -> tuple[datasets.Dataset, str]:
+    """The Hub dataset task.hub_path's `split`, and how messages name it; `example`: a
+    dataset of the right kind and its split names, for the error when it does not load."""
     where = f"task.hub_path={task.hub_path!r} (task.hub_config={task.hub_config!r}) split {split!r}"
     try:
         table = datasets.load_dataset(task.hub_path, task.hub_config, split=split)
     except Exception as err:  # not found, offline, unknown config or split, bad files
         raise FlaxlmError(
             f"Could not load {where}: {root_cause(err)}. Check the dataset, config and split "
-            "names (UltraChat: task.hub_path=HuggingFaceH4/ultrachat_200k, splits train_sft and "
-            "test_sft), and that this machine can reach the Hub or, with HF_HUB_OFFLINE=1, has "
-            "the dataset in its cache; or use local files: task.files=[chats.jsonl]."
+            f"names ({example}), and that this machine can reach the Hub or, with "
+            "HF_HUB_OFFLINE=1, has the dataset in its cache; or use local files "
+            "(task.files)."
         ) from err
+    return table, where
+
+
+def _from_files(patterns: list[str], setting: str, task: TaskConfig) -> list[Conversation]:
+    return rows_from_files(patterns, setting,
+                           lambda table, where: conversations_of(table, task, where))
+
+
+def _from_hub(task: TaskConfig, split: str) -> list[Conversation]:
+    table, where = hub_table(task, split, "UltraChat: task.hub_path="
+                             "HuggingFaceH4/ultrachat_200k, splits train_sft and test_sft")
     return conversations_of(table, task, where)
 
 

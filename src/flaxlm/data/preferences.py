@@ -18,18 +18,15 @@ its loss is a constant log 2. The counts are kept for the banner.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 import datasets
 import numpy as np
 
 from flaxlm.config import LongConversations, TaskConfig
-from flaxlm.data.chat import check_turns
+from flaxlm.data.chat import check_turns, hold_out, hub_table, rows_from_files
 from flaxlm.data.chat_packing import layout_rows
 from flaxlm.data.chat_template import encode_chat
-from flaxlm.data.examples import read_data_file
-from flaxlm.data.files import expand_patterns, root_cause
 from flaxlm.data.preference_drills import preference_drills
 from flaxlm.errors import FlaxlmError
 
@@ -58,23 +55,24 @@ def load_preferences(task: TaskConfig) -> Preferences:
                        [{"role": "assistant", "content": chosen}],
                        [{"role": "assistant", "content": rejected}])
                   for prompt, chosen, rejected in preference_drills(task.drills, seed=0)]
-        train, held = _hold_out(drills, task.eval_fraction, "task.drills")
+        train, held = hold_out(drills, task.eval_fraction, "task.drills", PAIR)
         return Preferences(train, held, f"{task.drills} generated preference pairs")
     if task.files:
         train = _from_files(task.files, "task.files", task)
         if task.eval_files:
             return Preferences(train, _from_files(task.eval_files, "task.eval_files", task),
                                "task.files")
-        return Preferences(*_hold_out(train, task.eval_fraction, "task.files"), "task.files")
+        return Preferences(*hold_out(train, task.eval_fraction, "task.files", PAIR), "task.files")
     if task.hub_path:
         origin = f"{task.hub_path} split {task.hub_split}"
         train = _from_hub(task, task.hub_split)
         if task.hub_eval_split:
             return Preferences(train, _from_hub(task, task.hub_eval_split), origin)
-        return Preferences(*_hold_out(train, task.eval_fraction, "task.hub_path"), origin)
+        return Preferences(*hold_out(train, task.eval_fraction, "task.hub_path", PAIR), origin)
     raise FlaxlmError(NO_DATA)
 
 
+PAIR = "preference pair"  # what messages call a row
 NO_DATA = (
     "task=dpo needs preference pairs: set task.files=[pairs.jsonl] (JSON lines or parquet with "
     "`prompt`, `chosen` and `rejected` columns, each a string or a list of {role, content} "
@@ -82,36 +80,14 @@ NO_DATA = (
     "or task.drills=4000 for generated offline pairs (experiment=dpo-llama-tiny-offline).")
 
 
-def _hold_out(pairs: list[Pair], fraction: float, setting: str):
-    if not 0 < fraction < 1:
-        raise FlaxlmError(f"task.eval_fraction={fraction} must be between 0 and 1 (exclusive).")
-    if len(pairs) < 2:
-        raise FlaxlmError(
-            f"{setting} holds {len(pairs)} preference pair(s): with no eval files or eval split, "
-            "task.eval_fraction of them are held out for evaluation, which needs at least two. "
-            "Add pairs, or give task.eval_files.")
-    held = max(1, math.floor(len(pairs) * fraction))
-    return pairs[:-held], pairs[-held:]
-
-
 def _from_files(patterns: list[str], setting: str, task: TaskConfig) -> list[Pair]:
-    pairs: list[Pair] = []
-    for path in expand_patterns(patterns, setting):
-        pairs += pairs_of(read_data_file(path, setting), task, repr(str(path)))
-    return pairs
+    return rows_from_files(patterns, setting, lambda table, where: pairs_of(table, task, where))
 
 
 def _from_hub(task: TaskConfig, split: str) -> list[Pair]:
-    where = f"task.hub_path={task.hub_path!r} (task.hub_config={task.hub_config!r}) split {split!r}"
-    try:
-        table = datasets.load_dataset(task.hub_path, task.hub_config, split=split)
-    except Exception as err:  # not found, offline, unknown config or split, bad files
-        raise FlaxlmError(
-            f"Could not load {where}: {root_cause(err)}. Check the dataset, config and split "
-            "names (UltraFeedback: task.hub_path=HuggingFaceH4/ultrafeedback_binarized, splits "
-            "train_prefs and test_prefs), and that this machine can reach the Hub or, with "
-            "HF_HUB_OFFLINE=1, has the dataset in its cache; or use local files."
-        ) from err
+    table, where = hub_table(task, split, "UltraFeedback: task.hub_path="
+                             "HuggingFaceH4/ultrafeedback_binarized, splits train_prefs and "
+                             "test_prefs")
     return pairs_of(table, task, where)
 
 
