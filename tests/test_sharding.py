@@ -270,3 +270,20 @@ def test_a_checkpoint_moves_between_meshes(tmp_path, data_parallel):
         checkpointer.close()
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6),
                  host(state.params), data_parallel[1])
+
+
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_the_llama_mlp_keeps_each_devices_rows_of_its_hidden_units(tensor):
+    """Under fsdp the MLP's hidden units (B × L × F) stay split over the batch's rows (and
+    over `tensor` along F): left free, the compiler split them as the weights are, over fsdp,
+    and gathered every row of the batch onto each device (llama2-7b on a TPU v5p slice)."""
+    from flaxlm.models.llama import LlamaMLP
+    from flaxlm.parallel import BATCH_AXES, TENSOR_AXIS, traced_on
+
+    spec = TransformerSpec(model_config("llama", hidden_size=32, mlp_size=64, num_heads=4))
+    mlp = LlamaMLP(spec, nnx.Rngs(0))
+    mesh = make_mesh(None, mesh_config(data=1, fsdp=8 // tensor, tensor=tensor))
+    jaxpr = jax.make_jaxpr(traced_on(mesh, lambda x: mlp(x)))(np.zeros((8, 4, 32), np.float32))
+    constraints = [tuple(eqn.params["sharding"].spec) for eqn in jaxpr.eqns
+                   if eqn.primitive.name == "sharding_constraint"]
+    assert (BATCH_AXES, None, TENSOR_AXIS) in constraints, jaxpr

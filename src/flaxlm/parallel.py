@@ -307,9 +307,11 @@ def traced_on(mesh: Mesh, fn):
     return on_mesh
 
 
-def constrain_batch(x_BxE: jax.Array) -> jax.Array:
+def constrain_batch(x_BxE: jax.Array, *, last_over_tensor: bool = False) -> jax.Array:
     """Inside a step traced on a mesh (`traced_on`): `x_BxE`'s leading (batch) axis split over
-    `data` × `fsdp` as the batch is, the rest whole; outside one, `x_BxE` unchanged.
+    `data` × `fsdp` as the batch is, the rest whole (or, with `last_over_tensor`, the last axis
+    split over `tensor`: an MLP's hidden units under tensor parallelism); outside one, `x_BxE`
+    unchanged.
 
     Without it the compiler may lay activations out as the weights that make them are laid
     out: with parameters split over `fsdp` on the model width, it then gathers the whole
@@ -318,7 +320,11 @@ def constrain_batch(x_BxE: jax.Array) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or any(axis not in mesh.axis_names for axis in BATCH_AXES):
         return x_BxE
-    return jax.lax.with_sharding_constraint(x_BxE, PartitionSpec(BATCH_AXES))
+    if last_over_tensor and TENSOR_AXIS in mesh.axis_names:
+        spec = PartitionSpec(BATCH_AXES, *[None] * (x_BxE.ndim - 2), TENSOR_AXIS)
+    else:
+        spec = PartitionSpec(BATCH_AXES)
+    return jax.lax.with_sharding_constraint(x_BxE, spec)
 
 
 def constrain_state(tree, mesh: Mesh):

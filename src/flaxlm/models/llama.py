@@ -52,6 +52,7 @@ from flaxlm.models.layers import (
     run_layers,
     stack_blocks,
 )
+from flaxlm.parallel import constrain_batch
 
 ROPE_TYPES = ("default", "linear", "llama3")  # HF's rope_type names
 
@@ -244,7 +245,9 @@ class LlamaMLP(nnx.Module):
     def __call__(self, x_BxLxD: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
         """`rngs` (training) draws the adapters' dropout, if they have any."""
         h_BxLxF = self.activation(self.gate_proj(x_BxLxD, rngs)) * self.up_proj(x_BxLxD, rngs)
-        return self.down_proj(h_BxLxF, rngs)
+        # Each device its rows' hidden units: left free, the compiler may split them as the
+        # weights are (over fsdp) and gather every row of the batch onto each device instead.
+        return self.down_proj(constrain_batch(h_BxLxF, last_over_tensor=True), rngs)
 
 
 class LlamaDecoderLayer(nnx.Module):
