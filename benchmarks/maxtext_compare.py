@@ -17,6 +17,11 @@ Contenders:
   unrolled: `cost_analysis` counts every layer;
 - `flaxlm-chunked-loss`: the same with `trainer.loss_chunk_size=512`: memory as trained with
   it; its FLOPs count one chunk of the LM head (a loop's body), so compare `flaxlm`'s;
+- `flaxlm-splash`: the chunked loss and the splash attention kernel (what `model.attention=auto`
+  takes on a TPU): memory as flaxlm trains on a TPU, to set beside `maxtext` as shipped; its
+  FLOPs count no attention (a Pallas kernel);
+- `flaxlm-scanned`: the same with `model.scan_layers=true`, laid out as `maxtext` as shipped
+  (its FLOPs count one block, a loop's body);
 - `maxtext`: `train_compile` as shipped (layers scanned: its FLOPs count one layer);
 - `maxtext-counted`: `scan_layers=false attention=dot_product`, the configuration whose FLOPs
   `cost_analysis` counts in full (a scanned loop's body counts once and Pallas kernels count
@@ -66,9 +71,12 @@ SHAPES = {
 NO_WINDOWED_EINSUM = ("--xla_tpu_enable_windowed_einsum_for_all_gather=false "
                       "--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false")
 COUNTED = ["scan_layers=false", "attention=dot_product"]
-# flaxlm's contenders: the next-token loss over the whole logits, and in chunks of 512
-# positions (trainer.loss_chunk_size), whose loop over the chunks `cost_analysis` counts once.
-FLAXLM = {"flaxlm": None, "flaxlm-chunked-loss": 512}
+# flaxlm's contenders, (trainer.loss_chunk_size, model.attention, model.scan_layers): the
+# next-token loss over the whole logits or in chunks of 512 positions, whose loop
+# `cost_analysis` counts once; XLA's attention, whose FLOPs it counts (as maxtext-counted's
+# dot_product), or the splash kernel; the blocks unrolled or scanned.
+FLAXLM = {"flaxlm": (None, "xla", False), "flaxlm-chunked-loss": (512, "xla", False),
+          "flaxlm-splash": (512, "splash", False), "flaxlm-scanned": (512, "splash", True)}
 GIB = 2**30
 
 
@@ -90,7 +98,7 @@ def contender_command(name: str, python: str, shape: str, topology: str, batch: 
     if name in FLAXLM:
         return [python, os.path.abspath(__file__), "--worker", "flaxlm", "--shape", shape,
                 "--topology", topology, "--batch", str(batch), "--seq", str(seq),
-                "--worker-out", out, "--loss-chunk-size", str(FLAXLM[name] or 0)]
+                "--worker-out", out, "--flaxlm-contender", name]
     args = [f"compile_topology={topology}", "compile_topology_num_slices=1",
             f"per_device_batch_size={batch}", f"max_target_length={seq}", 'jax_cache_dir=""',
             "log_config=false", "enable_dropout=false", *SHAPES[shape][1]]
@@ -101,15 +109,14 @@ def contender_command(name: str, python: str, shape: str, topology: str, batch: 
 
 
 def flaxlm_overrides(shape: str, topology: str, batch: int, seq: int,
-                     loss_chunk_size: int | None = None) -> list[str]:
+                     contender: str = "flaxlm") -> list[str]:
+    loss_chunk_size, attention, scan_layers = FLAXLM[contender]
     chunks = [f"trainer.loss_chunk_size={loss_chunk_size}"] if loss_chunk_size else []
     return [f"model={SHAPES[shape][0]}", f"hardware={TOPOLOGIES[topology][0]}",
             f"task.max_seq_length={seq}", f"hardware.per_device_batch_size={batch}",
             "hardware.mesh.data=1", "hardware.mesh.fsdp=-1", "model.remat=full",
             "optimizer=adamw", "model.attention_dropout=0.0", *chunks,
-            # XLA's attention, whose FLOPs cost_analysis counts (auto would take the splash
-            # kernel on a TPU, which counts none), as maxtext-counted's dot_product.
-            "model.attention=xla"]
+            f"model.attention={attention}", f"model.scan_layers={str(scan_layers).lower()}"]
 
 
 def describe(compiled, started: float) -> dict:
@@ -159,7 +166,7 @@ def flaxlm_worker(args) -> dict:
     from flaxlm.cli.plan import compose
 
     cfg = compose(flaxlm_overrides(args.shape, args.topology, args.batch, args.seq,
-                                   args.loss_chunk_size))
+                                   args.flaxlm_contender))
     run = aot.abstract_run(cfg)
     started = time.perf_counter()
     compiled = run.steps.train.lower(*run.train_args).compile()
@@ -213,8 +220,7 @@ def run_contender(name: str, args) -> dict:
         result = {"contender": name, "shape": args.shape, "topology": args.topology,
                   "batch": args.batch, "seq": args.seq, "wall_s": time.perf_counter() - started,
                   "command": command[command.index("--") + 1:] if "--" in command
-                  else flaxlm_overrides(args.shape, args.topology, args.batch, args.seq,
-                                        FLAXLM[name])}
+                  else flaxlm_overrides(args.shape, args.topology, args.batch, args.seq, name)}
         if proc.returncode != 0 or not os.path.exists(out):
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
             result["error"] = "\n".join(tail)
@@ -242,7 +248,16 @@ def table(results: list[dict]) -> str:
              "TFLOP per chip | loops left | all-gather / reduce-scatter / all-reduce | "
              "roofline step (estimate) | compile |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
+    # Grouped by shape and slice, MaxText's rows first; contenders no longer in the script
+    # (an earlier flaxlm's, kept for the record) last.
+    order = ["maxtext", "maxtext-counted", *FLAXLM]
+
+    def place(r: dict) -> tuple:
+        known = r["contender"] in order
+        return (list(SHAPES).index(r["shape"]), r["topology"], not known,
+                order.index(r["contender"]) if known else 0)
+
+    for r in sorted(results, key=place):
         if "error" in r:
             lines.append(f"| {r['shape']} | {r['topology']} | {r['contender']} | error | | | | "
                          "| | |")
@@ -284,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
                        help="the page whose maxtext-compare markers get the table")
     parse.add_argument("--worker", choices=["flaxlm", "maxtext"], help=argparse.SUPPRESS)
     parse.add_argument("--worker-out", help=argparse.SUPPRESS)
-    parse.add_argument("--loss-chunk-size", type=lambda v: int(v) or None,
+    parse.add_argument("--flaxlm-contender", choices=list(FLAXLM), default="flaxlm",
                        help=argparse.SUPPRESS)
     parse.add_argument("maxtext_args", nargs="*", help=argparse.SUPPRESS)
     args = parse.parse_args(argv)
