@@ -19,9 +19,12 @@ $(VENV)/.installed: pyproject.toml setup.py
 	touch $@
 
 # The tpu extra (libtpu) too: tests/test_plan.py compiles for TPU slices with it on the CPU.
-$(VENV)/.installed-test: $(VENV)/.installed
+# One resolution of everything, which also satisfies `train`.
+$(VENV)/.installed-test: pyproject.toml setup.py
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -e '.[test,tpu]'
-	touch $@
+	touch $(VENV)/.installed $@
 
 train: $(VENV)/.installed
 	$(VENV)/bin/flaxlm-train $(ARGS)

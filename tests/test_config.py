@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import sys
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from conftest import CONF_DIR, compose
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.errors import ConfigCompositionException
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, OmegaConf, open_dict
 
 from flaxlm.config import (
     RENAMED,
@@ -70,6 +71,12 @@ def option_yaml(group: str, option: str) -> tuple[dict, tuple[str, ...]]:
     return values, () if is_global else (group,)
 
 
+@functools.cache
+def default_config():
+    """conf/train.yaml composed with no override, once for the tests that only read it."""
+    return compose()
+
+
 def test_every_group_ships_options():
     expected = {"experiment", "hardware", "hparams_search", "hydra", "language", "logger",
                 "model", "optimizer", "task"}
@@ -79,7 +86,10 @@ def test_every_group_ships_options():
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_every_option_composes_into_the_typed_schema(group, option):
-    cfg = compose_with_hydra([f"{group}={option}"])
+    # One composition (each takes a good part of a second) serves both checks: the values
+    # with the `hydra` node, then the typed config of everything but that node, which is
+    # what composing without it gives.
+    cfg = compose([f"{group}={option}"], return_hydra_config=True)
 
     values, package = option_yaml(group, option)
     for path, value in leaves(values):
@@ -100,7 +110,9 @@ def test_every_option_composes_into_the_typed_schema(group, option):
             chosen = cfg[key.removeprefix("override /").split("@")[0]]
             assert chosen is None if picked is None else chosen.name == picked
 
-    config = OmegaConf.to_object(compose([f"{group}={option}"]))
+    with open_dict(cfg):
+        del cfg["hydra"]
+    config = OmegaConf.to_object(cfg)
     assert isinstance(config, TrainConfig)
     if group in {f.name for f in dataclasses.fields(TrainConfig)}:
         assert getattr(config, group).name == option
@@ -151,7 +163,7 @@ def test_the_default_run_steps_as_adamw_with_linear_decay_to_zero():
 
     from flaxlm.training.optimizer import make_optimizer, make_schedule
 
-    optimizer = OmegaConf.to_object(compose()).optimizer
+    optimizer = OmegaConf.to_object(default_config()).optimizer
     ours = make_optimizer(optimizer, make_schedule(optimizer, 4))
     expected = optax.adamw(optax.linear_schedule(3e-4, 0.0, 4), b1=0.9, b2=0.98, eps=1e-8,
                            weight_decay=0.01)
@@ -321,7 +333,8 @@ def test_bases_extend_options_without_being_options():
 
 @pytest.mark.parametrize(("old", "new"), RENAMED.items())
 def test_a_renamed_key_is_an_error_naming_its_new_spelling(old, new):
-    assert OmegaConf.select(compose(), new, default="unset") != "unset", f"{new} is no key"
+    composed = OmegaConf.select(default_config(), new, default="unset")
+    assert composed != "unset", f"{new} is no key"
     with pytest.raises(ConfigCompositionException) as info:
         compose([f"{old}=1"])
     assert renamed_keys(f"{info.value}\n{info.value.__cause__}") == [f"{old} was renamed {new}"]

@@ -39,9 +39,9 @@ from flaxlm.tracking import Tracker
 from flaxlm.training.checkpoint.manager import Checkpointer, finalised_steps, restore_params
 from flaxlm.training.stop import PREEMPTED_EXIT_CODE
 
-# 2 epochs of 10 steps: checkpoints at 4, 8, 10, 12, 16, 20 (the last 3 and the best kept),
-# evaluations at 0, 6, 10, 12, 18, 20.
-RUN = [*TINY, "language.max_train_docs=12", "language.max_eval_docs=2", "trainer.num_epochs=2",
+# 2 epochs of 6 steps: checkpoints at 4, 6, 8, 12 (the last 3 and the best kept), evaluations at
+# 0, 6 and 12. The same data as test_resume's and test_multihost's runs, packed once a session.
+RUN = [*TINY, "language.max_train_docs=8", "language.max_eval_docs=2", "trainer.num_epochs=2",
        "trainer.log_every_steps=2", "checkpoint.every_steps=4", "optimizer.warmup_steps=2",
        "trainer.eval_every_steps=6", "samples.prompts=[]"]
 
@@ -200,24 +200,24 @@ def test_a_run_killed_at_any_point_resumes_to_the_result_of_the_run_never_killed
 
     killed = run_with_fault(run_dir, "save", 8)
     assert "fault: SIGKILL at save" in killed.stdout, killed.stderr[-3000:]
-    assert finalised_steps(str(run_dir / "checkpoints")) == [4]
+    assert finalised_steps(str(run_dir / "checkpoints")) == [4, 6]
     assert any(name.startswith("8.orbax-checkpoint-tmp")
                for name in os.listdir(run_dir / "checkpoints"))
 
-    killed = run_with_fault(run_dir, "eval", 3, sync)  # evaluations at 6, 10, 12
-    assert "fault: SIGKILL at eval 3" in killed.stdout, killed.stderr[-3000:]
-    assert "from its checkpoint at step 4" in killed.stdout
-    assert finalised_steps(str(run_dir / "checkpoints")) == [4, 8, 10]
+    killed = run_with_fault(run_dir, "eval", 1, sync)  # the evaluation at 12, before its save
+    assert "fault: SIGKILL at eval 1" in killed.stdout, killed.stderr[-3000:]
+    assert "from its checkpoint at step 6" in killed.stdout
+    assert finalised_steps(str(run_dir / "checkpoints")) == [4, 6, 8]
 
     killed = run_with_fault(run_dir, "export", 1, sync)
     assert "fault: SIGKILL at export" in killed.stdout, killed.stderr[-3000:]
-    assert "from its checkpoint at step 10" in killed.stdout
+    assert "from its checkpoint at step 8" in killed.stdout
     assert not (run_dir / "model").exists()  # the worst moment: the old one moved aside
-    assert finalised_steps(str(run_dir / "checkpoints"))[-1] == 20  # the run had finished
+    assert finalised_steps(str(run_dir / "checkpoints"))[-1] == 12  # the run had finished
 
     capsys.readouterr()
     train(compose(RUN, run_dir=run_dir))  # trains no step: only exports again
-    assert "from its checkpoint at step 20" in capsys.readouterr().out
+    assert "from its checkpoint at step 12" in capsys.readouterr().out
     assert_same_run(run_dir, reference)
 
 
@@ -266,15 +266,15 @@ def test_a_run_whose_last_checkpoint_is_damaged_sets_it_aside_and_finishes_from_
     orbax's StepAlreadyExistsError on every retry."""
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
-    DAMAGE["truncated array file"](str(run_dir / "checkpoints" / "20"))  # the issue's repro
+    DAMAGE["truncated array file"](str(run_dir / "checkpoints" / "12"))  # the issue's repro
     capsys.readouterr()
     train(compose(RUN, run_dir=run_dir))
     captured = capsys.readouterr()
-    assert "from its checkpoint at step 16" in captured.out
+    assert "from its checkpoint at step 8" in captured.out
     [aside] = [n for n in os.listdir(run_dir / "checkpoints") if not n.isdigit()]
-    assert aside.startswith("20.damaged-")
+    assert aside.startswith("12.damaged-")
     assert f"aside to {run_dir / 'checkpoints' / aside}" in captured.err
-    assert finalised_steps(str(run_dir / "checkpoints"))[-1] == 20  # saved anew
+    assert finalised_steps(str(run_dir / "checkpoints"))[-1] == 12  # saved anew
     assert_same_run(run_dir, reference)
 
 
@@ -375,24 +375,24 @@ def test_a_full_disk_stops_the_run_with_a_message_and_it_resumes_when_there_is_r
     metrics line (Python's OSError): each stops the run with one message naming the last
     complete checkpoint, which the next start resumes."""
     run_dir = tmp_path / "run"
-    full = run_with_fault(run_dir, "disk-full", 12)
+    full = run_with_fault(run_dir, "disk-full", 8)
     assert full.returncode == 2, full.stderr[-3000:]
     assert "flaxlm: error: A disk is full" in full.stderr
-    assert "last complete checkpoint, step 10, is intact" in full.stderr
+    assert "last complete checkpoint, step 6, is intact" in full.stderr
     assert "Traceback" not in full.stderr
-    assert finalised_steps(str(run_dir / "checkpoints")) == [4, 8, 10]
+    assert finalised_steps(str(run_dir / "checkpoints")) == [4, 6]
 
     log = Tracker.log
 
     def log_out_of_space(self, metrics, step):
-        if step == 14:
+        if step == 10:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as a full file write does
         log(self, metrics, step=step)
 
     with monkeypatch.context() as patch:
         patch.setattr(Tracker, "log", log_out_of_space)
         with pytest.raises(FlaxlmError,
-                           match=r"disk is full.*No space left on device.*step 12, is intact"):
+                           match=r"disk is full.*No space left on device.*step 8, is intact"):
             train(compose(RUN, run_dir=run_dir))
 
     train(compose(RUN, run_dir=run_dir))

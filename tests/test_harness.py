@@ -189,13 +189,32 @@ def test_flaxlm_eval_writes_the_results_and_logs_them_to_the_run(run_dir, task_d
     assert json.loads(open(os.path.join(run_dir, "eval", "harness-30.json")).read()) == results
 
 
-def test_unknown_tasks_and_missing_runs_are_one_paragraph(flaxlm_lm, tmp_path):
-    with pytest.raises(FlaxlmError) as error:
-        evaluate(flaxlm_lm, ["no_such_task_anywhere"])
+def test_unknown_tasks_and_missing_runs_are_one_paragraph(flaxlm_lm, task_dir, tmp_path):
+    with pytest.raises(FlaxlmError) as error:  # neither the harness's nor a local task
+        evaluate(flaxlm_lm, ["no_such_task_anywhere"], include_path=str(task_dir))
     assert_names(error.value, "no_such_task_anywhere", "--include-path")
     with pytest.raises(FlaxlmError) as error:
         FlaxlmLM(run_dir=str(tmp_path / "absent"))
     assert_names(error.value, "does not exist")
+
+
+def test_the_task_index_is_built_once_per_folder(flaxlm_lm, task_dir, monkeypatch):
+    """Evaluating every N steps reuses the harness's index of its task files."""
+    from lm_eval import tasks
+
+    from flaxlm import harness
+
+    built = []
+    monkeypatch.setattr(tasks, "TaskManager", lambda **kwargs: built.append(kwargs) or
+                        type("Index", (), {"all_tasks": []})())
+    harness.task_index.cache_clear()
+    try:
+        for include_path in (str(task_dir), str(task_dir), None):
+            with pytest.raises(FlaxlmError):
+                evaluate(flaxlm_lm, ["tiny_mc"], include_path=include_path)
+    finally:
+        harness.task_index.cache_clear()
+    assert built == [{"include_path": str(task_dir)}, {"include_path": None}]
 
 
 def test_a_task_whose_data_is_unreachable_says_how_to_use_local_data(flaxlm_lm, tmp_path,
@@ -217,17 +236,16 @@ def test_eval_harness_runs_during_training_and_can_be_the_objective(tmp_path_fac
     from flaxlm.config import ObjectiveMode
     from flaxlm.tasks.objective import choose_objective
 
-    overrides = [*TINY, "trainer.max_steps=6", "trainer.eval_before_training=false",
-                 "samples.prompts=[]", "checkpoint.every_steps=null",
-                 "eval.harness.tasks=[tiny_mc]", f"eval.harness.include_path={task_dir}",
-                 "eval.harness.limit=4", "eval.harness.every_steps=3",
+    # The module's run (the same training steps, compiled once) with the harness every 15.
+    overrides = [*RUN, "eval.harness.tasks=[tiny_mc]", f"eval.harness.include_path={task_dir}",
+                 "eval.harness.limit=4", "eval.harness.every_steps=15",
                  "trainer.objective=eval/tiny_mc/acc_norm"]
     run_dir = trained_run(tmp_path_factory, "harness-in-training", overrides)
     logged = [(r["step"], r["eval/tiny_mc/acc_norm"]) for r in metrics_of(run_dir)
               if "eval/tiny_mc/acc_norm" in r]
-    assert [step for step, _ in logged] == [3, 6]
+    assert [step for step, _ in logged] == [15, 30]
     assert all(0.0 <= value <= 1.0 for _, value in logged)
-    assert os.path.exists(os.path.join(run_dir, "eval", "harness-3.json"))
+    assert os.path.exists(os.path.join(run_dir, "eval", "harness-15.json"))
     from conftest import compose
     from omegaconf import OmegaConf
 

@@ -386,66 +386,75 @@ def test_fsdp_and_tensor_parallel_meshes_train_a_llama_like_data_parallelism():
 
 
 
+# A tiny llama-tiny run on 8 devices (2 rows each), dropout on, with a checkpoint at step 4 and
+# an evaluation at step 3: the run the 1-device run, the resumed run and the classifier are
+# compared with or start from.
+LLAMA_RUN = ["model=llama-tiny", *TINY, "model.num_heads=8", "model.num_kv_heads=2",
+             "model.mlp_size=96", "model.attention_dropout=0.1", "hardware.num_devices=8",
+             "trainer.max_steps=6", "trainer.log_every_steps=1", "trainer.eval_every_steps=3",
+             "checkpoint.every_steps=4", "language.max_train_docs=60", "optimizer.lr=3e-3",
+             "samples.prompts=[]"]  # no samples: they are not in metrics.jsonl
+
+
+@pytest.fixture(scope="module")
+def llama_run(tmp_path_factory):
+    from conftest import trained_run
+
+    return trained_run(tmp_path_factory, "llama-8-devices", LLAMA_RUN)
+
+
+def losses_of(run_dir, key):
+    return [record[key] for record in metrics_of(run_dir) if key in record]
+
+
 @pytest.mark.slow
-def test_a_tiny_llama_trains_the_same_on_8_devices_as_on_1(tmp_path):
+def test_a_tiny_llama_trains_the_same_on_8_devices_as_on_1(llama_run, tmp_path):
     """The clm task end to end (`train(cfg)`) with model=llama-tiny, shrunk: the global batch
-    of 16 rows on 8 devices of 2 and on 1 device of 16 gives the same losses."""
+    of 16 rows on 8 devices of 2 and on 1 device of 16 gives the same losses, dropout
+    included."""
     from flaxlm.job import train
 
-    base = ["model=llama-tiny", *TINY, "model.num_heads=8", "model.num_kv_heads=2",
-            "model.mlp_size=96", "trainer.max_steps=3", "trainer.log_every_steps=1",
-            "trainer.eval_every_steps=3", "language.max_train_docs=60", "optimizer.lr=3e-3",
-            "samples.prompts=[]"]  # no samples: they are not compared
-    losses = []
-    for devices, per_device in ((8, 2), (1, 16)):
-        run_dir = tmp_path / f"devices-{devices}"
-        final = train(compose([*base, f"hardware.num_devices={devices}",
-                               f"hardware.per_device_batch_size={per_device}"], run_dir=run_dir))
-        with open(run_dir / "metrics.jsonl") as f:
-            records = [json.loads(line) for line in f]
-        assert math.isfinite(final)
-        assert (run_dir / "model" / "model.safetensors").exists()
-        losses.append(([r["train/loss"] for r in records if "train/loss" in r], final))
-    (train_8, eval_8), (train_1, eval_1) = losses
-    assert len(train_8) == 3
+    run_dir = tmp_path / "devices-1"
+    final = train(compose([*LLAMA_RUN, "hardware.num_devices=1",
+                           "hardware.per_device_batch_size=16"], run_dir=run_dir))
+    assert math.isfinite(final)
+    for run in (llama_run, run_dir):
+        assert (run / "model" / "model.safetensors").exists()
+    train_8, train_1 = losses_of(llama_run, "train/loss"), losses_of(run_dir, "train/loss")
+    eval_8, eval_1 = losses_of(llama_run, "eval/loss"), losses_of(run_dir, "eval/loss")
+    assert len(train_8) == 6 and len(eval_8) >= 2  # before training (or at step 3) and after
     np.testing.assert_allclose(train_8, train_1, rtol=1e-5)
     np.testing.assert_allclose(eval_8, eval_1, rtol=1e-5)
 
 
 @pytest.mark.slow
-def test_a_stopped_llama_run_resumes_to_the_same_parameters_and_metrics(tmp_path, monkeypatch):
+def test_a_stopped_llama_run_resumes_to_the_same_parameters_and_metrics(llama_run, tmp_path,
+                                                                         monkeypatch):
     from flaxlm.job import train
     from flaxlm.training.stop import Preempted
 
-    run = ["model=llama-tiny", *TINY, "trainer.max_steps=6", "trainer.log_every_steps=1",
-           "checkpoint.every_steps=4", "language.max_train_docs=60", "model.attention_dropout=0.1",
-           "samples.prompts=[]"]  # no samples: they are not in metrics.jsonl
-    train(compose(run, run_dir=tmp_path / "reference"))
     with monkeypatch.context() as patch:
         stop_at(patch, 3)
         with pytest.raises(Preempted):
-            train(compose(run, run_dir=tmp_path / "run"))
-    train(compose(run, run_dir=tmp_path / "run"))
-    assert metrics_of(tmp_path / "run") == metrics_of(tmp_path / "reference")
-    assert_same_params(tmp_path / "run", tmp_path / "reference")
+            train(compose(LLAMA_RUN, run_dir=tmp_path / "run"))
+    train(compose(LLAMA_RUN, run_dir=tmp_path / "run"))
+    assert metrics_of(tmp_path / "run") == metrics_of(llama_run)
+    assert_same_params(tmp_path / "run", llama_run)
 
 
 @pytest.mark.slow
-def test_a_llama_pretrained_here_finetunes_as_a_classifier(tmp_path):
-    """task=clm with model=llama-tiny, then task=classify from its exported model/."""
+def test_a_llama_pretrained_here_finetunes_as_a_classifier(llama_run, tmp_path):
+    """task=classify with model=llama-tiny from a task=clm run's exported model/."""
     from flaxlm.job import train
 
-    tiny = [*TINY, "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2",
-            "model.num_kv_heads=1", "model.max_positions=32"]
-    train(compose(["model=llama-tiny", *tiny, "trainer.max_steps=2", "samples.prompts=[]"],
-                  run_dir=tmp_path / "clm"))
     pairs = (write_pairs(tmp_path / "train.tsv", 64, 0),
              write_pairs(tmp_path / "validation.tsv", 16, 1))
     run_dir = tmp_path / "classify"
-    train(compose(["task=classify", "model=llama-tiny", f"model.init_from={tmp_path}/clm/model",
-                   *tiny, "task.max_seq_length=24", "task.text_pair_column=sentence2",
+    train(compose(["task=classify", "model=llama-tiny", f"model.init_from={llama_run}/model",
+                   *TINY, "model.num_heads=8", "model.num_kv_heads=2", "model.mlp_size=96",
+                   "task.max_seq_length=24", "task.text_pair_column=sentence2",
                    *files_overrides(pairs), "trainer.max_steps=4"], run_dir=run_dir))
     assert "eval/accuracy" in (run_dir / "metrics.jsonl").read_text()
     saved = json.loads((run_dir / "model" / "config.json").read_text())
     assert (saved["architectures"], saved["num_key_value_heads"]) == (
-        ["LlamaForSequenceClassification"], 1)
+        ["LlamaForSequenceClassification"], 2)

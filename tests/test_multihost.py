@@ -221,27 +221,45 @@ def test_a_killed_process_makes_the_other_stop_with_an_error_not_hang(tmp_path):
     assert "Rerun the same command on every host" in error or "timeout_s" in error
 
 
+# Why each process of the run, started alone, fails to join.
+ALONE = {
+    # Nobody listens at the coordinator: checked before JAX's client starts.
+    1: "nothing answers at localhost:",
+    # The other process never starts: JAX's client aborts, the supervising process says so.
+    0: "a process did not come in time, and JAX's coordination client ended",
+}
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("process_id", "reason"), [
-    # Nobody listens at the coordinator: checked before JAX's client starts.
-    (1, "nothing answers at localhost:"),
-    # The other process never starts: JAX's client aborts, the supervising process says so.
-    (0, "a process did not come in time, and JAX's coordination client ended"),
-])
-def test_a_process_alone_stops_with_flaxlms_error_within_the_timeout(tmp_path, process_id,
-                                                                     reason):
+def test_a_process_alone_stops_with_flaxlms_error_within_the_timeout(tmp_path):
+    """Each process id alone, both started at once (they mostly wait), each at a coordinator
+    port of its own."""
     timeout_s = 3
-    command = two_hosts(free_port(), timeout_s)[process_id]
+    ports = {}
+    while len(set(ports.values())) < len(ALONE):  # process 1 must not find process 0's
+        ports = {process_id: free_port() for process_id in ALONE}
     started = time.monotonic()
-    result = subprocess.run([*command, f"hydra.run.dir={tmp_path}/run"], capture_output=True,
-                            text=True, timeout=2 * timeout_s + SLACK_S)
-    assert time.monotonic() - started < 2 * timeout_s + SLACK_S
-    assert result.returncode == PEER_EXIT_CODE, result.stderr[-3000:]
-    error = result.stderr[result.stderr.index("flaxlm: error: "):]
-    assert ("hardware.distributed.mode=explicit could not join the run's processes "
-            "(coordinator localhost:") in error
-    assert f"within hardware.distributed.timeout_s={timeout_s}s: {reason}" in error
+    processes = {
+        process_id: subprocess.Popen(
+            [*two_hosts(ports[process_id], timeout_s)[process_id],
+             f"hydra.run.dir={tmp_path}/run-{process_id}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for process_id in ALONE}
+    try:
+        for process_id, reason in ALONE.items():
+            process = processes[process_id]
+            stderr = process.communicate(timeout=2 * timeout_s + SLACK_S)[1]
+            assert time.monotonic() - started < 2 * timeout_s + SLACK_S
+            assert process.returncode == PEER_EXIT_CODE, stderr[-3000:]
+            error = stderr[stderr.index("flaxlm: error: "):]
+            assert ("hardware.distributed.mode=explicit could not join the run's processes "
+                    "(coordinator localhost:") in error
+            assert f"within hardware.distributed.timeout_s={timeout_s}s: {reason}" in error
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.kill()
 
 
 MESSAGES_SCRIPT = """

@@ -33,9 +33,13 @@ from flaxlm.training import evaluation
 from flaxlm.training.checkpoint.manager import restore_params
 from flaxlm.training.stop import Preempted
 
-# 2 epochs of 10 steps; a checkpoint every 4 steps and at each epoch end.
-RUN = [*TINY, "language.max_train_docs=12", "language.max_eval_docs=2", "trainer.num_epochs=2",
-       "trainer.log_every_steps=2", "checkpoint.every_steps=4", "optimizer.warmup_steps=2"]
+# 2 epochs of 6 steps; a checkpoint every 4 steps and at each epoch end (4, 6, 8, 12). The
+# same data as test_multihost's run, so the session packs it once.
+RUN = [*TINY, "language.max_train_docs=8", "language.max_eval_docs=2", "trainer.num_epochs=2",
+       "trainer.log_every_steps=2", "checkpoint.every_steps=4", "optimizer.warmup_steps=2",
+       "samples.prompts=[]"]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The uninterrupted run every resumed run is compared with."""
@@ -47,20 +51,20 @@ def test_a_run_stopped_by_sigterm_resumes_to_the_same_parameters_and_metrics(
         tmp_path, reference, monkeypatch, capsys):
     run_dir = tmp_path / "run"
     with monkeypatch.context() as patch:
-        stop_at(patch, 14)  # in the second epoch, not a checkpoint step
+        stop_at(patch, 10)  # in the second epoch, not a checkpoint step
         with pytest.raises(Preempted) as stopped:
             train(compose(RUN, run_dir=run_dir))
-    assert stopped.value.step == 14 and stopped.value.signal_name == "SIGTERM"
-    assert os.path.isdir(run_dir / "checkpoints" / "14")
+    assert stopped.value.step == 10 and stopped.value.signal_name == "SIGTERM"
+    assert os.path.isdir(run_dir / "checkpoints" / "10")
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers put back
     # As if killed -9 after the checkpoint: lines past it, the last one half-written.
     with open(run_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"step": 15, "train/loss": 1.0}) + '\n{"step": 16, "train/lo')
+        f.write(json.dumps({"step": 11, "train/loss": 1.0}) + '\n{"step": 12, "train/lo')
 
     capsys.readouterr()
     train(compose(RUN, run_dir=run_dir))
     out = capsys.readouterr().out
-    assert "resuming" in out and "step 14" in out and "2 metrics.jsonl line(s)" in out
+    assert "resuming" in out and "step 10" in out and "2 metrics.jsonl line(s)" in out
     assert metrics_of(run_dir) == metrics_of(reference)
     assert_same_params(run_dir, reference)
 
@@ -84,8 +88,8 @@ def test_resuming_with_a_new_log_cadence_and_length_continues(tmp_path, referenc
     assert "resuming" in capsys.readouterr().out
     records = metrics_of(run_dir)
     assert records[: len(metrics_of(reference))] == metrics_of(reference)
-    assert [r["step"] for r in records if "train/loss" in r][-2:] == [27, 30]
-    assert restore_params(str(run_dir))[2] == 30
+    assert [r["step"] for r in records if "train/loss" in r][-2:] == [15, 18]
+    assert restore_params(str(run_dir))[2] == 18
 
 
 def test_resume_must_without_a_checkpoint_and_never_with_resume_from_fail(tmp_path):
@@ -125,11 +129,13 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_good_checkpoint(
 def test_skip_nonfinite_skips_the_bad_step_and_counts_it(tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "run"
     corrupt_batch_at(monkeypatch, 3)
-    loss = train(compose([*RUN, "trainer.skip_nonfinite=true"], run_dir=run_dir))
+    # Logs at 2, 4 and 6: before the bad step, with it, and after it (the count restarts).
+    loss = train(compose([*RUN, "trainer.skip_nonfinite=true", "trainer.max_steps=6"],
+                         run_dir=run_dir))
     assert math.isfinite(loss)
     assert "step 3 skipped" in capsys.readouterr().out
     logs = {r["step"]: r for r in metrics_of(run_dir) if "train/loss" in r}
-    assert [logs[s]["train/skipped_steps"] for s in sorted(logs)] == [0, 1] + [0] * 8
+    assert [logs[s]["train/skipped_steps"] for s in sorted(logs)] == [0, 1, 0]
     assert all(math.isfinite(r["train/loss"]) for r in logs.values())  # mean of the others
     params, _, _ = restore_params(str(run_dir))
     assert all(np.isfinite(leaf).all() for _, leaf in flat(params))
@@ -138,7 +144,7 @@ def test_skip_nonfinite_skips_the_bad_step_and_counts_it(tmp_path, monkeypatch, 
 @pytest.mark.slow
 def test_restore_params_equals_the_exported_model(reference):
     params, config, step = restore_params(str(reference))
-    assert step == 20 and config["model"]["num_layers"] == 2
+    assert step == 12 and config["model"]["num_layers"] == 2
     exported = safetensors.numpy.load_file(str(reference / "model" / "model.safetensors"))
     for key, value in hf.to_hf_state_dict(params).items():
         if key in exported:
@@ -150,7 +156,7 @@ def test_restore_params_equals_the_exported_model(reference):
 def test_a_streaming_run_resumes_from_its_stream_position(tmp_path, monkeypatch, capsys):
     """language.streaming: the checkpoint holds the StreamState, and the resumed run reads the
     same next batches as the run that never stopped."""
-    settings = ["trainer.max_steps=8", "checkpoint.every_steps=3", "trainer.log_every_steps=2",
+    settings = ["trainer.max_steps=6", "checkpoint.every_steps=3", "trainer.log_every_steps=2",
                 "language.shuffle_buffer=5"]
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -168,8 +174,9 @@ def test_a_streaming_run_resumes_from_its_stream_position(tmp_path, monkeypatch,
     assert_same_params(tmp_path / "b" / "run", tmp_path / "a" / "run")
 
 
-# Evaluations at steps 0, 3 and 6 (the last), each of several batches.
-LONG_EVAL = [*TINY, "language.max_train_docs=12", "language.max_eval_docs=6",
+# Evaluations at steps 0, 3 and 6 (the last), each of several batches (RUN's data, one
+# validation block per device and batch).
+LONG_EVAL = [*TINY, "language.max_train_docs=8", "language.max_eval_docs=2",
              "hardware.per_device_eval_batch_size=1", "trainer.max_steps=6",
              "trainer.eval_every_steps=3", "trainer.log_every_steps=1", "samples.prompts=[]"]
 

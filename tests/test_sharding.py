@@ -167,6 +167,14 @@ def gradients(model_config, family_loss):
     return grad_fn(params), str(jax.make_jaxpr(grad_fn)(params))
 
 
+@functools.cache
+def plain_gradients(family_loss):
+    """`gradients` of MODEL in `family_loss`'s family without remat: what each remat policy's
+    gradients are compared with, computed once per family."""
+    family = ModelFamily.gpt2 if family_loss is GPT2Loss else ModelFamily.bert
+    return gradients(dataclasses.replace(MODEL, family=family), family_loss)
+
+
 class GPT2Loss:
     build = staticmethod(lambda spec: GPT2LMHeadModel(spec, nnx.Rngs(0)))
     loss = staticmethod(lambda model, rngs: lm_loss(model, rows(4), rngs))
@@ -187,10 +195,9 @@ class BertLoss:
 @pytest.mark.parametrize("remat", [Remat.block, Remat.full])
 def test_remat_gives_the_same_gradients(family_loss, remat):
     family = ModelFamily.gpt2 if family_loss is GPT2Loss else ModelFamily.bert
-    plain = dataclasses.replace(MODEL, family=family)
-    (loss, grads), plain_jaxpr = gradients(plain, family_loss)
+    (loss, grads), plain_jaxpr = plain_gradients(family_loss)
     (remat_loss, remat_grads), remat_jaxpr = gradients(
-        dataclasses.replace(plain, remat=remat), family_loss)
+        dataclasses.replace(MODEL, family=family, remat=remat), family_loss)
     assert "remat" not in plain_jaxpr and remat_jaxpr.count("remat") >= MODEL.num_layers
     np.testing.assert_allclose(remat_loss, loss, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),

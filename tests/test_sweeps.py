@@ -9,8 +9,6 @@ import glob
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -104,13 +102,12 @@ SMALL = [*TINY, "trainer.max_steps=2", "trainer.eval_before_training=false",
          "language.max_train_docs=40", "language.max_eval_docs=10", "samples.prompts=[]"]
 
 
-def optuna_sweep(sweep_dir, *overrides: str) -> subprocess.CompletedProcess:
+def optuna_sweep(train_cli, sweep_dir: Path, *overrides: str):
+    """`flaxlm-train -m hparams_search=optuna-lr-wd ...` in this process: the sweeper runs
+    its trials in the process it starts in, as Hydra's basic launcher does."""
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")  # the `optuna` extra
-    return subprocess.run(
-        [sys.executable, "-m", "flaxlm.cli.train", "-m", "hparams_search=optuna-lr-wd",
-         *SMALL, *overrides, f"hydra.sweep.dir={sweep_dir}"],
-        capture_output=True, text=True, timeout=600,
-    )
+    return train_cli("-m", "hparams_search=optuna-lr-wd", *SMALL, *overrides,
+                     f"hydra.sweep.dir={sweep_dir}", cwd=sweep_dir.parent)
 
 
 def assert_one_wandb_run_per_trial(job: dict, sweep_dir) -> None:
@@ -148,9 +145,11 @@ def statuses(sweep_dir) -> list[dict]:
 
 @pytest.mark.slow
 def test_an_optuna_search_names_its_best_trial_and_the_same_command_continues_it(tmp_path,
-                                                                                   capsys):
+                                                                                   capsys,
+                                                                                   train_cli):
     sweep_dir = tmp_path / "sweep"
-    result = optuna_sweep(sweep_dir, "hydra.sweeper.n_trials=2", "logger=[wandb,tensorboard]")
+    result = optuna_sweep(train_cli, sweep_dir, "hydra.sweeper.n_trials=2",
+                          "logger=[wandb,tensorboard]")
     assert result.returncode == 0, result.stderr[-3000:]
     jobs = statuses(sweep_dir)
     assert [job["status"] for job in jobs] == ["ok"] * 2
@@ -184,7 +183,7 @@ def test_an_optuna_search_names_its_best_trial_and_the_same_command_continues_it
         "curves.png", "eval_loss_vs_optimizer_lr.png", "eval_loss_vs_optimizer_weight_decay.png"]
 
     leave_a_trial_running(sweep_dir)  # as a sweep killed during a trial does
-    result = optuna_sweep(sweep_dir, "hydra.sweeper.n_trials=1")  # one more trial
+    result = optuna_sweep(train_cli, sweep_dir, "hydra.sweeper.n_trials=1")  # one more trial
     assert result.returncode == 0, result.stderr[-3000:]
     assert trial_states(sweep_dir) == ["COMPLETE"] * 2 + ["FAIL", "COMPLETE"]
     # The continued study went on sampling: the new trial is none of the earlier ones.
@@ -273,10 +272,10 @@ def trial_params(sweep_dir) -> list[tuple]:
 
 
 @pytest.mark.slow
-def test_a_failed_trial_is_recorded_and_the_search_goes_on(tmp_path):
+def test_a_failed_trial_is_recorded_and_the_search_goes_on(tmp_path, train_cli):
     sweep_dir = tmp_path / "sweep"
-    result = optuna_sweep(sweep_dir, "hydra.sweeper.n_trials=3", "optimizer.weight_decay=0.01",
-                          "optimizer.lr=choice(nan,0.001)")
+    result = optuna_sweep(train_cli, sweep_dir, "hydra.sweeper.n_trials=3",
+                          "optimizer.weight_decay=0.01", "optimizer.lr=choice(nan,0.001)")
     assert result.returncode == 1, result.stderr[-3000:]
     states = trial_states(sweep_dir)
     assert sorted(states) == ["COMPLETE", "COMPLETE", "FAIL"]

@@ -22,6 +22,7 @@ devices), so each holds the whole result; only process 0 writes files.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 from jax.sharding import Mesh
@@ -211,16 +212,25 @@ class HarnessResults:
     table: str
 
 
+@functools.cache
+def task_index(include_path: str | None):
+    """The harness's index of its tasks and those under `include_path`, built once per folder:
+    building it reads every task file the harness ships (seconds), and a run that evaluates
+    every N steps would otherwise pay that at each evaluation."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path)
+
+
 def evaluate(lm: FlaxlmLM, tasks: Sequence[str], *, limit: int | float | None = None,
              num_fewshot: int | None = None, include_path: str | None = None,
              seed: int = 0) -> HarnessResults:
     """Run harness `tasks` (names, groups, or tasks defined by YAML files under
     `include_path`) on `lm`; `limit`: examples per task (a fraction below 1)."""
     import lm_eval
-    from lm_eval.tasks import TaskManager
     from lm_eval.utils import make_table
 
-    manager = TaskManager(include_path=include_path)
+    manager = task_index(include_path)
     unknown = [task for task in tasks if task not in manager.all_tasks]
     if unknown:
         raise FlaxlmError(
