@@ -11,19 +11,23 @@ PYTEST_WORKERS ?= 2
 
 .PHONY: train test test-fast lint docs bench bench-accelerator clean-venv
 
-# Reinstall only when the package's requirements change.
-$(VENV)/.installed: pyproject.toml setup.py
+# The venv with a current pip, then the package (with the extras given, e.g. [test]).
+define install
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e .
+	$(VENV)/bin/python -m pip install --quiet -e '.$(1)'
+endef
+
+# Reinstall only when the package's requirements change.
+$(VENV)/.installed: pyproject.toml setup.py
+	$(call install,)
 	touch $@
 
 # The tpu extra (libtpu) too: tests/test_plan.py compiles for TPU slices with it on the CPU.
 # One resolution of everything, which also satisfies `train`.
+TEST_EXTRAS := [test,tpu]
 $(VENV)/.installed-test: pyproject.toml setup.py
-	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e '.[test,tpu]'
+	$(call install,$(TEST_EXTRAS))
 	touch $(VENV)/.installed $@
 
 train: $(VENV)/.installed

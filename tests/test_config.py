@@ -35,15 +35,6 @@ GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "base
 OPTIONS = [(group, f.stem) for group in GROUPS for f in sorted((CONF / group).glob("*.yaml"))]
 
 
-def compose_with_hydra(overrides=()):
-    """Like conftest.compose, but keeping the `hydra` node (run dirs, sweeper, job settings)."""
-    register_configs()
-    with initialize_config_dir(CONF_DIR, version_base="1.3"):
-        return hydra_compose(
-            "train", overrides=[*overrides, "run_dir=unset"], return_hydra_config=True
-        )
-
-
 def leaves(node, path=()):
     """(key path, value) for every non-dict value of a plain nested dict (keys may hold dots:
     a sweeper's `optimizer.lr`)."""
@@ -194,7 +185,7 @@ def test_the_gpt2_options_build_the_published_networks(option, num_params):
 
 
 def test_hydra_keeps_the_working_directory_and_timestamps_run_dirs_to_the_microsecond():
-    hydra = compose_with_hydra().hydra
+    hydra = compose(return_hydra_config=True).hydra
     assert hydra.job.chdir is False
     run_dir = OmegaConf.to_container(hydra.run, resolve=False)["dir"]
     sweep_dir = OmegaConf.to_container(hydra.sweep, resolve=False)["dir"]

@@ -78,23 +78,23 @@ def test_scanned_model_starts_from_the_unrolled_weights_and_computes_the_same(fa
                        stack_layers(nnx.to_pure_dict(nnx.state(unrolled, nnx.Param)),
                                     layers_key), atol=0)
     loss, grads = loss_and_grads(unrolled)
-    scanned_loss, scanned_grads = (scanned_llama() if family == "llama"
-                                   else loss_and_grads(scanned))
+    scanned_loss, scanned_grads = scanned_loss_and_grads(family)
     assert scanned_loss == pytest.approx(loss, abs=1e-6)
     assert_close_trees(scanned_grads, stack_layers(grads, layers_key), atol=1e-6)
 
 
 @functools.cache
-def scanned_llama():
-    """The scanned Llama's loss and gradients, which two tests compare with."""
-    return loss_and_grads(build("llama", True))
+def scanned_loss_and_grads(family: str):
+    """`loss_and_grads` of `family`'s scanned model (built as the tests build it, the same
+    weights each time), once: the unrolled model and the remat policies are compared with it."""
+    return loss_and_grads(build(family, True))
 
 
 # block and full are dots_with_no_batch_dims_saveable and nothing_saveable by other names.
 @pytest.mark.slow
 @pytest.mark.parametrize("remat", [Remat.full, Remat.dots_saveable, Remat.everything_saveable])
 def test_remat_policies_give_the_same_gradients_scanned(remat):
-    grads = scanned_llama()[1]
+    grads = scanned_loss_and_grads("llama")[1]
     _, rematerialised = loss_and_grads(build("llama", True, remat=remat))
     assert_close_trees(rematerialised, grads, atol=1e-6)
 
