@@ -12,10 +12,12 @@ PYTEST_WORKERS ?= 2
 .PHONY: train test test-fast lint docs bench bench-accelerator clean-venv
 
 # The venv with a current pip, then the package (with the extras given, e.g. [test]).
+# --no-compile: Python compiles each module it imports on first use, instead of pip compiling
+# every file of every package (torch's and transformers' included) up front.
 define install
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e '.$(1)'
+	$(VENV)/bin/python -m pip install --quiet --no-compile -e '.$(1)'
 endef
 
 # Reinstall only when the package's requirements change.

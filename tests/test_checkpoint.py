@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import CHECKPOINT_LOADER as LOADER
@@ -19,6 +20,7 @@ from flax import nnx
 from flaxlm.errors import FlaxlmError
 from flaxlm.parallel import make_mesh, replicated
 from flaxlm.training.checkpoint.manager import (
+    REPLICA_PARALLEL_MIN_BYTES,
     Checkpointer,
     key_from_json,
     key_to_json,
@@ -49,6 +51,32 @@ def test_a_checkpoint_restores_state_loader_and_metadata_exactly(tmp_path, train
     assert restored.state.params["wte"]["embedding"].sharding == replicated(make_mesh(2))
     same_key = key_from_json(restored.metadata["key"], key)
     assert np.array_equal(jax.random.key_data(same_key), jax.random.key_data(key))
+
+
+def test_replicas_split_a_large_array_between_them_and_one_writes_a_small_one(tmp_path,
+                                                                            monkeypatch):
+    """A replicated array's slices are cut on the devices, one program per shape: below
+    REPLICA_PARALLEL_MIN_BYTES a slice costs more than it saves, and one replica writes it all.
+    Either way the checkpoint holds every value."""
+    sliced = []
+    slice_in_dim = jax.lax.slice_in_dim
+
+    def recording_slice(operand, *args, **kwargs):
+        sliced.append(operand.shape)
+        return slice_in_dim(operand, *args, **kwargs)
+
+    monkeypatch.setattr(jax.lax, "slice_in_dim", recording_slice)
+    small, large = (8, 1237), (8, REPLICA_PARALLEL_MIN_BYTES // 4 + 3)  # 1 row per replica
+    state = jax.device_put(
+        {"params": {"small": jnp.arange(np.prod(small), dtype=jnp.float32).reshape(small),
+                    "large": jnp.arange(np.prod(large), dtype=jnp.float32).reshape(large)}},
+        replicated(make_mesh(8)))
+    checkpointer = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+    checkpointer.save(1, state, LOADER, {})
+    restored = checkpointer.restore(1, state)
+    checkpointer.close()
+    assert sliced == [large] * 8
+    assert leaves_equal(restored.state, state)
 
 
 @pytest.mark.slow

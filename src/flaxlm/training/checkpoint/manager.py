@@ -27,6 +27,11 @@ Retention: the last `keep_last` checkpoints, plus the `keep_best` with the lowes
 those saved with eval metrics: two orbax preservation policies, either of which keeps a step.
 orbax's `max_to_keep` + `best_fn` alone ranks only checkpoints that have metrics; the ones
 saved between evaluations, which a resume needs, would be kept forever or dropped at once.
+
+Replicated arrays: orbax splits a replicated array among its replicas, each writing a slice
+(replica-parallel saving), only where a slice holds at least `REPLICA_PARALLEL_MIN_BYTES`.
+Below that, one slice per replica costs more to cut, copy and write than the whole array from
+one replica.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
+from orbax.checkpoint._src.metadata import array_metadata_store
 
 from flaxlm.config import CheckpointConfig
 from flaxlm.errors import FlaxlmError, first_line
@@ -55,6 +61,7 @@ from flaxlm.layout import CHECKPOINT_SUBDIR, run_path
 
 BEST_METRIC = "eval/loss"  # lower is better
 SET_ASIDE_TIMEOUT_S = 300  # how long other processes wait for process 0 to set a step aside
+REPLICA_PARALLEL_MIN_BYTES = 1 << 20
 
 
 class Restored(NamedTuple):
@@ -99,6 +106,7 @@ class Checkpointer:
         self._manager._maybe_await_cleanup_tmp_directory()
         _quiet_disk_full_logs()
         _quiet_closed_loop_callbacks()
+        _split_only_large_replicated_arrays()
 
     def steps(self) -> list[int]:
         """Steps of finalised checkpoints, oldest first."""
@@ -354,6 +362,22 @@ class _DropDiskFullTracebacks(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.exc_info and disk_full_cause(record.exc_info[1]))
+
+
+@functools.cache
+def _split_only_large_replicated_arrays() -> None:
+    """orbax's own array handler (its other settings the defaults) with a floor under
+    replica-parallel slices: cutting each of a small model's replicated arrays into one slice
+    per device compiles a slice program per array shape and copies each slice on its own,
+    which costs more than writing the array from one replica."""
+    ocp.type_handlers.register_type_handler(
+        jax.Array,
+        ocp.type_handlers.ArrayHandler(
+            array_metadata_store=array_metadata_store.Store(),
+            min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_BYTES,
+        ),
+        override=True,
+    )
 
 
 def _quiet_disk_full_logs() -> None:
