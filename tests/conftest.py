@@ -20,10 +20,11 @@ from pathlib import Path
 # The tests' programs are tiny and run in milliseconds, while compiling them is most of the
 # suite's time: XLA's older elemental emitters and LLVM's cheaper optimisation level compile
 # them in less than half of it.
+COMPILER_FLAGS = ["--xla_cpu_use_fusion_emitters=false", "--xla_backend_optimization_level=0",
+                  "--xla_llvm_disable_expensive_passes=true"]
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    + ["--xla_force_host_platform_device_count=8", "--xla_cpu_use_fusion_emitters=false",
-       "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+    + ["--xla_force_host_platform_device_count=8", *COMPILER_FLAGS]
 )
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -47,6 +48,14 @@ def pytest_collection_modifyitems(items):
         long = any(item.get_closest_marker(name) for name in _LONG_MARKERS)
         weights[item.module.__name__] = weights.get(item.module.__name__, 0) + (10 if long else 1)
     items.sort(key=lambda item: -weights[item.module.__name__])
+
+
+def user_env(*unset: str, **changes: str) -> dict[str, str]:
+    """The environment for a child process that starts JAX as a user's command does: no JAX
+    platform and no device count (its hardware group picks them), only the tests' cheaper
+    compiler settings; without the variables `unset`, with `changes`."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", *unset)}
+    return {**env, "XLA_FLAGS": " ".join(COMPILER_FLAGS), **changes}
 
 
 @pytest.fixture(autouse=True)

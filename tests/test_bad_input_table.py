@@ -12,14 +12,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import ENGLISH, TINY, TINY_CORPUS
+from conftest import ENGLISH, TINY, TINY_CORPUS, user_env
 
 # If a check is missing, the run stays short.
 BASE = [*TINY, "trainer.max_steps=1", "trainer.eval_before_training=false"]
@@ -133,12 +132,11 @@ def run(train_cli, monkeypatch):
 
 
 def run_process(tmp: Path, overrides: list[str]) -> subprocess.CompletedProcess:
-    """flaxlm-train in a process of its own: a clean environment (no test settings for JAX),
+    """flaxlm-train in a process of its own: a user's environment (conftest's `user_env`),
     cwd `tmp`, its own caches."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("HYDRA_FULL_ERROR", "JAX_PLATFORMS", "XLA_FLAGS")}
-    env.update(FLAXLM_CACHE=str(tmp / "cache"), HF_DATASETS_CACHE=str(tmp / "hf"),
-               HF_HUB_OFFLINE="1", TQDM_DISABLE="1", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
+    env = user_env("HYDRA_FULL_ERROR", FLAXLM_CACHE=str(tmp / "cache"),
+                   HF_DATASETS_CACHE=str(tmp / "hf"), HF_HUB_OFFLINE="1", TQDM_DISABLE="1",
+                   HF_DATASETS_DISABLE_PROGRESS_BARS="1")
     return subprocess.run([sys.executable, "-m", "flaxlm.cli.train", *arguments(tmp, overrides)],
                           cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
 

@@ -2,6 +2,7 @@
 same per-request scores, accuracies and generations as the harness's own `hf` backend on the
 run's export (torch), the harness's token boundaries, results written and logged, bad input."""
 
+import functools
 import json
 import os
 
@@ -12,7 +13,7 @@ from conftest import TINY, assert_names, metrics_of, trained_run, write
 from lm_eval.api.instance import Instance
 
 from flaxlm.errors import FlaxlmError
-from flaxlm.harness import FlaxlmLM, evaluate, flat_metrics
+from flaxlm.harness import FlaxlmLM, evaluate, flat_metrics, task_index
 
 pytestmark = [pytest.mark.harness]
 
@@ -92,11 +93,9 @@ def requests(kind, *args_list):
 @pytest.mark.torch
 @pytest.mark.slow
 def test_every_task_type_scores_as_the_hf_backend_on_the_export(flaxlm_lm, hf_lm, task_dir):
-    from lm_eval.tasks import TaskManager
-
     tasks = ["tiny_mc", "tiny_rolling", "tiny_gen"]
     outcomes = [lm_eval.simple_evaluate(model=lm, tasks=tasks, log_samples=True,
-                                        task_manager=TaskManager(include_path=str(task_dir)),
+                                        task_manager=task_index(str(task_dir)),
                                         bootstrap_iters=0)
                 for lm in (flaxlm_lm, hf_lm)]
     ours, theirs = outcomes
@@ -207,13 +206,11 @@ def test_the_task_index_is_built_once_per_folder(flaxlm_lm, task_dir, monkeypatc
     built = []
     monkeypatch.setattr(tasks, "TaskManager", lambda **kwargs: built.append(kwargs) or
                         type("Index", (), {"all_tasks": []})())
-    harness.task_index.cache_clear()
-    try:
-        for include_path in (str(task_dir), str(task_dir), None):
-            with pytest.raises(FlaxlmError):
-                evaluate(flaxlm_lm, ["tiny_mc"], include_path=include_path)
-    finally:
-        harness.task_index.cache_clear()
+    # An empty cache of its own: the module's other tests keep the real indexes built so far.
+    monkeypatch.setattr(harness, "task_index", functools.cache(harness.task_index.__wrapped__))
+    for include_path in (str(task_dir), str(task_dir), None):
+        with pytest.raises(FlaxlmError):
+            evaluate(flaxlm_lm, ["tiny_mc"], include_path=include_path)
     assert built == [{"include_path": str(task_dir)}, {"include_path": None}]
 
 
@@ -273,8 +270,7 @@ def test_bad_eval_harness_settings_are_refused_before_training():
 
 def test_results_logged_after_the_run_reach_metrics_tensorboard_and_wandb(tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from test_tracking import offline_wandb_env
-    from wandb_records import items, of_type, read_wandb_records
+    from wandb_records import items, of_type, offline_wandb_env, read_wandb_records
 
     from flaxlm.downstream import record_results
     from flaxlm.harness import HarnessResults

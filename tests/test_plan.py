@@ -19,7 +19,7 @@ import textwrap
 import jax
 import optax
 import pytest
-from conftest import REPO, TINY, compose
+from conftest import REPO, TINY, compose, user_env
 from omegaconf import OmegaConf
 
 from flaxlm import aot
@@ -272,9 +272,7 @@ def test_with_libtpu_installed_a_cpu_training_run_never_looks_for_a_tpu(tmp_path
             assert not exit_.code, exit_.code
         print(json.dumps({"backends": sorted(xla_bridge._backends)}))
     """)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "TPU_ACCELERATOR_TYPE",
-                        "TPU_WORKER_HOSTNAMES", "ALLOW_MULTIPLE_LIBTPU_LOAD")}
+    env = user_env("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "ALLOW_MULTIPLE_LIBTPU_LOAD")
     overrides = [*(o for o in TINY if not o.startswith("hardware=")), "hardware=cpu",
                  "hardware.cpu_devices=2", "language.max_train_docs=12",
                  "language.max_eval_docs=2", "samples.prompts=[]", "trainer.max_steps=1",

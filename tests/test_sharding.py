@@ -5,14 +5,13 @@ checkpoint moves between meshes."""
 import dataclasses
 import functools
 import json
-import os
 import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
-from conftest import config_node, mesh_config, model_config
+from conftest import config_node, mesh_config, model_config, user_env
 from flax import nnx
 from omegaconf import OmegaConf
 
@@ -237,7 +236,7 @@ def test_remat_saves_memory_on_a_cpu(requested):
     """On a CPU, XLA's default scheduler runs the recomputation early and keeps the activations
     anyway; configure_platform picks the scheduler that frees them when the run asks for remat
     (a fresh process: the scheduler is fixed when JAX starts)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = user_env()
     model = model_config(name="t", num_layers=4, hidden_size=64, num_heads=2, max_positions=128,
                          vocab_size=512)
     hardware = config_node("hardware", cpu_devices=1)

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 from tensorboard.plugins.hparams.api_pb2 import Status
-from wandb_records import items, of_type, read_wandb_records
+from wandb_records import items, of_type, offline_wandb_env, read_wandb_records
 
 from flaxlm.config import LoggerConfig, TrainConfig
 from flaxlm.errors import FlaxlmError
@@ -132,15 +132,6 @@ CONFIG = {"model": {"name": "gpt2-tiny", "num_layers": 2, "hidden_size": 64},
 LOGGED = [(0, {"train/loss": np.float32(4.5), "train/lr": 0.0}),
           (10, {"train/loss": jnp.float32(3.25), "train/lr": 1e-4, "eval/loss": 2.25}),
           (20, {"train/loss": 2.0, "train/lr": 2e-4, "eval/loss": np.float64(2.5)})]
-
-
-def offline_wandb_env(run_dir: Path, monkeypatch) -> None:
-    monkeypatch.setenv("WANDB_DIR", str(run_dir))
-    # wandb-core writes its own logs under the user cache dir (XDG_CACHE_HOME).
-    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "XDG_CACHE_HOME"):
-        monkeypatch.setenv(name, str(run_dir.parent / name.lower()))
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
 
 
 def offline_run(run_dir: Path, monkeypatch, exit_code: int | None) -> list:

@@ -4,7 +4,6 @@ starts from any directory, and a user's own config directory composes on top of 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY
+from conftest import REPO, TINY, user_env
 
 # What a wheel is not built from; copying the rest keeps the build's `build/` and
 # `*.egg-info` out of the checkout.
@@ -47,10 +46,9 @@ def installed(tmp_path_factory) -> Path:
 
 
 def flaxlm_train(venv: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """The installed console script as a user runs it: no test settings for JAX."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("HYDRA_FULL_ERROR", "JAX_PLATFORMS", "XLA_FLAGS")}
-    env.update(FLAXLM_CACHE=str(cwd / "cache"), HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
+    """The installed console script as a user runs it (conftest's `user_env`)."""
+    env = user_env("HYDRA_FULL_ERROR", FLAXLM_CACHE=str(cwd / "cache"), HF_HUB_OFFLINE="1",
+                   TQDM_DISABLE="1")
     return subprocess.run([str(venv / "bin" / "flaxlm-train"), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 

@@ -1,4 +1,5 @@
-"""Reading a W&B run's transaction log (`run-*.wandb`) back with wandb's own protobuf classes."""
+"""W&B in tests: an offline run kept under the test's folder, and its transaction log
+(`run-*.wandb`) read back with wandb's own protobuf classes."""
 
 from __future__ import annotations
 
@@ -9,6 +10,16 @@ import zlib
 from pathlib import Path
 
 from wandb.proto import wandb_internal_pb2
+
+
+def offline_wandb_env(run_dir: Path, monkeypatch) -> None:
+    """W&B offline, with its run files under `run_dir` and its own files beside it."""
+    monkeypatch.setenv("WANDB_DIR", str(run_dir))
+    # wandb-core writes its own logs under the user cache dir (XDG_CACHE_HOME).
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.setenv(name, str(run_dir.parent / name.lower()))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
 
 
 def read_wandb_records(path: Path, wait_s: float = 30.0) -> list:
