@@ -31,6 +31,7 @@ from conftest import (
     save_steps,
     trained_run,
 )
+from orbax.checkpoint._src.serialization import serialization
 
 from flaxlm.errors import FlaxlmError
 from flaxlm.job import train
@@ -49,10 +50,9 @@ RUN = [*TINY, "language.max_train_docs=8", "language.max_eval_docs=2", "trainer.
 # the overrides. "step" N: SIGKILL while the N-th step runs; "save" N: SIGKILL when the save of
 # step N is written but not yet renamed into place; "eval" N: SIGKILL inside the N-th
 # evaluation; "export": SIGKILL between moving the old model/ aside and the new one into place;
-# "disk-full" N: the save of step N fails as tensorstore does on a full disk; "slow-save" S:
-# every save takes S seconds more to finish in the background.
+# "slow-save" S: every save takes S seconds more to finish in the background.
 FAULTY_RUN = r"""
-import dataclasses, json, os, signal, sys
+import dataclasses, os, signal, sys
 
 fault, argument, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
 calls = 0
@@ -111,19 +111,6 @@ elif fault == "export":
             kill_at(1)
 
     os.rename = rename_killing
-elif fault == "disk-full":
-    from orbax.checkpoint._src.serialization import serialization
-    serialize = serialization.async_serialize_from_host
-
-    async def serialize_out_of_space(slices, spec, **kwargs):
-        if f"/{argument}.orbax-checkpoint-tmp" in json.dumps(spec, default=str):
-            raise ValueError(  # tensorstore's own words, from a real full tmpfs
-                'RESOURCE_EXHAUSTED: Error writing "params.wte.embedding.value/0" in OCDBT '
-                'database at local file "ocdbt.process_0/": Failed to write 1363 bytes to '
-                "file 7: No space left on device [os_error_code='28']")
-        return await serialize(slices, spec, **kwargs)
-
-    serialization.async_serialize_from_host = serialize_out_of_space
 elif fault == "slow-save":
     import asyncio
     from orbax.checkpoint._src.path import atomicity
@@ -370,12 +357,24 @@ def test_a_save_that_fails_midway_leaves_no_callback_tracebacks(tmp_path, train_
 @pytest.mark.slow
 @orbax_closed_loop
 def test_a_full_disk_stops_the_run_with_a_message_and_it_resumes_when_there_is_room(
-        tmp_path, reference, monkeypatch):
+        tmp_path, reference, monkeypatch, train_cli):
     """Disk full at a checkpoint (tensorstore's error, in orbax's background thread) and at a
     metrics line (Python's OSError): each stops the run with one message naming the last
     complete checkpoint, which the next start resumes."""
     run_dir = tmp_path / "run"
-    full = run_with_fault(run_dir, "disk-full", 8)
+    serialize = serialization.async_serialize_from_host
+
+    async def serialize_out_of_space(slices, spec, **kwargs):
+        if "/8.orbax-checkpoint-tmp" in json.dumps(spec, default=str):  # the save of step 8
+            raise ValueError(  # tensorstore's own words, from a real full tmpfs
+                'RESOURCE_EXHAUSTED: Error writing "params.wte.embedding.value/0" in OCDBT '
+                'database at local file "ocdbt.process_0/": Failed to write 1363 bytes to '
+                "file 7: No space left on device [os_error_code='28']")
+        return await serialize(slices, spec, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(serialization, "async_serialize_from_host", serialize_out_of_space)
+        full = train_cli(*RUN, f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert full.returncode == 2, full.stderr[-3000:]
     assert "flaxlm: error: A disk is full" in full.stderr
     assert "last complete checkpoint, step 6, is intact" in full.stderr
