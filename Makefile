@@ -12,12 +12,13 @@ PYTEST_WORKERS ?= 2
 .PHONY: train test test-fast lint docs bench bench-accelerator clean-venv
 
 # The venv with a current pip, then the package (with the extras given, e.g. [test]).
-# --no-compile: Python compiles each module it imports on first use, instead of pip compiling
-# every file of every package (torch's and transformers' included) up front.
+# pip compiles every package's bytecode as it installs: where PYTHONDONTWRITEBYTECODE is set
+# (CI machines often set it), Python writes none itself, and every process (each test worker,
+# each flaxlm-train a test starts) would compile JAX, transformers and PyTorch from source.
 define install
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet --no-compile -e '.$(1)'
+	$(VENV)/bin/python -m pip install --quiet -e '.$(1)'
 endef
 
 # Reinstall only when the package's requirements change.
