@@ -311,10 +311,10 @@ def test_planning_llama_1b_allocates_no_parameters():
     assert measured["peak_rss_bytes"] < measured["state_bytes"] / 4, measured
 
 
-# One row of 512 tokens per chip: the verdicts turn on the state (89.75 GiB unsplit, no room
+# One row of 128 tokens per chip: the verdicts turn on the state (89.75 GiB unsplit, no room
 # for its gradients), as at docs/planning.md's 8192, and a short row keeps the fitting step's
 # compile short.
-LLAMA3_8B_ON_V5P_8 = ["model=llama3-8b", "hardware=tpu-v5p-8", "task.max_seq_length=512",
+LLAMA3_8B_ON_V5P_8 = ["model=llama3-8b", "hardware=tpu-v5p-8", "task.max_seq_length=128",
                       "hardware.per_device_batch_size=1", "model.remat=full",
                       "model.scan_layers=true"]
 
@@ -322,7 +322,7 @@ LLAMA3_8B_ON_V5P_8 = ["model=llama3-8b", "hardware=tpu-v5p-8", "task.max_seq_len
 @needs_libtpu
 def test_llama3_8b_without_fsdp_does_not_fit_a_v5p_8_and_the_plan_names_fsdp(capsys):
     """Llama 3 8B's float32 parameters and AdamW moments (89.75 GiB) do not leave a v5p chip
-    (95 GiB) room for a step, even at 512 tokens: XLA's TPU compiler refuses it, and the plan names
+    (95 GiB) room for a step, even at 128 tokens: XLA's TPU compiler refuses it, and the plan names
     fsdp over the 4 chips as the fix. (Scanned layers: one compiled block, a compile of
     seconds, where the 32 blocks unrolled take minutes; docs/planning.md has both.)"""
     with pytest.raises(SystemExit) as exit_info:
