@@ -248,7 +248,7 @@ def metrics_records(run_dir) -> list[dict]:
 def test_the_offline_preset_learns_the_preference(tmp_path_factory):
     run_dir = trained_run(tmp_path_factory, "dpo-run",
                           ["experiment=dpo-llama-tiny-offline", "logger=none",
-                           "trainer.max_steps=200"])
+                           "trainer.max_steps=200", "trainer.eval_every_steps=100"])
     records = metrics_records(run_dir)
     evaluations = [r for r in records if "eval/rewards/accuracies" in r]
     trained = [r for r in records if "train/loss" in r]
