@@ -118,7 +118,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONF_DIR = os.path.join(REPO, "conf")
 
 # A model and corpus small enough for a training run of a few seconds on 2 cores. No samples at
-# the end (a sixth of such a run's time): test_export and test_generate test them.
+# the end (an eighth of such a run's time): test_export and test_generate test them.
 TINY = [
     "model.num_layers=2",
     "model.hidden_size=64",
