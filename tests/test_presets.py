@@ -7,7 +7,6 @@ FlaxlmError naming the dataset and config."""
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -34,19 +33,8 @@ LANGUAGE_DIR = Path(CONF_DIR) / "language"
 LANGUAGES = sorted(p.stem for p in LANGUAGE_DIR.glob("*.yaml"))
 
 
-@functools.cache
-def _composed(overrides: tuple[str, ...]):
-    return compose(list(overrides))
-
-
-def composed(overrides):
-    """`compose(overrides)`, composed once: every worker collects this module, and the lists
-    below compose every option at collection. Shared: read it, do not change it."""
-    return _composed(tuple(overrides))
-
-
 def config_of(overrides):
-    return OmegaConf.to_object(composed(overrides))
+    return OmegaConf.to_object(compose(overrides))
 
 
 # The options that name a corpus on the Hugging Face Hub, as they compose (most take `source`
@@ -267,7 +255,7 @@ SHRUNK = [  # after the experiment, so they win: the preset's recipe at a size t
     "trainer.max_steps=3",
     "logger=none",
 ]
-CLM_EXPERIMENTS = [e for e in EXPERIMENTS if composed([f"experiment={e}"]).task.name == "clm"]
+CLM_EXPERIMENTS = [e for e in EXPERIMENTS if compose([f"experiment={e}"]).task.name == "clm"]
 GLUE_EXPERIMENTS = [e for e in EXPERIMENTS if e.startswith("glue-")]
 
 
@@ -285,7 +273,7 @@ def test_every_preset_trains_a_few_steps_on_local_stand_in_data(experiment, tmp_
         overrides.append(f"language.hub_path={root}")
     else:  # the builtin corpus: a few of its long documents are blocks enough
         overrides += ["language.max_train_docs=60", "language.max_eval_docs=6"]
-    if composed([f"experiment={experiment}"]).model.init_from:  # a Hub checkpoint: offline here
+    if compose([f"experiment={experiment}"]).model.init_from:  # a Hub checkpoint: offline here
         overrides.append("model.init_from=null")
     run_dir = tmp_path / "run"
     loss = train(compose(overrides, run_dir=run_dir))
