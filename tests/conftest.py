@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -81,6 +82,18 @@ def isolated_caches(tmp_path_factory, monkeypatch):
                         hf_cache / "downloads" / "extracted")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def cache_with_builtin(path: Path) -> Path:
+    """A new flaxlm cache directory at `path` that holds the builtin corpus already, as the
+    session's does: a process given a cache of its own would otherwise spend seconds reading
+    the standard library again."""
+    from flaxlm.data.corpus import builtin_documents
+
+    session_cache = Path(os.environ["FLAXLM_CACHE"])
+    builtin_documents(str(session_cache))  # kept there, parsed at most once a process
+    shutil.copytree(session_cache / "builtin", path / "builtin")
+    return path
 
 
 @pytest.fixture

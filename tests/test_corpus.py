@@ -96,7 +96,8 @@ def test_builtin_is_substantial_english_prose():
 def test_builtin_is_kept_in_the_cache_and_read_again_when_its_copy_is_damaged(
         tmp_path, monkeypatch):
     documents = builtin_documents()
-    fresh = functools.cache(corpus._builtin_documents.__wrapped__)  # as a new process
+    # The cache directory as a new process finds it (the parse itself stays in this process).
+    fresh = functools.cache(corpus._builtin_documents.__wrapped__)
     monkeypatch.setattr(corpus, "_builtin_documents", fresh)
     assert builtin_documents(str(tmp_path)) == documents
     [kept] = (tmp_path / "builtin").iterdir()
@@ -126,12 +127,37 @@ def test_builtin_splits_first_5_percent_for_validation():
     assert texts(splits) == documents
 
 
-@pytest.mark.slow
+def test_a_process_parses_the_standard_library_once_whatever_its_cache_directories(
+        tmp_path, monkeypatch):
+    """Jobs of one process (a sweep's trials, say) with different cache directories share one
+    parse; each directory still gets its copy."""
+    sources = corpus._stdlib_sources()[:3]  # a few modules: the parse is not what is measured
+    parsed = []
+
+    def parse(sources):
+        parsed.append(sources)
+        return parse_builtin(sources)
+
+    parse_builtin = corpus._parse_builtin.__wrapped__
+    monkeypatch.setattr(corpus, "_stdlib_sources", lambda: sources)
+    monkeypatch.setattr(corpus, "_parse_builtin", functools.cache(parse))
+    monkeypatch.setattr(
+        corpus, "_builtin_documents", functools.cache(corpus._builtin_documents.__wrapped__))
+    documents = builtin_documents(str(tmp_path / "a"))
+    assert builtin_documents(str(tmp_path / "b")) == builtin_documents() == documents
+    assert len(parsed) == 1
+    for cache in ("a", "b"):
+        [kept] = (tmp_path / cache / "builtin").iterdir()
+        assert json.loads(kept.read_text()) == documents
+
+
 def test_builtin_without_pydoc_data_says_what_to_do(monkeypatch):
-    # A fresh cache, so the real one (built once for the other tests) stays untouched.
+    # Fresh caches, so the real ones (built once for the other tests) stay untouched.
     monkeypatch.setattr(
         corpus, "_builtin_documents", functools.cache(corpus._builtin_documents.__wrapped__)
     )
+    monkeypatch.setattr(
+        corpus, "_parse_builtin", functools.cache(corpus._parse_builtin.__wrapped__))
     monkeypatch.setitem(sys.modules, "pydoc_data.topics", None)  # makes the import fail
     raises(config_node("language", name="t"), "pydoc_data", "language.source=files")
 

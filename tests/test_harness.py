@@ -18,7 +18,7 @@ from flaxlm.harness import FlaxlmLM, evaluate, flat_metrics, task_index
 pytestmark = [pytest.mark.harness]
 
 RUN = [*TINY, "trainer.max_steps=30", "trainer.eval_before_training=false",
-       "samples.prompts=[]", "checkpoint.every_steps=null"]
+       "language.max_eval_docs=6", "checkpoint.every_steps=null"]
 WORDS = ("the marsh the baker the school a village bread winter boats road cart children "
          "railway trains cows smoke fields water sea morning shop").split()
 

@@ -387,13 +387,13 @@ def test_fsdp_and_tensor_parallel_meshes_train_a_llama_like_data_parallelism():
 
 
 # A tiny llama-tiny run on 8 devices (2 rows each), dropout on, with a checkpoint at step 4 and
-# an evaluation at step 3: the run the 1-device run, the resumed run and the classifier are
-# compared with or start from.
+# an evaluation at step 3 (of 6 validation documents: 15 batches, not 47): the run the 1-device
+# run, the resumed run and the classifier are compared with or start from.
 LLAMA_RUN = ["model=llama-tiny", *TINY, "model.num_heads=8", "model.num_kv_heads=2",
              "model.mlp_size=96", "model.attention_dropout=0.1", "hardware.num_devices=8",
              "trainer.max_steps=6", "trainer.log_every_steps=1", "trainer.eval_every_steps=3",
-             "checkpoint.every_steps=4", "language.max_train_docs=60", "optimizer.lr=3e-3",
-             "samples.prompts=[]"]  # no samples: they are not in metrics.jsonl
+             "checkpoint.every_steps=4", "language.max_train_docs=60",
+             "language.max_eval_docs=6", "optimizer.lr=3e-3"]
 
 
 @pytest.fixture(scope="module")

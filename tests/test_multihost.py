@@ -11,7 +11,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TINY, trained_run
+from conftest import TINY, cache_with_builtin, trained_run
 from wandb_records import of_type, read_wandb_records
 
 from flaxlm import distributed
@@ -146,10 +145,8 @@ def test_two_processes_stopped_by_sigterm_and_resumed_train_like_one_with_eight_
     run continued."""
     outputs_dir = tmp_path / "outputs"
     # Each host's Hydra picks its own timestamp, as on a real cluster; a fresh cache makes
-    # process 0 train the tokenizer and pack the blocks while process 1 waits. It holds the
-    # builtin corpus the session has parsed already (~6 s of reading the standard library).
-    cache = tmp_path / "cache"
-    shutil.copytree(Path(os.environ["FLAXLM_CACHE"]) / "builtin", cache / "builtin")
+    # process 0 train the tokenizer and pack the blocks while process 1 waits.
+    cache = cache_with_builtin(tmp_path / "cache")
     env = {**os.environ, "FLAXLM_CACHE": str(cache), "WANDB_MODE": "offline"}
     port = free_port()
     processes = start(two_hosts(port),

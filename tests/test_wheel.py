@@ -11,7 +11,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, user_env
+from conftest import REPO, TINY, cache_with_builtin, user_env
 
 # What a wheel is not built from; copying the rest keeps the build's `build/` and
 # `*.egg-info` out of the checkout.
@@ -47,8 +47,8 @@ def installed(tmp_path_factory) -> Path:
 
 def flaxlm_train(venv: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     """The installed console script as a user runs it (conftest's `user_env`)."""
-    env = user_env("HYDRA_FULL_ERROR", FLAXLM_CACHE=str(cwd / "cache"), HF_HUB_OFFLINE="1",
-                   TQDM_DISABLE="1")
+    env = user_env("HYDRA_FULL_ERROR", FLAXLM_CACHE=str(cache_with_builtin(cwd / "cache")),
+                   HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
     return subprocess.run([str(venv / "bin" / "flaxlm-train"), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 

@@ -109,7 +109,7 @@ def builtin_documents(cache_dir: str | None = None) -> list[str]:
 
 @functools.cache
 def _builtin_documents(cache_dir: str | None) -> tuple[str, ...]:
-    sources = _stdlib_sources()
+    sources = tuple(_stdlib_sources())
     if cache_dir is None:
         return _parse_builtin(sources)
     path = os.path.join(cache_dir, "builtin", _builtin_key(sources) + ".json")
@@ -123,16 +123,18 @@ def _builtin_documents(cache_dir: str | None) -> tuple[str, ...]:
     return documents
 
 
-def _parse_builtin(sources: list[tuple[str, Path]]) -> tuple[str, ...]:
+@functools.cache  # once per process, whichever cache directories its jobs use
+def _parse_builtin(sources: tuple[tuple[str, Path], ...]) -> tuple[str, ...]:
+    topics = _pydoc_topics()  # first: a Python without them fails before seconds of parsing
     stdlib = [(title, _docstrings(path)) for title, path in sources]
-    titled = [(t, doc) for t, doc in _pydoc_topics() + stdlib if len(doc) >= _MIN_BUILTIN_DOC_CHARS]
+    titled = [(t, doc) for t, doc in topics + stdlib if len(doc) >= _MIN_BUILTIN_DOC_CHARS]
     # Shuffle by a hash of the title, so that "the first 5% = validation" samples both pydoc
     # topics and module docstrings, identically in every process.
     titled.sort(key=lambda item: hashlib.sha256(item[0].encode()).hexdigest())
     return tuple(doc for _, doc in titled)
 
 
-def _builtin_key(sources: list[tuple[str, Path]]) -> str:
+def _builtin_key(sources: tuple[tuple[str, Path], ...]) -> str:
     digest = hashlib.sha256(json.dumps(
         [1, sys.version, _MIN_BUILTIN_DOC_CHARS, sorted(_SKIPPED_STDLIB_DIRS)]).encode())
     for title, path in sources:
