@@ -11,18 +11,18 @@ PYTEST_WORKERS ?= 2
 
 .PHONY: train test test-fast lint docs bench bench-accelerator clean-venv
 
-# The venv with a current pip, then the package (with the extras given, e.g. [test]), then
-# every package's bytecode, on all cores (pip's own compile uses one and takes twice as long):
-# where PYTHONDONTWRITEBYTECODE is set (CI machines often set it), Python writes none itself,
-# and every process (each test worker, each flaxlm-train a test starts) would compile JAX,
-# transformers and PyTorch from source. Packages' own tests are left out, and, as pip does, a
-# file this Python cannot compile (written for a newer one) is not an error.
+# Every command here writes the bytecode of what it imports, the first time, even where
+# PYTHONDONTWRITEBYTECODE is set (CI machines often set it): without it each process (each test
+# worker, each flaxlm-train a test starts) would compile JAX, transformers and PyTorch from
+# source again. That is also why pip compiles nothing: a run imports a fraction of what the
+# packages hold, and compiling all of it ahead took longer than the run's own compiling.
+unexport PYTHONDONTWRITEBYTECODE
+
+# The venv with a current pip, then the package (with the extras given, e.g. [test]).
 define install
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet --no-compile -e '.$(1)'
-	$(VENV)/bin/python -m compileall -qq -j 0 -x '/tests?/' \
-		"$$($(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
 endef
 
 # Reinstall only when the package's requirements change.
