@@ -133,12 +133,12 @@ def test_a_process_parses_the_standard_library_once_whatever_its_cache_directori
     parse; each directory still gets its copy."""
     sources = corpus._stdlib_sources()[:3]  # a few modules: the parse is not what is measured
     parsed = []
+    parse_builtin = corpus._parse_builtin.__wrapped__
 
     def parse(sources):
         parsed.append(sources)
         return parse_builtin(sources)
 
-    parse_builtin = corpus._parse_builtin.__wrapped__
     monkeypatch.setattr(corpus, "_stdlib_sources", lambda: sources)
     monkeypatch.setattr(corpus, "_parse_builtin", functools.cache(parse))
     monkeypatch.setattr(
