@@ -40,6 +40,14 @@ import pytest  # noqa: E402
 _LONG_MARKERS = {"slow", "multiprocess"}
 
 
+def pytest_configure(config):
+    """A test process ends as flaxlm's commands do, without Python's final garbage collection:
+    after a worker's share of the suite, that walk over its objects takes seconds."""
+    from flaxlm.cli.common import end_without_final_collection
+
+    end_without_final_collection()
+
+
 def pytest_collection_modifyitems(items):
     """The heaviest modules first, each module's tests together and in their order. With
     `pytest -n 2 --dist loadfile` (`make test`) a module runs on one worker, so its

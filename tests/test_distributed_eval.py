@@ -17,8 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import scipy.stats
-import sklearn.metrics
 
 from flaxlm.config import Padding
 from flaxlm.data.encoding import bucket_lengths, encode
@@ -89,6 +87,11 @@ def reference_outputs(num_outputs: int, arrays: dict[str, np.ndarray]) -> np.nda
 
 
 def reference_metrics(predictions, labels, is_regression, num_labels):
+    # Imported here, not at the top: every pytest-xdist worker collects every module, and
+    # scipy and scikit-learn are a thousand files to load.
+    import scipy.stats
+    import sklearn.metrics
+
     if is_regression:
         if len(labels) < 2:
             return {"eval/pearson": float("nan"), "eval/spearman": float("nan")}
@@ -203,6 +206,9 @@ def test_buckets_give_few_shapes_and_the_same_predictions():
 
 
 def test_metrics_are_scikit_learn_and_scipy():
+    import scipy.stats  # imported when used, as in reference_metrics
+    import sklearn.metrics
+
     rng = np.random.default_rng(0)
     labels, predictions = rng.integers(0, 2, 200), rng.integers(0, 2, 200)
     got = compute_metrics(["accuracy", "f1", "matthews"], predictions, labels, False)

@@ -9,8 +9,6 @@ import time
 import zlib
 from pathlib import Path
 
-from wandb.proto import wandb_internal_pb2
-
 
 def offline_wandb_env(run_dir: Path, monkeypatch) -> None:
     """W&B offline, with its run files under `run_dir` and its own files beside it."""
@@ -37,6 +35,10 @@ def _read_records(path: Path) -> list:
     """The records of a W&B transaction log (`run-*.wandb`): LevelDB log framing, i.e. a 7-byte
     file header, then 32 KiB blocks of chunks (crc32 4, length 2, type 1, data), each
     record one FULL chunk or FIRST, MIDDLE..., LAST, the block's tail zero-padded."""
+    # Imported here: wandb is hundreds of files, and every pytest-xdist worker imports the
+    # test modules that use this one when it collects the suite.
+    from wandb.proto import wandb_internal_pb2
+
     data = path.read_bytes()
     assert struct.unpack("<4sHB", data[:7]) == (b":W&B", 0xBEE1, 0)
     records, pending, pos, block = [], b"", 7, 32768

@@ -1,5 +1,6 @@
 """What the command-line tools besides flaxlm-train (which is Hydra's) share: argparse with
-`--flags`, the project's error style, and the options several tools take.
+`--flags`, the project's error style, and the options several tools take; and what every
+command, flaxlm-train too, does at its end (`end_without_final_collection`).
 
     flaxlm-export RUN_DIR --out DIR [--step N] [--overwrite]
     flaxlm-generate RUN_DIR [--prompt TEXT ...] [--greedy | --temperature T ...]
@@ -16,6 +17,9 @@ and its default.
 from __future__ import annotations
 
 import argparse
+import atexit
+import functools
+import gc
 import re
 import shlex
 import sys
@@ -81,6 +85,7 @@ def add_step(parser: Parser) -> None:
 def run_command(run: Callable[[Sequence[str]], Any], argv: Sequence[str] | None) -> None:
     """Run a tool's `run(argv)` (argv: the process's arguments when None); a FlaxlmError, or a
     full disk, is one paragraph on stderr and the error's exit status."""
+    end_without_final_collection()
     try:
         run(sys.argv[1:] if argv is None else argv)
     except FlaxlmError as err:
@@ -94,6 +99,17 @@ def run_command(run: Callable[[Sequence[str]], Any], argv: Sequence[str] | None)
         exit_with_error(f"A disk is full (or over its quota): {text}. Free some space, or "
                         "write to another disk, and run the same command again.",
                         FlaxlmError.exit_code)
+
+
+@functools.cache  # once a process
+def end_without_final_collection() -> None:
+    """At its exit, this process leaves the objects it made to the operating system, as it
+    does their memory, instead of having Python's final garbage collection walk them all: once
+    JAX, transformers and PyTorch are loaded, that walk is most of a second at the end of every
+    command. The atexit handlers (W&B's, logging's) still run, and objects freed by reference
+    counting are still finalized; only the collection of what is left in reference cycles is
+    skipped, whose finalizers Python does not promise to run at exit anyway."""
+    atexit.register(gc.freeze)
 
 
 def exit_with_error(message: str, exit_code: int) -> NoReturn:

@@ -24,6 +24,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from flaxlm.cli.common import end_without_final_collection
 from flaxlm.cli.language_list import expand_language_list, folded
 from flaxlm.cli.sweep import SweepJob
 from flaxlm.config import register_configs, renamed_keys
@@ -120,6 +121,7 @@ def main() -> None:
     # HYDRA_FULL_ERROR asked for Hydra's full report and gets it.
     full_error_asked = bool(os.environ.get("HYDRA_FULL_ERROR"))
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    end_without_final_collection()
     try:
         sys.argv[1:] = expand_language_list(sys.argv[1:])  # a list of languages: a mixture
     except FlaxlmError as err:
