@@ -48,6 +48,16 @@ def pytest_configure(config):
     end_without_final_collection()
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+    """Collecting imports every test module, and with them most of the libraries, in each
+    worker: as flaxlm-train loads its own, without the garbage collector walking them."""
+    from flaxlm.cli.common import collector_paused_while_importing
+
+    with collector_paused_while_importing():
+        return (yield)
+
+
 def pytest_collection_modifyitems(items):
     """The heaviest modules first, each module's tests together and in their order. With
     `pytest -n 2 --dist loadfile` (`make test`) a module runs on one worker, so its

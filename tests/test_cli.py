@@ -7,6 +7,7 @@ the system at exit."""
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import pkgutil
 import re
@@ -19,7 +20,12 @@ from conftest import REPO as REPO_DIR
 
 import flaxlm
 import flaxlm.cli
-from flaxlm.cli.common import new_spelling, old_settings, run_command
+from flaxlm.cli.common import (
+    collector_paused_while_importing,
+    new_spelling,
+    old_settings,
+    run_command,
+)
 from flaxlm.errors import PEER_EXIT_CODE, FlaxlmError, PeerError
 
 REPO = Path(REPO_DIR)
@@ -167,3 +173,18 @@ def test_a_command_leaves_its_objects_to_the_system_at_exit(module):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines()[-1] == "objects frozen at exit: True"
+
+
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_the_collector_is_paused_while_importing_and_what_was_loaded_is_frozen(enabled_before):
+    was_enabled = gc.isenabled()
+    frozen = gc.get_freeze_count()
+    (gc.enable if enabled_before else gc.disable)()
+    try:
+        with collector_paused_while_importing():
+            assert not gc.isenabled()
+            loaded = [[] for _ in range(1000)]  # what an import makes
+        assert gc.get_freeze_count() >= frozen + len(loaded)
+        assert gc.isenabled() == enabled_before
+    finally:
+        (gc.enable if was_enabled else gc.disable)()

@@ -1,6 +1,7 @@
 """What the command-line tools besides flaxlm-train (which is Hydra's) share: argparse with
-`--flags`, the project's error style, and the options several tools take; and what every
-command, flaxlm-train too, does at its end (`end_without_final_collection`).
+`--flags`, the project's error style, and the options several tools take; and, flaxlm-train
+too, how a command keeps Python's garbage collector from walking the libraries' objects while
+they load and at its end.
 
     flaxlm-export RUN_DIR --out DIR [--step N] [--overwrite]
     flaxlm-generate RUN_DIR [--prompt TEXT ...] [--greedy | --temperature T ...]
@@ -18,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import functools
 import gc
 import re
 import shlex
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 from flaxlm.errors import FlaxlmError
@@ -105,11 +107,28 @@ def run_command(run: Callable[[Sequence[str]], Any], argv: Sequence[str] | None)
 def end_without_final_collection() -> None:
     """At its exit, this process leaves the objects it made to the operating system, as it
     does their memory, instead of having Python's final garbage collection walk them all: once
-    JAX, transformers and PyTorch are loaded, that walk is most of a second at the end of every
-    command. The atexit handlers (W&B's, logging's) still run, and objects freed by reference
-    counting are still finalized; only the collection of what is left in reference cycles is
-    skipped, whose finalizers Python does not promise to run at exit anyway."""
+    JAX, transformers and PyTorch are loaded, that walk is a noticeable pause at the end of
+    every command. The atexit handlers (W&B's, logging's) still run, and objects freed by
+    reference counting are still finalized; only the collection of what is left in reference
+    cycles is skipped, whose finalizers Python does not promise to run at exit anyway."""
     atexit.register(gc.freeze)
+
+
+@contextlib.contextmanager
+def collector_paused_while_importing() -> Iterator[None]:
+    """For the block that imports a command's libraries (JAX, transformers, datasets, orbax):
+    the objects they make live as long as the process, and Python's garbage collector, run
+    again and again as they arrive, would walk all of them each time, a good part of the time
+    the imports take. It is paused for the block; what exists at its end is frozen, so that no
+    later collection walks it either."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
 
 
 def exit_with_error(message: str, exit_code: int) -> NoReturn:

@@ -24,7 +24,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from flaxlm.cli.common import end_without_final_collection
+from flaxlm.cli.common import collector_paused_while_importing, end_without_final_collection
 from flaxlm.cli.language_list import expand_language_list, folded
 from flaxlm.cli.sweep import SweepJob
 from flaxlm.config import register_configs, renamed_keys
@@ -48,10 +48,11 @@ register_configs()
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def train_job(cfg: DictConfig) -> float | None:
     # After Hydra: JAX starts only once the config is known.
-    from flaxlm import distributed
-    from flaxlm.job import train
-    from flaxlm.tasks.objective import choose_objective
-    from flaxlm.training.stop import PREEMPTED_EXIT_CODE, Preempted
+    with collector_paused_while_importing():
+        from flaxlm import distributed
+        from flaxlm.job import train
+        from flaxlm.tasks.objective import choose_objective
+        from flaxlm.training.stop import PREEMPTED_EXIT_CODE, Preempted
 
     hydra_cfg = HydraConfig.get()
     overrides = [o for o in hydra_cfg.overrides.task if not o.startswith("hparams_search")]
