@@ -88,7 +88,7 @@ def reference_outputs(num_outputs: int, arrays: dict[str, np.ndarray]) -> np.nda
 
 def reference_metrics(predictions, labels, is_regression, num_labels):
     # Imported here, not at the top: every pytest-xdist worker collects every module, and
-    # scipy and scikit-learn are a thousand files to load.
+    # scipy and scikit-learn are hundreds of files to load.
     import scipy.stats
     import sklearn.metrics
 
