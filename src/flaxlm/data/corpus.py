@@ -35,6 +35,7 @@ import pyarrow.compute as pc
 
 from flaxlm.config import CorpusSource, LanguageConfig, TextSplitting
 from flaxlm.data.files import check_file_type, expand_patterns, quiet_datasets_logs, root_cause
+from flaxlm.data.tables import text_dataset
 from flaxlm.errors import FlaxlmError
 
 # Standard-library directories whose docstrings are not prose about Python (tests, GUI, vendored
@@ -80,7 +81,7 @@ def load_corpus(language: LanguageConfig, cache_dir: str | None = None) -> Corpu
     corpus is kept under `cache_dir`, if given, once read)."""
     _check_split_settings(language)
     if language.source == CorpusSource.builtin:
-        corpus = datasets.Dataset.from_dict({"text": builtin_documents(cache_dir)})
+        corpus = text_dataset(builtin_documents(cache_dir))
         origin = "the builtin corpus (language.source=builtin)"
     elif language.source == CorpusSource.files:
         corpus = _load_files(language)
@@ -254,7 +255,7 @@ def _load_file(path: Path, language: LanguageConfig) -> datasets.Dataset:
     builder = _BUILDERS[path.suffix.lower()]
     if builder is None:
         documents = _split_text(path.read_text(encoding="utf-8"), language.text_splitting)
-        table = datasets.Dataset.from_dict({"text": documents})
+        table = text_dataset(documents)
     else:
         try:
             with quiet_datasets_logs():
@@ -432,10 +433,7 @@ def load_corpus_stream(
     _check_split_settings(language)
     stream = _drop_blank_stream(_open_stream(language))
     n_validation = language.max_eval_docs or STREAMING_EVAL_DOCS
-    validation = datasets.Dataset.from_dict(
-        {"text": [row["text"] for row in stream.take(n_validation)]},
-        features=datasets.Features({"text": datasets.Value("string")}),
-    )
+    validation = text_dataset([row["text"] for row in stream.take(n_validation)])
     if len(validation) < n_validation:
         raise FlaxlmError(
             f"{_stream_origin(language)} streams only {len(validation)} non-blank document(s), "
@@ -454,7 +452,7 @@ def _open_stream(language: LanguageConfig) -> datasets.IterableDataset:
     if language.source == CorpusSource.hub:
         return _stream_hub(language)
     if language.source == CorpusSource.builtin:  # small and in memory anyway: stream it as well
-        return datasets.Dataset.from_dict({"text": builtin_documents()}).to_iterable_dataset()
+        return text_dataset(builtin_documents()).to_iterable_dataset()
     raise FlaxlmError(f"Unknown language.source={language.source!r}; use builtin, files or hub.")
 
 

@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 from flaxlm.config import TaskConfig
 from flaxlm.data.files import check_file_type, expand_patterns, quiet_datasets_logs, root_cause
 from flaxlm.data.labels import resolve_labels, with_labels
+from flaxlm.data.tables import derived_fingerprint, named_dataset
 from flaxlm.errors import FlaxlmError
 
 # File extension -> (`datasets` packaged builder, its extra arguments).
@@ -158,7 +159,8 @@ def _map_columns(table: datasets.Dataset, task: TaskConfig, where: str) -> datas
         columns[name] = values
     features = {name: table.features[column] for name, (_, column) in wanted.items()}
     features.update({n: datasets.Value("string") for n in columns if n != "label"})
-    return datasets.Dataset.from_dict(columns, features=datasets.Features(features))
+    return named_dataset(columns, datasets.Features(features),
+                         derived_fingerprint(table, "examples", sorted(wanted.items())))
 
 
 def _as_text(values: pa.ChunkedArray, setting: str, column: str, where: str) -> pa.ChunkedArray:

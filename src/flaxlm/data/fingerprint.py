@@ -25,6 +25,11 @@ def text_fingerprint(texts: datasets.Dataset) -> str:
     return _TEXT_HASHES[texts._fingerprint]
 
 
+def remember_text_hash(texts: datasets.Dataset, content: str) -> None:
+    """Record `content` as the `text_fingerprint` of `texts`, whose maker hashed it already."""
+    _TEXT_HASHES[texts._fingerprint] = content
+
+
 def _hash_documents(texts: datasets.Dataset, batch_size: int = 10_000) -> str:
     return documents_fingerprint(
         text

@@ -12,6 +12,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from flaxlm.config import TaskConfig
+from flaxlm.data.fingerprint import arrays_fingerprint
+from flaxlm.data.tables import derived_fingerprint, named_dataset
 from flaxlm.errors import FlaxlmError
 
 _GLUE_UNLABELED = -1  # GLUE's test splits carry this label
@@ -229,7 +231,7 @@ def with_labels(
         features["label"] = datasets.ClassLabel(names=names)
     else:
         features["label"] = datasets.Value("int32")
-    return datasets.Dataset.from_dict(
-        {**columns, "label": labels}, features=datasets.Features(features)
-    )
+    return named_dataset({**columns, "label": labels}, datasets.Features(features),
+                         derived_fingerprint(table, "labels", arrays_fingerprint({"label": labels}),
+                                             names))
 

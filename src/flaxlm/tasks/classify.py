@@ -23,6 +23,7 @@ from flaxlm.config import ModelConfig, TrainConfig
 from flaxlm.data.encoding import encode, example_loader, max_length_for
 from flaxlm.data.examples import load_examples
 from flaxlm.data.fingerprint import arrays_fingerprint
+from flaxlm.data.tables import text_dataset
 from flaxlm.data.tokenizer import (
     document_prefix,
     glues_pairs,
@@ -165,9 +166,7 @@ def _tokenizer(config: TrainConfig, start: Start, train: datasets.Dataset):
         tokenizer = pretrained.load_pretrained_tokenizer(start.checkpoint_dir)
     else:
         columns = [c for c in ("text", "text_pair") if c in train.column_names]
-        texts = datasets.Dataset.from_dict(
-            {"text": [t for column in columns for t in train[column]]}
-        )
+        texts = text_dataset([t for column in columns for t in train[column]])
         tokenizer = prepare_tokenizer(config.tokenizer, texts, start.model.vocab_size,
                                       config.cache_dir)
     return with_pair_template(tokenizer)

@@ -32,6 +32,7 @@ from flaxlm.data.mixture import (
 from flaxlm.data.mixture_loader import MixtureLoader, PackedSource, StreamedSource
 from flaxlm.data.packing import PackedBlocks, pack_blocks
 from flaxlm.data.streaming import StreamingLoader, process_shard
+from flaxlm.data.tables import text_dataset
 from flaxlm.data.tokenizer import (
     document_prefix,
     keeps_own_conventions,
@@ -203,10 +204,8 @@ def _streamed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, tok
     stream would cost a pass over it at every start)."""
     validation, train_stream = load_corpus_stream(config.language)
     if tokenizer is None:
-        sample = datasets.Dataset.from_dict(
-            {"text": [row["text"] for row in train_stream.take(config.tokenizer.train_docs)]},
-            features=datasets.Features({"text": datasets.Value("string")}),
-        )
+        sample = text_dataset(
+            [row["text"] for row in train_stream.take(config.tokenizer.train_docs)])
         tokenizer = prepare_tokenizer(
             config.tokenizer, sample, config.model.vocab_size, config.cache_dir
         )
@@ -263,10 +262,7 @@ def _read_source(name: str, language: LanguageConfig, config: TrainConfig) -> _S
             corpus = load_corpus(language, config.cache_dir)
             return _Source(language, corpus.validation, corpus.train, corpus.train)
         validation, train = load_corpus_stream(language)
-        head = datasets.Dataset.from_dict(
-            {"text": [row["text"] for row in train.take(config.tokenizer.train_docs)]},
-            features=datasets.Features({"text": datasets.Value("string")}),
-        )
+        head = text_dataset([row["text"] for row in train.take(config.tokenizer.train_docs)])
         if not len(head):
             raise FlaxlmError(f"{name}'s training stream holds no document after its "
                               "validation head. Add text, or lower language.max_eval_docs.")

@@ -8,11 +8,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-import datasets
-
 from flaxlm import layout
 from flaxlm.config import ModelConfig, TrainConfig
 from flaxlm.data.chat_template import CHATML_MARKERS, with_chat_template
+from flaxlm.data.tables import text_dataset
 from flaxlm.data.tokenizer import prepare_tokenizer
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import export_adapter
@@ -61,10 +60,8 @@ def chat_tokenizer(config: TrainConfig, start: base.Start,
             extra = [m for m in CHATML_MARKERS if m not in settings.special_tokens]
             settings = dataclasses.replace(settings,
                                            special_tokens=[*settings.special_tokens, *extra])
-        texts = datasets.Dataset.from_dict(
-            {"text": ["\n".join(f"{turn['role']}\n{turn['content']}" for turn in turns)
-                      for turns in conversations]},
-            features=datasets.Features({"text": datasets.Value("string")}))
+        texts = text_dataset(["\n".join(f"{turn['role']}\n{turn['content']}" for turn in turns)
+                              for turns in conversations])
         tokenizer = prepare_tokenizer(settings, texts, config.model.vocab_size,
                                       config.cache_dir)
     return with_chat_template(tokenizer, config.task.chat_template, config.model.vocab_size)
