@@ -28,7 +28,11 @@ os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     + ["--xla_force_host_platform_device_count=8", *COMPILER_FLAGS]
 )
-os.environ["JAX_PLATFORMS"] = "cpu"
+# On a TPU VM, `FLAXLM_TEST_TPU=1 python -m pytest -m tpu` runs the tests marked `tpu` on the
+# chip (tests/test_tpu.py); everywhere else the whole suite runs on the CPU, and those are skipped.
+ON_TPU = os.environ.get("FLAXLM_TEST_TPU") == "1"
+if not ON_TPU:
+    os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -65,6 +69,13 @@ def pytest_collection_modifyitems(items):
     to finish is a short one."""
     weights: dict[str, int] = {}
     for item in items:
+        on_the_chip = item.get_closest_marker("tpu") is not None
+        if on_the_chip and not ON_TPU:
+            item.add_marker(pytest.mark.skip(
+                reason="needs a TPU: on a TPU VM, FLAXLM_TEST_TPU=1 python -m pytest -m tpu"))
+        elif ON_TPU and not on_the_chip:
+            item.add_marker(pytest.mark.skip(
+                reason="FLAXLM_TEST_TPU=1 runs the tests marked tpu; the rest run on the CPU"))
         long = any(item.get_closest_marker(name) for name in _LONG_MARKERS)
         weights[item.module.__name__] = weights.get(item.module.__name__, 0) + (10 if long else 1)
     items.sort(key=lambda item: -weights[item.module.__name__])
