@@ -24,6 +24,7 @@ from flaxlm.models import lora, pretrained
 from flaxlm.models.build import build_classifier, build_lm, lm_from_params
 from flaxlm.models.layers import TransformerSpec
 from flaxlm.parallel import make_mesh, place_state, state_shardings
+from flaxlm.platforms import skip_absent_tpu
 from flaxlm.training.checkpoint.manager import restore_params
 
 
@@ -216,7 +217,9 @@ def _abstract_model(model_config: ModelConfig, hf_config) -> nnx.Module:
 
 def local_mesh() -> Mesh:
     """Every device of this machine on the `fsdp` axis: a run's model read back onto it is
-    split over all of them."""
+    split over all of them. JAX starts here, on the platform it finds (never probing for a
+    TPU that is not attached: `skip_absent_tpu`)."""
+    skip_absent_tpu()
     return make_mesh(None, MeshConfig(data=1, fsdp=-1, tensor=1))
 
 
