@@ -1,8 +1,9 @@
 """The attention entry point (`flaxlm.models.attention`): every backend computes the reference's
 function, forward and backward, for causal, segment-masked and grouped-query attention (the
 splash kernel in Pallas interpret mode on this CPU); `xla` is exactly the call that ran before
-the backends existed; `auto` picks by platform, and a backend that cannot run where it is
-asked for is refused before anything compiles, naming model.attention."""
+the backends existed; `auto` picks by platform and chip generation, and a backend that cannot
+run where it is asked for is refused before anything compiles, naming model.attention; a
+kernel that does not compile anyway is one paragraph, not the compiler's traceback."""
 
 from __future__ import annotations
 
@@ -25,14 +26,23 @@ from jax.sharding import NamedSharding, PartitionSpec
 from flaxlm.config import AttentionBackend
 from flaxlm.errors import FlaxlmError
 from flaxlm.models.attention import (
+    Choice,
     attention,
     choose_backend,
+    kernel_compile_error,
     reference_attention,
     splash_attention,
 )
 from flaxlm.models.build import build_lm
 from flaxlm.models.layers import TransformerSpec
-from flaxlm.parallel import BATCH_AXES, make_mesh, traced_on
+from flaxlm.parallel import (
+    BATCH_AXES,
+    Accelerator,
+    accelerator_of,
+    make_mesh,
+    run_accelerator,
+    traced_on,
+)
 from flaxlm.tasks.base import attention_choice
 
 FP32 = dict(rtol=1e-5, atol=2e-5)
@@ -187,7 +197,8 @@ def test_a_model_with_splash_computes_what_it_computes_with_xla(family):
 ])
 def test_auto_picks_by_platform_dtype_and_shape(platform, dtype, seq_len, head_width, causal_lm,
                                                 expected):
-    choice = choose_backend("auto", platform, dtype, seq_len, head_width, causal_lm=causal_lm)
+    choice = choose_backend("auto", Accelerator(platform), dtype, seq_len, head_width,
+                            causal_lm=causal_lm)
     assert choice.backend is AttentionBackend(expected)
     assert choice.describe() == f"attention {expected} (auto on {platform})"
 
@@ -204,7 +215,7 @@ def test_auto_picks_by_platform_dtype_and_shape(platform, dtype, seq_len, head_w
 def test_a_backend_that_cannot_run_here_is_refused_naming_what_to_set(requested, platform, dtype,
                                                                       seq_len, named):
     with pytest.raises(FlaxlmError) as error:
-        choose_backend(requested, platform, dtype, seq_len, 64)
+        choose_backend(requested, Accelerator(platform), dtype, seq_len, 64)
     message = str(error.value)
     assert f"model.attention={requested}" in message.replace("'", "") and named in message
     assert "\n" not in message
@@ -213,20 +224,24 @@ def test_a_backend_that_cannot_run_here_is_refused_naming_what_to_set(requested,
 @pytest.mark.parametrize("backend", ["xla", "reference"])
 @pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
 def test_xla_and_reference_run_everywhere(backend, platform):
-    assert choose_backend(backend, platform, "float32", 100, 256).backend.value == backend
+    assert choose_backend(backend, Accelerator(platform), "float32", 100,
+                          256).backend.value == backend
 
 
 def test_the_banner_says_when_training_drops_out_on_the_reference_path():
-    choice = choose_backend("auto", "tpu", "bfloat16", 1024, 64, attention_dropout=0.1)
+    choice = choose_backend("auto", Accelerator("tpu", "TPU v4"), "bfloat16", 1024, 64,
+                            attention_dropout=0.1)
     assert choice.backend is AttentionBackend.splash
-    assert choice.describe() == ("attention splash (auto on tpu), reference while training "
+    assert choice.describe() == ("attention splash (auto on TPU v4), reference while training "
                                  "(attention dropout)")
-    assert choose_backend("xla", "cpu", "float32", 64, 16).describe() == "attention xla"
+    assert choose_backend("xla", Accelerator("cpu"), "float32", 64, 16).describe() == \
+        "attention xla"
 
 
 def test_the_run_resolves_its_backend_from_its_config():
     """model.attention's default is auto (conf/), which the quickstart's CPU run takes as xla;
-    a TPU preset's llama takes splash."""
+    a TPU preset's llama takes splash, on a TPU v4 or newer (a plan from this CPU reads the
+    chips from hardware.topology)."""
     from omegaconf import OmegaConf
 
     quickstart = OmegaConf.to_object(compose(TINY))
@@ -235,9 +250,146 @@ def test_the_run_resolves_its_backend_from_its_config():
                             pads_rows=False).backend is AttentionBackend.xla
     tpu = OmegaConf.to_object(compose(["model=llama-tiny", "hardware=tpu-v5e-8",
                                        "task.max_seq_length=256"]))
+    assert run_accelerator(tpu.hardware) == Accelerator("tpu", "TPU v5e")
     assert attention_choice(tpu, tpu.model, pads_rows=False).backend is AttentionBackend.splash
     # A task whose rows are padded (a classifier) needs the padding mask splash does not take.
     assert attention_choice(tpu, tpu.model, pads_rows=True).backend is AttentionBackend.xla
+    v3 = OmegaConf.to_object(compose(["model=llama-tiny", "hardware=tpu-v3-8",
+                                      "task.max_seq_length=256"]))
+    assert attention_choice(v3, v3.model, pads_rows=False).describe() == (
+        "attention xla (auto on TPU v3; the splash kernel does not compile in bfloat16 before "
+        "TPU v4)")
+
+
+# Chips as JAX names them (`device_kind`), and their generations.
+TPU_KINDS = {"TPU v2": 2, "TPU v3": 3, "TPU v4": 4, "TPU v5 lite": 5, "TPU v5": 5, "TPU v5p": 5,
+             "TPU v6 lite": 6, "TPU7x": 7, "TPU v5e": 5, "a TPU of a name unknown": None}
+
+
+@pytest.mark.parametrize("kind", sorted(TPU_KINDS))
+def test_auto_takes_splash_in_half_precision_only_from_tpu_v4(kind):
+    """Mosaic compiles no bfloat16 matmul for TPU v2 and v3: auto takes xla there and says
+    why; splash asked for is refused before anything compiles. In float32 it compiles. A kind
+    that does not say its generation is not held back."""
+    chip = Accelerator("tpu", kind)
+    assert chip.tpu_generation == TPU_KINDS[kind]
+    old = TPU_KINDS[kind] in (2, 3)
+    choice = choose_backend("auto", chip, "bfloat16", 1024, 64)
+    assert choice.backend is (AttentionBackend.xla if old else AttentionBackend.splash)
+    assert choice.reason == (f"auto on {kind}; the splash kernel does not compile in bfloat16 "
+                             "before TPU v4" if old else f"auto on {kind}")
+    assert choose_backend("auto", chip, "float32", 1024, 64).backend is AttentionBackend.splash
+    if old:
+        with pytest.raises(FlaxlmError, match=(
+                rf"model.attention=splash cannot run here: the splash kernel does not compile "
+                rf"in bfloat16 before TPU v4, and this run is on {kind} .*"
+                r"hardware.compute_dtype=float32.*model.attention=auto")):
+            choose_backend("splash", chip, "bfloat16", 1024, 64)
+    else:
+        assert choose_backend("splash", chip, "bfloat16", 1024, 64).backend.value == "splash"
+
+
+# NVIDIA GPUs as JAX names them, with their compute capabilities.
+GPUS = [("Tesla T4", "7.5"), ("Tesla V100-SXM2-16GB", "7.0"), ("NVIDIA A100-SXM4-40GB", "8.0"),
+        ("NVIDIA A10G", "8.6"), ("NVIDIA H100 80GB HBM3", "9.0"), ("NVIDIA B200", "10.0"),
+        ("an unknown GPU", "")]
+
+
+@pytest.mark.parametrize("kind,capability", GPUS)
+def test_auto_takes_cudnn_only_from_compute_capability_8(kind, capability):
+    """cuDNN's fused attention needs an Ampere-or-newer GPU (compute capability 8.0): on a T4
+    or V100 auto takes xla and says why, and cudnn asked for is refused; a GPU whose compute
+    capability is unknown is not held back."""
+    gpu = accelerator_of(type("Device", (), {"platform": "gpu", "device_kind": kind,
+                                             "compute_capability": capability})())
+    assert gpu == Accelerator("gpu", kind, capability)
+    old = capability in ("7.5", "7.0")
+    choice = choose_backend("auto", gpu, "bfloat16", 2048, 64)
+    assert choice.backend is (AttentionBackend.xla if old else AttentionBackend.cudnn)
+    assert choice.reason == (f"auto on {kind}; cuDNN's fused attention needs compute "
+                             "capability 8.0 (Ampere) or newer" if old else f"auto on {kind}")
+    if old:
+        with pytest.raises(FlaxlmError, match=(
+                rf"model.attention=cudnn cannot run here: .*8.0 \(Ampere\) or newer, and this "
+                rf"run is on {kind} \(compute capability {capability}\)")):
+            choose_backend("cudnn", gpu, "bfloat16", 2048, 64)
+    else:
+        assert choose_backend("cudnn", gpu, "bfloat16", 2048, 64).backend.value == "cudnn"
+
+
+# What jax raises when Mosaic refuses the splash kernel (planning gpt2-xl for a TPU v3 with a
+# splash kernel in bfloat16): the error jax's Pallas raises, from XLA's.
+MOSAIC_SAYS = ("INTERNAL: Mosaic failed to compile TPU kernel: E2001: "
+               "CompileTimeMosaicUnsupportedRhsType: Unsupported matmul RHS type on target: "
+               "vector<128x128xbf16>")
+
+
+def mosaic_error() -> Exception:
+    from jax._src.pallas.mosaic.error_handling import MosaicError
+
+    try:
+        try:
+            raise jax.errors.JaxRuntimeError(f"{MOSAIC_SAYS}\n\nThe MLIR operation involved:\n"
+                                             "  %1275 = \"tpu.matmul\"(...)")
+        except jax.errors.JaxRuntimeError as xla:
+            raise MosaicError(f"{MOSAIC_SAYS}\n\nThe MLIR operation involved:") from xla
+    except MosaicError as err:
+        return err
+
+
+def test_a_kernel_the_compiler_refuses_is_one_paragraph_naming_xla():
+    splash = Choice(AttentionBackend.splash, "auto on TPU v4", dropout=False)
+    error = kernel_compile_error(RuntimeError("while compiling"), splash)
+    assert error is None  # not the kernel's
+    wrapped = RuntimeError("while compiling")
+    wrapped.__cause__ = mosaic_error()
+    error = kernel_compile_error(wrapped, splash)
+    assert str(error) == (
+        "A step did not compile: Mosaic refused the splash attention kernel (attention splash "
+        f"(auto on TPU v4)): {MOSAIC_SAYS}. Set model.attention=xla, which compiles on every "
+        "device (this run has model.attention=auto).")
+    # Mosaic's words mean nothing to a run on another backend, and running out of memory is
+    # not a kernel's refusal, whatever buffers the message lists.
+    xla = Choice(AttentionBackend.xla, "auto on TPU v4", dropout=False)
+    assert kernel_compile_error(mosaic_error(), xla) is None
+    assert kernel_compile_error(jax.errors.JaxRuntimeError(
+        "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm.\n  mosaic custom call"),
+        splash) is None
+    cudnn = Choice(AttentionBackend.cudnn, "", dropout=False)
+    refused = kernel_compile_error(jax.errors.JaxRuntimeError(
+        "INTERNAL: cuDNN error: CUDNN_STATUS_NOT_SUPPORTED\nin fused attention"), cudnn)
+    assert "cuDNN refused the cudnn attention kernel (attention cudnn): INTERNAL: cuDNN error: " \
+           "CUDNN_STATUS_NOT_SUPPORTED. Set model.attention=xla" in str(refused)
+    assert "this run has model.attention=cudnn" in str(refused)
+
+
+@pytest.mark.slow
+def test_a_training_run_whose_kernel_does_not_compile_exits_2_with_one_paragraph(
+        tmp_path, monkeypatch, train_cli):
+    """A kernel that does not compile when the first step does: its run stops with one
+    paragraph naming the backend and model.attention=xla, no traceback, and its status says
+    it. (On this CPU the run takes xla; the kernel and its refusal are stood in for.)"""
+    from flaxlm import job
+
+    def splash_on_a_tpu(config, model, pads_rows):
+        return Choice(AttentionBackend.splash, "auto on TPU v4", dropout=False)
+
+    def refused(*args, **kwargs):
+        raise mosaic_error()
+
+    monkeypatch.setattr(job, "attention_choice", splash_on_a_tpu)
+    monkeypatch.setattr(jax.nn, "dot_product_attention", refused)
+    run_dir = tmp_path / "run"
+    done = train_cli(*TINY, "model.attention_dropout=0", "trainer.max_steps=1",
+                     "trainer.eval_before_training=false",
+                     f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "MLIR" not in done.stderr
+    message = done.stderr.strip().splitlines()[-1]
+    assert message.startswith("flaxlm: error: A step did not compile: Mosaic refused the "
+                              "splash attention kernel")
+    assert "Set model.attention=xla" in message
+    assert "Mosaic refused" in (run_dir / "status.json").read_text()
 
 
 # ------------------------------------------------------------------ backends script

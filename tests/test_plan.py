@@ -27,7 +27,15 @@ from flaxlm.cli import plan as plan_cli
 from flaxlm.config import MeshConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.hardware_peak import known_peak_tflops
-from flaxlm.parallel import configure_platform, make_mesh, place_state, target_devices
+from flaxlm.models import attention
+from flaxlm.parallel import (
+    accelerator_of,
+    configure_platform,
+    make_mesh,
+    place_state,
+    run_accelerator,
+    target_devices,
+)
 from flaxlm.training.step import create_state
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -248,6 +256,65 @@ def test_each_tpu_preset_names_a_slice_libtpu_knows_and_its_chips_peak(preset):
     assert hardware.num_devices in (None, len(devices))
     assert hardware.peak_tflops_per_device == known_peak_tflops(devices[0].device_kind)
     assert hardware.hbm_gib_per_device > 0 and hardware.hbm_gbps_per_device > 0
+    # The chip generation a plan reads from the topology's name, for the attention backend,
+    # is that of the chips libtpu compiles for.
+    assert run_accelerator(hardware).tpu_generation == accelerator_of(devices[0]).tpu_generation
+
+
+# One layer of llama-tiny over 128-token sequences (the splash kernel's block: auto takes it
+# where it compiles), one row per device: each preset's attention, compiled cheaply.
+TINY_LLAMA = [o for o in TINY if not o.startswith("hardware=")] + [
+    *LLAMA, "model.num_layers=1", "model.max_positions=128", "task.max_seq_length=128",
+    "hardware.per_device_batch_size=1"]
+# Mosaic compiles no bfloat16 matmul for these chips (issue 43).
+BEFORE_V4 = {"tpu-v2-8": "TPU v2", "tpu-v3-8": "TPU v3"}
+
+
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", TPU_PRESETS)
+def test_auto_attention_compiles_for_every_tpu_preset(preset):
+    """Issue 43: model.attention=auto took the splash kernel on TPU v2 and v3 too, and planning
+    for them ended in Mosaic's traceback (E2001, unsupported matmul RHS type bf16). auto takes
+    xla there, saying why, and splash on TPU v4 and newer; every preset's steps compile."""
+    planned = aot.plan(compose([*TINY_LLAMA, f"hardware={preset}"]))
+    if preset in BEFORE_V4:
+        assert planned.attention == (
+            f"attention xla (auto on {BEFORE_V4[preset]}; the splash kernel does not compile "
+            "in bfloat16 before TPU v4)")
+    else:
+        chip = OmegaConf.to_object(compose([f"hardware={preset}"])).hardware.topology.name
+        assert planned.attention == f"attention splash (auto on TPU {chip.split(':')[0]})"
+    assert planned.attention in aot.report(planned).splitlines()[0]
+    assert planned.train.temp_bytes > 0 and planned.eval.temp_bytes > 0
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_a_kernel_that_does_not_compile_exits_2_naming_the_backend_and_xla(monkeypatch,
+                                                                           capsys):
+    """Were a rule missing (here: the splash kernel let onto TPU v3 in bfloat16), Mosaic's
+    refusal is one paragraph naming the kernel and model.attention=xla, exit 2, no traceback;
+    a splash kernel asked for there is refused before anything compiles."""
+    with pytest.raises(SystemExit) as exit_info:
+        plan_cli.main([*TINY_LLAMA, "hardware=tpu-v3-8", "model.attention=splash"])
+    assert exit_info.value.code == 2
+    [message] = capsys.readouterr().err.strip().splitlines()
+    assert message.startswith("flaxlm: error: model.attention=splash cannot run here: the "
+                              "splash kernel does not compile in bfloat16 before TPU v4")
+    monkeypatch.setattr(attention, "SPLASH_OLDEST_TPU_IN_HALF_PRECISION", 3)
+    with pytest.raises(SystemExit) as exit_info:
+        plan_cli.main([*TINY_LLAMA, "hardware=tpu-v3-8"])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    [message] = captured.err.strip().splitlines()
+    assert message.startswith(
+        "flaxlm: error: A step did not compile: Mosaic refused the splash attention kernel "
+        "(attention splash (auto on TPU v3)): INTERNAL: Mosaic failed to compile TPU kernel"), \
+        message
+    assert message.endswith("Set model.attention=xla, which compiles on every device (this run "
+                            "has model.attention=auto).")
+    assert "Traceback" not in captured.err + captured.out
 
 
 def test_planning_a_tpu_group_without_a_topology_names_the_presets():

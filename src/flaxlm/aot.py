@@ -15,7 +15,8 @@ What the compiler reports, and how far to trust it:
   once, so the step's figures are multiplied by its micro-batches (the optimizer update,
   outside the loop, is then over-counted, by a little); a kernel the compiler cannot see
   into counts nothing: with `model.attention=splash` (a Pallas kernel, what `auto` takes on
-  a TPU) attention's FLOPs and bytes are missing from both, and the roofline is low;
+  a TPU v4 or newer) attention's FLOPs and bytes are missing from both, and the roofline is
+  low;
 - the time is a roofline, not a measurement: the larger of FLOPs over the chip's peak and
   bytes over its HBM bandwidth; communication between chips and imperfect overlap are not in
   it, and cost analysis's bytes can exceed the chip's real traffic (a real chip can run the
@@ -42,6 +43,7 @@ from flaxlm.config import MeshConfig, ModelConfig, Remat, TrainConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.job import check_settings
 from flaxlm.models import build, lora
+from flaxlm.models.attention import kernel_compile_error
 from flaxlm.models.layers import count_params
 from flaxlm.parallel import (
     batch_spec,
@@ -293,10 +295,15 @@ def plan(cfg: DictConfig | TrainConfig) -> RunPlan:
 def _compile_or_refuse(run: AbstractRun, layout: _Layout, phase: str, step, args
                        ) -> CompiledStep:
     """`compile_step`; XLA's TPU compiler refuses a program that cannot fit the chip's
-    memory, which is the plan's answer, said as one paragraph with what to change."""
+    memory, which is the plan's answer, said as one paragraph with what to change; an
+    attention kernel that does not compile for the chips is one paragraph too."""
     try:
         return compile_step(step, *args)
     except Exception as err:  # noqa: BLE001 — JaxRuntimeError, whatever XLA raises
+        kernel = kernel_compile_error(
+            err, base.attention_choice(run.config, run.config.model, CausalLM.pads_rows))
+        if kernel is not None:
+            raise kernel from err
         text = str(err)
         if "RESOURCE_EXHAUSTED" not in text:
             raise

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from flaxlm import distributed
 from flaxlm.config import ObjectiveMode, TrainConfig
 from flaxlm.errors import FlaxlmError, writable_dir
+from flaxlm.models.attention import kernel_compile_error
 from flaxlm.parallel import configure_platform, make_mesh
 from flaxlm.run_records import FAILED, FINISHED, PREEMPTED, RUNNING, write_status
 from flaxlm.runs import open_shared_run_dir
@@ -63,6 +64,7 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     mesh = make_mesh(config.hardware.num_devices, config.hardware.mesh)
     task = task_named(config.task.name)
     seq_len = check_settings(config, mesh.size)  # before claiming run_dir: a retry can reuse it
+    attention = attention_choice(config, config.model, task.pads_rows)
     objective = choose_objective(config)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     # The saved config names the objective this run was judged by, default or not, for the
@@ -106,13 +108,12 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         close_quietly(checkpointer)  # let good checkpoints already started finish writing
         if tracker is not None:
             tracker.finish(exit_code=1)
-        full = disk_full_error(err, run.path)
-        lost = distributed.lost_peer_error(err, run.path)
-        _record_status(run.path, FAILED, _failure_reason(full or lost or err))
-        if full is not None:
-            raise full from err
-        if lost is not None:
-            raise lost from err
+        # The step compiles at its first call (the train step's, or an evaluation's).
+        known = (disk_full_error(err, run.path) or distributed.lost_peer_error(err, run.path)
+                 or kernel_compile_error(err, attention))
+        _record_status(run.path, FAILED, _failure_reason(known or err))
+        if known is not None:
+            raise known from err
         raise
     finally:
         run.release()

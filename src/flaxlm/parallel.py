@@ -15,8 +15,10 @@ the global batch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import re
 from collections.abc import Callable, Sequence
 
 import jax
@@ -148,6 +150,53 @@ def target_devices(hardware: HardwareConfig) -> list:
             f"hardware={hardware.name}: {str(err).strip().splitlines()[0]}. Use a topology "
             "such as v4:2x2x1 (chip_config megacore) or v5e:2x4 (default)."
         ) from err
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    """The devices a run computes on, as far as choosing kernels for them goes: the platform
+    and, where known, which generation of chip it is."""
+
+    platform: str  # "cpu", "gpu", "tpu"
+    kind: str = ""  # JAX's device_kind: "TPU v3", "TPU v5 lite", "Tesla T4"; "": unknown
+    compute_capability: str = ""  # an NVIDIA GPU's, as CUDA writes it ("7.5"); "": unknown
+
+    @property
+    def name(self) -> str:
+        return self.kind or self.platform
+
+    @property
+    def tpu_generation(self) -> int | None:
+        """A TPU's generation, the number in its kind ("TPU v5 lite": 5, "TPU7x": 7); None:
+        not a TPU, or a kind that does not say."""
+        found = re.search(r"TPU\s*v?(\d+)", self.kind, re.IGNORECASE)
+        return int(found.group(1)) if self.platform == "tpu" and found else None
+
+    @property
+    def cuda_capability(self) -> tuple[int, int] | None:
+        """A GPU's compute capability as (major, minor); None: not known."""
+        found = re.fullmatch(r"(\d+)\.(\d+)", self.compute_capability.strip())
+        return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def accelerator_of(device) -> Accelerator:
+    """What a JAX device (attached, a TPU slice's compile-only chip, or a traced mesh's
+    abstract device) says of itself; only CUDA devices have a compute capability."""
+    return Accelerator(device.platform, device.device_kind,
+                       str(getattr(device, "compute_capability", "") or ""))
+
+
+def run_accelerator(hardware: HardwareConfig) -> Accelerator:
+    """The devices a run on `hardware` computes on: those JAX runs on when they are of the
+    hardware's platform (training; a plan for the devices attached); a plan compiled on this
+    CPU for a TPU slice: the chips `hardware.topology` names ("v3:2x2": TPU v3s, the kind of
+    chip libtpu compiles for); else (JAX not started, or on another platform) only the
+    platform."""
+    if xla_bridge.backends_are_initialized() and jax.default_backend() == hardware.platform:
+        return accelerator_of(jax.devices()[0])
+    if compiles_for_topology(hardware):
+        return Accelerator("tpu", f"TPU {hardware.topology.name.split(':')[0]}")
+    return Accelerator(hardware.platform)
 
 
 def make_mesh(num_devices: int | None, mesh: MeshConfig | None = None,

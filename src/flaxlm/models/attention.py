@@ -18,7 +18,8 @@ attention (keys and values with G heads, G dividing N; query head n reads key he
   attention natively. Under a device mesh it runs per device (`jax.shard_map` over the batch's
   mesh axes, and the heads' when `tensor` splits them). On a machine without a TPU (tests) the
   kernel runs in Pallas interpret mode.
-- `auto`: `choose_backend` picks by platform, dtype and shape.
+- `auto`: `choose_backend` picks by the devices (platform and chip generation), dtype and
+  shape: only a kernel that compiles there.
 
 Shapes are in the names: B batch, L query length, K key length, N query heads, G key/value
 heads, H head width.
@@ -38,7 +39,7 @@ from jax.sharding import PartitionSpec
 from flaxlm.config import AttentionBackend
 from flaxlm.errors import FlaxlmError
 from flaxlm.models.dropout import dropout
-from flaxlm.parallel import BATCH_AXES, TENSOR_AXIS
+from flaxlm.parallel import BATCH_AXES, TENSOR_AXIS, Accelerator, accelerator_of
 
 # What cuDNN's flash attention runs: its dtypes, and head widths up to 128 in multiples of 8
 # (jax's `check_is_flash_attention`; Hopper allows 256, older GPUs 128).
@@ -48,13 +49,30 @@ CUDNN_MAX_HEAD_WIDTH = 128
 # (its key blocks must be whole multiples of a TPU vector register's 128 lanes).
 SPLASH_BLOCKS = (512, 256, 128)
 
+# The oldest chips each kernel compiles for. Where the generation is unknown (a kind or compute
+# capability these rules cannot read) the kernel is not held back.
+# - splash: Mosaic, Pallas' TPU compiler, has no bfloat16 matmul on TPU v2 and v3: planning
+#   gpt2-xl for a v3-8 stopped at "E2001: CompileTimeMosaicUnsupportedRhsType: Unsupported
+#   matmul RHS type on target: vector<128x128xbf16>". In float32 the kernel compiles there
+#   (llama-tiny planned for tpu-v3-8); any other dtype is held back.
+SPLASH_OLDEST_TPU_IN_HALF_PRECISION = 4
+# - cudnn: "cudnn SDPA operation requires SM80 (Ampere) or newer architectures" (NVIDIA's cuDNN
+#   frontend, Attention: support matrix), so not a T4 (7.5) or V100 (7.0). jax 0.10.2 does not
+#   check it: jax/_src/cudnn/fused_attention_stablehlo.py's `check_is_flash_attention` reads the
+#   compute capability only for the head width (256 from Hopper, 9.0; 128 before), and its
+#   `dot_product_attention` leaves the rest to cuDNN ("TODO(b/380898464): Check the compute
+#   capability"), which fails only when the step compiles.
+CUDNN_OLDEST_COMPUTE_CAPABILITY = (8, 0)
+
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """The backend a run uses, and why, as the banner says it."""
 
     backend: AttentionBackend
-    reason: str  # e.g. "auto on tpu"; "" when model.attention named it
+    # e.g. "auto on TPU v4", "auto on TPU v3; the splash kernel does not compile in bfloat16
+    # before TPU v4"; "" when model.attention named it
+    reason: str
     dropout: bool  # training drops attention probabilities: the reference path then
 
     def describe(self) -> str:
@@ -65,29 +83,71 @@ class Choice:
         return f"attention {self.backend.value}{how}"
 
 
-def choose_backend(requested: AttentionBackend | str, platform: str, compute_dtype,
+def choose_backend(requested: AttentionBackend | str, accelerator: Accelerator, compute_dtype,
                    seq_len: int, head_width: int, *, causal_lm: bool = True,
                    attention_dropout: float = 0.0) -> Choice:
-    """The backend `model.attention=requested` means for a run on `platform` ("cpu", "gpu",
-    "tpu") in `compute_dtype` over blocks of `seq_len` tokens: `auto` picks cuDNN on a GPU
-    in bfloat16/float16, splash on a TPU when a kernel block divides the sequence, else XLA.
-    A backend named explicitly that cannot run there is a FlaxlmError, raised before
-    anything compiles. `causal_lm` is False for the classifiers, whose padding masks only
-    the reference and XLA paths (and cuDNN) take."""
+    """The backend `model.attention=requested` means for a run on `accelerator` (the platform,
+    "cpu", "gpu" or "tpu", and the chip: `flaxlm.parallel.run_accelerator`) in
+    `compute_dtype` over blocks of `seq_len` tokens: `auto` picks cuDNN on an Ampere-or-newer
+    GPU in bfloat16/float16, splash on a TPU when a kernel block divides the sequence (and,
+    in half precision, the TPU is a v4 or newer), else XLA. A backend named explicitly that
+    cannot run there is a FlaxlmError, raised before anything compiles. `causal_lm` is False
+    for the classifiers, whose padding masks only the reference and XLA paths (and cuDNN)
+    take."""
     backend = _backend(requested)
     reason = ""
     if backend is AttentionBackend.auto:
-        backend = _auto(platform, compute_dtype, seq_len, head_width, causal_lm)
-        reason = f"auto on {platform}"
+        backend = _auto(accelerator, compute_dtype, seq_len, head_width, causal_lm)
+        reason = f"auto on {accelerator.name}"
+        passed_over = _too_old(_KERNELS.get(accelerator.platform), accelerator, compute_dtype)
+        if backend is AttentionBackend.xla and passed_over:
+            reason += f"; {passed_over}"
     else:
-        problem = _why_not(backend, platform, compute_dtype, seq_len, head_width, causal_lm)
+        problem = _why_not(backend, accelerator, compute_dtype, seq_len, head_width, causal_lm)
         if problem:
             raise FlaxlmError(
                 f"model.attention={backend.value} cannot run here: {problem}. Set "
-                "model.attention=auto (picks cudnn on a GPU, splash on a TPU, xla otherwise), "
-                "or xla, which runs everywhere."
+                "model.attention=auto (picks cudnn on an Ampere-or-newer GPU, splash on a "
+                "TPU v4 or newer, xla otherwise), or xla, which runs everywhere."
             )
     return Choice(backend, reason, attention_dropout > 0)
+
+
+# The compiler of each kernel, as its errors name it.
+_KERNEL_COMPILERS = {AttentionBackend.splash: "Mosaic", AttentionBackend.cudnn: "cuDNN"}
+
+
+def kernel_compile_error(err: BaseException, choice: Choice) -> FlaxlmError | None:
+    """A step that did not compile because `choice`'s kernel did not (Mosaic refusing the
+    splash kernel, cuDNN its fused attention), as one paragraph naming the backend and what to
+    set; None for any other error. `choose_backend` keeps each kernel off the chips it is
+    known not to compile for; this is for those no rule knows yet."""
+    compiler = _KERNEL_COMPILERS.get(choice.backend)
+    if compiler is None:
+        return None
+    for cause in _causes(err):
+        text = str(cause)
+        if "RESOURCE_EXHAUSTED" in text:  # out of memory, whatever buffers it names
+            return None
+        said = [line.strip() for line in text.splitlines() if compiler.lower() in line.lower()]
+        if said:
+            requested = "auto" if choice.reason else choice.backend.value
+            return FlaxlmError(
+                f"A step did not compile: {compiler} refused the {choice.backend.value} "
+                f"attention kernel ({choice.describe()}): {said[0][:400]}. Set "
+                f"model.attention=xla, which compiles on every device (this run has "
+                f"model.attention={requested})."
+            )
+    return None
+
+
+def _causes(err: BaseException):
+    """`err` and the errors it was raised from or while handling."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
 
 
 def _backend(requested) -> AttentionBackend:
@@ -97,19 +157,24 @@ def _backend(requested) -> AttentionBackend:
         names = ", ".join(b.value for b in AttentionBackend)
         raise FlaxlmError(
             f"model.attention={requested!r} is not an attention backend: use one of {names} "
-            "(auto picks by platform)."
+            "(auto picks by the devices)."
         ) from None
 
 
-def _auto(platform, compute_dtype, seq_len, head_width, causal_lm) -> AttentionBackend:
+def _auto(accelerator, compute_dtype, seq_len, head_width, causal_lm) -> AttentionBackend:
     for backend in (AttentionBackend.cudnn, AttentionBackend.splash):
-        if not _why_not(backend, platform, compute_dtype, seq_len, head_width, causal_lm):
+        if not _why_not(backend, accelerator, compute_dtype, seq_len, head_width, causal_lm):
             return backend
     return AttentionBackend.xla
 
 
-def _why_not(backend, platform, compute_dtype, seq_len, head_width, causal_lm) -> str:
-    """Why `backend` cannot run this model here ("" when it can)."""
+# Each platform's fused kernel, which `auto` prefers there.
+_KERNELS = {"gpu": AttentionBackend.cudnn, "tpu": AttentionBackend.splash}
+
+
+def _why_not(backend, accelerator, compute_dtype, seq_len, head_width, causal_lm) -> str:
+    """Why `backend` cannot run this model on `accelerator` ("" when it can)."""
+    platform = accelerator.platform
     if backend is AttentionBackend.cudnn:
         if platform != "gpu":
             return f"cuDNN's fused attention runs on an NVIDIA GPU, and this run is on {platform}"
@@ -132,6 +197,31 @@ def _why_not(backend, platform, compute_dtype, seq_len, head_width, causal_lm) -
             return (f"its blocks are {SPLASH_BLOCKS[-1]} tokens or a multiple, and the sequence "
                     f"is {seq_len} tokens (set task.max_seq_length to a multiple of "
                     f"{SPLASH_BLOCKS[-1]})")
+    too_old = _too_old(backend, accelerator, compute_dtype)
+    if too_old and backend is AttentionBackend.splash:
+        return (f"{too_old}, and this run is on {accelerator.name} (in float32 it compiles "
+                "there: hardware.compute_dtype=float32)")
+    if too_old:
+        return (f"{too_old}, and this run is on {accelerator.name} (compute capability "
+                f"{accelerator.compute_capability})")
+    return ""
+
+
+def _too_old(backend, accelerator: Accelerator, compute_dtype) -> str:
+    """Why `backend` does not compile for `accelerator`'s generation of chip ("" when it
+    does, or when the generation is unknown); the rules' reasons are at their tables."""
+    if backend is AttentionBackend.splash and accelerator.platform == "tpu":
+        generation, dtype = accelerator.tpu_generation, jnp.dtype(compute_dtype)
+        if (generation is not None and generation < SPLASH_OLDEST_TPU_IN_HALF_PRECISION
+                and dtype != jnp.float32):
+            return (f"the splash kernel does not compile in {dtype.name} before "
+                    f"TPU v{SPLASH_OLDEST_TPU_IN_HALF_PRECISION}")
+    if backend is AttentionBackend.cudnn and accelerator.platform == "gpu":
+        capability = accelerator.cuda_capability
+        if capability is not None and capability < CUDNN_OLDEST_COMPUTE_CAPABILITY:
+            oldest = ".".join(map(str, CUDNN_OLDEST_COMPUTE_CAPABILITY))
+            return (f"cuDNN's fused attention needs compute capability {oldest} (Ampere) or "
+                    "newer")
     return ""
 
 
@@ -147,7 +237,7 @@ def attention(q_BxLxNxH: jax.Array, k_BxKxGxH: jax.Array, v_BxKxGxH: jax.Array, 
               dropout_rate: float, rngs: nnx.Rngs | None, mask=None,
               is_causal: bool = False, segment_ids_BxL: jax.Array | None = None,
               backend: AttentionBackend | str = AttentionBackend.xla) -> jax.Array:
-    """Multi-head attention, (B, L, N, H), by `backend` (`auto` here: by the platform the
+    """Multi-head attention, (B, L, N, H), by `backend` (`auto` here: by the devices the
     step is traced for). `mask` (broadcastable to B×N×L×K) says which keys each query sees;
     `is_causal` adds the causal mask; `segment_ids_BxL` (self-attention: the same ids for
     queries and keys) keeps each query to the keys of its own segment. Training (`rngs`
@@ -175,16 +265,21 @@ def attention(q_BxLxNxH: jax.Array, k_BxKxGxH: jax.Array, v_BxKxGxH: jax.Array, 
 
 def _traced_auto(q_BxLxNxH: jax.Array, mask) -> AttentionBackend:
     """`auto` for a model called outside training's set-up (which resolves it first, with
-    `choose_backend`): the choice for the platform the step is traced for."""
+    `choose_backend`): the choice for the devices the step is traced for."""
     B, L, N, H = q_BxLxNxH.shape
-    return _auto(_traced_platform(), q_BxLxNxH.dtype, L, H, causal_lm=mask is None)
+    return _auto(_traced_accelerator(), q_BxLxNxH.dtype, L, H, causal_lm=mask is None)
 
 
-def _traced_platform() -> str:
-    """The platform of the mesh the step is traced on (a TPU slice's when a plan compiles for
-    one on a CPU), else the default device's."""
+def _traced_accelerator() -> Accelerator:
+    """The devices of the mesh the step is traced on (a TPU slice's when a plan compiles for
+    one on a CPU), else the default device. A mesh's abstract device has no compute
+    capability: when it is the attached kind, the attached device's is taken."""
+    attached = accelerator_of(jax.devices()[0])
     device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    return device.platform if device is not None else jax.default_backend()
+    if device is None or (device.platform, device.device_kind) == (attached.platform,
+                                                                   attached.kind):
+        return attached
+    return accelerator_of(device)
 
 
 def _with_segments(mask, segment_ids_BxL):
@@ -235,7 +330,7 @@ def splash_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal: bool,
     v_BxGxKxH = jnp.swapaxes(v_BxKxGxH, 1, 2)
     segments = None if segment_ids_BxL is None else segment_ids_BxL.astype(jnp.int32)
     run = functools.partial(_splash_rows, is_causal=is_causal,
-                            interpret=_traced_platform() != "tpu")
+                            interpret=_traced_accelerator().platform != "tpu")
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and all(axis in mesh.axis_names for axis in BATCH_AXES):
         heads = _head_axis(mesh, q_BxNxLxH.shape[1], k_BxGxKxH.shape[1])

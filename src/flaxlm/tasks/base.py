@@ -28,7 +28,7 @@ from flaxlm.export import export_hf
 from flaxlm.models import lora, pretrained
 from flaxlm.models.attention import Choice, choose_backend
 from flaxlm.models.layers import TransformerSpec, count_params
-from flaxlm.parallel import init_on_mesh
+from flaxlm.parallel import init_on_mesh, run_accelerator
 from flaxlm.runs import RunDir, save_config
 from flaxlm.tracking import Tracker
 from flaxlm.training.checkpoint.manager import Checkpointer, key_to_json
@@ -290,10 +290,11 @@ def model_spec(config: TrainConfig, model: ModelConfig, pads_rows: bool) -> Tran
 
 
 def attention_choice(config: TrainConfig, model: ModelConfig, pads_rows: bool) -> Choice:
-    """Which attention backend the run uses (`flaxlm.models.attention.choose_backend`); a
-    FlaxlmError when `model.attention` names one its hardware cannot run. `pads_rows`: the
-    task's (`Task.pads_rows`)."""
-    return choose_backend(model.attention, config.hardware.platform,
+    """Which attention backend the run uses on the devices it computes on
+    (`flaxlm.parallel.run_accelerator`: their platform and chip generation;
+    `flaxlm.models.attention.choose_backend`); a FlaxlmError when `model.attention` names one
+    they cannot run. `pads_rows`: the task's (`Task.pads_rows`)."""
+    return choose_backend(model.attention, run_accelerator(config.hardware),
                           config.hardware.compute_dtype,
                           config.task.max_seq_length or model.max_positions,
                           model.hidden_size // model.num_heads,
