@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from conftest import model_config
 from flax import nnx
+from numerics import assert_close, transformer
 
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import export_hf
@@ -19,6 +20,7 @@ from flaxlm.models.layers import TransformerSpec, count_params
 
 SHAPE = dict(vocab_size=99, max_positions=16, hidden_size=32, num_layers=2, num_heads=4,
              mlp_size=48)
+LOGITS = transformer(SHAPE["num_layers"], SHAPE["mlp_size"])  # the two families' logits
 BERT = model_config("bert", name="t", **SHAPE)
 GPT2 = model_config(name="t", **SHAPE)
 
@@ -70,9 +72,9 @@ def test_padding_never_changes_a_row(config):
     ids, mask, segments = batch()
     full = np.asarray(model(*jnp_args(ids, mask, segments)))
     junk = np.where(mask == 1, ids, 7)  # padding positions hold arbitrary ids
-    np.testing.assert_allclose(np.asarray(model(*jnp_args(junk, mask, segments))), full, atol=1e-6)
+    assert_close(np.asarray(model(*jnp_args(junk, mask, segments))), full, **LOGITS)
     short = np.asarray(model(*jnp_args(ids[2:, :4], mask[2:, :4], segments[2:, :4])))
-    np.testing.assert_allclose(short, full[2:], atol=1e-5)
+    assert_close(short, full[2:], **LOGITS)
 
 
 @pytest.mark.slow
@@ -131,8 +133,7 @@ def test_export_loads_in_transformers_with_equal_logits(config, tmp_path):
     with torch.no_grad():
         expected = torch_model.eval()(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
                                       token_type_ids=torch_segments).logits.numpy()
-    np.testing.assert_allclose(np.asarray(model(*jnp_args(ids, mask, segments))), expected,
-                               atol=1e-5)
+    assert_close(np.asarray(model(*jnp_args(ids, mask, segments))), expected, **LOGITS)
     assert json.loads((tmp_path / "config.json").read_text())["id2label"]["2"] == "c"
 
 

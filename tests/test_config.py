@@ -149,8 +149,8 @@ def test_the_default_run_steps_as_adamw_with_linear_decay_to_zero():
     """What the default optimizer does to a weight matrix: AdamW (β 0.9 / 0.98, ε 1e-8, weight
     decay 0.01) at 3e-4, decaying linearly to 0 over the run, no warmup, no clipping."""
     import jax.numpy as jnp
-    import numpy as np
     import optax
+    from numerics import assert_close
 
     from flaxlm.training.optimizer import make_optimizer, make_schedule
 
@@ -164,7 +164,8 @@ def test_the_default_run_steps_as_adamw_with_linear_decay_to_zero():
         grads = jax.tree.map(lambda p, s=step: jnp.cos(p * (s + 1)) * 10.0, params)
         (mine, states[0]), (theirs, states[1]) = (
             tx.update(grads, state, params) for tx, state in zip((ours, expected), states))
-        np.testing.assert_allclose(mine["h"]["kernel"], theirs["h"]["kernel"], rtol=1e-6)
+        # optax's AdamW both, compiled apart: a few roundings a step, up to 4 steps.
+        assert_close(mine["h"]["kernel"], theirs["h"]["kernel"], depth=4 * (step + 1))
         params = optax.apply_updates(params, mine)
 
 

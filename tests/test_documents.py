@@ -19,6 +19,7 @@ from conftest import model_config as family_config
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from numerics import approx, assert_close, transformer
 
 from flaxlm.config import upgrade_saved_config
 from flaxlm.data.documents import block_starts, layout, with_documents
@@ -33,6 +34,8 @@ from flaxlm.training.step import eval_step, next_token_losses
 FEW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 EOS = 2
 BLOCK = 16  # one packed shape: each example compiles only the pieces it runs alone
+# Both models' logits, packed or alone: 2 layers, GPT-2's MLP (4 × 32) the widest reduction.
+LOGITS = transformer(2, 4 * 32)
 
 # Document lengths (EOS included) of a stream long enough for a block and a cut document.
 lengths = st.lists(st.integers(1, 2 * BLOCK), min_size=1, max_size=8).filter(
@@ -208,7 +211,7 @@ def test_a_packed_blocks_logits_are_each_documents_logits_run_alone(model, doc_l
     packed = model(jnp.asarray(batch["input_ids"]), segment_ids_BxL=batch["segment_ids"],
                    positions_BxL=batch["positions"])
     for piece, _, alone in run_alone(model, batch):
-        np.testing.assert_allclose(packed[0, piece], alone, rtol=1e-5, atol=1e-5)
+        assert_close(packed[0, piece], alone, **LOGITS)
 
 
 def test_one_document_filling_the_block_is_the_plain_block(model):
@@ -230,7 +233,7 @@ def test_attention_with_dropout_keeps_to_the_segment_as_the_fused_path_does():
                       segment_ids_BxL=segment_ids)
     spelled = attention(q, k, v, dropout_rate=1e-9, rngs=nnx.Rngs(dropout=0), is_causal=True,
                         segment_ids_BxL=segment_ids)
-    np.testing.assert_allclose(spelled, fused, rtol=1e-5, atol=1e-6)
+    assert_close(spelled, fused, terms=8, depth=3)  # scores, softmax, values: 8 wide
 
 
 def test_evaluation_scores_every_target_from_its_own_document(model):
@@ -248,8 +251,8 @@ def test_evaluation_scores_every_target_from_its_own_document(model):
     ids = jnp.asarray(batch["input_ids"])
     assert float(sums["tokens"]) == float(plain["tokens"]) == BLOCK - 1
     assert float(sums["bytes"]) == float(plain["bytes"])
-    assert float(sums["loss_sum"]) == pytest.approx(
-        float(next_token_losses(alone_logits[None], ids).sum()), rel=1e-5)
+    assert float(sums["loss_sum"]) == approx(
+        float(next_token_losses(alone_logits[None], ids).sum()), **LOGITS)
 
 
 # --- the runs ------------------------------------------------------------------------------------

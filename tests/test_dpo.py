@@ -18,6 +18,7 @@ from conftest import config_node, trained_run
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numerics import assert_close, magnitude, transformer
 
 from flaxlm.config import LongConversations, LoraConfig
 from flaxlm.data.chat_template import IM_END, with_chat_template
@@ -189,8 +190,10 @@ def test_the_terms_are_the_dpo_formula(seed, beta):
     terms = dpo_terms(jnp.asarray(policy, jnp.float32), jnp.asarray(reference, jnp.float32),
                       beta)
     for name, expected in numpy_dpo(policy, reference, beta).items():
-        np.testing.assert_allclose(np.asarray(terms[name]), expected, rtol=1e-4, atol=1e-4,
-                                   err_msg=name)
+        # Differences of float32 log-probabilities near −20: their roundings, × β, are the
+        # error of the rewards and margins (and, through log σ of slope ≤ 1, of the loss).
+        assert_close(np.asarray(terms[name]), expected, depth=4, err_msg=name,
+                     scale=max(magnitude(expected), beta * magnitude(policy, reference)))
 
 
 def test_loss_and_metrics_equal_the_formula_from_two_models_plain_forward_passes(tokenizer):
@@ -204,17 +207,18 @@ def test_loss_and_metrics_equal_the_formula_from_two_models_plain_forward_passes
     expected = numpy_dpo(policy, reference, beta)
 
     loss, metrics = dpo_objective(policy_model, batch, nnx.Rngs(dropout=0), beta=beta)
-    np.testing.assert_allclose(float(loss), expected["loss"].mean(), rtol=1e-4)
+    # A log-probability sums L tokens' log-softmax over the vocabulary, from another program
+    # than unpadded_logps'; rewards and margins are β × differences of them.
+    settings = dict(**transformer(2, 320), scale=beta * magnitude(policy, reference))
+    assert_close(float(loss), expected["loss"].mean(), **settings)
     for name, value in metrics.items():
-        np.testing.assert_allclose(float(value), expected[name].mean(), rtol=1e-4, atol=1e-5,
-                                   err_msg=name)
+        assert_close(float(value), expected[name].mean(), err_msg=name, **settings)
     # The eval step's sums: a padding row (mask 0) counts for nothing.
     graphdef, params = nnx.split(policy_model, nnx.Param)
     sums = dpo_eval_step(params, batch, jnp.asarray([1, 1, 0]), graphdef=graphdef, beta=beta)
     assert float(sums["pairs"]) == 2
     for name, values in expected.items():
-        np.testing.assert_allclose(float(sums[name]), values[:2].sum(), rtol=1e-4, atol=1e-4,
-                                   err_msg=name)
+        assert_close(float(sums[name]), values[:2].sum(), err_msg=name, **settings)
 
 
 def test_reference_logps_are_the_starting_weights_and_with_lora_the_bases(tokenizer):
@@ -223,7 +227,8 @@ def test_reference_logps_are_the_starting_weights_and_with_lora_the_bases(tokeni
     model = tiny_llama(seed=0)
     graphdef, params = nnx.split(model, nnx.Param)
     logps = reference_logps(params, graphdef, rows.arrays, 2, mesh)  # 3 pairs: a padded batch
-    np.testing.assert_allclose(logps, unpadded_logps(model, rows.arrays), rtol=1e-4)
+    logp = transformer(2, 320)  # a sum of L log-softmaxes over the vocabulary, batched apart
+    assert_close(logps, unpadded_logps(model, rows.arrays), **logp)
     # With adapters that have learnt something, the reference is still the base exactly.
     adapted = tiny_llama(rank=4, seed=0)
     state = nnx.state(adapted, nnx.LoRAParam)
@@ -232,7 +237,7 @@ def test_reference_logps_are_the_starting_weights_and_with_lora_the_bases(tokeni
         lambda p: jnp.asarray(0.1 * rng.standard_normal(p.shape), p.dtype), state))
     graphdef, params = nnx.split(adapted, nnx.Param)
     adapted_logps = reference_logps(params, graphdef, rows.arrays, 2, mesh)
-    np.testing.assert_allclose(adapted_logps, logps, rtol=1e-5)
+    assert_close(adapted_logps, logps, **logp)
     assert not np.allclose(unpadded_logps(adapted, rows.arrays), logps, rtol=1e-3)
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import model_config
 from flax import nnx
+from numerics import assert_close, transformer
 
 from flaxlm.errors import FlaxlmError
 from flaxlm.models import hf, pretrained
@@ -24,6 +25,8 @@ BERT_SHAPE = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_att
 GPT2_SHAPE = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=16)
 # The same shape under ModelConfig's names.
 GPT2_MODEL = dict(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, max_positions=16)
+# Logits against transformers' (both float32): 2 layers, GPT-2's MLP of 4 × 32 the widest.
+LOGITS = transformer(2, 4 * 32)
 
 
 def padded_batch(seed=0):
@@ -110,9 +113,8 @@ def test_bert_classifier_checkpoint_gives_torch_logits(bert_dir):
     assert report.missing == [] and report.unexpected == []
     assert model.bert.encoder.layer[0].intermediate.dense.kernel.shape == (32, 37)
     batch = padded_batch()
-    np.testing.assert_allclose(
-        np.asarray(model(*jnp_args(*batch))), torch_logits(torch_model, *batch), atol=1e-5
-    )
+    assert_close(np.asarray(model(*jnp_args(*batch))), torch_logits(torch_model, *batch),
+                 **LOGITS)
 
 
 @pytest.mark.slow
@@ -125,11 +127,11 @@ def test_gpt2_classifier_checkpoint_gives_torch_logits(tmp_path):
     model, report = load(save_torch(torch_model, tmp_path), gpt2_classifier)
     assert report.missing == [] and report.unexpected == []
     ids, mask, segments = padded_batch()
-    np.testing.assert_allclose(
+    assert_close(
         np.asarray(model(*jnp_args(ids, mask, segments))),
         # HF's GPT-2 would add wte(token_type_ids) to its input; ours ignores segments.
         torch_logits(torch_model, ids, mask),
-        atol=1e-5,
+        **LOGITS,
     )
 
 
@@ -147,7 +149,7 @@ def test_gpt2_lm_checkpoint_with_or_without_transformer_prefix(tmp_path):
     for local_dir in (lm_dir, base_dir):
         model, report = load(local_dir, gpt2_lm)
         assert report.missing == [] and report.unexpected == []
-        np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids))), expected, atol=1e-5)
+        assert_close(np.asarray(model(jnp.asarray(ids))), expected, **LOGITS)
 
 
 @pytest.mark.slow
@@ -166,9 +168,8 @@ def test_pytorch_bin_loads_through_the_weights_only_unpickler(bert_dir, tmp_path
     model, _ = load(local_dir, bert_classifier())
     assert calls and all(k.get("weights_only") is True for k in calls)
     batch = padded_batch(seed=1)
-    np.testing.assert_allclose(
-        np.asarray(model(*jnp_args(*batch))), torch_logits(torch_model, *batch), atol=1e-5
-    )
+    assert_close(np.asarray(model(*jnp_args(*batch))), torch_logits(torch_model, *batch),
+                 **LOGITS)
 
 
 # ---------------------------------------------------------------- what starts fresh
@@ -324,6 +325,8 @@ def test_real_minilm_encoder_matches_torch():
     with torch.no_grad():
         expected = torch_model(**{name: torch.from_numpy(a) for name, a in zip(names, arrays)})
     real = arrays[1].astype(bool)  # padded positions' states are never used
-    np.testing.assert_allclose(np.asarray(hidden)[real],
-                               expected.last_hidden_state.numpy()[real], atol=1e-5)
-    np.testing.assert_allclose(np.asarray(pooled), expected.pooler_output.numpy(), atol=1e-5)
+    # MiniLM: 6 layers, an MLP of 1536; the pooler is one more product (of 384).
+    encoder = transformer(6, 1536)
+    assert_close(np.asarray(hidden)[real], expected.last_hidden_state.numpy()[real], **encoder)
+    assert_close(np.asarray(pooled), expected.pooler_output.numpy(), terms=encoder["terms"],
+                 depth=encoder["depth"] + 1)

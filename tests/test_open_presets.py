@@ -14,6 +14,7 @@ from conftest import model_config as family_config
 from flax import nnx
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from numerics import approx, assert_close, transformer
 from omegaconf import OmegaConf
 
 from flaxlm.config import ModelFamily, RopeScaling
@@ -34,6 +35,12 @@ LLAMA_CONFIG = family_config("llama", **SHAPE, rope_theta=500000.0, rope_scaling
                              tie_word_embeddings=False)
 QWEN2_CONFIG = family_config("qwen2", **SHAPE, rope_theta=1000000.0)
 BASE = {"llama": family_config("llama", name="x"), "qwen2": family_config("qwen2", name="x")}
+
+
+def rotary(length: int) -> dict:
+    """Settings for SHAPE's logits against transformers': 2 layers, an MLP of 96; a rotary
+    angle is position × frequency, so a frequency's rounding comes back × the position."""
+    return dict(**transformer(2, 96), amplification=length)
 
 
 def token_ids(shape=(2, 24), seed=0):
@@ -96,9 +103,10 @@ def test_llama3_frequencies_equal_transformers_for_the_published_models(head_wid
                          max_position_embeddings=131072, rope_parameters=hf_rope(theta, scaling))
     theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     ours = inverse_frequencies(head_width, theta, scaling)
-    np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-6)
+    # θ^(−2i/d) is exp of a number up to log θ: its rounding, times log θ, lands in the result.
+    assert_close(ours, theirs.numpy(), depth=4, amplification=np.log(theta))
     unscaled = inverse_frequencies(head_width, theta, RopeScaling("default", 1.0))
-    assert ours[0] == unscaled[0] and ours[-1] == pytest.approx(unscaled[-1] / scaling.factor)
+    assert ours[0] == unscaled[0] and ours[-1] == approx(unscaled[-1] / scaling.factor, depth=2)
 
 
 @pytest.mark.torch
@@ -126,8 +134,9 @@ def test_llama3_frequencies_equal_transformers_for_any_setting(head_width, theta
     # last place of a number up to high: compared as fractions of the unscaled frequency, where
     # that error lands, not relative to the result, which can be factor times smaller.
     unscaled = inverse_frequencies(head_width, theta, RopeScaling("default", 1.0))
-    np.testing.assert_allclose(inverse_frequencies(head_width, theta, scaling) / unscaled,
-                               theirs.numpy() / unscaled, rtol=1e-6, atol=1e-5)
+    assert_close(inverse_frequencies(head_width, theta, scaling) / unscaled,
+                 theirs.numpy() / unscaled, depth=4, scale=1.0,
+                 amplification=np.log(theta) * (low + gap) / gap)
 
 
 @pytest.mark.torch
@@ -148,7 +157,7 @@ def test_a_llama3_scaled_checkpoint_from_transformers_imports_with_equal_logits(
     assert (config.rope_theta, config.rope_scaling) == (500000.0, LLAMA3)
     ids = token_ids((2, 48))
     expected = torch_logits(theirs, ids)
-    np.testing.assert_allclose(model(jnp.asarray(ids)), expected, atol=2e-5)
+    assert_close(model(jnp.asarray(ids)), expected, **rotary(ids.shape[1]))
     # The scaling matters: the same weights with unscaled RoPE are another function.
     unscaled = dataclasses.replace(config, rope_scaling=RopeScaling("default", 1.0))
     other = nnx.merge(nnx.graphdef(build_lm(TransformerSpec(unscaled), nnx.Rngs(0))),
@@ -169,7 +178,7 @@ def test_a_llama3_scaled_export_loads_in_transformers_with_equal_logits(tmp_path
     assert saved["rope_parameters"] == hf_rope(500000.0, LLAMA3)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     ids = token_ids((2, 48))
-    np.testing.assert_allclose(model(jnp.asarray(ids)), torch_logits(theirs, ids), atol=2e-5)
+    assert_close(model(jnp.asarray(ids)), torch_logits(theirs, ids), **rotary(ids.shape[1]))
     # ... and it reads back as it was written.
     assert pretrained.pretrained_model_config(str(tmp_path), BASE["llama"]).rope_scaling == LLAMA3
 
@@ -240,7 +249,7 @@ def test_a_qwen2_checkpoint_from_transformers_imports_with_equal_logits(tmp_path
     assert model.model.layers[0].self_attn.q_proj.bias is not None
     assert model.model.layers[0].self_attn.o_proj.bias is None
     ids = token_ids()
-    np.testing.assert_allclose(model(jnp.asarray(ids)), torch_logits(theirs, ids), atol=2e-5)
+    assert_close(model(jnp.asarray(ids)), torch_logits(theirs, ids), **rotary(ids.shape[1]))
 
 
 @pytest.mark.torch
@@ -266,8 +275,8 @@ def test_a_qwen2_export_loads_in_transformers_with_nothing_missing_and_equal_log
     assert type(theirs).__name__ == "Qwen2ForCausalLM"
     assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys"))
     ids = token_ids()
-    np.testing.assert_allclose(model(jnp.asarray(ids)), torch_logits(theirs.eval(), ids),
-                               atol=2e-5)
+    assert_close(model(jnp.asarray(ids)), torch_logits(theirs.eval(), ids),
+                 **rotary(ids.shape[1]))
     # ... and back: the same network, with the same parameters.
     config, again = import_checkpoint(tmp_path, "qwen2")
     assert config.qkv_bias and config.family is ModelFamily.qwen2
@@ -291,7 +300,7 @@ def test_a_qwen2_classifier_exports_as_qwen2s_with_equal_logits(tmp_path):
     with torch.no_grad():
         expected = theirs.eval()(torch.from_numpy(ids),
                                  attention_mask=torch.from_numpy(mask)).logits.numpy()
-    np.testing.assert_allclose(ours(jnp.asarray(ids), jnp.asarray(mask)), expected, atol=2e-5)
+    assert_close(ours(jnp.asarray(ids), jnp.asarray(mask)), expected, **rotary(ids.shape[1]))
 
 
 @pytest.mark.parametrize(("family", "changes", "message"), [
