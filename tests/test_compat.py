@@ -11,8 +11,10 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import compose
+from numerics import assert_close, transformer_depth
 
 DATA = Path(__file__).parent / "data" / "run-v0"
 
@@ -26,6 +28,12 @@ OVERRIDES = [
     "checkpoint.keep_best=0", "samples.prompts=[]",
 ]
 MEASURED = ("time", "train/tokens_per_second")  # wall-clock figures, different every run
+# The resumed run continues from the step-2 checkpoint of the very run that logged the expected
+# metrics: bit for bit the same state, but steps 3 and 4 (and the evaluation after them) run
+# here, on another CPU (whose XLA code rounds otherwise) and another release. 2 steps of 1 layer
+# forward and back and one forward pass; the widest reduction is the vocabulary (300; a step's
+# targets are 8 × 31).
+RESUMED = dict(terms=300, depth=2 * transformer_depth(1, backward=True) + transformer_depth(1))
 
 
 def _records(path):
@@ -48,4 +56,9 @@ def test_a_run_stopped_by_an_earlier_release_resumes_to_the_same_metrics(tmp_pat
     for got, want in zip(resumed, expected):
         assert got.keys() == want.keys()
         for key, value in want.items():
-            assert got[key] == pytest.approx(value, rel=1e-5), (got["step"], key)
+            if key in ("step", "tokens_seen", "epoch"):  # counts, and their ratio in Python
+                assert got[key] == value, (got["step"], key)
+            else:  # exp makes the loss's absolute error perplexity's relative one: × the loss
+                slope = max(1.0, np.log(value)) if key == "eval/perplexity" else 1.0
+                assert_close(got[key], value, **RESUMED, amplification=slope,
+                             err_msg=f"step {got['step']}: {key}")

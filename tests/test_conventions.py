@@ -11,6 +11,7 @@ import pytest
 import tokenizers
 import transformers
 from conftest import compose, model_config
+from numerics import assert_close, tolerance, transformer_depth
 
 from flaxlm.errors import FlaxlmError
 
@@ -82,7 +83,8 @@ def torch_greedy(checkpoint_dir, prompts, new_tokens):
 
 def torch_eval_loss(checkpoint_dir, texts, block):
     """Mean next-token loss of the original checkpoint over `texts` packed as the checkpoint's
-    tokenizer encodes each (its BOS, if it adds one), EOS after each, cut into blocks."""
+    tokenizer encodes each (its BOS, if it adds one), EOS after each, cut into blocks; the
+    number of targets it is a mean of, and the vocabulary's size."""
     torch = pytest.importorskip("torch")
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint_dir).eval()
@@ -91,8 +93,9 @@ def torch_eval_loss(checkpoint_dir, texts, block):
     blocks = torch.tensor(stream[: len(stream) // block * block]).reshape(-1, block)
     with torch.no_grad():
         logits = model(blocks).logits[:, :-1]
-    return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                   blocks[:, 1:].reshape(-1)))
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             blocks[:, 1:].reshape(-1))
+    return float(loss), blocks[:, 1:].numel(), logits.shape[-1]
 
 
 RUN = ["model=llama-tiny", "logger=none", "hardware=cpu-8", "hardware.per_device_batch_size=2",
@@ -133,8 +136,16 @@ def test_an_imported_llama_keeps_its_tokenizers_conventions(checkpoint, imported
         first_eval = next(r for r in map(json.loads, f) if "eval/loss" in r)
     validation = load_corpus(compose(RUN).language).validation["text"]
     assert first_eval["step"] == 0
-    np.testing.assert_allclose(first_eval["eval/loss"],
-                               torch_eval_loss(checkpoint, validation, N_POSITIONS), rtol=2e-5)
+    expected, targets, vocab = torch_eval_loss(checkpoint, validation, N_POSITIONS)
+    # Against transformers' (float32 both): a mean of `targets` losses, a sum as long as that.
+    # Each loss carries its logits' error (2 layers; rotary angles, position × frequency, that
+    # bring a frequency's rounding back × the position: 6·eps·√(vocab·depth)·N_POSITIONS, about
+    # 4e-3), of either sign from one target to the next: in the mean, √targets (230) times
+    # smaller, below the sum's own. No absolute floor (a scalar, far from 0): the tolerance,
+    # 1.6e-4 of the loss, must tell the tokenizer's BOS from none, 3e-4 apart here.
+    assert_close(first_eval["eval/loss"], expected, terms=targets, scale=0.0)
+    logits = tolerance(terms=vocab, depth=transformer_depth(2), amplification=N_POSITIONS)
+    assert logits / np.sqrt(targets) < tolerance(terms=targets)
 
     ours = generate_cli.run([str(run_dir), *(f"--prompt={p}" for p in PROMPTS), "--greedy",
                              "--max-new-tokens", "8"])
