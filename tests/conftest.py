@@ -301,6 +301,26 @@ _WORDS = (
 ).split()
 
 
+def in_memory_dataset(data, features=None):
+    """A `datasets.Dataset` of `data` (columns: a dict of lists; rows: a list of dicts), named by
+    its content as flaxlm names the datasets it makes (`flaxlm.data.tables`):
+    `Dataset.from_dict` / `from_list` would pickle the table with dill to name it, which fails
+    where pyarrow lies outside the interpreter's prefix (a TPU VM's `pip install --target`)."""
+    import hashlib
+    import pickle
+
+    import datasets
+    import pyarrow as pa
+
+    from flaxlm.data.tables import named_dataset
+
+    fingerprint = hashlib.sha256(pickle.dumps(data)).hexdigest()
+    if features is not None:
+        return named_dataset(data, features, fingerprint)
+    table = pa.Table.from_pylist(data) if isinstance(data, list) else pa.Table.from_pydict(data)
+    return datasets.Dataset(datasets.table.InMemoryTable(table), fingerprint=fingerprint)
+
+
 def documents(n: int, seed: int = 0) -> list[str]:
     """`n` documents of pseudo-Icelandic: a few sentences of 6-14 words each."""
     rng = random.Random(seed)

@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import datasets
 import numpy as np
 import pytest
 from conftest import config_node
@@ -22,6 +21,7 @@ from hypothesis import strategies as st
 
 from flaxlm.data import cache
 from flaxlm.data.packing import tokenize_and_pack
+from flaxlm.data.tables import text_dataset
 from flaxlm.data.tokenizer import prepare_tokenizer
 
 TEXTS = [f"Document {i}: the tide came in over the flats, and the birds moved up the shore."
@@ -41,12 +41,12 @@ with cache.scratch_folder(sys.argv[1]) as scratch:
 # reached the scratch file.
 STALLED_PACKING = """
 import json, sys, time
-import datasets
 from flaxlm.config import TokenizerConfig
 from flaxlm.data import packing
+from flaxlm.data.tables import text_dataset
 from flaxlm.data.tokenizer import prepare_tokenizer
 
-texts = datasets.Dataset.from_dict({"text": TEXTS})
+texts = text_dataset(TEXTS)
 tokenizer = prepare_tokenizer(TokenizerConfig(**json.loads(sys.argv[2])), texts, 512, sys.argv[1])
 real_batches = packing._token_batches
 
@@ -97,7 +97,7 @@ def test_packing_killed_with_sigkill_leaves_scratch_that_the_next_use_removes(tm
         kill(packer)
     assert scratch.exists()  # what kill -9 leaves
 
-    texts = datasets.Dataset.from_dict({"text": TEXTS})
+    texts = text_dataset(TEXTS)
     tokenizer = prepare_tokenizer(config_node("tokenizer", vocab_size=300), texts, 512,
                                   str(tmp_path))
     blocks = tokenize_and_pack(texts, tokenizer, 16, str(tmp_path))

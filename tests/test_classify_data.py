@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tokenizers
 import transformers
-from conftest import config_node
+from conftest import config_node, in_memory_dataset
 
 from flaxlm.config import Padding, TaskConfig
 from flaxlm.data.encoding import FEATURES, bucket_lengths, encode, example_loader, example_rows
@@ -224,7 +224,7 @@ def glue_dir(tmp_path) -> Path:
             "label": labels,
             "idx": list(range(len(labels))),
         }
-        table = datasets.Dataset.from_dict(rows, features=features)
+        table = in_memory_dataset(rows, features=features)
         table.to_parquet(str(tmp_path / "mrpc" / f"{split}-00000-of-00001.parquet"))
     (tmp_path / "README.md").write_text(GLUE_README)
     return tmp_path
@@ -276,7 +276,7 @@ def pair_split(n: int) -> datasets.Dataset:
     rng = np.random.default_rng(0)
     text = [" ".join(rng.choice(words, rng.integers(1, 30))) for _ in range(n)]
     pair = [" ".join(rng.choice(words, rng.integers(0, 12))) for _ in range(n)]
-    return datasets.Dataset.from_dict(
+    return in_memory_dataset(
         {"text": text, "text_pair": pair, "label": rng.integers(0, 2, n).astype(np.int32)}
     )
 
@@ -305,7 +305,7 @@ def test_encode_without_pad_token_or_token_types():
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=model, model_input_names=["input_ids", "attention_mask"]
     )
-    split = datasets.Dataset.from_dict({"text": ["hello world", "again"], "label": [0.5, 1.5]})
+    split = in_memory_dataset({"text": ["hello world", "again"], "label": [0.5, 1.5]})
     arrays = encode(split, tokenizer, max_length=4)
     np.testing.assert_array_equal(arrays["input_ids"], [[1, 2, 0, 0], [3, 0, 0, 0]])
     np.testing.assert_array_equal(arrays["attention_mask"], [[1, 1, 0, 0], [1, 0, 0, 0]])

@@ -13,6 +13,7 @@ import transformers
 from conftest import compose, model_config
 from numerics import assert_close, tolerance, transformer_depth
 
+from flaxlm.data.tables import text_dataset
 from flaxlm.errors import FlaxlmError
 
 PROMPTS = ["The module", "A list is", "def main():"]
@@ -227,7 +228,6 @@ def test_the_convention_setting():
 
 @pytest.mark.parametrize("kind", list(TOKENIZERS))
 def test_packing_puts_the_tokenizers_bos_in_front_of_each_document(kind, tmp_path):
-    import datasets
 
     from flaxlm.data.packing import tokenize_and_pack
     from flaxlm.data.tokenizer import document_prefix, prompt_tokenizer
@@ -239,7 +239,7 @@ def test_packing_puts_the_tokenizers_bos_in_front_of_each_document(kind, tmp_pat
     assert prefix == ((tokenizer.bos_token_id,) if adds_bos else ())
     stream = [i for text in texts for i in [*tokenizer(text)["input_ids"],
                                             tokenizer.eos_token_id]]
-    blocks = tokenize_and_pack(datasets.Dataset.from_dict({"text": texts}), tokenizer, 8,
+    blocks = tokenize_and_pack(text_dataset(texts), tokenizer, 8,
                                str(tmp_path), prefix=prefix)
     np.testing.assert_array_equal(blocks, np.reshape(stream[: len(stream) // 8 * 8], (-1, 8)))
     # flaxlm's document start is its EOS after the previous document: no prefix.
@@ -298,7 +298,6 @@ def test_a_checkpoint_whose_config_does_not_fit_its_weights_names_its_config(tmp
 
 
 def test_streaming_packs_the_same_blocks_and_resumes_inside_a_prefixed_document(tmp_path):
-    import datasets
 
     from flaxlm.data.packing import tokenize_and_pack
     from flaxlm.data.streaming import pack_stream
@@ -307,7 +306,7 @@ def test_streaming_packs_the_same_blocks_and_resumes_inside_a_prefixed_document(
     tokenizer = make_tokenizer(*TOKENIZERS["adds-bos"])
     texts = ["the cat sat on the mat", "a dog", "def f(): return 1", "x"] * 5
     prefix = document_prefix(tokenizer)
-    packed = tokenize_and_pack(datasets.Dataset.from_dict({"text": texts}), tokenizer, 7,
+    packed = tokenize_and_pack(text_dataset(texts), tokenizer, 7,
                                str(tmp_path), prefix=prefix)
     streamed = list(pack_stream(texts, tokenizer, 7, prefix=prefix))
     np.testing.assert_array_equal(np.stack([block for block, _, _, _ in streamed]), packed)

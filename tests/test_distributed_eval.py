@@ -12,11 +12,11 @@ import subprocess
 import sys
 import textwrap
 
-import datasets
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import in_memory_dataset
 from numerics import approx, assert_close
 
 from flaxlm.config import Padding
@@ -186,7 +186,7 @@ def test_buckets_give_few_shapes_and_the_same_predictions():
     words = "the quick brown fox jumps over a lazy dog while birds sing loudly".split()
     rng = np.random.default_rng(1)
     text = [" ".join(rng.choice(words, rng.integers(1, 12 if i % 9 else 90))) for i in range(150)]
-    split = datasets.Dataset.from_dict({"text": text, "label": rng.integers(0, 2, 150)})
+    split = in_memory_dataset({"text": text, "label": rng.integers(0, 2, 150)})
     arrays = encode(split, tokenizer, max_length=128)
     params = init_params(2)
     shapes = set()

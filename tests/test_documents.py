@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 
-import datasets
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,6 +24,7 @@ from flaxlm.config import upgrade_saved_config
 from flaxlm.data.documents import block_starts, layout, with_documents
 from flaxlm.data.packing import pack_blocks, tokenize_and_pack
 from flaxlm.data.streaming import pack_stream
+from flaxlm.data.tables import text_dataset
 from flaxlm.errors import FlaxlmError
 from flaxlm.models.attention import attention
 from flaxlm.models.build import build_lm
@@ -94,7 +94,7 @@ def test_streamed_and_cached_packing_agree_on_segment_ids_and_positions(tmp_path
                                                                         block_length):
     tokenizer = make_tokenizer()
     cache_dir = str(tmp_path_factory.mktemp("cache"))
-    packed = pack_blocks(datasets.Dataset.from_dict({"text": texts}), tokenizer, block_length,
+    packed = pack_blocks(text_dataset(texts), tokenizer, block_length,
                          cache_dir, documents=True)
     streamed = list(pack_stream(texts, tokenizer, block_length))
     assert len(streamed) == len(packed)
@@ -117,7 +117,7 @@ def test_a_document_is_read_after_the_eos_before_it_as_a_prompt_is(tmp_path):
     texts = ["the cat sat on the mat", "a dog", "the dog ate the cat"]
     ids = [tokenizer(text, add_special_tokens=False).input_ids for text in texts]
     block = sum(len(doc) + 1 for doc in ids)  # the whole stream in one block
-    packed = pack_blocks(datasets.Dataset.from_dict({"text": texts}), tokenizer, block,
+    packed = pack_blocks(text_dataset(texts), tokenizer, block,
                          str(tmp_path), documents=True)
     [tokens] = packed.tokens
     [segment_ids], [positions] = layout(block_starts(packed.document_starts, np.arange(1), block))
@@ -129,7 +129,7 @@ def test_a_document_is_read_after_the_eos_before_it_as_a_prompt_is(tmp_path):
 
 def test_the_cache_key_changes_with_document_masking_and_stays_without(tmp_path):
     tokenizer = make_tokenizer()
-    texts = datasets.Dataset.from_dict({"text": ["the cat sat", "a dog ate the mat"] * 4})
+    texts = text_dataset(["the cat sat", "a dog ate the mat"] * 4)
     plain = pack_blocks(texts, tokenizer, 4, str(tmp_path))
     recorded = pack_blocks(texts, tokenizer, 4, str(tmp_path), documents=True)
     assert plain.document_starts is None and recorded.document_starts is not None
@@ -146,7 +146,7 @@ def test_the_cache_key_changes_with_document_masking_and_stays_without(tmp_path)
 
 def test_damaged_document_starts_are_packed_again(tmp_path, capsys):
     tokenizer = make_tokenizer()
-    texts = datasets.Dataset.from_dict({"text": ["the cat sat", "a dog ate the mat"] * 4})
+    texts = text_dataset(["the cat sat", "a dog ate the mat"] * 4)
     first = pack_blocks(texts, tokenizer, 4, str(tmp_path), documents=True)
     expected = np.array(first.document_starts)
     with open(first.document_starts.filename, "r+b") as f:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import config_node, trained_run
+from conftest import config_node, in_memory_dataset, trained_run
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -118,11 +118,11 @@ PAIRS = [as_pair("Repeat the last word: cat dog", "dog", "cat"),
 def test_pairs_read_from_strings_and_from_conversations_that_repeat_the_prompt():
     task = task_config()
     prompt = [{"role": "user", "content": "Hi?"}]
-    table = datasets.Dataset.from_list([
+    table = in_memory_dataset([
         {"prompt": "Hi?", "chosen": "Hello.", "rejected": "Go away."}])
     assert pairs_of(table, task, "t") == [as_pair("Hi?", "Hello.", "Go away.")]
     # UltraFeedback's layout: each reply a whole conversation, the prompt's turns first.
-    table = datasets.Dataset.from_list([{
+    table = in_memory_dataset([{
         "prompt": "Hi?",
         "chosen": [*prompt, {"role": "assistant", "content": "Hello."}],
         "rejected": [*prompt, {"role": "assistant", "content": "Go away."}]}])
@@ -133,7 +133,7 @@ def test_a_hub_dataset_in_ultrafeedbacks_layout_gives_both_splits(monkeypatch):
     def conversation(prompt, reply):
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
 
-    splits = {split: datasets.Dataset.from_list([
+    splits = {split: in_memory_dataset([
         {"prompt": f"{split} {i}?", "prompt_id": str(i), "score_chosen": 8.0,
          "chosen": conversation(f"{split} {i}?", "good"),
          "rejected": conversation(f"{split} {i}?", "bad")} for i in range(3)])
@@ -157,8 +157,8 @@ def test_a_hub_dataset_in_ultrafeedbacks_layout_gives_both_splits(monkeypatch):
 def test_missing_columns_and_values_are_refused_naming_the_row():
     task = task_config()
     with pytest.raises(FlaxlmError, match="no column 'rejected'.*task.rejected_column"):
-        pairs_of(datasets.Dataset.from_list([{"prompt": "a", "chosen": "b"}]), task, "f")
-    table = datasets.Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"},
+        pairs_of(in_memory_dataset([{"prompt": "a", "chosen": "b"}]), task, "f")
+    table = in_memory_dataset([{"prompt": "a", "chosen": "b", "rejected": "c"},
                                         {"prompt": "a", "chosen": None, "rejected": "c"}])
     with pytest.raises(FlaxlmError, match="f, row 2, 'chosen' is None"):
         pairs_of(table, task, "f")

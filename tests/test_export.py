@@ -18,6 +18,7 @@ from conftest import TOKENIZER_TEXT as TEXT
 from flax import nnx
 from numerics import assert_close, transformer
 
+from flaxlm.data.tables import text_dataset
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import MARKER, export_hf
 from flaxlm.models import hf
@@ -300,13 +301,12 @@ def test_the_exported_tokenizer_reads_a_prompt_as_flaxlm_generate_does(tmp_path)
 def test_a_document_start_tokenizer_packs_and_classifies_as_before(tmp_path):
     """The exported tokenizer, fed back (model.init_from, tokenizer.path), packs the same
     stream (one EOS between documents) and gets the same classification template."""
-    import datasets
 
     from flaxlm.data.packing import tokenize_and_pack
     from flaxlm.data.tokenizer import with_document_start
     from flaxlm.tasks.classify import with_pair_template
 
-    texts = datasets.Dataset.from_dict({"text": TEXT})
+    texts = text_dataset(TEXT)
     for offsets in (None, tokenizers.processors.ByteLevel(trim_offsets=False)):
         plain = make_tokenizer()
         plain.backend_tokenizer.post_processor = offsets

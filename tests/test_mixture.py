@@ -12,7 +12,6 @@ import json
 import random
 import shutil
 
-import datasets
 import numpy as np
 import pytest
 from conftest import (
@@ -38,6 +37,7 @@ from flaxlm.data.mixture import (
 )
 from flaxlm.data.mixture_loader import MixtureLoader, PackedSource, StreamedSource
 from flaxlm.data.streaming import process_shard
+from flaxlm.data.tables import text_dataset
 from flaxlm.data.tokenizer import train_bpe
 from flaxlm.errors import FlaxlmError
 from flaxlm.parallel import make_mesh
@@ -154,12 +154,12 @@ def packed(name: str, index: int, num_blocks: int, seed: int = 0) -> PackedSourc
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    texts = datasets.Dataset.from_dict({"text": documents(50, seed=9)})
+    texts = text_dataset(documents(50, seed=9))
     return train_bpe(config_node("tokenizer"), texts, vocab_size=300)
 
 
 def streamed(tokenizer, seed: int = 0, rank: int = 0, world: int = 1) -> StreamedSource:
-    stream = datasets.Dataset.from_dict({"text": documents(40, seed=5)}).to_iterable_dataset()
+    stream = text_dataset(documents(40, seed=5)).to_iterable_dataset()
     return StreamedSource("s", process_shard(stream, rank, world), tokenizer, SEQ, seed,
                           shuffle_buffer=4)
 
@@ -262,10 +262,11 @@ jax.config.update("jax_platforms", "cpu")
 port, rank, tokenizer_dir, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=rank,
                            initialization_timeout=60)
-import datasets, numpy as np, transformers
+import numpy as np, transformers
 from flaxlm.data.mixture import MixtureSchedule
 from flaxlm.data.mixture_loader import MixtureLoader, PackedSource, StreamedSource
 from flaxlm.data.streaming import process_shard
+from flaxlm.data.tables import text_dataset
 from flaxlm.parallel import make_mesh, process_rows
 
 def packed(name, index, num_blocks):
@@ -273,7 +274,7 @@ def packed(name, index, num_blocks):
     return PackedSource(name, blocks, None, 0)
 
 texts = json.loads(os.environ["MIXTURE_TEXTS"])
-stream = datasets.Dataset.from_dict({"text": texts}).to_iterable_dataset()
+stream = text_dataset(texts).to_iterable_dataset()
 tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
 shard = process_shard(stream, jax.process_index(), jax.process_count())
 sources = [packed("a", 0, 30), packed("b", 1, 40), StreamedSource("s", shard, tokenizer, 8, 0, 4)]
@@ -334,16 +335,16 @@ def test_two_real_processes_read_disjoint_rows_of_every_source(tokenizer, tmp_pa
 
 
 def test_the_tokenizer_sample_gives_each_source_its_weights_share_of_bytes():
-    texts = {name: datasets.Dataset.from_dict({"text": documents(n, seed=i)})
+    texts = {name: text_dataset(documents(n, seed=i))
              for i, (name, n) in enumerate([("a", 400), ("b", 100), ("c", 40)])}
     weights = {"a": 0.5, "b": 0.3, "c": 0.2}
     sample = tokenizer_sample(texts, weights)
     by_source = {name: [t for t in sample["text"] if t in set(docs["text"])]
                  for name, docs in texts.items()}
-    total = sum(int(text_bytes(datasets.Dataset.from_dict({"text": d})).sum())
+    total = sum(int(text_bytes(text_dataset(d)).sum())
                 for d in by_source.values())
     for name, docs in by_source.items():
-        size = text_bytes(datasets.Dataset.from_dict({"text": docs})).sum()
+        size = text_bytes(text_dataset(docs)).sum()
         assert size / total == pytest.approx(weights[name], abs=0.02), name
     assert len(by_source["c"]) == 40  # the source that limits the sample gives all it has
 

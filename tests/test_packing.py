@@ -22,6 +22,7 @@ from conftest import config_node
 from flaxlm.data import packing
 from flaxlm.data import tokenizer as tokenizer_module
 from flaxlm.data.packing import cut_blocks, join_documents, tokenize_and_pack
+from flaxlm.data.tables import text_dataset
 from flaxlm.data.tokenizer import DocumentEncoder, prepare_tokenizer
 
 EOS = 2
@@ -62,7 +63,7 @@ def pack_naively(documents: list[list[int]], max_seq_length: int) -> np.ndarray:
 
 
 def dataset(texts) -> datasets.Dataset:
-    return datasets.Dataset.from_dict({"text": list(texts)})
+    return text_dataset(list(texts))
 
 
 def cache_files(cache_dir: Path, pattern: str = "*") -> list[Path]:
@@ -351,19 +352,18 @@ def test_a_tokenizer_that_prepends_to_every_string_has_its_cuts_reported(tokeniz
 
 _PEAK_MEMORY_SCRIPT = textwrap.dedent("""
     import json, resource, sys, tempfile
-    import datasets
     from omegaconf import OmegaConf
     from flaxlm.config import TokenizerConfig
     from flaxlm.data.packing import tokenize_and_pack
+    from flaxlm.data.tables import text_dataset
     from flaxlm.data.tokenizer import prepare_tokenizer
 
     settings, paragraphs = json.loads(sys.argv[1]), sys.argv[2:]
     cache = tempfile.mkdtemp()
     config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TokenizerConfig), settings))
-    tokenizer = prepare_tokenizer(config,
-                                  datasets.Dataset.from_dict({"text": paragraphs}), 512, cache)
+    tokenizer = prepare_tokenizer(config, text_dataset(paragraphs), 512, cache)
     line = " ".join(paragraphs * 20_000)  # one document of ~8 MB on one line
-    texts = datasets.Dataset.from_dict({"text": [*paragraphs, line, *paragraphs]})
+    texts = text_dataset([*paragraphs, line, *paragraphs])
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     blocks = tokenize_and_pack(texts, tokenizer, 64, cache)
     growth_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024

@@ -18,7 +18,14 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import CONF_DIR, compose, documents, model_config, write_hub_stand_in
+from conftest import (
+    CONF_DIR,
+    compose,
+    documents,
+    in_memory_dataset,
+    model_config,
+    write_hub_stand_in,
+)
 from omegaconf import OmegaConf
 
 from flaxlm.config import CorpusSource
@@ -337,7 +344,7 @@ def write_glue_stand_in(root: Path, name: str) -> Path:
         table["label"] = [rng.uniform(0, 5) if labels == "float" else rng.randrange(labels)
                           for _ in range(rows)]
         table["idx"] = list(range(rows))
-        datasets.Dataset.from_dict(table, features=features).to_parquet(
+        in_memory_dataset(table, features=features).to_parquet(
             str(root / name / f"{split}-00000-of-00001.parquet"))
     data_files = "".join(f"  - split: {split}\n    path: {name}/{split}-*\n" for split in splits)
     (root / "README.md").write_text(f"---\nconfigs:\n- config_name: {name}\n  data_files:\n"

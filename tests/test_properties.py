@@ -12,7 +12,6 @@ from __future__ import annotations
 import tempfile
 from types import SimpleNamespace
 
-import datasets
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +27,7 @@ from flaxlm.data.encoding import example_loader
 from flaxlm.data.loader import block_loader, block_rows, eval_batches
 from flaxlm.data.packing import cut_blocks, join_documents, tokenize_and_pack
 from flaxlm.data.streaming import pack_stream
+from flaxlm.data.tables import text_dataset
 from flaxlm.data.tokenizer import DocumentEncoder, document_pieces, prepare_tokenizer
 from flaxlm.parallel import make_mesh
 from flaxlm.training.evaluation import predict
@@ -106,7 +106,7 @@ def test_the_stream_packs_as_the_split_and_resumes_from_any_block(docs, max_seq_
 def tokenizer(tmp_path_factory):
     corpus = ["It's a small corpus, with 12 numbers, tabs\tand ðæ 漢字 — enough for merges."] * 5
     return prepare_tokenizer(config_node("tokenizer", vocab_size=300),
-                             datasets.Dataset.from_dict({"text": corpus}), 512,
+                             text_dataset(corpus), 512,
                              str(tmp_path_factory.mktemp("tokenizer")))
 
 
@@ -144,7 +144,7 @@ def test_tokenize_and_pack_in_pieces_equals_the_whole_documents_packed(tokenizer
     with tempfile.TemporaryDirectory() as cache, pytest.MonkeyPatch.context() as patch:
         patch.setattr(tokenizer_module, "PIECE_CHARS", 10)
         patch.setattr(tokenizer_module, "ENCODE_CHARS", 25)
-        blocks = tokenize_and_pack(datasets.Dataset.from_dict({"text": corpus}), tokenizer,
+        blocks = tokenize_and_pack(text_dataset(corpus), tokenizer,
                                    max_seq_length, cache)
         expected = cut_blocks(join_documents(docs, tokenizer.eos_token_id), max_seq_length)
         assert blocks.tolist() == expected.tolist()

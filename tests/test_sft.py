@@ -9,12 +9,18 @@ import dataclasses
 import json
 from unittest import mock
 
-import datasets
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY, TOKENIZER_TEXT, config_node, make_tokenizer, trained_run
+from conftest import (
+    TINY,
+    TOKENIZER_TEXT,
+    config_node,
+    in_memory_dataset,
+    make_tokenizer,
+    trained_run,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from numerics import approx
@@ -31,6 +37,7 @@ from flaxlm.data.chat_template import (
 )
 from flaxlm.data.documents import INPUT_IDS, POSITIONS, SEGMENT_IDS, TARGET_MASK
 from flaxlm.data.drills import drill_conversations
+from flaxlm.data.tables import text_dataset
 from flaxlm.errors import FlaxlmError
 from flaxlm.training import step
 from flaxlm.training.step import eval_step, lm_objective
@@ -149,14 +156,14 @@ def eval_step_of(model, batch):
 
 def test_conversations_come_from_messages_or_from_prompt_and_response_columns():
     task = task_config()
-    messages = datasets.Dataset.from_dict({"messages": [CHAT], "id": [1]})
+    messages = in_memory_dataset({"messages": [CHAT], "id": [1]})
     assert conversations_of(messages, task, "a") == [CHAT]
-    pairs = datasets.Dataset.from_dict({"q": ["hi"], "a": ["hello"]})
+    pairs = in_memory_dataset({"q": ["hi"], "a": ["hello"]})
     task = task_config(prompt_column="q", response_column="a")
     assert conversations_of(pairs, task, "b") == [[{"role": "user", "content": "hi"},
                                                   {"role": "assistant", "content": "hello"}]]
     with pytest.raises(FlaxlmError, match="task.messages_column='messages'.*columns are"):
-        conversations_of(datasets.Dataset.from_dict({"text": ["x"]}), task, "c.jsonl")
+        conversations_of(text_dataset(["x"]), task, "c.jsonl")
 
 
 def test_a_hub_dataset_gives_its_train_and_eval_splits_and_a_split_to_hold_out_from(tmp_path):
@@ -181,7 +188,7 @@ def test_a_hub_dataset_gives_its_train_and_eval_splits_and_a_split_to_hold_out_f
     ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}], "not text"),
 ])
 def test_a_bad_conversation_is_refused_naming_its_file_and_row(turns, message):
-    table = datasets.Dataset.from_list([{"messages": CHAT}, {"messages": turns}])
+    table = in_memory_dataset([{"messages": CHAT}, {"messages": turns}])
     with pytest.raises(FlaxlmError, match=f"'chats.jsonl', row 2: .*{message}"):
         conversations_of(table, task_config(), "'chats.jsonl'")
 
@@ -218,7 +225,7 @@ def test_a_streamed_shard_gives_the_materialised_rows_and_resumes_at_a_row(chat_
     from flaxlm.parallel import make_mesh
 
     conversations = drill_conversations(12, seed=4)
-    stream = datasets.Dataset.from_list([{"messages": turns} for turns in conversations]
+    stream = in_memory_dataset([{"messages": turns} for turns in conversations]
                                         ).to_iterable_dataset()
     task = task_config()
     turns_of = turns_reader(task, ["messages"], "stream")

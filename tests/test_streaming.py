@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from flaxlm.data.corpus import load_corpus_stream
 from flaxlm.data.packing import cut_blocks, join_documents
 from flaxlm.data.streaming import Prefetcher, StreamingLoader, process_shard
+from flaxlm.data.tables import text_dataset
 from flaxlm.data.tokenizer import train_bpe
 from flaxlm.errors import FlaxlmError
 from flaxlm.job import train
@@ -28,7 +29,7 @@ SEQ = 16
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    texts = datasets.Dataset.from_dict({"text": documents(50, seed=9)})
+    texts = text_dataset(documents(50, seed=9))
     return train_bpe(config_node("tokenizer"), texts, vocab_size=300)
 
 

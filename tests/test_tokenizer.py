@@ -13,6 +13,7 @@ import transformers
 from conftest import config_node
 
 from flaxlm.data import tokenizer as tokenizer_module
+from flaxlm.data.tables import text_dataset
 from flaxlm.data.tokenizer import prepare_tokenizer, token_byte_lengths
 from flaxlm.errors import FlaxlmError
 
@@ -40,7 +41,7 @@ UNSEEN = ["Ægir ók yfir heiðina 🌋 með 3 € í vasanum.", " leading space
 
 
 def dataset(documents) -> datasets.Dataset:
-    return datasets.Dataset.from_dict({"text": list(documents)})
+    return text_dataset(list(documents))
 
 
 def trained_dirs(cache_dir: Path) -> list[Path]:
