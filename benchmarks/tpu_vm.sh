@@ -110,8 +110,9 @@ check() {
   wait "$numerics" || true
   {
     echo "numerics on the host's CPU: $(tail -n 1 "$out/numerics-on-host-cpu.log")"
+    # test_numerics.py's own comparisons that must fail (a term left out) are left out here.
     echo "the comparisons that used most of their tolerance there (tests/numerics.py):"
-    sort -k2 -g -r "$out/margins.log" | head -n 5
+    grep -v '^test_numerics.py' "$out/margins.log" | sort -k2 -g -r | head -n 5
   } | tee -a "$out/summary.txt"
 }
 

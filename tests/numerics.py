@@ -141,11 +141,12 @@ def _record(actual, expected, rtol, atol) -> None:
 
     allowed = atol + rtol * np.abs(expected)
     with np.errstate(divide="ignore", invalid="ignore"):
-        used = np.where(allowed > 0, np.abs(actual - expected) / allowed,
-                        np.where(actual == expected, 0.0, np.inf))
+        same = (actual == expected) | (np.isnan(actual) & np.isnan(expected))
+        used = np.where(same, 0.0, np.where(allowed > 0, np.abs(actual - expected) / allowed,
+                                            np.inf))
     used = float(np.nanmax(used)) if used.size else 0.0
     caller = next((f for f in reversed(traceback.extract_stack()[:-2])
-                   if "numerics.py" not in f.filename), None)
+                   if os.path.basename(f.filename) != "numerics.py"), None)
     where = f"{os.path.basename(caller.filename)}:{caller.lineno}" if caller else "?"
     with open(path, "a") as log:
         log.write(f"{where} {used:.4f} rtol={rtol:.2e} atol={atol:.2e}\n")
