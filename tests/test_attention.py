@@ -421,7 +421,9 @@ def test_the_backends_script_runs_on_tiny_shapes_on_a_cpu(tmp_path):
     mode) in float32 and bfloat16 against the float32 reference; cudnn fails soft (no GPU)
     and the table and JSON still come out."""
     out = tmp_path / "attention.json"
-    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "src"), "JAX_PLATFORMS": "cpu"}
+    # src first, and whatever else the path holds (a TPU VM's packages live there).
+    path = [os.path.join(REPO, "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(
         [sys.executable, os.path.join(REPO, "benchmarks", "attention_backends.py"), "--tiny",
          "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
