@@ -2,9 +2,11 @@
 
 `datasets` names every dataset it holds (its `_fingerprint`, which keys the cache files of later
 transforms). A table made in memory (`Dataset.from_dict`) it names by pickling the whole table
-with dill: a pass over every document at each start, and one that fails outright under some
-pyarrow builds (25.0.1: "Can't pickle <class 'MonthDayNano'>"), wherever else the versions
-match. flaxlm hashes its text anyway (its caches are keyed by that hash), so every in-memory
+with dill: a pass over every document at each start, and one that fails outright where pyarrow
+lies outside the interpreter's prefix (packages installed with `pip install --target` and found
+through PYTHONPATH, as on a TPU VM): dill pickles such a module's classes by value, and pyarrow's
+`MonthDayNano` cannot be ("it's not found as builtins.MonthDayNano"), whatever pyarrow's
+version. flaxlm hashes its text anyway (its caches are keyed by that hash), so every in-memory
 dataset it makes is built here, handed its name, and `datasets` never pickles a table.
 """
 
