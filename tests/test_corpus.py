@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import functools
+import gc
 import hashlib
 import json
 import math
@@ -450,3 +452,24 @@ def test_unparseable_file_names_the_file(tmp_path, caplog, name, content):
     assert error.__cause__ is not None
     # `datasets` logs nothing before it: the error is the first line the user reads
     assert not [r.getMessage() for r in caplog.records if r.name.startswith("datasets")]
+
+
+def test_a_source_file_is_parsed_with_the_collector_paused_and_a_spurious_depth_error_retried(
+        monkeypatch, tmp_path):
+    """CPython 3.11's "AST constructor recursion depth mismatch" (a collection in the middle of
+    a parse running a finalizer that parses too) once failed a worker's builtin corpus: the
+    parse runs with the collector paused, and a parse that meets it all the same is redone."""
+    real_parse, collector_on = ast.parse, []
+
+    def parse(source, *args, **kwargs):
+        collector_on.append(gc.isenabled())
+        if len(collector_on) == 1:
+            raise SystemError("AST constructor recursion depth mismatch (before=162, after=214)")
+        return real_parse(source, *args, **kwargs)
+
+    monkeypatch.setattr(corpus.ast, "parse", parse)
+    path = tmp_path / "module.py"
+    path.write_text('"""What the module is."""\n\n\ndef f():\n    """What f does."""\n')
+    text = corpus._docstrings(path)
+    assert "What the module is." in text and "What f does." in text
+    assert collector_on == [False, False] and gc.isenabled()

@@ -18,6 +18,7 @@ import ast
 import codecs
 import dataclasses
 import functools
+import gc
 import hashlib
 import json
 import math
@@ -184,12 +185,33 @@ def _stdlib_sources() -> list[tuple[str, Path]]:
     return modules
 
 
-def _docstrings(path: Path) -> str:
-    """The module, class and function docstrings of a source file, in source order."""
+def _parse(source: bytes, filename: str) -> ast.Module:
+    """`ast.parse` with the garbage collector paused. CPython 3.11 (3.11.7 here) counts the
+    recursion of turning a parse into Python objects in state that every parse of the process
+    shares: a collection in the middle can run a finalizer that parses or compiles too, and the
+    outer parse then fails with "SystemError: AST constructor recursion depth mismatch" (seen
+    once in the test suite). Paused, no finalizer runs in between; a parse that meets it all the
+    same (another thread parsing at that moment) is parsed again."""
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # old modules have invalid escape sequences
-            tree = ast.parse(path.read_bytes(), filename=str(path))
+            try:
+                return ast.parse(source, filename=filename)
+            except SystemError as err:
+                if "recursion depth mismatch" not in str(err):
+                    raise
+                return ast.parse(source, filename=filename)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _docstrings(path: Path) -> str:
+    """The module, class and function docstrings of a source file, in source order."""
+    try:
+        tree = _parse(path.read_bytes(), str(path))
     except (OSError, SyntaxError, ValueError):
         return ""
     definitions = [
