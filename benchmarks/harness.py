@@ -66,6 +66,24 @@ def time_steps(step: Callable[[], None], warmup: int, steps: int) -> float:
     return seconds
 
 
+def seconds(call: Callable[[], None]) -> float:
+    """The wall time of one `call()` (a first step: its compilation, mostly)."""
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def save_program(compiled: Callable) -> None:
+    """With --profile, the optimized HLO of the profiled step beside its trace (`compiled()`
+    returns the compiled executable): profile_summary.py reads what each fusion computes
+    from it, which the trace's operation names alone do not say."""
+    trace_dir = os.environ.get(PROFILE_ENV)
+    if trace_dir:
+        os.makedirs(trace_dir, exist_ok=True)
+        with open(os.path.join(trace_dir, "step.hlo.txt"), "w") as f:
+            f.write(compiled().as_text())
+
+
 def emit(seconds_per_step: float | None = None, **info) -> None:
     """The worker's result line: seconds per step, or `skip=<reason>` in `info`."""
     print(RESULT_PREFIX + json.dumps({"seconds_per_step": seconds_per_step, **info}), flush=True)

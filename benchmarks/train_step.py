@@ -91,6 +91,8 @@ def flax_worker(config, tokens_np, args) -> None:
         holder["state"], metrics = compiled.train(holder["state"], inputs, key)
         jax.block_until_ready(metrics["loss"])
 
+    first_step_s = harness.seconds(step)  # its compilation, mostly
+    harness.save_program(lambda: compiled.train.lower(holder["state"], inputs, key).compile())
     seconds = harness.time_steps(step, args.warmup, args.steps)
     kinds = [device.device_kind for device in mesh.devices.flat]
     memory = mesh.devices.flat[0].memory_stats() or {}  # None where the platform keeps none
@@ -103,7 +105,7 @@ def flax_worker(config, tokens_np, args) -> None:
                  peak_flops=peak_flops(config.hardware.peak_tflops_per_device, kinds),
                  devices=f"{mesh.size} × {kinds[0]}", num_params=num_params,
                  peak_bytes_in_use=memory.get("peak_bytes_in_use"),
-                 bytes_limit=memory.get("bytes_limit"),
+                 bytes_limit=memory.get("bytes_limit"), first_step_s=first_step_s,
                  step_bytes=footprint and (footprint.argument_size_in_bytes
                                            + footprint.output_size_in_bytes
                                            - footprint.alias_size_in_bytes
@@ -173,7 +175,8 @@ def side_settings(config, args) -> dict:
     return {"batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
             "optimizer": {"lr": opt.lr, "b1": opt.b1, "b2": opt.b2, "eps": opt.eps,
                           "weight_decay": opt.weight_decay},
-            "platform": hardware.platform, "cpu_devices": hardware.cpu_devices}
+            "platform": hardware.platform, "cpu_devices": hardware.cpu_devices,
+            "compute_dtype": str(hardware.compute_dtype)}
 
 
 def run_worker(name: str, config, tokens, args) -> None:
@@ -254,6 +257,12 @@ def main() -> None:
     print(harness.format_table(rows, "tokens/s", "flaxlm", mfu))
     if ours and not mfu:
         print(f"no MFU: the peak FLOP/s of {ours['devices']} is not known")
+    for name, result in info.items():  # what the table leaves out: compile time, memory
+        extras = {key: result[key] for key in ("first_step_s", "step_bytes", "compute_dtype")
+                  if result.get(key) is not None}
+        if extras:
+            print(f"{name}: " + ", ".join(f"{key} {value:,.1f}" if isinstance(value, float)
+                                          else f"{key} {value}" for key, value in extras.items()))
     if args.quickstart:
         quickstart_time_to_first_step()
 

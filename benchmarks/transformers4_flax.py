@@ -5,7 +5,14 @@ transformers 5 has no Flax models and cannot share an environment with transform
 `contender` builds a small side environment once and keeps it (in ~/.cache/flaxlm): a venv
 holding only transformers 4 and the hub and tokenizer versions it accepts, which reads
 everything else (jax, flax, optax, numpy) from this environment. Where it cannot be built
-(offline, no pip), the contender is skipped with the reason.
+(offline, no pip), the contender is skipped with the reason. On a machine without network
+(a TPU VM with its own index), install those three as wheels into a folder and name it in
+`FLAXLM_TRANSFORMERS4_SITE`: the worker then runs in this Python with that folder first on
+its path (`benchmarks/tpu_vm.sh` does this).
+
+On an accelerator the model computes in the hardware group's compute dtype (bfloat16 on the
+shipped GPU and TPU groups), with float32 parameters: `from_config(..., dtype=bfloat16)`, as
+the Flax examples of transformers 4 ran on TPUs; on a CPU in float32, as flaxlm's cpu group.
 
 Run as a script (by the harness, in that environment) it is the worker: `--spec` is a JSON
 object with the task (causal-lm or sequence-classification), the HF config, batch, sequence
@@ -24,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
 SIDE_PACKAGES = ("transformers==4.57.1", "huggingface_hub<1.0", "tokenizers>=0.22,<0.23")
+SITE_ENV = "FLAXLM_TRANSFORMERS4_SITE"  # a folder holding SIDE_PACKAGES, installed already
 SIDE_ENV = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
                         "flaxlm", "bench-transformers4-flax")
 
@@ -59,6 +67,11 @@ def side_python() -> tuple[str | None, str | None]:
 
 def contender(name: str, spec: dict) -> harness.Contender:
     """The peer for `spec` (see the module docstring), or a skipped one."""
+    site = os.environ.get(SITE_ENV)
+    if site:
+        path = os.pathsep.join(filter(None, [os.path.abspath(site), os.environ.get("PYTHONPATH")]))
+        return harness.Contender(name, (sys.executable, os.path.abspath(__file__), "--spec",
+                                        json.dumps(spec, default=str)), env={"PYTHONPATH": path})
     python, reason = side_python()
     if python is None:
         return harness.Contender(name, (), skip_reason=reason)
@@ -82,7 +95,9 @@ def worker(spec: dict) -> None:
     classify = spec["task"] == "sequence-classification"
     auto = (transformers.FlaxAutoModelForSequenceClassification if classify
             else transformers.FlaxAutoModelForCausalLM)
-    model = auto.from_config(config, seed=0)
+    # The compute dtype on an accelerator (parameters stay float32): transformers 4's `dtype`.
+    compute = spec.get("compute_dtype", "float32") if spec["platform"] != "cpu" else "float32"
+    model = auto.from_config(config, seed=0, dtype=jax.numpy.dtype(compute))
     opt = spec["optimizer"]
     tx = optax.adamw(opt["lr"], b1=opt["b1"], b2=opt["b2"], eps=opt["eps"],
                      weight_decay=opt["weight_decay"])
@@ -129,9 +144,13 @@ def worker(spec: dict) -> None:
             state["params"], state["opt_state"], inputs, state["rng"])
         jax.block_until_ready(loss)
 
-    step()  # compiles for the host arrays; the warm-up's first step again for device-resident ones
+    first_step_s = harness.seconds(step)  # compiles for the host arrays; the warm-up's first
+    # step compiles again for device-resident ones
+    harness.save_program(lambda: p_step.lower(state["params"], state["opt_state"], inputs,
+                                              state["rng"]).compile())
     harness.emit(harness.time_steps(step, spec["warmup"], spec["steps"]),
-                 transformers=transformers.__version__, devices=devices)
+                 transformers=transformers.__version__, devices=devices, compute_dtype=compute,
+                 first_step_s=first_step_s)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The training step on one TPU chip against the seed's stack (docs/benchmarks.md, "MFU on one
+# TPU v5e chip"): on a TPU VM after `benchmarks/tpu_vm.sh install` (its PYTHONPATH exported),
+#
+#   benchmarks/tpu_mfu.sh OUT STAGE...
+#
+# runs each STAGE (names below) into OUT: its log, and for profiled stages the trace and the
+# step's HLO, packed into OUT/STAGE.tar.gz (benchmarks/profile_summary.py reads them unpacked).
+# The transformers 4 peer needs .whl-side/ (transformers 4.57.1, huggingface_hub 0.36,
+# tokenizers 0.22 as wheels, `benchmarks/tpu_vm.sh wheels` fetches them). Each stage gets
+# FLAXLM_STAGE_TIMEOUT seconds (default 300), so that a slow one cannot eat the others' time.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=$1; shift
+mkdir -p "$OUT"
+TIMEOUT=${FLAXLM_STAGE_TIMEOUT:-300}
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-cache}
+if [ -d .whl-side ] && [ ! -d /tmp/side ]; then
+  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps \
+    --no-compile --no-cache-dir --target /tmp/side .whl-side/*.whl
+fi
+export FLAXLM_TRANSFORMERS4_SITE=/tmp/side
+
+SMOLLM=(model=smollm-135m hardware=tpu --seq 2048 --rounds 1 --warmup 2 --steps 10)
+QWEN=(model=qwen2.5-0.5b hardware=tpu --seq 2048 --rounds 1 --warmup 2 --steps 10)
+
+step() {  # STAGE ARGS...: benchmarks/train_step.py with ARGS, profiled into OUT/STAGE
+  local stage=$1; shift
+  timeout "$TIMEOUT" python3 -u benchmarks/train_step.py "$@" --profile "/tmp/prof/$stage" \
+    > "$OUT/$stage.log" 2>&1 || echo "$stage: exit $?" >> "$OUT/$stage.log"
+  # The traces and HLO, without the XPlane protobufs (the trace.json.gz holds the same events).
+  tar -czf "$OUT/$stage.tar.gz" -C /tmp/prof --exclude='*.xplane.pb' "$stage" 2>/dev/null
+}
+
+for stage in "$@"; do
+  echo "== $stage $(date +%T)"
+  case $stage in
+    blocks) timeout "$TIMEOUT" python3 -u benchmarks/splash_blocks.py --iters 5 \
+              --out "$OUT/blocks.json" > "$OUT/blocks.log" 2>&1 ;;
+    smollm-splash-4) step "$stage" "${SMOLLM[@]}" --batch 4 model.attention=splash --only flaxlm ;;
+    smollm-scan-4) step "$stage" "${SMOLLM[@]}" --batch 4 model.attention=splash \
+                     model.scan_layers=true --only flaxlm ;;
+    smollm-peer-1) step "$stage" "${SMOLLM[@]}" --batch 1 model.attention=xla \
+                     --only flaxlm,transformers4-flax ;;
+    smollm-reference-1) step "$stage" "${SMOLLM[@]}" --batch 1 model.attention=reference \
+                          --only flaxlm ;;
+    qwen-block-4) step "$stage" "${QWEN[@]}" --batch 4 model.attention=splash model.remat=block \
+                    trainer.loss_chunk_size=512 --only flaxlm ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+  tail -n 12 "$OUT/$stage.log" 2>/dev/null
+done
