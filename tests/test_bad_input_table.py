@@ -167,6 +167,8 @@ def trained_one_step(tmp: Path, run) -> None:
 ROWS = {
     # --- settings checked before any data is read
     "lr-nan": Row(["optimizer.lr=nan"], ["optimizer.lr=nan"]),
+    "moment-dtype-float16": Row(["optimizer.moment_dtype=float16"],
+                                ["optimizer.moment_dtype=float16"]),
     "negative-batch": Row(["hardware.per_device_batch_size=-2"],
                           ["hardware.per_device_batch_size=-2"]),
     "global-batch-not-a-multiple": Row(["trainer.global_batch_size=12"],

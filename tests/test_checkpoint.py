@@ -252,3 +252,21 @@ def test_a_second_ctrl_c_ends_the_process_at_once():
     assert result.returncode == -signal.SIGINT, result.stderr[-3000:]
     assert result.stdout == "saving\n"
     assert "SIGINT again: stopping at once" in result.stderr
+
+
+def test_bfloat16_moments_come_back_bfloat16_and_exact(tmp_path, train_state):
+    """optimizer.moment_dtype=bfloat16's state, saved and restored into the state a resumed run
+    builds (the same optimizer): the moments stay bfloat16, bit for bit."""
+    import optax
+
+    from flaxlm.training.optimizer import moments_stored_in
+
+    tx = moments_stored_in(jnp.bfloat16, optax.adamw(1e-3))
+    params = train_state.params
+    _, opt_state = jax.jit(tx.update)(params, tx.init(params), params)  # a gradient: params
+    state = train_state.replace(opt_state=opt_state)
+    save_steps(tmp_path / "ckpt", state, [3]).close()
+    restored = restore_latest(tmp_path / "ckpt", jax.eval_shape(lambda: state)).state
+    moments = [leaf for leaf in jax.tree.leaves(restored.opt_state) if leaf.ndim]
+    assert moments and {leaf.dtype for leaf in moments} == {jnp.dtype(jnp.bfloat16)}
+    assert leaves_equal(restored, bumped(state, 3))

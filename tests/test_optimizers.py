@@ -423,3 +423,109 @@ def test_non_finite_momentum_is_named():
     config = OmegaConf.to_object(compose([*TINY, "optimizer=sgd", "optimizer.momentum=inf"]))
     with pytest.raises(FlaxlmError, match="optimizer.momentum=inf"):
         check_settings(config, num_devices=8)
+
+
+# --- optimizer.moment_dtype ----------------------------------------------------------------------
+
+
+def floating_leaves(tree) -> list[tuple[str, jax.Array]]:
+    return [(jax.tree_util.keystr(path), leaf)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+            if jnp.issubdtype(leaf.dtype, jnp.floating)]
+
+
+@pytest.mark.parametrize("kind", list(OptimizerName), ids=lambda k: k.value)
+def test_bfloat16_moments_are_stored_in_bfloat16_after_a_step(configs, tiny, kind):
+    """Every moment of every optimizer, after init and after a step (an update computed in
+    float32 must be rounded back down); adafactor's momentum only, its factored second
+    moments staying float32."""
+    params, loss_and_grads = tiny
+    opt = dataclasses.replace(configs[kind].optimizer, moment_dtype="bfloat16",
+                              momentum=configs[kind].optimizer.momentum or 0.9)
+    tx = make_optimizer(opt, optax.constant_schedule(opt.lr))
+    state = tx.init(params)
+    _, state = jax.jit(tx.update)(loss_and_grads(params)[1], state, params)
+    dtypes = {path: leaf.dtype for path, leaf in floating_leaves(state)}
+    if kind == OptimizerName.adafactor:
+        momentum = {path: dtype for path, dtype in dtypes.items() if ".ema" in path}
+        assert momentum and set(momentum.values()) == {jnp.dtype(jnp.bfloat16)}, momentum
+        assert jnp.dtype(jnp.float32) in dtypes.values()  # the second moments
+    else:
+        assert dtypes and set(dtypes.values()) == {jnp.dtype(jnp.bfloat16)}, dtypes
+    # Half the bytes of the float32 moments, which the parameters' dtype gives by default.
+    default = make_optimizer(configs[kind].optimizer if kind != OptimizerName.adafactor
+                             else dataclasses.replace(opt, moment_dtype=None),
+                             optax.constant_schedule(opt.lr))
+    assert (sum(leaf.nbytes for _, leaf in floating_leaves(default.init(params)))
+            > sum(leaf.nbytes for _, leaf in floating_leaves(state)))
+
+
+def test_float32_moments_are_optax_adamw_bit_for_bit(configs, tiny):
+    """moment_dtype=float32 on float32 parameters only casts float32 to float32: the update
+    and the state are exactly optax.adamw's (moment_dtype=null)."""
+    params, loss_and_grads = tiny
+    opt = configs[OptimizerName.adamw].optimizer
+    plain = make_optimizer(opt, optax.constant_schedule(opt.lr))
+    wrapped = make_optimizer(dataclasses.replace(opt, moment_dtype="float32"),
+                             optax.constant_schedule(opt.lr))
+    states = [plain.init(params), wrapped.init(params)]
+    for _ in range(2):
+        grads = loss_and_grads(params)[1]
+        (u_plain, s_plain), (u_wrapped, s_wrapped) = (
+            jax.jit(tx.update)(grads, state, params)
+            for tx, state in zip((plain, wrapped), states))
+        assert all(np.array_equal(a, b) for a, b in
+                   zip(jax.tree.leaves(u_wrapped), jax.tree.leaves(u_plain), strict=True))
+        states = [s_plain, s_wrapped]
+        params = optax.apply_updates(params, u_plain)
+    assert all(np.array_equal(a, b) for a, b in
+               zip(jax.tree.leaves(states[1]), jax.tree.leaves(states[0]), strict=True))
+
+
+def test_adamw_with_bfloat16_moments_steps_as_float32_within_their_rounding(configs, tiny):
+    """Three AdamW steps on one gradient sequence: the updates with bfloat16 moments against
+    float32 ones. The first update is computed before any moment is stored, so it is equal;
+    each later one reads moments rounded to bfloat16 once per step (mu's rounding enters the
+    update as is, nu's halved by the square root), so they differ by bfloat16's tolerance with
+    depth = the steps, on the scale of the update (≈ lr: Adam's steps are normalised). A
+    moment kept in bfloat16 arithmetic, or never cast back, is caught by the dtype test."""
+    params, loss_and_grads = tiny
+    opt = dataclasses.replace(configs[OptimizerName.adamw].optimizer, weight_decay=0.0)
+    schedule = optax.constant_schedule(opt.lr)
+    f32, bf16 = (make_optimizer(dataclasses.replace(opt, moment_dtype=d), schedule)
+                 for d in ("float32", "bfloat16"))
+    state32, state16 = f32.init(params), bf16.init(params)
+    steps = 3
+    for step in range(steps):
+        grads = loss_and_grads(params)[1]
+        u32, state32 = jax.jit(f32.update)(grads, state32, params)
+        u16, state16 = jax.jit(bf16.update)(grads, state16, params)
+        if step == 0:
+            assert all(np.array_equal(a, b) for a, b in
+                       zip(jax.tree.leaves(u16), jax.tree.leaves(u32), strict=True))
+        else:
+            assert_close(np.concatenate([np.ravel(x) for x in jax.tree.leaves(u16)]),
+                         np.concatenate([np.ravel(x) for x in jax.tree.leaves(u32)]),
+                         dtype=jnp.bfloat16, depth=step + 1, scale=opt.lr)
+        params = optax.apply_updates(params, u32)  # one gradient sequence for both
+    # ... and the two did differ: bfloat16's rounding is there to be bounded.
+    assert not all(np.array_equal(a, b) for a, b in
+                   zip(jax.tree.leaves(u16), jax.tree.leaves(u32), strict=True))
+
+
+@pytest.mark.parametrize(("overrides", "fragments"), [
+    (["optimizer.moment_dtype=float16"], ["optimizer.moment_dtype=float16", "bfloat16"]),
+    (["optimizer.moment_dtype=bf16"], ["optimizer.moment_dtype=bf16"]),
+    (["optimizer.moment_dtype=bfloat16", "optimizer.b2=0.999"],
+     ["optimizer.b2=0.999", "moment_dtype=bfloat16", "2^-8"]),
+    (["optimizer=sgd", "optimizer.moment_dtype=bfloat16", "optimizer.momentum=0.998"],
+     ["optimizer.momentum=0.998"]),
+])
+def test_impossible_moment_dtypes_are_named(overrides, fragments):
+    config = OmegaConf.to_object(compose([*TINY, *overrides]))
+    with pytest.raises(FlaxlmError) as info:
+        check_settings(config, num_devices=8)
+    assert all(fragment in str(info.value) for fragment in fragments), str(info.value)
+    # ... while the rates bfloat16 can decay by pass.
+    check_settings(OmegaConf.to_object(compose(
+        [*TINY, "optimizer.moment_dtype=bfloat16", "optimizer.b2=0.99"])), num_devices=8)

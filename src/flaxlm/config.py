@@ -250,6 +250,10 @@ class OptimizerConfig:
     end_lr: float = MISSING
     decay_fraction: float = MISSING  # wsd: the last fraction of all steps, spent decaying
     max_grad_norm: Optional[float] = None  # None → no clipping
+    # The dtype the optimizer's moments are stored in between steps (each step updates them in
+    # float32): bfloat16 halves their memory. null → the parameters' dtype (optax's default).
+    # adafactor: its momentum only; its factored second moments stay float32.
+    moment_dtype: Optional[str] = None
 
 
 class DistributedMode(str, enum.Enum):

@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import optax
 import optax.contrib
 
@@ -128,14 +129,82 @@ def check_optimizer_settings(opt: OptimizerConfig) -> None:
             f"optimizer.max_grad_norm={opt.max_grad_norm} must be positive (e.g. 1.0), or null "
             "for no gradient clipping."
         )
+    _check_moment_dtype(opt)
+
+
+MOMENT_DTYPES = ("float32", "bfloat16")
+
+# What each optimizer's stored moments decay by, per step (lion's b1 only interpolates).
+_MOMENT_DECAYS = {
+    OptimizerName.adamw: ("b1", "b2"),
+    OptimizerName.lion: ("b2",),
+    OptimizerName.sgd: ("momentum",),
+    OptimizerName.adafactor: ("momentum",),
+    OptimizerName.muon: ("momentum", "b1", "b2"),
+}
+
+# A moment stored in bfloat16 and decayed by β moves by (1 − β) of itself when nothing is added:
+# below half a bfloat16 step of it (2^-8 of a value just above a power of two) the round to
+# nearest gives back the same number, and the moment never decays.
+BFLOAT16_SMALLEST_DECAY = 2.0**-8
+
+
+def _check_moment_dtype(opt: OptimizerConfig) -> None:
+    if opt.moment_dtype is None:
+        return
+    if opt.moment_dtype not in MOMENT_DTYPES:
+        raise FlaxlmError(
+            f"optimizer.moment_dtype={opt.moment_dtype} is not a dtype the optimizer's moments "
+            f"can be stored in: use one of {', '.join(MOMENT_DTYPES)} (bfloat16 halves their "
+            "memory), or null for the parameters' dtype. float16 is not offered: a second "
+            "moment (a squared gradient) below 6e-8 is zero in it."
+        )
+    if opt.moment_dtype != "bfloat16":
+        return
+    for name in _MOMENT_DECAYS[opt.name]:
+        rate = getattr(opt, name)
+        if rate is not None and 1 - rate < BFLOAT16_SMALLEST_DECAY:
+            raise FlaxlmError(
+                f"optimizer.{name}={rate} with optimizer.moment_dtype=bfloat16: a moment decayed "
+                f"by {rate} per step changes by less than bfloat16 can represent (1 − {name} "
+                f"must be at least 2^-8, {name} at most {1 - BFLOAT16_SMALLEST_DECAY:.4f}), so "
+                f"it would stop decaying. Lower optimizer.{name} (e.g. 0.98), or keep the "
+                "moments in float32 (optimizer.moment_dtype=float32)."
+            )
 
 
 def make_optimizer(opt: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
     check_optimizer_settings(opt)
     tx = _OPTIMIZERS[opt.name](opt, schedule)
+    if opt.moment_dtype is not None and opt.name != OptimizerName.adafactor:
+        tx = moments_stored_in(jnp.dtype(opt.moment_dtype), tx)
     if opt.max_grad_norm is None:
         return tx
     return optax.chain(optax.clip_by_global_norm(opt.max_grad_norm), tx)
+
+
+def moments_stored_in(dtype, tx: optax.GradientTransformation
+                      ) -> optax.GradientTransformationExtraArgs:
+    """`tx` with every floating-point leaf of its state (Adam's mu and nu, a momentum) stored in
+    `dtype` between steps, and cast to float32 before each update: the moments' arithmetic and
+    the update it makes stay float32, only what is kept is rounded. optax's `mu_dtype` stores
+    the first moment alone (Adam's nu keeps the parameters' dtype) and decays it in that dtype
+    before adding the gradient; wrapping the whole optimizer covers every optimizer's moments
+    alike and keeps optax's state layout, so a checkpoint names the same leaves."""
+
+    def cast(tree, to):
+        return jax.tree.map(
+            lambda x: x.astype(to) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+    def init(params):
+        return cast(tx.init(params), dtype)
+
+    def update(updates, state, params=None, **extra_args):
+        updates, state = optax.with_extra_args_support(tx).update(
+            updates, cast(state, jnp.float32), params, **extra_args)
+        return updates, cast(state, dtype)
+
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def _adamw(opt: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
@@ -166,6 +235,9 @@ def _adafactor(opt: OptimizerConfig, schedule: optax.Schedule) -> optax.Gradient
     return optax.adafactor(
         schedule,
         momentum=opt.momentum,
+        # Its momentum only: the factored second moments are small, and their decay,
+        # 1 − step^-0.8, nears 1, where a bfloat16 moment would stop moving.
+        dtype_momentum=jnp.dtype(opt.moment_dtype or "float32"),
         weight_decay_rate=opt.weight_decay or None,
         weight_decay_mask=decay_mask,
     )
