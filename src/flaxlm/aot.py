@@ -109,6 +109,9 @@ class RunPlan:
     # Per-chip parameter and optimizer bytes with fsdp over all devices, when that differs.
     fsdp_state_bytes: int | None = None
     attention: str = ""  # the backend and why, as the run's banner says it
+    # Where hbm_bytes comes from: the preset's hardware.hbm_gib_per_device (what a program can
+    # use, not the chip's nominal memory) or the attached chip's bytes_limit.
+    hbm_source: str = ""
     # model.scan_layers: the cost analysis counts the scanned block once, not once per layer,
     # so the compiled FLOPs and bytes are far too low and no roofline is made of them.
     scan_layers: bool = False
@@ -271,6 +274,7 @@ def plan(cfg: DictConfig | TrainConfig) -> RunPlan:
     evaluate = _compile_or_refuse(run, layout, "eval", run.steps.eval, run.eval_args)
     num_params = count_params(run.model)
     kind = run.devices[0].device_kind
+    hbm = _hbm_bytes(hardware.hbm_gib_per_device, run.devices[0])
     return RunPlan(
         model=config.model.name, hardware=hardware.name, device_kind=kind,
         num_devices=mesh.size, mesh=dict(mesh.shape),
@@ -282,7 +286,8 @@ def plan(cfg: DictConfig | TrainConfig) -> RunPlan:
         train=train, eval=evaluate,
         flops_per_token=build.lm_flops_per_token(config.model, num_params, run.seq_len,
                                                  _trained_params(state, config.model)),
-        hbm_bytes=_hbm_bytes(hardware.hbm_gib_per_device, run.devices[0]),
+        hbm_bytes=hbm,
+        hbm_source=_hbm_source(hardware.hbm_gib_per_device, hbm),
         peak_flops=hardware_peak.peak_flops(hardware.peak_tflops_per_device, [kind]),
         hbm_bandwidth=None if hardware.hbm_gbps_per_device is None
         else hardware.hbm_gbps_per_device * 1e9,
@@ -373,6 +378,13 @@ def _hbm_bytes(configured_gib: float | None, device) -> float | None:
     return stats.get("bytes_limit")
 
 
+def _hbm_source(configured_gib: float | None, hbm_bytes: float | None) -> str:
+    """Where the plan's figure for a chip's memory comes from; "" when there is none."""
+    if configured_gib is not None:
+        return "hardware.hbm_gib_per_device"
+    return "the chip's bytes_limit" if hbm_bytes is not None else ""
+
+
 def _trained_params(state: TrainState, model: ModelConfig) -> int | None:
     """The parameters a model.lora run trains (its adapters); None: every one."""
     trainable = lora.trainable(model)
@@ -416,7 +428,8 @@ def report(run: RunPlan) -> str:
         f"{_gib(run.eval.temp_bytes)} (eval step)",
         f"    total                 {_gib(run.train.total_bytes)} (train step); "
         f"{_gib(run.eval_total_bytes)} (eval step, the train state kept)"
-        + (f" of {_gib(run.hbm_bytes)} HBM ({run.peak_bytes / run.hbm_bytes:.0%})"
+        + (f" of {_gib(run.hbm_bytes)} HBM usable ({run.peak_bytes / run.hbm_bytes:.0%}"
+           + (f"; {run.hbm_source}" if run.hbm_source else "") + ")"
            if run.hbm_bytes else " (the chip's memory is unknown: hardware.hbm_gib_per_device)"),
         "  per step, per chip:",
         f"    FLOPs (compiled)      {_si(run.step_flops, 'FLOP')}: XLA's cost analysis of "
