@@ -244,7 +244,7 @@ def page(cache: dict, batch: int) -> str:
     ] + _effort_lines(cache)
     missing = []
     for hardware in HARDWARE:
-        lines += [f"## {hardware} ({hbm_gib(hardware):g} GiB per device)", "",
+        lines += [f"## {hardware} ({hbm_gib(hardware):g} GiB usable per device)", "",
                   "| model | sequence | " + " | ".join(LAYOUTS)
                   + " | roofline step | MFU | compile |",
                   "|---|---|" + "---|" * (len(LAYOUTS) + 3)]
