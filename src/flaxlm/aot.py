@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -39,7 +39,7 @@ from jax.sharding import Mesh
 from omegaconf import DictConfig, OmegaConf
 
 from flaxlm import hardware_peak
-from flaxlm.config import MeshConfig, ModelConfig, Remat, TrainConfig
+from flaxlm.config import MeshConfig, ModelConfig, OptimizerName, Remat, TrainConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.job import check_settings
 from flaxlm.models import build, lora
@@ -61,6 +61,10 @@ from flaxlm.training.plan import global_batch_size
 from flaxlm.training.step import CompiledSteps, TrainState, create_state, trained_part
 
 GIB = 2**30
+
+
+class DoesNotFit(FlaxlmError):
+    """XLA's compiler refused the step: it cannot fit the chip's memory (the plan's answer)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,11 +317,11 @@ def _compile_or_refuse(run: AbstractRun, layout: _Layout, phase: str, step, args
         if "RESOURCE_EXHAUSTED" not in text:
             raise
         reason = text.split("RESOURCE_EXHAUSTED:", 1)[1].strip().splitlines()[0].rstrip(".")
-        raise FlaxlmError(
+        raise DoesNotFit(
             f"model={run.config.model.name} does not fit hardware={run.config.hardware.name}: "
             f"XLA's compiler cannot fit the {phase} step in a {run.devices[0].device_kind}'s "
-            f"memory ({reason}); parameters {_gib(layout.param_bytes)} and optimizer state "
-            f"{_gib(layout.opt_state_bytes)} per chip. "
+            f"memory ({reason}); parameters {gib(layout.param_bytes)} and optimizer state "
+            f"{gib(layout.opt_state_bytes)} per chip. "
             + _changes(layout, "temporaries are mostly activations")
         ) from err
 
@@ -406,6 +410,107 @@ def _fsdp_state_bytes(mesh: Mesh, model, tx, trainable=None) -> int | None:
     return per_device_bytes(state.params) + per_device_bytes((state.step, state.opt_state))
 
 
+# ------------------------------------------------------------------------ memory recipes
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryRecipe:
+    """One way to need less memory per chip, and what it costs."""
+
+    overrides: tuple[str, ...]
+    cost: str
+    in_effect: Callable[[TrainConfig], bool]  # the run already does it (or more)
+
+
+_REMAT_BLOCK_OR_MORE = {Remat.block, Remat.dots_with_no_batch_dims_saveable, Remat.full,
+                        Remat.nothing_saveable}
+_REMAT_FULL = {Remat.full, Remat.nothing_saveable}
+
+# Cheapest in quality first (docs/planning.md#memory-recipes has their measured costs): remat
+# costs time, not loss; bfloat16 moments round what AdamW keeps; adafactor is another
+# optimizer; bfloat16 parameters round every update.
+MEMORY_RECIPES = (
+    MemoryRecipe(("model.remat=block",), "recomputes each block's elementwise work: slower, "
+                 "the same loss", lambda c: Remat(c.model.remat) in _REMAT_BLOCK_OR_MORE),
+    MemoryRecipe(("optimizer.moment_dtype=bfloat16",), "the optimizer's moments rounded to "
+                 "bfloat16", lambda c: c.optimizer.name == OptimizerName.adafactor
+                 or (c.optimizer.moment_dtype or c.hardware.param_dtype) == "bfloat16"),
+    MemoryRecipe(("optimizer=adafactor",), "another optimizer: factored second moments, no "
+                 "first", lambda c: c.optimizer.name == OptimizerName.adafactor),
+    MemoryRecipe(("model.remat=full",), "recomputes every matmul too: about one more forward "
+                 "pass", lambda c: Remat(c.model.remat) in _REMAT_FULL),
+    MemoryRecipe(("hardware.param_dtype=bfloat16",), "every update rounded to bfloat16 "
+                 "parameters", lambda c: c.hardware.param_dtype == "bfloat16"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipeStep:
+    """A rung of the ladder: every recipe so far added to the command's overrides."""
+
+    overrides: tuple[str, ...]  # added to the command's, a later key replacing an earlier one
+    added: tuple[str, ...]  # this rung's own recipe
+    cost: str  # of this rung's recipe
+    state_bytes: int  # per chip: parameters and optimizer state, from the abstract state
+
+
+def recipe_ladder(config: TrainConfig, num_devices: int,
+                  compose: Callable[[Sequence[str]], TrainConfig]) -> list[RecipeStep]:
+    """The memory recipes not in effect in `config`, each added to those before it, cheapest
+    in quality first, then the micro-batch halved (the global batch kept) down to one row per
+    device; each rung with the per-chip state it leaves (its abstract state laid out: nothing
+    compiled). `compose(extra)`: the run's config with the `extra` overrides."""
+    recipes = [r for r in MEMORY_RECIPES if not r.in_effect(config)]
+    rows = global_batch_size(config, num_devices) // num_devices
+    accum = config.trainer.grad_accum_steps
+    while rows // accum > 1 and (rows // accum) % 2 == 0:
+        accum *= 2
+        batch = () if config.trainer.global_batch_size is not None else (
+            f"hardware.per_device_batch_size={rows // accum}",)
+        recipes.append(MemoryRecipe((*batch, f"trainer.grad_accum_steps={accum}"),
+                                    "the same global batch in more, smaller micro-batches: "
+                                    "slower", lambda c: False))
+    ladder, added = [], ()
+    for recipe in recipes:
+        added = override(added, recipe.overrides)
+        state = abstract_run(compose(added)).state
+        ladder.append(RecipeStep(added, recipe.overrides, recipe.cost,
+                                 per_device_bytes(state.params)
+                                 + per_device_bytes((state.step, state.opt_state))))
+    return ladder
+
+
+def override(overrides: Sequence[str], extra: Sequence[str]) -> tuple[str, ...]:
+    """`overrides` then `extra`, dropping an earlier override of a key that `extra` sets."""
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in extra}
+    return (*(o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in keys), *extra)
+
+
+def hbm_bytes(run: AbstractRun) -> float | None:
+    """One chip's usable memory, as the plan of `run` measures against it; None: unknown."""
+    return _hbm_bytes(run.config.hardware.hbm_gib_per_device, run.devices[0])
+
+
+def ladder_advice(ladder: Sequence[RecipeStep], hbm_bytes: float | None,
+                  temp_bytes: int | None) -> str:
+    """The ladder as a sentence: each rung's overrides, its state per chip (exact) and, with
+    today's compiled temporaries added (activations, gradients, scratch of the step that did
+    not fit; the recipes keep them or shrink them), an estimate of its total."""
+    if not ladder:
+        return ""
+    rungs = []
+    for step in ladder:
+        figure = f"state {gib(step.state_bytes)}"
+        if hbm_bytes is not None and step.state_bytes > hbm_bytes:
+            figure += ", more than the chip holds"
+        elif temp_bytes is not None:
+            figure += f", about {gib(step.state_bytes + temp_bytes)} with today's temporaries"
+        rungs.append(f"{' '.join(step.added)} ({figure}; {step.cost})")
+    return ("Memory recipes, cheapest in quality first, each added to those before it (per "
+            "chip): " + "; + ".join(rungs) + ". flaxlm-plan --fit compiles them in this order "
+            "and plans the first that fits.")
+
+
 # ------------------------------------------------------------------------------ the report
 
 
@@ -421,14 +526,14 @@ def report(run: RunPlan) -> str:
         f"tokens per step ({run.per_device_batch} rows per device × {run.num_devices} devices "
         f"× {run.grad_accum_steps} micro-batch(es))",
         "  per chip:",
-        f"    parameters            {_gib(run.param_bytes)}",
-        f"    optimizer state       {_gib(run.opt_state_bytes)}",
-        f"    batch                 {_gib(run.batch_bytes)}",
-        f"    compiler temporaries  {_gib(run.train.temp_bytes)} (train step); "
-        f"{_gib(run.eval.temp_bytes)} (eval step)",
-        f"    total                 {_gib(run.train.total_bytes)} (train step); "
-        f"{_gib(run.eval_total_bytes)} (eval step, the train state kept)"
-        + (f" of {_gib(run.hbm_bytes)} HBM usable ({run.peak_bytes / run.hbm_bytes:.0%}"
+        f"    parameters            {gib(run.param_bytes)}",
+        f"    optimizer state       {gib(run.opt_state_bytes)}",
+        f"    batch                 {gib(run.batch_bytes)}",
+        f"    compiler temporaries  {gib(run.train.temp_bytes)} (train step); "
+        f"{gib(run.eval.temp_bytes)} (eval step)",
+        f"    total                 {gib(run.train.total_bytes)} (train step); "
+        f"{gib(run.eval_total_bytes)} (eval step, the train state kept)"
+        + (f" of {gib(run.hbm_bytes)} HBM usable ({run.peak_bytes / run.hbm_bytes:.0%}"
            + (f"; {run.hbm_source}" if run.hbm_source else "") + ")"
            if run.hbm_bytes else " (the chip's memory is unknown: hardware.hbm_gib_per_device)"),
         "  per step, per chip:",
@@ -475,10 +580,10 @@ def verdict(run: RunPlan) -> str | None:
     need = run.train.total_bytes if phase == "train" else run.eval_total_bytes
     temps = run.train.temp_bytes if phase == "train" else run.eval.temp_bytes
     return (f"model={run.model} does not fit hardware={run.hardware}: the {phase} step needs "
-            f"{_gib(need)} per chip, more than the {_gib(run.hbm_bytes)} of a "
-            f"{run.device_kind} (parameters {_gib(run.param_bytes)}, optimizer state "
-            f"{_gib(run.opt_state_bytes)}, temporaries {_gib(temps)}). "
-            + _changes(run, f"most of the {_gib(temps)} of temporaries are activations"))
+            f"{gib(need)} per chip, more than the {gib(run.hbm_bytes)} of a "
+            f"{run.device_kind} (parameters {gib(run.param_bytes)}, optimizer state "
+            f"{gib(run.opt_state_bytes)}, temporaries {gib(temps)}). "
+            + _changes(run, f"most of the {gib(temps)} of temporaries are activations"))
 
 
 def _changes(run: RunPlan | _Layout, temporaries: str) -> str:
@@ -488,8 +593,8 @@ def _changes(run: RunPlan | _Layout, temporaries: str) -> str:
     if run.fsdp_state_bytes is not None:
         advice.append(
             f"hardware.mesh.data=1 hardware.mesh.fsdp=-1 (parameters and optimizer state "
-            f"split over all {run.num_devices} chips: {_gib(run.state_bytes)} → "
-            f"{_gib(run.fsdp_state_bytes)} per chip)")
+            f"split over all {run.num_devices} chips: {gib(run.state_bytes)} → "
+            f"{gib(run.fsdp_state_bytes)} per chip)")
     if run.remat not in (Remat.full.value, Remat.nothing_saveable.value):
         advice.append("model.remat=full (each block keeps only its input for the backward "
                       f"pass: {temporaries})")
@@ -513,7 +618,8 @@ def _si(value: float, unit: str) -> str:
     return f"{value / scale:.3g} {prefix}{unit}"
 
 
-def _gib(num_bytes: float) -> str:
+def gib(num_bytes: float) -> str:
+    """`num_bytes` as KiB, MiB or GiB, whichever reads best."""
     if num_bytes < 2**20:
         return f"{num_bytes / 2**10:,.1f} KiB"
     if num_bytes < GIB:

@@ -12,8 +12,13 @@ Prints, per chip, parameters, optimizer state, batch, the compiler's temporaries
 total against the chip's memory, and, per step, FLOPs, a roofline time estimate, the tokens/s
 and MFU it projects, and the compile time (docs/planning.md says what each figure means).
 
-Exit status: 0 the run fits (or the chip's memory is unknown); 2 it does not (one paragraph
-naming what to change), or a mistake in the command or the config.
+A run that does not fit gets the memory recipes (remat, bfloat16 moments, adafactor, bfloat16
+parameters, smaller micro-batches) in the order of what they cost in quality, each with the
+per-chip state it leaves; `--fit` compiles them in that order and plans the first that fits.
+
+Exit status: 0 the run fits (or the chip's memory is unknown; with --fit: it or a recipe
+fits, the recipe's overrides printed); 2 it does not (one paragraph naming what to change),
+or a mistake in the command or the config.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ def parser() -> Parser:
                             "model.remat=full ...): the run to plan")
     parse.add_argument("--json", metavar="FILE",
                        help="also write the plan's figures to FILE as JSON (default: none)")
+    parse.add_argument("--fit", action="store_true",
+                       help="if the run does not fit, compile the memory recipes in order "
+                            "(cheapest in quality first) and plan the first that fits")
     return parse
 
 
@@ -48,18 +56,65 @@ def run(argv: Sequence[str]) -> int:
     cfg = compose(args.overrides)
     from flaxlm import aot  # only now: it starts JAX, which the composed config configures
 
-    planned = aot.plan(cfg)
+    try:
+        planned = aot.plan(cfg)
+    except aot.DoesNotFit as refused:  # no figures but the compiler's
+        planned, problem = None, str(refused)
+    else:
+        _print(planned, args.json)
+        problem = aot.verdict(planned)
+    if problem is None:
+        if planned.fits:
+            print(f"flaxlm: fits: {planned.peak_bytes / aot.GIB:.2f} of "
+                  f"{planned.hbm_bytes / aot.GIB:.2f} GiB per chip")
+        return 0
+    run = aot.abstract_run(cfg)
+    ladder = aot.recipe_ladder(run.config, run.mesh.size,
+                               lambda extra: compose(aot.override(args.overrides, extra)))
+    if args.fit:
+        return _fit(args, ladder, problem)
+    advice = aot.ladder_advice(ladder, aot.hbm_bytes(run),
+                               planned.train.temp_bytes if planned else None)
+    raise FlaxlmError(f"{problem} {advice}".strip())
+
+
+def _fit(args, ladder, problem: str) -> int:
+    """Compile the ladder's rungs in order (a rung whose state alone exceeds the chip is not
+    compiled) and plan the first that fits."""
+    from flaxlm import aot
+
+    tried = []
+    for step in ladder:
+        recipe = " ".join(step.overrides)
+        cfg = compose(aot.override(args.overrides, step.overrides))
+        hbm = aot.hbm_bytes(aot.abstract_run(cfg))
+        if hbm is not None and step.state_bytes > hbm:
+            tried.append(f"{recipe} (state alone {aot.gib(step.state_bytes)})")
+            continue
+        print(f"flaxlm: planning with {recipe}", flush=True)
+        try:
+            planned = aot.plan(cfg)
+        except aot.DoesNotFit:
+            tried.append(f"{recipe} (refused by the compiler)")
+            continue
+        if planned.fits is False:
+            tried.append(f"{recipe} ({aot.gib(planned.peak_bytes)})")
+            continue
+        _print(planned, args.json, recipe=step.overrides)
+        print(f"flaxlm: fits with {recipe}: {aot.gib(planned.peak_bytes)} of "
+              f"{aot.gib(planned.hbm_bytes)} per chip ({step.cost})")
+        return 0
+    raise FlaxlmError(f"{problem} No memory recipe fits either: "
+                      + "; ".join(tried or ["none applies"]) + ".")
+
+
+def _print(planned, json_path: str | None, recipe: Sequence[str] = ()) -> None:
+    from flaxlm import aot
+
     print(aot.report(planned), flush=True)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(planned.as_dict(), f, indent=2)
-    problem = aot.verdict(planned)
-    if problem is not None:
-        raise FlaxlmError(problem)
-    if planned.fits:
-        print(f"flaxlm: fits: {planned.peak_bytes / aot.GIB:.2f} of "
-              f"{planned.hbm_bytes / aot.GIB:.2f} GiB per chip")
-    return 0
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump({**planned.as_dict(), "recipe": list(recipe)}, f, indent=2)
 
 
 def compose(overrides: Sequence[str]):
