@@ -31,27 +31,28 @@ def typed(overrides):
 def test_the_ladder_is_cheapest_in_quality_first_with_each_rungs_exact_state():
     ladder = aot.recipe_ladder(typed(SHORT), 8, lambda extra: typed(aot.override(SHORT, extra)))
     assert [step.added for step in ladder] == [
-        ("model.remat=block",), ("optimizer.moment_dtype=bfloat16",), ("optimizer=adafactor",),
+        ("trainer.loss_chunk_size=512",), ("model.remat=block",),
+        ("optimizer.moment_dtype=bfloat16",), ("optimizer=adafactor",),
         ("model.remat=full",), ("hardware.param_dtype=bfloat16",),
         ("hardware.per_device_batch_size=1", "trainer.grad_accum_steps=2")]
     # Each rung keeps the ones before it; a later value of a key replaces the earlier one.
-    assert ladder[3].overrides == ("optimizer.moment_dtype=bfloat16", "optimizer=adafactor",
-                                   "model.remat=full")
+    assert ladder[4].overrides == ("trainer.loss_chunk_size=512", "optimizer.moment_dtype=bfloat16",
+                                   "optimizer=adafactor", "model.remat=full")
     run = aot.abstract_run(typed(SHORT))
     params = aot.per_device_bytes(run.state.params)
     # AdamW's two float32 moments, and a few int32 counters (the step, Adam's count, ...).
     ints = aot.per_device_bytes((run.state.step, run.state.opt_state)) - 2 * params
     assert 0 < ints <= 16
-    assert ladder[0].state_bytes == 3 * params + ints  # remat leaves the state as it was
-    assert ladder[1].state_bytes == 2 * params + ints  # AdamW's two moments in half the bytes
-    assert ladder[4].state_bytes < ladder[3].state_bytes  # bfloat16 parameters
-    assert ladder[5].state_bytes == ladder[4].state_bytes  # the micro-batch is no state
+    assert ladder[0].state_bytes == ladder[1].state_bytes == 3 * params + ints  # as it was
+    assert ladder[2].state_bytes == 2 * params + ints  # AdamW's two moments in half the bytes
+    assert ladder[5].state_bytes < ladder[4].state_bytes  # bfloat16 parameters
+    assert ladder[6].state_bytes == ladder[5].state_bytes  # the micro-batch is no state
 
 
 @pytest.mark.slow
 def test_recipes_already_in_effect_are_not_offered():
     overrides = [*SHORT, "model.remat=full", "optimizer.moment_dtype=bfloat16",
-                 "hardware.per_device_batch_size=1"]
+                 "hardware.per_device_batch_size=1", "trainer.loss_chunk_size=16"]
     ladder = aot.recipe_ladder(typed(overrides), 8,
                                lambda extra: typed(aot.override(overrides, extra)))
     assert [step.added for step in ladder] == [("optimizer=adafactor",),
@@ -61,10 +62,12 @@ def test_recipes_already_in_effect_are_not_offered():
 @pytest.mark.slow
 def test_a_run_that_does_not_fit_names_the_recipes_and_fit_plans_the_first_that_does(
         tmp_path, capsys):
-    """Full remat and one row per device already: the ladder is bfloat16 moments, adafactor,
-    bfloat16 parameters. A chip between the run's peak and its peak with bfloat16 moments:
-    the plan says what each recipe's state is; --fit compiles the first and takes it."""
-    base = [*SHORT, "model.remat=full", "hardware.per_device_batch_size=1"]
+    """Full remat, a chunked loss and one row per device already: the ladder is bfloat16
+    moments, adafactor, bfloat16 parameters. A chip between the run's peak and its peak with
+    bfloat16 moments: the plan says what each recipe's state is; --fit compiles the first
+    and takes it."""
+    base = [*SHORT, "model.remat=full", "hardware.per_device_batch_size=1",
+            "trainer.loss_chunk_size=16"]
     as_is, halved = aot.plan(compose(base)), aot.plan(compose(
         [*base, "optimizer.moment_dtype=bfloat16"]))
     assert halved.opt_state_bytes < as_is.opt_state_bytes
@@ -94,7 +97,8 @@ def test_a_run_that_does_not_fit_names_the_recipes_and_fit_plans_the_first_that_
 @pytest.mark.slow
 def test_fit_says_so_when_no_recipe_fits(capsys):
     """A chip smaller than any rung's state: nothing is compiled beyond the run itself."""
-    base = [*SHORT, "model.remat=full", "hardware.per_device_batch_size=1", gib(2**10)]
+    base = [*SHORT, "model.remat=full", "hardware.per_device_batch_size=1",
+            "trainer.loss_chunk_size=16", gib(2**10)]
     with pytest.raises(SystemExit) as exit_info:
         plan_cli.main([*base, "--fit"])
     assert exit_info.value.code == 2

@@ -426,10 +426,13 @@ _REMAT_BLOCK_OR_MORE = {Remat.block, Remat.dots_with_no_batch_dims_saveable, Rem
                         Remat.nothing_saveable}
 _REMAT_FULL = {Remat.full, Remat.nothing_saveable}
 
-# Cheapest in quality first (docs/planning.md#memory-recipes has their measured costs): remat
-# costs time, not loss; bfloat16 moments round what AdamW keeps; adafactor is another
-# optimizer; bfloat16 parameters round every update.
+# Cheapest in quality first (docs/planning.md#memory-recipes has their measured costs): the
+# chunked loss and remat cost time, not loss; bfloat16 moments round what AdamW keeps;
+# adafactor is another optimizer; bfloat16 parameters round every update.
 MEMORY_RECIPES = (
+    MemoryRecipe(("trainer.loss_chunk_size=512",), "the loss 512 positions at a time, the "
+                 "whole logits never held: a slower LM head, the same loss",
+                 lambda c: c.trainer.loss_chunk_size is not None),
     MemoryRecipe(("model.remat=block",), "recomputes each block's elementwise work: slower, "
                  "the same loss", lambda c: Remat(c.model.remat) in _REMAT_BLOCK_OR_MORE),
     MemoryRecipe(("optimizer.moment_dtype=bfloat16",), "the optimizer's moments rounded to "
