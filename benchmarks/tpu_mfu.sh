@@ -4,8 +4,8 @@
 #
 #   benchmarks/tpu_mfu.sh OUT STAGE...
 #
-# runs each STAGE (names below) into OUT: its log, and for profiled stages the trace and the
-# step's HLO, packed into OUT/STAGE.tar.gz (benchmarks/profile_summary.py reads them unpacked).
+# runs each STAGE (names below) into OUT: its log and, for a profiled stage, where the step's
+# time goes (benchmarks/profile_summary.py over its trace and HLO), also printed.
 # The transformers 4 peer needs .whl-side/ (transformers 4.57.1, huggingface_hub 0.36,
 # tokenizers 0.22 as wheels, `benchmarks/tpu_vm.sh wheels` fetches them). Each stage gets
 # FLAXLM_STAGE_TIMEOUT seconds (default 300), so that a slow one cannot eat the others' time.
@@ -28,8 +28,13 @@ step() {  # STAGE ARGS...: benchmarks/train_step.py with ARGS, profiled into OUT
   local stage=$1; shift
   timeout "$TIMEOUT" python3 -u benchmarks/train_step.py "$@" --profile "/tmp/prof/$stage" \
     > "$OUT/$stage.log" 2>&1 || echo "$stage: exit $?" >> "$OUT/$stage.log"
-  # The traces and HLO, without the XPlane protobufs (the trace.json.gz holds the same events).
-  tar -czf "$OUT/$stage.tar.gz" -C /tmp/prof --exclude='*.xplane.pb' "$stage" 2>/dev/null
+  local vocab
+  vocab=$(sed -n 's/.*vocab \([0-9]*\);.*/\1/p' "$OUT/$stage.log" | head -n 1)
+  # The summary only: a 30-layer step's trace and HLO run to tens of MB each, more than a
+  # lent machine hands back; they stay in /tmp/prof for a closer look there.
+  python3 benchmarks/profile_summary.py "/tmp/prof/$stage" --top 25 ${vocab:+--vocab "$vocab"} \
+    > "$OUT/$stage.profile.txt" 2>&1
+  cat "$OUT/$stage.profile.txt"
 }
 
 for stage in "$@"; do

@@ -45,6 +45,11 @@ wheels() {
   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.11 \
     --implementation cp "${platforms[@]}" -d "$WHEELS" "${CARRIED[@]}"
   python3 -m pip wheel --no-deps -w "$WHEELS" antlr4-python3-runtime==4.9.3
+  # The seed's stack, for benchmarks/tpu_mfu.sh's peer: in a folder of its own, as it cannot
+  # share one with the image's transformers 5 (benchmarks/transformers4_flax.py).
+  python3 -m pip download --no-deps --only-binary=:all: --python-version 3.11 \
+    --implementation cp "${platforms[@]}" -d .whl-side transformers==4.57.1 \
+    huggingface_hub==0.36.2 tokenizers==0.22.2
 }
 
 install() {

@@ -222,7 +222,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=None, help="override model.vocab_size")
     harness.add_arguments(parser)
     parser.add_argument("--quickstart", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()  # overrides may follow the options
 
     overrides = list(args.overrides)
     if args.vocab:
