@@ -409,5 +409,5 @@ def test_llama3_8b_with_fsdp_and_full_remat_fits_a_v5p_8(capsys):
     out = capsys.readouterr().out
     assert re.search(r"parameters\s+7\.48 GiB", out), out
     assert re.search(r"optimizer state\s+14\.96 GiB", out), out
-    verdict = re.search(r"flaxlm: fits: ([\d.]+) of 95\.00 GiB per chip", out)
+    verdict = re.search(r"flaxlm: fits: ([\d.]+) of 95\.74 GiB per chip", out)
     assert verdict and 22.44 < float(verdict.group(1)) < 60, out
