@@ -39,7 +39,7 @@ from jax.sharding import Mesh
 from omegaconf import DictConfig, OmegaConf
 
 from flaxlm import hardware_peak
-from flaxlm.config import MeshConfig, ModelConfig, OptimizerName, Remat, TrainConfig
+from flaxlm.config import MeshConfig, ModelConfig, Remat, TrainConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.job import check_settings
 from flaxlm.models import build, lora
@@ -56,6 +56,7 @@ from flaxlm.parallel import (
 from flaxlm.tasks import base
 from flaxlm.tasks.clm import CausalLM
 from flaxlm.tasks.language_model import lm_start, lm_steps_compiler
+from flaxlm.training.memory import MEMORY_RECIPES, MemoryRecipe
 from flaxlm.training.optimizer import make_optimizer, make_schedule
 from flaxlm.training.plan import global_batch_size
 from flaxlm.training.step import CompiledSteps, TrainState, create_state, trained_part
@@ -411,40 +412,6 @@ def _fsdp_state_bytes(mesh: Mesh, model, tx, trainable=None) -> int | None:
 
 
 # ------------------------------------------------------------------------ memory recipes
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryRecipe:
-    """One way to need less memory per chip, and what it costs."""
-
-    overrides: tuple[str, ...]
-    cost: str
-    in_effect: Callable[[TrainConfig], bool]  # the run already does it (or more)
-
-
-_REMAT_BLOCK_OR_MORE = {Remat.block, Remat.dots_with_no_batch_dims_saveable, Remat.full,
-                        Remat.nothing_saveable}
-_REMAT_FULL = {Remat.full, Remat.nothing_saveable}
-
-# Cheapest in quality first (docs/planning.md#memory-recipes has their measured costs): the
-# chunked loss and remat cost time, not loss; bfloat16 moments round what AdamW keeps;
-# adafactor is another optimizer; bfloat16 parameters round every update.
-MEMORY_RECIPES = (
-    MemoryRecipe(("trainer.loss_chunk_size=512",), "the loss 512 positions at a time, the "
-                 "whole logits never held: a slower LM head, the same loss",
-                 lambda c: c.trainer.loss_chunk_size is not None),
-    MemoryRecipe(("model.remat=block",), "recomputes each block's elementwise work: slower, "
-                 "the same loss", lambda c: Remat(c.model.remat) in _REMAT_BLOCK_OR_MORE),
-    MemoryRecipe(("optimizer.moment_dtype=bfloat16",), "the optimizer's moments rounded to "
-                 "bfloat16", lambda c: c.optimizer.name == OptimizerName.adafactor
-                 or (c.optimizer.moment_dtype or c.hardware.param_dtype) == "bfloat16"),
-    MemoryRecipe(("optimizer=adafactor",), "another optimizer: factored second moments, no "
-                 "first", lambda c: c.optimizer.name == OptimizerName.adafactor),
-    MemoryRecipe(("model.remat=full",), "recomputes every matmul too: about one more forward "
-                 "pass", lambda c: Remat(c.model.remat) in _REMAT_FULL),
-    MemoryRecipe(("hardware.param_dtype=bfloat16",), "every update rounded to bfloat16 "
-                 "parameters", lambda c: c.hardware.param_dtype == "bfloat16"),
-)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,6 +43,16 @@ def writable_dir(path: str, setting: str, advice: str) -> str:
     return path
 
 
+def causes(err: BaseException | None):
+    """`err` and the exceptions it was raised from or while handling, nearest first: where a
+    library wraps what went wrong (XLA's compiler, a file system) in errors of its own."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
+
+
 def first_line(err: BaseException, limit: int = 300) -> str:
     """The first line of an exception's message, cut at `limit` characters (its type's name if
     it has none): enough to say what went wrong in a one-line warning or a paragraph."""

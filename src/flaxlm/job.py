@@ -36,6 +36,7 @@ from flaxlm.tasks.registry import task_named
 from flaxlm.tracking import start_tracker
 from flaxlm.training.checkpoint.manager import close_quietly, disk_full_error, make_checkpointer
 from flaxlm.training.evaluation import describe
+from flaxlm.training.memory import out_of_memory_error
 from flaxlm.training.optimizer import check_optimizer_settings
 from flaxlm.training.plan import global_batch_size
 from flaxlm.training.stop import PREEMPTED_EXIT_CODE, AgreedStopRequest, Preempted
@@ -110,7 +111,8 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
             tracker.finish(exit_code=1)
         # The step compiles at its first call (the train step's, or an evaluation's).
         known = (disk_full_error(err, run.path) or distributed.lost_peer_error(err, run.path)
-                 or kernel_compile_error(err, attention))
+                 or kernel_compile_error(err, attention)
+                 or out_of_memory_error(err, config, jax.devices()[0].device_kind))
         _record_status(run.path, FAILED, _failure_reason(known or err))
         if known is not None:
             raise known from err

@@ -37,7 +37,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from flaxlm.config import AttentionBackend
-from flaxlm.errors import FlaxlmError
+from flaxlm.errors import FlaxlmError, causes
 from flaxlm.models.dropout import dropout
 from flaxlm.parallel import BATCH_AXES, TENSOR_AXIS, Accelerator, accelerator_of
 
@@ -125,7 +125,7 @@ def kernel_compile_error(err: BaseException, choice: Choice) -> FlaxlmError | No
     compiler = _KERNEL_COMPILERS.get(choice.backend)
     if compiler is None:
         return None
-    for cause in _causes(err):
+    for cause in causes(err):
         text = str(cause)
         if "RESOURCE_EXHAUSTED" in text:  # out of memory, whatever buffers it names
             return None
@@ -139,15 +139,6 @@ def kernel_compile_error(err: BaseException, choice: Choice) -> FlaxlmError | No
                 f"model.attention={requested})."
             )
     return None
-
-
-def _causes(err: BaseException):
-    """`err` and the errors it was raised from or while handling."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        yield err
-        err = err.__cause__ or err.__context__
 
 
 def _backend(requested) -> AttentionBackend:

@@ -56,7 +56,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 from orbax.checkpoint._src.metadata import array_metadata_store
 
 from flaxlm.config import CheckpointConfig
-from flaxlm.errors import FlaxlmError, first_line
+from flaxlm.errors import FlaxlmError, causes, first_line
 from flaxlm.layout import CHECKPOINT_SUBDIR, run_path
 
 BEST_METRIC = "eval/loss"  # lower is better
@@ -332,15 +332,12 @@ _DISK_FULL_TEXTS = tuple(os.strerror(code) for code in _DISK_FULL_ERRNOS) + tupl
 def disk_full_cause(err: BaseException | None) -> BaseException | None:
     """The error in `err`'s chain (itself, its cause or context) that says a disk is full. A
     FlaxlmError's text is flaxlm's own account of it: the system's words lie further down."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, OSError) and err.errno in _DISK_FULL_ERRNOS:
-            return err
-        if not isinstance(err, FlaxlmError) and any(text in str(err)
-                                                     for text in _DISK_FULL_TEXTS):
-            return err
-        err = err.__cause__ or err.__context__
+    for cause in causes(err):
+        if isinstance(cause, OSError) and cause.errno in _DISK_FULL_ERRNOS:
+            return cause
+        if not isinstance(cause, FlaxlmError) and any(text in str(cause)
+                                                       for text in _DISK_FULL_TEXTS):
+            return cause
     return None
 
 
