@@ -23,6 +23,31 @@ export FLAXLM_TRANSFORMERS4_SITE=/tmp/side
 
 SMOLLM=(model=smollm-135m hardware=tpu --seq 2048 --rounds 1 --warmup 2 --steps 10)
 QWEN=(model=qwen2.5-0.5b hardware=tpu --seq 2048 --rounds 1 --warmup 2 --steps 10)
+LLAMA1B=(model=llama-1b hardware=tpu --seq 2048 --rounds 1 --warmup 2 --steps 10)
+
+first_steps() {  # STAGE ARGS...: flaxlm-train ARGS for one step, twice with one cache: the
+  # wall time from the process's start to its first training step, cold and warm
+  local stage=$1; shift
+  local cache=/tmp/first-step-cache label started
+  rm -rf "$cache"
+  for label in cold warm; do
+    started=$(date +%s.%N)
+    FLAXLM_CACHE=$cache JAX_COMPILATION_CACHE_DIR= timeout "$TIMEOUT" python3 -u \
+      -m flaxlm.cli.train logger=none trainer.max_steps=1 trainer.eval_before_training=false \
+      trainer.eval_every_steps=null language.max_eval_docs=8 samples.prompts=[] \
+      "run_dir=/tmp/runs/$stage-$label" "$@" > "$OUT/$stage-$label.log" 2>&1
+    python3 - "$stage $label" "/tmp/runs/$stage-$label" "$started" <<'PY' | tee -a "$OUT/$stage.log"
+import json, sys
+name, run_dir, started = sys.argv[1], sys.argv[2], float(sys.argv[3])
+try:
+    first = next(r for r in map(json.loads, open(f"{run_dir}/metrics.jsonl"))
+                 if "train/loss" in r)
+    print(f"{name}: first training step {first['time'] - started:.1f} s after the start")
+except (OSError, StopIteration) as err:
+    print(f"{name}: no training step ({err})")
+PY
+  done
+}
 
 step() {  # STAGE ARGS...: benchmarks/train_step.py with ARGS, profiled into OUT/STAGE
   local stage=$1; shift
@@ -51,6 +76,20 @@ for stage in "$@"; do
                           --only flaxlm ;;
     qwen-block-4) step "$stage" "${QWEN[@]}" --batch 4 model.attention=splash model.remat=block \
                     trainer.loss_chunk_size=512 --only flaxlm ;;
+    qwen-none-2) step "$stage" "${QWEN[@]}" --batch 2 model.attention=splash \
+                   trainer.loss_chunk_size=512 --only flaxlm ;;
+    llama1b-bf16-moments-2) step "$stage" "${LLAMA1B[@]}" --batch 2 model.attention=splash \
+                              optimizer.moment_dtype=bfloat16 trainer.loss_chunk_size=512 \
+                              --only flaxlm ;;
+    llama1b-adafactor-4) step "$stage" "${LLAMA1B[@]}" --batch 4 model.attention=splash \
+                           optimizer=adafactor model.remat=block trainer.loss_chunk_size=512 \
+                           --only flaxlm ;;
+    # Time to the first step of `flaxlm-train` on the builtin corpus, cold and warm cache.
+    smollm-first-step) first_steps "$stage" model=smollm-135m hardware=tpu \
+                         hardware.per_device_batch_size=4 task.max_seq_length=2048 ;;
+    smollm-first-step-scan) first_steps "$stage" model=smollm-135m hardware=tpu \
+                              hardware.per_device_batch_size=4 task.max_seq_length=2048 \
+                              model.scan_layers=true ;;
     *) echo "unknown stage $stage" ;;
   esac
   tail -n 12 "$OUT/$stage.log" 2>/dev/null
