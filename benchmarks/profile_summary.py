@@ -85,6 +85,24 @@ def load_hlo(trace_dir: str) -> dict[str, str]:
     return instructions
 
 
+LAYOUT_OPCODES = {"copy", "transpose", "copy-start", "copy-done"}
+
+
+def _opcode(line: str) -> str:
+    """The opcode of one HLO instruction line (`%x = f32[8]{0} multiply(%a, %b), ...`)."""
+    _, _, rest = line.partition(" = ")
+    if rest.startswith("("):  # a tuple shape: skip to its closing parenthesis
+        depth = 0
+        for index, char in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            if depth == 0:
+                rest = rest[index + 1:]
+                break
+    else:
+        rest = rest.partition(" ")[2]
+    return rest.strip().partition("(")[0]
+
+
 def category(hlo: str, vocab: int | None) -> str:
     """What an operation computes, from its HLO (`load_hlo`)."""
     first = hlo.splitlines()[0] if hlo else ""
@@ -97,7 +115,8 @@ def category(hlo: str, vocab: int | None) -> str:
         return "vocabulary: softmax, loss"
     op_name = re.search(r'op_name="([^"]*)"', first)
     where = op_name.group(1) if op_name else ""
-    if re.search(r"\b(copy|transpose)[.(]", first) or " copy(" in first:
+    body_root = next((line for line in hlo.splitlines()[1:] if "ROOT " in line), first)
+    if {_opcode(first), _opcode(body_root)} & LAYOUT_OPCODES:
         kind = "copies, layout"
     else:
         kind = "elementwise, reductions"

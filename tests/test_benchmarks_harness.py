@@ -153,3 +153,61 @@ def test_profile_traces_a_jax_workers_steps_and_the_summary_names_its_operations
     text = profile_summary.summarise(str(trace_dir), top=5)
     assert "ms of wall time per step" in text
     assert any(name in text for name in ("fusion", "dot", "tanh")), text
+
+
+# A TPU trace and the step's HLO, cut down to what profile_summary reads: the device's "XLA
+# Ops" line (the host's threads only launch them) and the fusions' bodies.
+TPU_HLO = """HloModule jit_step
+
+%fused_computation.1 (param_0: bf16[8,576], param_1: bf16[576,49152]) -> f32[8,49152] {
+  %param_0 = bf16[8,576]{1,0} parameter(0)
+  %param_1 = bf16[576,49152]{1,0} parameter(1)
+  ROOT %convolution.1 = f32[8,49152]{1,0} convolution(%param_0, %param_1), dim_labels=bf_io->bf
+}
+
+%fused_computation.3 (param_0: f32[576]) -> f32[576] {
+  %param_0 = f32[576]{0} parameter(0)
+  ROOT %multiply.3 = f32[576]{0} multiply(%param_0, %param_0)
+}
+
+ENTRY %main.5 (Arg_0: bf16[8,576]) -> f32[] {
+  %fusion.1 = f32[8,49152]{1,0} fusion(%a), calls=%fused_computation.1, metadata={op_name="jvp()"}
+  %custom-call.2 = bf16[4,9,2048,64]{3,2,1,0} custom-call(%q), custom_call_target="tpu_custom_call"
+  %fusion.3 = f32[576]{0} fusion(%x), calls=%fused_computation.3, metadata={op_name="transpose(j)"}
+  ROOT %fusion.4 = f32[576]{0} fusion(%x), calls=%fused_computation.3, metadata={op_name="mul"}
+}
+"""
+
+
+def test_the_summary_reads_a_tpus_operations_and_puts_each_in_its_category(tmp_path):
+    import gzip
+    import json
+
+    import profile_summary
+
+    def op(name, ts, dur, pid=2, tid=7):
+        return {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "name": name}
+
+    metadata = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+                {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:TPU:0"}},
+                {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name",
+                 "args": {"name": "XLA Ops"}},
+                {"ph": "M", "pid": 2, "tid": 8, "name": "thread_name",
+                 "args": {"name": "XLA Modules"}}]
+    steps = profile_summary.harness.PROFILED_STEPS
+    events = [op("fusion.1", 0, 3000 * steps), op("custom-call.2", 0, 5000 * steps),
+              op("fusion.3", 0, 1000 * steps), op("fusion.4", 0, 500 * steps),
+              op("jit_step", 0, 99000 * steps, tid=8),  # the module: not an operation
+              op("fusion.1", 0, 77000 * steps, pid=1, tid=3)]  # a host thread
+    trace_dir = tmp_path / "round-1"
+    (trace_dir / "plugins" / "profile" / "run").mkdir(parents=True)
+    with gzip.open(trace_dir / "plugins" / "profile" / "run" / "t.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": metadata + events}, f)
+    (trace_dir / "step.hlo.txt").write_text(TPU_HLO)
+
+    text = profile_summary.summarise(str(trace_dir), top=5, vocab=49152)
+    shares = {line.split("%", 1)[1].strip(): float(line.split()[0])
+              for line in text.splitlines() if "%  " in line}
+    assert shares == {"attention kernel": 5.0, "matmul: vocabulary": 3.0,
+                      "elementwise, reductions (backward)": 1.0,
+                      "elementwise, reductions (outside the gradient: optimizer, metrics)": 0.5}
