@@ -34,16 +34,18 @@ class Conversations:
     origin: str  # where the training conversations came from, for the banner
 
 
-def load_conversations(task: TaskConfig) -> Conversations:
-    """Both splits of the conversations `task` names, every turn checked (`check_turns`)."""
+def load_conversations(task: TaskConfig, cache_dir: str | None = None) -> Conversations:
+    """Both splits of the conversations `task` names, every turn checked (`check_turns`);
+    copies of files in a bucket are kept in `cache_dir`."""
     if task.drills > 0:
         rows = drill_conversations(task.drills, seed=0)
         train, evaluation = hold_out(rows, task.eval_fraction, "task.eval_fraction")
         return Conversations(train, evaluation, f"{task.drills} generated drills")
     if task.files:
-        train = _from_files(task.files, "task.files", task)
+        train = _from_files(task.files, "task.files", task, cache_dir)
         if task.eval_files:
-            return Conversations(train, _from_files(task.eval_files, "task.eval_files", task),
+            return Conversations(train,
+                                 _from_files(task.eval_files, "task.eval_files", task, cache_dir),
                                  "task.files")
         train, evaluation = hold_out(train, task.eval_fraction, "task.files")
         return Conversations(train, evaluation, "task.files")
@@ -77,10 +79,10 @@ def hold_out(rows: list, fraction: float, setting: str, noun: str = "conversatio
     return rows[:-held], rows[-held:]
 
 
-def rows_from_files(patterns: list[str], setting: str, rows_of) -> list:
+def rows_from_files(patterns: list[str], setting: str, rows_of, cache_dir: str | None) -> list:
     """`rows_of(table, where)` of every file `patterns` (the setting `setting`) names."""
     rows: list = []
-    for path in expand_patterns(patterns, setting):
+    for path in expand_patterns(patterns, setting, cache_dir):
         rows += rows_of(read_data_file(path, setting), repr(str(path)))
     return rows
 
@@ -101,9 +103,10 @@ def hub_table(task: TaskConfig, split: str, example: str) -> tuple[datasets.Data
     return table, where
 
 
-def _from_files(patterns: list[str], setting: str, task: TaskConfig) -> list[Conversation]:
+def _from_files(patterns: list[str], setting: str, task: TaskConfig, cache_dir: str | None
+                ) -> list[Conversation]:
     return rows_from_files(patterns, setting,
-                           lambda table, where: conversations_of(table, task, where))
+                           lambda table, where: conversations_of(table, task, where), cache_dir)
 
 
 def _from_hub(task: TaskConfig, split: str) -> list[Conversation]:
@@ -145,7 +148,7 @@ def turns_reader(task: TaskConfig, columns: list[str], where: str):
     )
 
 
-def open_conversation_stream(task: TaskConfig):
+def open_conversation_stream(task: TaskConfig, cache_dir: str | None = None):
     """task.streaming: the held-out conversations (task.eval_files or task.hub_eval_split,
     read whole), the training split as a stream, and its rows' `turns_of`."""
     if not (task.eval_files or (task.hub_path and task.hub_eval_split)):
@@ -153,7 +156,7 @@ def open_conversation_stream(task: TaskConfig):
             "task.streaming=true reads the held-out conversations from task.eval_files or "
             "task.hub_eval_split (a stream has no end to hold out from). Set one of them.")
     if task.files:
-        paths = expand_patterns(task.files, "task.files")
+        paths = expand_patterns(task.files, "task.files", cache_dir)
         builders = {_STREAM_BUILDERS.get(path.suffix.lower()) for path in paths}
         if None in builders or len(builders) > 1:
             raise FlaxlmError(
@@ -162,7 +165,7 @@ def open_conversation_stream(task: TaskConfig):
                 "Convert them, or set task.streaming=false.")
         stream = datasets.load_dataset(builders.pop(), data_files=[str(p) for p in paths],
                                        split="train", streaming=True)
-        evaluation = _from_files(task.eval_files, "task.eval_files", task)
+        evaluation = _from_files(task.eval_files, "task.eval_files", task, cache_dir)
         where = "task.files"
     else:
         where = f"task.hub_path={task.hub_path!r} split {task.hub_split!r} (streamed)"
@@ -173,8 +176,8 @@ def open_conversation_stream(task: TaskConfig):
             raise FlaxlmError(f"Could not stream {where}: {root_cause(err)}. Check the "
                               "dataset, config and split names, and that the Hub is "
                               "reachable.") from err
-        evaluation = (_from_files(task.eval_files, "task.eval_files", task) if task.eval_files
-                      else _from_hub(task, task.hub_eval_split))
+        evaluation = (_from_files(task.eval_files, "task.eval_files", task, cache_dir)
+                      if task.eval_files else _from_hub(task, task.hub_eval_split))
     first = next(iter(stream), None)
     if first is None:
         raise FlaxlmError(f"{where} holds no conversation. Add some, or point to other data.")

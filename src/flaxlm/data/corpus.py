@@ -4,7 +4,8 @@ Three sources, all ending as a `datasets.Dataset` with one column, "text":
 
 * `builtin`: the interpreter's own documentation (pydoc topics and the docstrings of the pure-Python
   standard library), so that every machine with Python can train something offline;
-* `files`: local .txt / .jsonl / .json / .parquet / .csv files, given as paths or glob patterns;
+* `files`: .txt / .jsonl / .json / .parquet / .csv files, given as paths or glob patterns, local
+  or in a bucket (s3://, gs://);
 * `hub`: `datasets.load_dataset` on a Hugging Face Hub dataset (or a local directory of data files).
 
 Blank documents are dropped, then validation is the FIRST
@@ -79,13 +80,13 @@ class CorpusSplits:
 
 def load_corpus(language: LanguageConfig, cache_dir: str | None = None) -> CorpusSplits:
     """Load the corpus `language` names, drop blank documents, and split it (the builtin
-    corpus is kept under `cache_dir`, if given, once read)."""
+    corpus, and copies of files in a bucket, are kept under `cache_dir`)."""
     _check_split_settings(language)
     if language.source == CorpusSource.builtin:
         corpus = text_dataset(builtin_documents(cache_dir))
         origin = "the builtin corpus (language.source=builtin)"
     elif language.source == CorpusSource.files:
-        corpus = _load_files(language)
+        corpus = _load_files(language, cache_dir)
         origin = f"language.files={list(language.files)}"
     elif language.source == CorpusSource.hub:
         corpus = _load_hub(language)
@@ -227,21 +228,21 @@ def _docstrings(path: Path) -> str:
 # --- files ---------------------------------------------------------------------------------------
 
 
-def _load_files(language: LanguageConfig) -> datasets.Dataset:
-    paths = _expand(language.files)
+def _load_files(language: LanguageConfig, cache_dir: str | None) -> datasets.Dataset:
+    paths = _expand(language.files, cache_dir)
     for path in paths:
         _check_file(path)
     parts = [_load_file(path, language) for path in paths]
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
-def _expand(patterns: list[str]) -> list[Path]:
+def _expand(patterns: list[str], cache_dir: str | None) -> list[Path]:
     if not patterns:
         raise FlaxlmError(
             "language.source=files but language.files is empty: give one or more paths or glob "
             "patterns, e.g. language.files=[data/*.txt]."
         )
-    return expand_patterns(patterns, "language.files")
+    return expand_patterns(patterns, "language.files", cache_dir)
 
 
 def _check_file(path: Path) -> None:
@@ -447,13 +448,14 @@ STREAMING_EVAL_DOCS = 1000  # language.max_eval_docs when streaming and null
 
 
 def load_corpus_stream(
-    language: LanguageConfig,
+    language: LanguageConfig, cache_dir: str | None = None
 ) -> tuple[datasets.Dataset, datasets.IterableDataset]:
     """(validation, train) for language.streaming: validation is the first `max_eval_docs`
     non-blank documents of the stream, materialised (small); train is the rest of the stream,
-    never materialised. Train skips the validation head, so no document is in both."""
+    never materialised. Train skips the validation head, so no document is in both. Files in
+    a bucket are streamed from their copies in `cache_dir`."""
     _check_split_settings(language)
-    stream = _drop_blank_stream(_open_stream(language))
+    stream = _drop_blank_stream(_open_stream(language, cache_dir))
     n_validation = language.max_eval_docs or STREAMING_EVAL_DOCS
     validation = text_dataset([row["text"] for row in stream.take(n_validation)])
     if len(validation) < n_validation:
@@ -468,9 +470,9 @@ def load_corpus_stream(
     return validation, train
 
 
-def _open_stream(language: LanguageConfig) -> datasets.IterableDataset:
+def _open_stream(language: LanguageConfig, cache_dir: str | None) -> datasets.IterableDataset:
     if language.source == CorpusSource.files:
-        return _stream_files(language)
+        return _stream_files(language, cache_dir)
     if language.source == CorpusSource.hub:
         return _stream_hub(language)
     if language.source == CorpusSource.builtin:  # small and in memory anyway: stream it as well
@@ -493,9 +495,9 @@ def _stream_hub(language: LanguageConfig) -> datasets.IterableDataset:
     )
 
 
-def _stream_files(language: LanguageConfig) -> datasets.IterableDataset:
+def _stream_files(language: LanguageConfig, cache_dir: str | None) -> datasets.IterableDataset:
     """One stream over the files in language.files order; each file is one shard."""
-    paths = _expand(language.files)
+    paths = _expand(language.files, cache_dir)
     for path in paths:
         # The UTF-8 scan of _check_file would read every file once more before training.
         if path.suffix.lower() not in _BUILDERS or path.stat().st_size == 0:

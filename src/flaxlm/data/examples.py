@@ -46,16 +46,17 @@ class Examples:
     label_names: list[str] | None  # class names by id, when the data name them
 
 
-def load_examples(task: TaskConfig) -> Examples:
+def load_examples(task: TaskConfig, cache_dir: str | None = None) -> Examples:
     """Both splits of the data `task` names, with normalised columns and checked labels.
 
     Local files win when `task.files` is set (so a Hub preset can be pointed at local
-    copies by adding files); otherwise `task.hub_path` is loaded.
+    copies by adding files); otherwise `task.hub_path` is loaded. Copies of files in a
+    bucket are kept in `cache_dir`.
     """
     if task.files or task.eval_files:
         _check_both_files(task)
-        train = _load_files(task.files, "task.files", task)
-        evaluation = _load_files(task.eval_files, "task.eval_files", task)
+        train = _load_files(task.files, "task.files", task, cache_dir)
+        evaluation = _load_files(task.eval_files, "task.eval_files", task, cache_dir)
         train_where = f"task.files={list(task.files)}"
         eval_where = f"task.eval_files={list(task.eval_files)}"
     elif task.hub_path:
@@ -112,10 +113,11 @@ def _check_both_files(task: TaskConfig) -> None:
             )
 
 
-def _load_files(patterns: list[str], setting: str, task: TaskConfig) -> datasets.Dataset:
+def _load_files(patterns: list[str], setting: str, task: TaskConfig, cache_dir: str | None
+                ) -> datasets.Dataset:
     parts = [
         _map_columns(read_data_file(path, setting), task, repr(str(path)))
-        for path in expand_patterns(patterns, setting)
+        for path in expand_patterns(patterns, setting, cache_dir)
     ]
     return parts[0] if len(parts) == 1 else _concatenate(parts)
 

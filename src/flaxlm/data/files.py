@@ -1,6 +1,7 @@
-"""Local data files named by a setting (language.files, task.files, ...): matching the
-patterns, checking each file before `datasets` reads it, and turning `datasets`' failures into
-one readable line."""
+"""Data files named by a setting (language.files, task.files, ...): matching the patterns
+(local paths and globs, or bucket URLs such as s3://bucket/dir/*.jsonl, whose objects are read
+from local copies in the cache), checking each file before `datasets` reads it, and turning
+`datasets`' failures into one readable line."""
 
 from __future__ import annotations
 
@@ -12,14 +13,22 @@ from pathlib import Path
 
 import datasets
 
+from flaxlm.data.objects import local_copy
 from flaxlm.errors import FlaxlmError
+from flaxlm.storage import glob_objects, is_url
 
 
-def expand_patterns(patterns: list[str], setting: str) -> list[Path]:
+def expand_patterns(patterns: list[str], setting: str, cache_dir: str | None = None
+                    ) -> list[Path]:
     """Files matched by each path or glob of `setting`, sorted per pattern, in pattern order,
-    without repeats; a pattern that matches nothing is an error naming it."""
+    without repeats; a pattern that matches nothing is an error naming it. A bucket URL's
+    objects are copied into `cache_dir` (once per version) and named by their copies."""
     paths: dict[Path, None] = {}  # an ordered set
     for pattern in patterns:
+        if is_url(pattern):
+            urls = glob_objects(pattern, setting)
+            paths.update((local_copy(url, cache_dir, setting), None) for url in urls)
+            continue
         matches = sorted(
             p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p)
         )

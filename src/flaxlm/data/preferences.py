@@ -48,8 +48,9 @@ class Preferences:
     origin: str  # for the banner
 
 
-def load_preferences(task: TaskConfig) -> Preferences:
-    """Both splits of the pairs `task` names, every one checked."""
+def load_preferences(task: TaskConfig, cache_dir: str | None = None) -> Preferences:
+    """Both splits of the pairs `task` names, every one checked; copies of files in a bucket
+    are kept in `cache_dir`."""
     if task.drills > 0:
         drills = [Pair([{"role": "user", "content": prompt}],
                        [{"role": "assistant", "content": chosen}],
@@ -58,9 +59,10 @@ def load_preferences(task: TaskConfig) -> Preferences:
         train, held = hold_out(drills, task.eval_fraction, "task.drills", PAIR)
         return Preferences(train, held, f"{task.drills} generated preference pairs")
     if task.files:
-        train = _from_files(task.files, "task.files", task)
+        train = _from_files(task.files, "task.files", task, cache_dir)
         if task.eval_files:
-            return Preferences(train, _from_files(task.eval_files, "task.eval_files", task),
+            return Preferences(train,
+                               _from_files(task.eval_files, "task.eval_files", task, cache_dir),
                                "task.files")
         return Preferences(*hold_out(train, task.eval_fraction, "task.files", PAIR), "task.files")
     if task.hub_path:
@@ -80,8 +82,10 @@ NO_DATA = (
     "or task.drills=4000 for generated offline pairs (experiment=dpo-llama-tiny-offline).")
 
 
-def _from_files(patterns: list[str], setting: str, task: TaskConfig) -> list[Pair]:
-    return rows_from_files(patterns, setting, lambda table, where: pairs_of(table, task, where))
+def _from_files(patterns: list[str], setting: str, task: TaskConfig, cache_dir: str | None
+                ) -> list[Pair]:
+    return rows_from_files(patterns, setting, lambda table, where: pairs_of(table, task, where),
+                           cache_dir)
 
 
 def _from_hub(task: TaskConfig, split: str) -> list[Pair]:

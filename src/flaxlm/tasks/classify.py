@@ -97,7 +97,7 @@ class Classification:
         config = job.config
         start = base.model_start(config)
         check_max_length(max_length, start.model)
-        examples = load_examples(config.task)
+        examples = load_examples(config.task, config.cache_dir)
         metrics = config.task.metrics or evaluation.default_metrics(examples.num_labels,
                                                                     examples.is_regression)
         evaluation.check_metrics(metrics, examples.is_regression)

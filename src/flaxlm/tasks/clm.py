@@ -202,7 +202,7 @@ def _streamed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, tok
     fly from this process's shard of the rest of the stream. Its fingerprint: the validation
     head's text and the first STREAM_CHECKED_DOCS training documents (reading the whole
     stream would cost a pass over it at every start)."""
-    validation, train_stream = load_corpus_stream(config.language)
+    validation, train_stream = load_corpus_stream(config.language, config.cache_dir)
     if tokenizer is None:
         sample = text_dataset(
             [row["text"] for row in train_stream.take(config.tokenizer.train_docs)])
@@ -261,7 +261,7 @@ def _read_source(name: str, language: LanguageConfig, config: TrainConfig) -> _S
         if not language.streaming:
             corpus = load_corpus(language, config.cache_dir)
             return _Source(language, corpus.validation, corpus.train, corpus.train)
-        validation, train = load_corpus_stream(language)
+        validation, train = load_corpus_stream(language, config.cache_dir)
         head = text_dataset([row["text"] for row in train.take(config.tokenizer.train_docs)])
         if not len(head):
             raise FlaxlmError(f"{name}'s training stream holds no document after its "

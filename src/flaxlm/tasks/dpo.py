@@ -159,7 +159,7 @@ def _data(config: TrainConfig, start: base.Start, seq_len: int, batch_size: int,
           mesh) -> PreferenceData:
     """Every pair read, checked and laid out in rows up front."""
     task = config.task
-    pairs = load_preferences(task)
+    pairs = load_preferences(task, config.cache_dir)
     tokenizer = chat_tokenizer(config, start, [[*pair.prompt, *pair.chosen, *pair.rejected]
                                                for pair in pairs.train])
     pad_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None

@@ -164,7 +164,7 @@ def _pad_id(tokenizer) -> int:
 def _data(config: TrainConfig, start: Start, seq_len: int, batch_size: int, mesh) -> ChatData:
     """Every conversation read, checked and laid out in rows up front."""
     task = config.task
-    conversations = load_conversations(task)
+    conversations = load_conversations(task, config.cache_dir)
     tokenizer = chat_tokenizer(config, start, conversations.train)
     train_rows, eval_rows = (
         encode_conversations(tokenizer, rows, seq_len, task.long_conversations, where,
@@ -185,7 +185,7 @@ def _streamed_data(config: TrainConfig, start: Start, seq_len: int, batch_size: 
     rows as this process's shard of the stream is read (data/chat_stream.py). A BPE trains on
     the stream's first tokenizer.train_docs conversations."""
     task = config.task
-    evaluation, stream, turns_of = open_conversation_stream(task)
+    evaluation, stream, turns_of = open_conversation_stream(task, config.cache_dir)
     head = [turns_of(row, f"the training stream, conversation {index + 1}")
             for index, row in enumerate(stream.take(config.tokenizer.train_docs))]
     tokenizer = chat_tokenizer(config, start, head)

@@ -1,0 +1,159 @@
+"""Paths that may be object-store URLs (s3://, gs://, any fsspec URL): which ones are, the
+filesystem that reads them, and what object stores say when something is wrong, as one
+paragraph naming the URL and the fix.
+
+Credentials and endpoints are never settings of flaxlm: each library finds its own (AWS's
+variables and ~/.aws files for s3fs, Application Default Credentials for gcsfs, and the
+endpoint variables AWS_ENDPOINT_URL_S3 / STORAGE_EMULATOR_HOST that also point them at an
+emulator), so a machine set up for `aws s3` or `gcloud storage` reads its buckets here too.
+"""
+
+from __future__ import annotations
+
+import json
+
+from flaxlm.errors import FlaxlmError
+
+# The fsspec packages of the common stores, all installed by flaxlm's `cloud` extra.
+_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
+
+# Fields of fsspec's `info()` that change when an object is rewritten: S3's ETag and time,
+# GCS's generation and hashes, a file's mtime. Any present, with the size, identify a version.
+_VERSION_FIELDS = ("ETag", "etag", "VersionId", "generation", "md5Hash", "crc32c",
+                   "LastModified", "updated", "mtime", "size")
+
+
+def is_url(path: str) -> bool:
+    """A URL with a scheme (s3://bucket/key), as against a local path ('~/data/*.txt')."""
+    scheme, sep, _ = str(path).partition("://")
+    return bool(sep) and scheme.isidentifier() and scheme.lower() != "file"
+
+
+def filesystem(url: str, setting: str):
+    """The fsspec filesystem for `url`'s scheme; a scheme without its package installed, or
+    one fsspec does not know, is one paragraph naming the package or extra."""
+    import fsspec
+
+    scheme = url.partition("://")[0].lower()
+    try:
+        return fsspec.filesystem(scheme)
+    except ImportError as err:
+        package = _PACKAGES.get(scheme)
+        fix = (f"pip install 'flaxlm[cloud]', which installs {package} (in a checkout: "
+               ".venv/bin/pip install -e '.[cloud]')" if package else str(err).rstrip("."))
+        raise FlaxlmError(
+            f"{setting}: reading {url!r} needs the fsspec package for {scheme}://, which is not "
+            f"installed. Fix: {fix}."
+        ) from None
+    except ValueError as err:  # "Protocol not known"
+        raise FlaxlmError(
+            f"{setting}: {url!r} has the scheme {scheme}://, which no fsspec filesystem serves "
+            f"({err}). Use s3://, gs:// or a local path."
+        ) from None
+
+
+def glob_objects(pattern: str, setting: str) -> list[str]:
+    """The objects `pattern` (a URL, with *, ** or ?) matches, as URLs, sorted. No match is an
+    error that says whether the bucket itself is missing."""
+    fs = filesystem(pattern, setting)
+    scheme, _, rest = pattern.partition("://")
+    # A run reads its data once; a listing cached by fsspec from earlier in the process could
+    # hide an object rewritten since.
+    fs.invalidate_cache()
+    try:
+        matches = [m for m, info in fs.glob(rest, detail=True).items()
+                   if info.get("type") != "directory"]
+    except FileNotFoundError:  # gcsfs, listing a bucket that does not exist; s3fs finds none
+        matches = []
+    except Exception as err:
+        raise storage_error(err, pattern, setting) from None
+    if matches:
+        return sorted(f"{scheme}://{m}" for m in matches)
+    bucket = rest.split("/", 1)[0]
+    try:
+        bucket_exists = fs.exists(bucket)
+    except Exception as err:
+        raise storage_error(err, f"{scheme}://{bucket}", setting) from None
+    if not bucket_exists:
+        raise _no_bucket(pattern, f"{scheme}://{bucket}", setting)
+    raise FlaxlmError(
+        f"{setting}: the pattern {pattern!r} matches no object in the bucket "
+        f"'{scheme}://{bucket}'. Fix the key or glob (list the bucket with "
+        f"`{_lister(scheme)} {scheme}://{bucket}/`); * stays within one folder, ** reaches "
+        "into subfolders."
+    )
+
+
+def object_version(url: str, setting: str) -> str:
+    """What identifies the version of the object at `url` (ETag or generation, size, time) as
+    one string: equal strings, the same bytes."""
+    fs = filesystem(url, setting)
+    try:
+        info = fs.info(url.partition("://")[2])
+    except Exception as err:
+        raise storage_error(err, url, setting) from None
+    return json.dumps({k: str(info[k]) for k in _VERSION_FIELDS if k in info}, sort_keys=True)
+
+
+def download(url: str, local_path: str, setting: str) -> None:
+    """Copy the object at `url` to the local file `local_path`."""
+    fs = filesystem(url, setting)
+    try:
+        fs.get_file(url.partition("://")[2], local_path)
+    except Exception as err:
+        raise storage_error(err, url, setting) from None
+
+
+# What the clients raise when they find no credentials (botocore; google-auth, under gcsfs).
+_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError",
+                   "RefreshError")
+
+
+def storage_error(err: BaseException, url: str, setting: str) -> FlaxlmError:
+    """What an object store's client raised about `url`, as one paragraph with the fix."""
+    scheme = url.partition("://")[0].lower()
+    bucket = f"{scheme}://{url.partition('://')[2].split('/', 1)[0]}"
+    cause = f"{type(err).__name__}: {err}".strip()
+    if type(err).__name__ in _NO_CREDENTIALS:
+        return FlaxlmError(f"{setting}: no credentials to read {url!r} ({cause}). "
+                           f"{_credentials_fix(scheme)}")
+    # s3fs raises PermissionError for S3's AccessDenied; gcsfs an OSError("Forbidden: ...").
+    if isinstance(err, PermissionError) or str(err).startswith(("Forbidden", "Unauthorized")):
+        return FlaxlmError(
+            f"{setting}: access to {url!r} was denied ({cause}). The credentials found may not "
+            f"read {bucket}: grant them read access, or use others. {_credentials_fix(scheme)}"
+        )
+    if isinstance(err, FileNotFoundError):
+        return FlaxlmError(f"{setting}: {url!r} does not exist ({cause}). Fix the URL, or list "
+                           f"the bucket with `{_lister(scheme)} {bucket}/`.")
+    return FlaxlmError(
+        f"{setting}: could not read {url!r} ({cause}). Check the URL, this machine's access to "
+        f"the store (network, endpoint variables) and its credentials. "
+        f"{_credentials_fix(scheme)}"
+    )
+
+
+def _no_bucket(url: str, bucket: str, setting: str) -> FlaxlmError:
+    return FlaxlmError(
+        f"{setting}: {url!r} names the bucket {bucket!r}, which does not exist (or is not "
+        f"visible to these credentials). Fix the bucket's name in {setting}, or create it "
+        f"(`{_lister(bucket.partition('://')[0])} {bucket}` lists it once it exists)."
+    )
+
+
+def _lister(scheme: str) -> str:
+    """The command that lists a bucket of `scheme`, for the messages."""
+    if scheme in ("s3", "s3a"):
+        return "aws s3 ls"
+    return "gcloud storage ls" if scheme in ("gs", "gcs") else "fsspec's ls"
+
+
+def _credentials_fix(scheme: str) -> str:
+    if scheme in ("s3", "s3a"):
+        return ("Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or an "
+                "instance role); for another S3-compatible store, AWS_ENDPOINT_URL_S3.")
+    if scheme in ("gs", "gcs"):
+        return ("Run `gcloud auth application-default login`, or set "
+                "GOOGLE_APPLICATION_CREDENTIALS to a service account's key file (a TPU VM "
+                "uses its service account).")
+    return "Give the credentials as the fsspec package for this scheme expects them."
