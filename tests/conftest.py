@@ -39,6 +39,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
 
+# The S3 and GCS emulators, started by the tests that ask for a bucket (tests/buckets.py).
+from buckets import gcs, gcs_endpoint, gcs_env, s3, s3_endpoint, s3_env  # noqa: E402, F401
+
 # A module's end-to-end tests (`slow`, `multiprocess`) take ten times an ordinary test's time, or
 # more: its weight, for the order below.
 _LONG_MARKERS = {"slow", "multiprocess"}

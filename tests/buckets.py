@@ -1,0 +1,134 @@
+"""Buckets for the tests: S3 and GCS emulators that the tests start themselves on localhost,
+once per session (per pytest-xdist worker), and fixtures that give each test a new bucket.
+
+S3: moto's server (`moto[server]`), which s3fs and tensorstore's `s3` driver both talk to.
+GCS: gcp-storage-emulator, a pure-Python server (no Docker, no Go binary: CI installs it with
+pip), which gcsfs reaches through STORAGE_EMULATOR_HOST and tensorstore's `gcs` driver through
+TENSORSTORE_GCS_HTTP_URL. Every client is pointed at them by the variables the libraries
+themselves read, as a user's machine would be: flaxlm's code has no test endpoints in it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import uuid
+
+import pytest
+
+# gcsfs asks the Storage Control API (gRPC) whether a bucket is hierarchical before it lists it,
+# which an emulator does not serve: the question waited 60 s twice per bucket. The variable is
+# read when gcsfs is imported, hence here, before any test imports it.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+
+@dataclasses.dataclass
+class Bucket:
+    """A new, empty bucket: `url` is its scheme and name (s3://name), `fs` its filesystem."""
+
+    url: str
+    fs: object
+
+    def put(self, key: str, data: str | bytes) -> str:
+        """Write the object `key` and return its URL."""
+        self.fs.pipe(f"{self.name}/{key}", data.encode() if isinstance(data, str) else data)
+        return f"{self.url}/{key}"
+
+    @property
+    def name(self) -> str:
+        return self.url.partition("://")[2]
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> str:
+    from moto.server import ThreadedMotoServer
+
+    # werkzeug logs every request on stderr, where it buries a failing test's own output
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_endpoint, monkeypatch) -> dict[str, str]:
+    """AWS's own variables pointed at the emulator, with credentials it accepts; no config
+    files or instance metadata looked up (the latter waits on a network timeout)."""
+    env = {"AWS_ENDPOINT_URL_S3": s3_endpoint, "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": os.devnull,
+           "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+    _forget_filesystems()
+    yield env
+    _forget_filesystems()
+
+
+@pytest.fixture
+def s3(s3_env) -> Bucket:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    fs.mkdir(name)
+    return Bucket(f"s3://{name}", fs)
+
+
+@pytest.fixture(scope="session")
+def gcs_endpoint() -> str:
+    from gcp_storage_emulator.server import create_server
+
+    logging.getLogger("gcp_storage_emulator").setLevel(logging.ERROR)
+    server = create_server("127.0.0.1", 0, in_memory=True)
+    server.start()
+    # The emulator does not say which port port 0 became; its HTTP server knows.
+    port = server._api._httpd.server_address[1]
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def gcs_env(gcs_endpoint, monkeypatch) -> dict[str, str]:
+    """The emulator's variables for gcsfs (and google-cloud-storage) and for tensorstore, with a
+    fixed token so that no client looks for Google credentials (the metadata server's probe
+    hung for minutes in this sandbox)."""
+    env = {"STORAGE_EMULATOR_HOST": gcs_endpoint, "TENSORSTORE_GCS_HTTP_URL": gcs_endpoint,
+           "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test", "NO_GCE_CHECK": "true",
+           "FSSPEC_GCS_TOKEN": "anon"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    _forget_filesystems()
+    yield env
+    _forget_filesystems()
+
+
+@pytest.fixture
+def gcs(gcs_env) -> Bucket:
+    import gcsfs
+
+    fs = gcsfs.GCSFileSystem(token="anon", skip_instance_cache=True)
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    fs.mkdir(name)
+    return Bucket(f"gs://{name}", fs)
+
+
+def _forget_filesystems() -> None:
+    """fsspec keeps one filesystem per set of arguments, made with the environment of its
+    time, and reads FSSPEC_* variables once, at import: after the environment changes, both
+    are made again."""
+    import fsspec
+    import fsspec.config
+
+    fsspec.config.conf.clear()
+    fsspec.config.set_conf_env(fsspec.config.conf)
+    for protocol in ("s3", "gs"):
+        try:
+            fsspec.get_filesystem_class(protocol).clear_instance_cache()
+        except ImportError:
+            pass
