@@ -112,7 +112,7 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         # The step compiles at its first call (the train step's, or an evaluation's).
         known = (disk_full_error(err, run.path) or distributed.lost_peer_error(err, run.path)
                  or kernel_compile_error(err, attention)
-                 or out_of_memory_error(err, config, jax.devices()[0].device_kind))
+                 or out_of_memory_error(err, config))
         _record_status(run.path, FAILED, _failure_reason(known or err))
         if known is not None:
             raise known from err

@@ -356,7 +356,7 @@ def _splash_rows(q_BxNxLxH, k_BxGxKxH, v_BxGxKxH, segment_ids_BxL, *, is_causal:
     head_mask = splash.CausalMask((L, K)) if is_causal else splash.FullMask((L, K))
     # One backward kernel for dq, dk and dv (the fused one) rather than two that each
     # recompute the probabilities: on a TPU v5e, 11% less time for forward + backward at
-    # 2048 tokens with heads of 64 (docs/benchmarks.md, "Splash tiles").
+    # 2048 tokens with heads of 64 (docs/benchmarks.md, "MFU on one TPU v5e chip").
     kernel = splash.make_splash_mha(
         splash.MultiHeadMask([head_mask] * N), head_shards=1, q_seq_shards=1,
         block_sizes=splash.BlockSizes(

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import jax
+
 from flaxlm.config import OptimizerName, Remat, TrainConfig
 from flaxlm.errors import FlaxlmError, causes
 
@@ -47,16 +49,15 @@ MEMORY_RECIPES = (
 )
 
 
-def out_of_memory_error(err: BaseException, config: TrainConfig,
-                        device_kind: str) -> FlaxlmError | None:
+def out_of_memory_error(err: BaseException, config: TrainConfig) -> FlaxlmError | None:
     """A step that XLA could not fit in the devices' memory (at compile time on a TPU, when
     allocating elsewhere), as one paragraph: what XLA said, and the recipes this run does not
     use yet; None for any other error."""
-    said = next((str(cause) for cause in causes(err) if "RESOURCE_EXHAUSTED" in str(cause)),
-                None)
+    said = next((str(cause) for cause in causes(err) if _out_of_memory(str(cause))), None)
     if said is None:
         return None
     reason = said.split("RESOURCE_EXHAUSTED:", 1)[1].strip().splitlines()[0].rstrip(".")
+    device_kind = jax.devices()[0].device_kind  # the step compiled: the backend is up
     recipes = [" ".join(r.overrides) for r in MEMORY_RECIPES if not r.in_effect(config)]
     rows = config.hardware.per_device_batch_size
     smaller = (f"hardware.per_device_batch_size={rows // 2} "
@@ -73,3 +74,10 @@ def out_of_memory_error(err: BaseException, config: TrainConfig,
         + " (docs/planning.md, memory recipes)."
     )
 
+
+def _out_of_memory(text: str) -> bool:
+    """XLA's words for a program or buffer that does not fit ("Ran out of memory in memory
+    space hbm", "Out of memory while trying to allocate"), not any RESOURCE_EXHAUSTED (a full
+    disk, a service's quota)."""
+    return "RESOURCE_EXHAUSTED" in text and any(
+        word in text.lower() for word in ("out of memory", "hbm"))
