@@ -30,12 +30,12 @@ args = sys.argv[1:]
 with open(os.environ["STAND_IN_GCLOUD_LOG"], "a") as log:
     log.write(json.dumps(args) + "\\n")
 verb, name = args[3], args[4]
-workers = json.loads(os.environ["STAND_IN_SLICES"]).get(name)
+workers, state = json.loads(os.environ["STAND_IN_SLICES"]).get(name, (None, None))
 if workers is None:
     sys.exit(f"ERROR: (gcloud.compute.tpus.tpu-vm.{{verb}}) NOT_FOUND: Resource "
              f"'projects/p/locations/z/nodes/{{name}}' was not found")
 if verb == "describe":
-    print(json.dumps({{"state": "READY", "networkEndpoints": [
+    print(json.dumps({{"state": state, "networkEndpoints": [
         {{"ipAddress": f"10.0.0.{{i + 2}}", "port": 8470}} for i in range(workers)]}}))
     sys.exit(0)
 [command] = [a.split("=", 1)[1] for a in args if a.startswith("--command=")]
@@ -43,7 +43,8 @@ os.execvp("bash", ["bash", "-c", command])
 """
 
 # What each worker was given, then its output; exits with FAIL_CODE on worker FAIL_WORKER, and
-# there after FAIL_AFTER_S seconds; worker HANG_WORKER never ends by itself.
+# there after FAIL_AFTER_S seconds; worker HANG_WORKER never ends by itself; with PREEMPT set,
+# every worker exits as a preempted flaxlm-train does.
 STAND_IN_TRAIN = """import json, os, sys, time
 
 worker = int(next((a.split("=")[1] for a in sys.argv if "process_id=" in a), "0"))
@@ -54,6 +55,9 @@ with open(os.environ["STAND_IN_TRAIN_LOG"], "a") as log:
 print(f"worker {worker} says hello", flush=True)
 if worker == int(os.environ.get("HANG_WORKER", "-1")):
     time.sleep(600)
+if os.environ.get("PREEMPT"):  # as flaxlm-train stopped by SIGTERM, after its checkpoint
+    print(f"flaxlm: stopped by SIGTERM on worker {worker}", flush=True)
+    sys.exit(75)
 if worker == int(os.environ.get("FAIL_WORKER", "-1")):
     time.sleep(float(os.environ.get("FAIL_AFTER_S", "0")))
     sys.exit(f"worker {worker}: something broke")
@@ -69,7 +73,8 @@ EXPLICIT = ["hardware.distributed.mode=explicit",
 
 @pytest.fixture
 def stand_in(tmp_path, monkeypatch):
-    """A stand-in gcloud first on PATH knowing a slice `two` of 2 workers, and a stand-in
+    """A stand-in gcloud first on PATH knowing a slice `two` of 2 workers (and `gone`, whose 2
+    workers were taken away), and a stand-in
     flaxlm-train; returns the logs of both."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -79,7 +84,8 @@ def stand_in(tmp_path, monkeypatch):
     (tmp_path / "train.py").write_text(STAND_IN_TRAIN)
     logs = {"gcloud": tmp_path / "gcloud.log", "train": tmp_path / "train.log"}
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("STAND_IN_SLICES", json.dumps({"two": 2}))
+    monkeypatch.setenv("STAND_IN_SLICES", json.dumps({"two": [2, "READY"],
+                                                       "gone": [2, "PREEMPTED"]}))
     monkeypatch.setenv("STAND_IN_GCLOUD_LOG", str(logs["gcloud"]))
     monkeypatch.setenv("STAND_IN_TRAIN_LOG", str(logs["train"]))
     return logs
@@ -159,6 +165,33 @@ def test_after_a_worker_failed_the_others_are_stopped_once_their_peers_timeout_p
     assert "worker 0 of 2 on slice two exited -15" in result.stderr  # SIGTERM
 
 
+def test_a_preempted_job_stops_the_sweep_with_exit_75_as_flaxlms_own_jobs_do(
+        tmp_path, stand_in, train_cli, monkeypatch):
+    monkeypatch.setenv("PREEMPT", "1")
+    result = launch(train_cli, tmp_path, "optimizer.lr=1e-3,3e-4", *EXPLICIT)
+    assert result.returncode == 75, result.stderr
+    assert "1 preempted" in result.stdout
+    assert "stopped at job #0 (preempted); the jobs after it were not started" in result.stdout
+    assert {r["job"] for r in records(stand_in["train"])} == {"0"}
+    status = json.loads((tmp_path / "sweep" / "job-status" / "0.json").read_text())
+    assert status["status"] == "preempted" and "stopped by SIGTERM on worker 0" in status["reason"]
+
+
+def test_a_launcher_stopped_midway_leaves_its_job_recorded_running(
+        tmp_path, stand_in, train_cli, monkeypatch):
+    """What a sweep started again in that directory marks failed (flaxlm.cli.sweep)."""
+    monkeypatch.setenv("HANG_WORKER", "0")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tpu_vm, "_wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        launch(train_cli, tmp_path, *EXPLICIT)
+    status = json.loads((tmp_path / "sweep" / "job-status" / "0.json").read_text())
+    assert status["status"] == "running"
+
+
 @pytest.mark.parametrize(("settings", "path", "expected"), [
     (["hydra.launcher.name=null", "hydra.launcher.zone=null"], True,
      "launcher=tpu-vm needs hydra.launcher.name and hydra.launcher.zone"),
@@ -166,6 +199,8 @@ def test_after_a_worker_failed_the_others_are_stopped_once_their_peers_timeout_p
     (["hydra.launcher.name=nine"], True,
      "`compute tpus tpu-vm describe nine --zone=europe-west4-a --format=json` failed (ERROR: "
      "(gcloud.compute.tpus.tpu-vm.describe) NOT_FOUND"),
+    (["hydra.launcher.name=gone"], True, "slice gone in europe-west4-a is PREEMPTED with 2 "
+     "workers; a run needs it READY"),
     (["hardware.distributed.mode=off"], True,
      "hardware.distributed.mode=off on a slice of 2 workers: each would train alone"),
     ([*EXPLICIT, "hardware.distributed.num_processes=4"], True,

@@ -40,11 +40,12 @@ class TpuVmLauncher(Launcher):
     def _launch(self, job_overrides: Sequence[Sequence[str]],
                 initial_job_idx: int) -> list[JobReturn]:
         from flaxlm.cli import tpu_vm
-        from flaxlm.layout import JOB_PREEMPTED, job_status_path
+        from flaxlm.cli.sweep import print_summary
+        from flaxlm.layout import JOB_FAILED, JOB_PREEMPTED, JOB_RUNNING, job_status_path
         from flaxlm.run_records import job_status_record, write_job_status
 
-        settings = tpu_vm.Slice(**{**self.settings, "ssh_flags": tuple(
-            self.settings.get("ssh_flags") or ())})
+        settings = tpu_vm.Slice(**{**self.settings, "env": dict(self.settings.get("env") or {}),
+                                   "ssh_flags": tuple(self.settings.get("ssh_flags") or ())})
         gcloud = tpu_vm.check_slice(settings)
         if self.workers is None:
             self.workers = tpu_vm.slice_workers(settings, gcloud)
@@ -62,6 +63,11 @@ class TpuVmLauncher(Launcher):
             commands = [tpu_vm.ssh_command(settings, gcloud, worker, arguments)
                         for worker, arguments in enumerate(tpu_vm.worker_overrides(
                             overrides, run_dir, distributed, len(self.workers)))]
+            status_path = job_status_path(sweep_dir, run_dir, number)
+            # "running" until the workers end: a record left so names a job whose launcher
+            # was stopped, as for flaxlm's own jobs (flaxlm.cli.sweep).
+            write_job_status(status_path, job_status_record(number, JOB_RUNNING, "started",
+                                                            [*overrides], run_dir))
             print(f"flaxlm: job #{number} ({' '.join(filter_overrides(overrides))}) on the "
                   f"{len(commands)} workers of slice {settings.name}; worker 0's output "
                   "follows", flush=True)
@@ -69,18 +75,17 @@ class TpuVmLauncher(Launcher):
                 commands, os.path.join(sweep_dir, tpu_vm.LOG_SUBDIR, str(number)),
                 stop_after_s=distributed["timeout_s"] + tpu_vm.STOP_SLACK_S)
             status, reason = tpu_vm.outcome(ends, settings.name)
-            if status != "ok":
+            if status == JOB_FAILED:
                 print(f"flaxlm: error: job #{number}: {reason}", file=sys.stderr, flush=True)
-            write_job_status(job_status_path(sweep_dir, run_dir, number), job_status_record(
-                number, status, reason, [*overrides], run_dir))
+            write_job_status(status_path, job_status_record(number, status, reason,
+                                                            [*overrides], run_dir))
+            if status == JOB_PREEMPTED:  # the slice is being taken away: as a job of flaxlm's
+                print_summary(sweep_dir, stopped_after=number)
+                sys.exit(tpu_vm.PREEMPTED_EXIT_CODE)
             # The objective stays on the slice: a sweeper that needs each job's value
             # (Optuna) gets None, as for a failed job; a grid needs none.
             returns.append(JobReturn(overrides=list(overrides), cfg=config,
                                      hydra_cfg=config, working_dir=os.getcwd(),
                                      task_name=config.hydra.job.name,
                                      status=JobStatus.COMPLETED, _return_value=None))
-            if status == JOB_PREEMPTED:  # the slice is being taken away
-                print(f"flaxlm: the multirun stopped at job #{number} (preempted); the jobs "
-                      "after it were not started", flush=True)
-                break
         return returns
