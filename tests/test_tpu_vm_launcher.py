@@ -203,6 +203,9 @@ def test_a_launcher_stopped_midway_leaves_its_job_recorded_running(
      "workers; a run needs it READY"),
     (["hardware.distributed.mode=off"], True,
      "hardware.distributed.mode=off on a slice of 2 workers: each would train alone"),
+    (["hardware.distributed.mode=explicit"], True, "hardware.distributed.mode=explicit needs "
+     "hardware.distributed.coordinator_address: worker 0's internal address and a free port, "
+     "e.g. 10.0.0.2:8482"),  # as gcloud described worker 0
     ([*EXPLICIT, "hardware.distributed.num_processes=4"], True,
      "hardware.distributed.num_processes=4, but the slice has 2 workers"),
 ])

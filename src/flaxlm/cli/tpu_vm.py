@@ -122,10 +122,11 @@ def slice_workers(settings: Slice, gcloud: str) -> list[str]:
 
 
 def worker_overrides(job_overrides: Sequence[str], run_dir: str, distributed: dict,
-                     workers: int) -> list[list[str]]:
+                     addresses: Sequence[str]) -> list[list[str]]:
     """Each worker's `flaxlm-train` arguments: the job's overrides as one run (launcher=local,
     not this launcher again) in the job's run directory, and, with mode=explicit, its process
-    id. `distributed` is the job's hardware.distributed."""
+    id. `distributed` is the job's hardware.distributed; `addresses`, the workers'."""
+    workers = len(addresses)
     shared = [o for o in job_overrides if not o.lstrip("+~").startswith("launcher=")]
     shared += ["launcher=local", f"hydra.run.dir={run_dir}"]
     mode = str(distributed.get("mode"))
@@ -146,7 +147,7 @@ def worker_overrides(job_overrides: Sequence[str], run_dir: str, distributed: di
     if not distributed.get("coordinator_address"):
         raise FlaxlmError(
             "hardware.distributed.mode=explicit needs hardware.distributed.coordinator_address: "
-            "worker 0's internal address and a free port, e.g. 10.0.0.2:8482. Or use "
+            f"worker 0's internal address and a free port, e.g. {addresses[0]}:8482. Or use "
             "hardware.distributed.mode=auto, with which JAX finds worker 0 itself.")
     return [[*shared, f"hardware.distributed.num_processes={workers}",
              f"hardware.distributed.process_id={worker}"] for worker in range(workers)]

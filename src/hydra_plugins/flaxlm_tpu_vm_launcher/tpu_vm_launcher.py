@@ -62,7 +62,7 @@ class TpuVmLauncher(Launcher):
                                                  enum_to_str=True)
             commands = [tpu_vm.ssh_command(settings, gcloud, worker, arguments)
                         for worker, arguments in enumerate(tpu_vm.worker_overrides(
-                            overrides, run_dir, distributed, len(self.workers)))]
+                            overrides, run_dir, distributed, self.workers))]
             status_path = job_status_path(sweep_dir, run_dir, number)
             # "running" until the workers end: a record left so names a job whose launcher
             # was stopped, as for flaxlm's own jobs (flaxlm.cli.sweep).
