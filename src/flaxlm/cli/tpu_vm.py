@@ -239,4 +239,6 @@ def outcome(ends: Sequence[WorkerEnd], slice_name: str) -> tuple[str, str]:
             f"{end.last_line} (its output: {end.log})" for end in failed)
     if any(end.exit_code == PREEMPTED_EXIT_CODE for end in ends):
         return JOB_PREEMPTED, f"stopped on slice {slice_name}: {ends[0].last_line}"
-    return JOB_OK, ends[0].last_line
+    # Worker 0's summary (`flaxlm: done in ... | run dir D`) without the run dir, which the
+    # sweep's summary names itself.
+    return JOB_OK, ends[0].last_line.split(" | run dir ")[0]
