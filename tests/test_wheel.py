@@ -71,6 +71,21 @@ def test_the_installed_flaxlm_train_prints_its_config_from_another_directory(ins
 
 
 @pytest.mark.slow
+def test_the_wheel_carries_the_tpu_vm_launcher_hydra_finds_among_its_plugins(installed, tmp_path):
+    """Hydra looks for launchers only in the `hydra_plugins` namespace package, which the wheel
+    ships beside `flaxlm`."""
+    result = flaxlm_train(installed, "launcher=tpu-vm", "--cfg", "hydra", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ("_target_: hydra_plugins.flaxlm_tpu_vm_launcher.tpu_vm_launcher.TpuVmLauncher"
+            in result.stdout)
+    where = subprocess.run(
+        [str(installed / "bin" / "python"), "-c",
+         "import hydra_plugins.flaxlm_tpu_vm_launcher as p; print(p.__file__)"],
+        cwd=tmp_path, check=True, capture_output=True, text=True).stdout.strip()
+    assert Path(where).is_relative_to(installed), where
+
+
+@pytest.mark.slow
 def test_a_users_config_dir_composes_on_top_of_the_installed_one(installed, tmp_path):
     Path(tmp_path, "mine", "model").mkdir(parents=True)
     Path(tmp_path, "mine", "model", "my-model.yaml").write_text(MY_MODEL)
