@@ -106,7 +106,8 @@ def records(path: Path) -> list[dict]:
 def test_each_worker_runs_the_jobs_overrides_and_a_sweep_runs_its_jobs_one_after_another(
         tmp_path, stand_in, train_cli):
     result = launch(train_cli, tmp_path, "optimizer.lr=1e-3,3e-4", *EXPLICIT,
-                    "+hydra.launcher.env.FROM_LAUNCHER=a b")
+                    "+hydra.launcher.env.FROM_LAUNCHER=a b",
+                    "hydra.launcher.ssh_flags=[--internal-ip,--,-o,'ServerAliveInterval=60']")
     assert result.returncode == 0, result.stderr
     sweep = tmp_path / "sweep"
     starts = sorted((r for r in records(stand_in["train"]) if "start" in r),
@@ -135,6 +136,9 @@ def test_each_worker_runs_the_jobs_overrides_and_a_sweep_runs_its_jobs_one_after
         ["compute", "tpus", "tpu-vm", "ssh"]] * 4
     assert sorted(c[6] for c in calls[1:]) == ["--worker=0", "--worker=0", "--worker=1",
                                                "--worker=1"]
+    # The user's flags last: ssh's own after `--`, past gcloud's --command.
+    assert all(c[-4:] == ["--internal-ip", "--", "-o", "ServerAliveInterval=60"]
+               and c[-5].startswith("--command=") for c in calls[1:])
 
 
 def test_a_failing_worker_fails_the_job_with_exit_1_naming_the_worker_and_its_log(

@@ -52,7 +52,7 @@ class Slice:
     workdir: str = "flaxlm"  # on every worker, relative to the home directory
     train_command: str = ".venv/bin/flaxlm-train"  # a shell word or words, run in workdir
     env: dict[str, str] = dataclasses.field(default_factory=dict)
-    ssh_flags: tuple[str, ...] = ()  # more gcloud ssh flags: --internal-ip, --tunnel-through-iap
+    ssh_flags: tuple[str, ...] = ()  # more gcloud ssh flags: --internal-ip, -- -o ...
     gcloud: str = "gcloud"
 
     def where(self) -> list[str]:
@@ -94,7 +94,8 @@ def slice_workers(settings: Slice, gcloud: str) -> list[str]:
     a FlaxlmError when gcloud cannot or the slice is not READY."""
     argv = [gcloud, "compute", "tpus", "tpu-vm", "describe", *settings.where(), "--format=json"]
     try:
-        described = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        described = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
+                                   text=True, timeout=120)
     except subprocess.TimeoutExpired:
         described = None
     if described is None or described.returncode != 0:
@@ -155,14 +156,16 @@ def worker_overrides(job_overrides: Sequence[str], run_dir: str, distributed: di
 
 def ssh_command(settings: Slice, gcloud: str, worker: int, overrides: Sequence[str]) -> list[str]:
     """The gcloud command that runs `flaxlm-train OVERRIDES` on one worker. Output unbuffered:
-    it streams back through ssh as it is printed."""
+    it streams back through ssh as it is printed. --quiet: no prompt waits for an answer that
+    cannot come (the sessions have no input); the user's flags last, so that `--` and ssh's own
+    options (e.g. `-o ServerAliveInterval=60`) may end them."""
     variables = {**settings.env, "PYTHONUNBUFFERED": "1"}
     remote = " ".join([
         f"cd {shlex.quote(settings.workdir)} &&",
         *(f"{key}={shlex.quote(str(value))}" for key, value in variables.items()),
         settings.train_command, *map(shlex.quote, overrides)])
     return [gcloud, "compute", "tpus", "tpu-vm", "ssh", *settings.where(), f"--worker={worker}",
-            *settings.ssh_flags, f"--command={remote}"]
+            "--quiet", f"--command={remote}", *settings.ssh_flags]
 
 
 def run_workers(commands: Sequence[Sequence[str]], log_dir: str, stop_after_s: float,

@@ -23,7 +23,8 @@ class TpuVmLauncherConf:
     # Variables each worker's command is given (ssh passes none of this machine's), e.g.
     # WANDB_API_KEY, FLAXLM_CACHE.
     env: dict[str, str] = field(default_factory=dict)
-    # More flags for `gcloud compute tpus tpu-vm ssh`, e.g. [--internal-ip], [--tunnel-through-iap].
+    # More flags for `gcloud compute tpus tpu-vm ssh`, last, e.g. [--internal-ip],
+    # [--tunnel-through-iap], or ssh's own after `--`: [--, -o, ServerAliveInterval=60].
     ssh_flags: list[str] = field(default_factory=list)
     gcloud: str = "gcloud"
 
