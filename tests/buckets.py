@@ -85,12 +85,40 @@ def gcs_endpoint() -> str:
     from gcp_storage_emulator.server import create_server
 
     logging.getLogger("gcp_storage_emulator").setLevel(logging.ERROR)
+    _send_generation_headers()
     server = create_server("127.0.0.1", 0, in_memory=True)
     server.start()
     # The emulator does not say which port port 0 became; its HTTP server knows.
     port = server._api._httpd.server_address[1]
     yield f"http://127.0.0.1:{port}"
     server.stop()
+
+
+def _send_generation_headers() -> None:
+    """Real GCS answers every media download with the object's generation in the
+    x-goog-generation header; the emulator sends none, and tensorstore, which reads an OCDBT
+    checkpoint's manifest that way (orbax's format), then fails on a "Malformed
+    StorageGeneration" (now and then: when its cache misses). The emulator's download handler,
+    wherever its routes name it, also sends the header."""
+    from gcp_storage_emulator import server
+    from gcp_storage_emulator.handlers import objects
+
+    download = objects.download
+
+    def download_with_generation(request, response, storage, *args, **kwargs):
+        download(request, response, storage, *args, **kwargs)
+        try:
+            obj = storage.get_file_obj(request.params["bucket_name"],
+                                       request.params["object_id"])
+        except Exception:  # noqa: BLE001 — not found: the handler answered 404 already
+            return
+        response["x-goog-generation"] = str(obj["generation"])
+        response["x-goog-metageneration"] = str(obj["metageneration"])
+
+    for _, methods in server.HANDLERS:
+        for method, handler in methods.items():
+            if handler is download:
+                methods[method] = download_with_generation
 
 
 @pytest.fixture

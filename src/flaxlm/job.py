@@ -29,7 +29,8 @@ from flaxlm.errors import FlaxlmError, writable_dir
 from flaxlm.models.attention import kernel_compile_error
 from flaxlm.parallel import configure_platform, make_mesh
 from flaxlm.run_records import FAILED, FINISHED, PREEMPTED, RUNNING, write_status
-from flaxlm.runs import open_shared_run_dir
+from flaxlm.runs import open_shared_run_dir, output_url_of
+from flaxlm.storage import probe_write
 from flaxlm.tasks.base import JobContext, attention_choice
 from flaxlm.tasks.objective import choose_objective, objective_result
 from flaxlm.tasks.registry import task_named
@@ -71,6 +72,10 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     # The saved config names the objective this run was judged by, default or not, for the
     # report and the dashboards to read back.
     resolved["trainer"].update(objective=objective.name, objective_mode=objective.mode.value)
+    output_url = output_url_of(config)
+    if output_url:  # every host writes its part of each checkpoint there: each one checks
+        probe_write(output_url, "resume_from" if config.resume_from == output_url
+                    else "output_url")
     run = open_shared_run_dir(config, resolved)
     tracker_config = {**resolved, "choices": choices or {}}
     checkpointer = tracker = None
@@ -80,7 +85,7 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
                                 group=run_group, run_id=run.wandb_run_id,
                                 objective=objective.name,
                                 maximize=objective.mode == ObjectiveMode.max)
-        checkpointer = make_checkpointer(run.path, config.checkpoint)
+        checkpointer = make_checkpointer(run.path, config.checkpoint, output_url)
         stop = AgreedStopRequest()
         job = JobContext(config, resolved, run, mesh, tracker, checkpointer, stop)
         with stop.catching_signals():

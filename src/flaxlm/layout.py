@@ -59,6 +59,14 @@ def run_path(run_dir: str, name: str) -> str:
     return os.path.join(run_dir, name)
 
 
+def checkpoint_dir(run_dir: str, output_url: str | None = None) -> str:
+    """Where a run's checkpoints are: `<output_url>/checkpoints` when the run has a folder in a
+    bucket (output_url), `<run_dir>/checkpoints` otherwise."""
+    if output_url:
+        return f"{output_url.rstrip('/')}/{CHECKPOINT_SUBDIR}"
+    return run_path(run_dir, CHECKPOINT_SUBDIR)
+
+
 def job_status_path(sweep_dir: str, run_dir: str, job: int) -> str:
     """The status file of the job `job` of the sweep in `sweep_dir`, whose run is `run_dir`.
     Named by the job's folder, not its number: a continued Optuna study numbers its new jobs

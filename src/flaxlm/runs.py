@@ -13,11 +13,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import json
 import os
 import secrets
 import shutil
 import time
 
+import fsspec
 import jax
 import yaml
 from omegaconf import OmegaConf
@@ -31,8 +33,10 @@ from flaxlm.layout import (
     LOCK_FILE,
     METRICS_FILE,
     WANDB_ID_FILE,
+    checkpoint_dir,
     run_path,
 )
+from flaxlm.storage import is_url
 from flaxlm.training.checkpoint.manager import finalised_steps
 
 
@@ -78,7 +82,7 @@ def _failed_start(run_dir: str) -> bool:
 # same function (a run may move between slice sizes, and between GPUs and TPUs).
 # Anything else (model, tokenizer, data, optimizer, seed, ...) would make it another run.
 RESUMABLE_CHANGES = (
-    "run_dir", "resume_from", "cache_dir", "logger.", "checkpoint.", "samples.",
+    "run_dir", "resume_from", "output_url", "cache_dir", "logger.", "checkpoint.", "samples.",
     "trainer.log_every_steps", "trainer.eval_every_steps", "trainer.max_steps",
     "trainer.num_epochs", "trainer.eval_before_training", "trainer.resume",
     "trainer.resume_on_changed_data", "trainer.skip_nonfinite",
@@ -111,19 +115,28 @@ def open_run_dir(config: TrainConfig, resolved: dict) -> RunDir:
     trainer.resume allows, the stopped run's, after checking that the config still describes
     the same run."""
     mode = ResumeMode(config.trainer.resume)
-    if not (config.resume_from or config.run_dir):
+    bucket = output_url_of(config)
+    # resume_from=<URL> names the bucket's run; this host's files go to a new local run_dir.
+    local_resume_from = None if bucket and config.resume_from == bucket else config.resume_from
+    if not (local_resume_from or config.run_dir):
         raise FlaxlmError("run_dir is not set, so the run has no directory to write. Run "
                           "through flaxlm-train (Hydra sets it), or set run_dir=<directory>.")
-    path = os.path.abspath(os.path.expanduser(config.resume_from or config.run_dir))
+    path = os.path.abspath(os.path.expanduser(local_resume_from or config.run_dir))
     if config.resume_from and mode == ResumeMode.never:
         raise FlaxlmError(
             f"resume_from={config.resume_from} asks to continue a run, but trainer.resume=never "
             "forbids it. Drop one of the two settings."
         )
-    resuming = mode != ResumeMode.never and has_checkpoint(path)
+    resuming = mode != ResumeMode.never and has_checkpoint(path, bucket)
     if not resuming and (mode == ResumeMode.must or config.resume_from):
-        raise FlaxlmError(_nothing_to_resume(path, config.resume_from, mode))
-    if config.resume_from:
+        raise FlaxlmError(_nothing_to_resume(path, config.resume_from, mode, bucket))
+    if bucket and mode == ResumeMode.never and has_checkpoint(path, bucket):
+        raise FlaxlmError(
+            f"output_url={bucket} already holds checkpoints of a run, and trainer.resume=never "
+            "never writes over them. Choose a new output_url for a new run, or drop "
+            "trainer.resume=never to continue that one."
+        )
+    if local_resume_from:
         path = writable_dir(path, "resume_from", "A run continues in its own directory: make "
                             "it writable, or resume from a writable copy of it.")
     else:
@@ -131,7 +144,13 @@ def open_run_dir(config: TrainConfig, resolved: dict) -> RunDir:
                             "you can write to.")
     lock = _lock(path)
     try:
-        if resuming:
+        if resuming and bucket and not os.path.exists(run_path(path, CONFIG_FILE)):
+            # The run goes on on a host that has none of its local files: its checkpoints
+            # hold the config it was started with.
+            check_resumable_with(_bucket_config(bucket), bucket, resolved)
+            claim_run_dir(path)
+            save_config(path, resolved)
+        elif resuming:
             check_resumable(run_path(path, CONFIG_FILE), resolved)
         else:
             if mode != ResumeMode.never:
@@ -202,9 +221,54 @@ def _set_aside_start_without_checkpoint(run_dir: str, resolved: dict) -> None:
           flush=True)
 
 
-def _nothing_to_resume(path: str, resume_from: str | None, mode: ResumeMode) -> str:
-    checkpoints = run_path(path, CHECKPOINT_SUBDIR)
-    missing = "" if os.path.isdir(path) else f" ({path} does not exist)"
+def output_url_of(config: TrainConfig) -> str | None:
+    """The run's folder in a bucket: output_url, or resume_from when that is a URL (the
+    output_url of the run to continue); None when the run keeps everything in run_dir.
+    Checkpoints in a bucket go through orbax, which here (0.12) writes gs:// only."""
+    url = config.output_url
+    if config.resume_from and is_url(config.resume_from):
+        if url and url.rstrip("/") != config.resume_from.rstrip("/"):
+            raise FlaxlmError(
+                f"resume_from={config.resume_from} and output_url={url} name two different "
+                "runs in a bucket. Give one of them: the run's own output_url continues it."
+            )
+        url = config.resume_from
+    if not url:
+        return None
+    if not is_url(url):
+        raise FlaxlmError(
+            f"output_url={url} is not a URL. output_url takes the run's folder in a bucket "
+            "(gs://bucket/runs/name); a folder on a disk (a shared one too: NFS, a gcsfuse "
+            "mount) is run_dir (hydra.run.dir)."
+        )
+    scheme = url.partition("://")[0].lower()
+    if scheme != "gs":
+        raise FlaxlmError(
+            f"output_url={url}: checkpoints are written by orbax, whose version here (0.12) "
+            "takes gs:// URLs only (it turns s3://bucket/key into s3:/bucket/key and refuses "
+            "it). Use a gs:// bucket, or mount the bucket (mountpoint-s3, s3fs-fuse) on every "
+            "host at the same path and give that path as run_dir."
+        )
+    return url.rstrip("/")
+
+
+def _bucket_config(bucket: str) -> dict | None:
+    """The resolved config in the newest readable checkpoint under `bucket` (its `meta` item,
+    JSON), None when no checkpoint's can be read."""
+    directory = checkpoint_dir("", bucket)
+    for step in reversed(finalised_steps(directory)):
+        try:
+            with fsspec.open(f"{directory}/{step}/meta/metadata", "r", encoding="utf-8") as f:
+                return json.load(f)["config"]
+        except Exception:  # noqa: BLE001 — a damaged one: restore_latest says why, later
+            continue
+    return None
+
+
+def _nothing_to_resume(path: str, resume_from: str | None, mode: ResumeMode,
+                       bucket: str | None = None) -> str:
+    checkpoints = checkpoint_dir(path, bucket)
+    missing = "" if bucket or os.path.isdir(path) else f" ({path} does not exist)"
     if resume_from:
         return (f"resume_from={resume_from} has no complete checkpoint to resume in "
                 f"{checkpoints}{missing}. Point resume_from at the directory of a run that "
@@ -215,8 +279,8 @@ def _nothing_to_resume(path: str, resume_from: str | None, mode: ResumeMode) -> 
             "is none.")
 
 
-def has_checkpoint(run_dir: str) -> bool:
-    return bool(finalised_steps(run_path(run_dir, CHECKPOINT_SUBDIR)))
+def has_checkpoint(run_dir: str, output_url: str | None = None) -> bool:
+    return bool(finalised_steps(checkpoint_dir(run_dir, output_url)))
 
 
 def check_resumable(saved_config_path: str, resolved: dict) -> None:
@@ -225,12 +289,26 @@ def check_resumable(saved_config_path: str, resolved: dict) -> None:
     if changed is None:
         raise FlaxlmError(f"{saved_config_path} is missing, so this run cannot be checked "
                           "before resuming it. " + _config_restore_advice(saved_config_path))
+    _refuse_changes(changed, os.path.dirname(saved_config_path))
+
+
+def check_resumable_with(saved: dict | None, where: str, resolved: dict) -> None:
+    """`check_resumable` against `saved`, the config of the run in `where` (a bucket's run,
+    read from its checkpoint)."""
+    if saved is None:
+        raise FlaxlmError(f"No checkpoint in {where} holds a readable config, so this run "
+                          "cannot be checked before resuming it. Start a new run with a new "
+                          "output_url.")
+    _refuse_changes(_changes(saved, resolved), where)
+
+
+def _refuse_changes(changed: list[str], where: str) -> None:
     layout = [change for change in changed if change.startswith("model.scan_layers:")]
     if layout:
-        raise FlaxlmError(_other_layout_message(os.path.dirname(saved_config_path), layout[0]))
+        raise FlaxlmError(_other_layout_message(where, layout[0]))
     if changed:
         raise FlaxlmError(
-            f"Cannot resume the run in {os.path.dirname(saved_config_path)}: this config changes "
+            f"Cannot resume the run in {where}: this config changes "
             "what it trains (" + "; ".join(changed) + "). A resumed run may only change "
             "logging, evaluation and checkpoint cadence, trainer.max_steps / num_epochs, the "
             "logger and how the batch is spread over devices. Resume with the run's own "
@@ -278,14 +356,18 @@ def _config_changes(saved_config_path: str, resolved: dict) -> list[str] | None:
     if not os.path.exists(saved_config_path):
         return None
     try:
-        saved = dotted(upgrade_saved_config(
-            OmegaConf.to_container(OmegaConf.load(saved_config_path), resolve=True)))
+        saved = OmegaConf.to_container(OmegaConf.load(saved_config_path), resolve=True)
     except yaml.YAMLError as err:
         raise FlaxlmError(
             f"Cannot resume the run in {os.path.dirname(saved_config_path)}: the config it is "
             f"checked against is damaged ({yaml_error_text(err)}). Restore the file, or start a "
             "new run."
         ) from None
+    return _changes(saved, resolved)
+
+
+def _changes(saved_config: dict, resolved: dict) -> list[str]:
+    saved = dotted(upgrade_saved_config(saved_config))
     current = dotted(resolved)
     # Keys only one side has are settings added (or removed) by a flaxlm upgrade in between:
     # the run did not use them, so they do not make it another run.

@@ -11,6 +11,8 @@ emulator), so a machine set up for `aws s3` or `gcloud storage` reads its bucket
 from __future__ import annotations
 
 import json
+import os
+import socket
 
 from flaxlm.errors import FlaxlmError
 
@@ -104,30 +106,111 @@ def download(url: str, local_path: str, setting: str) -> None:
         raise storage_error(err, url, setting) from None
 
 
+def list_names(url: str, setting: str) -> list[str]:
+    """The names directly under the folder `url` (objects and prefixes), none if it has
+    none. Read afresh: fsspec's cached listing could miss what another host wrote since."""
+    fs = filesystem(url, setting)
+    fs.invalidate_cache()
+    try:
+        entries = fs.ls(url.partition("://")[2].rstrip("/"), detail=False)
+    except FileNotFoundError:
+        return []
+    except Exception as err:
+        raise storage_error(err, url, setting) from None
+    return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries]
+
+
+def exists(url: str, setting: str) -> bool:
+    fs = filesystem(url, setting)
+    try:
+        return fs.exists(url.partition("://")[2])
+    except Exception as err:
+        raise storage_error(err, url, setting) from None
+
+
+def move_folder(source: str, target: str, setting: str) -> None:
+    """Move every object under `source` to the same key under `target`. An object store
+    copies and deletes, object by object: not atomic, which is why flaxlm moves only what it
+    no longer trusts (a damaged checkpoint set aside). Every object is copied before any is
+    deleted, so a move cut short loses nothing. (fsspec's own recursive `mv` ignores the
+    errors of each object's copy, and gcsfs's uses GCS's moveTo, which not every bucket or
+    emulator serves.)"""
+    fs = filesystem(source, setting)
+    source_key, target_key = source.partition("://")[2], target.partition("://")[2]
+    try:
+        fs.invalidate_cache()
+        for key in fs.find(source_key):
+            fs.copy(key, target_key + key[len(source_key):])
+        fs.rm(source_key, recursive=True)
+    except Exception as err:
+        raise storage_error(err, source, setting, action="write") from None
+    forget_listings(source)
+
+
+def forget_listings(url: str) -> None:
+    """Drop the folder listings cached by every fsspec filesystem of `url`'s scheme: orbax
+    lists a bucket through etils' own instance, which would still show what was moved (here,
+    or by another host)."""
+    import fsspec
+
+    try:
+        cls = fsspec.get_filesystem_class(url.partition("://")[0].lower())
+    except (ImportError, ValueError):
+        return
+    for instance in list(getattr(cls, "_cache", {}).values()):
+        instance.invalidate_cache()
+
+
 # What the clients raise when they find no credentials (botocore; google-auth, under gcsfs).
 _NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError",
                    "RefreshError")
 
 
-def storage_error(err: BaseException, url: str, setting: str) -> FlaxlmError:
-    """What an object store's client raised about `url`, as one paragraph with the fix."""
+def probe_write(url: str, setting: str) -> None:
+    """Write and delete a small object under `url`, so that a bucket that does not exist, a
+    missing credential or a denied write is found before a run trains, not at its first
+    checkpoint. Every host probes: each has its own credentials."""
+    fs = filesystem(url, setting)
+    fs.invalidate_cache()
+    rest = url.partition("://")[2].rstrip("/")
+    key = f"{rest}/.flaxlm-write-probe-{socket.gethostname()}-{os.getpid()}"
+    try:
+        fs.pipe_file(key, b"flaxlm checks that it may write here; delete me if left behind\n")
+        fs.rm_file(key)
+    except Exception as err:
+        scheme, bucket = url.partition("://")[0], rest.split("/", 1)[0]
+        try:
+            bucket_exists = fs.exists(bucket)
+        except Exception:  # noqa: BLE001 — the write's own error says more
+            bucket_exists = True
+        if not bucket_exists:
+            raise _no_bucket(url, f"{scheme}://{bucket}", setting) from None
+        raise storage_error(err, url, setting, action="write") from None
+
+
+def storage_error(err: BaseException, url: str, setting: str,
+                  action: str = "read") -> FlaxlmError:
+    """What an object store's client raised about `url`, as one paragraph with the fix;
+    `action` ("read" or "write") is what was denied or failed."""
     scheme = url.partition("://")[0].lower()
     bucket = f"{scheme}://{url.partition('://')[2].split('/', 1)[0]}"
     cause = f"{type(err).__name__}: {err}".strip()
+    verb = "read" if action == "read" else "write to"
     if type(err).__name__ in _NO_CREDENTIALS:
-        return FlaxlmError(f"{setting}: no credentials to read {url!r} ({cause}). "
+        return FlaxlmError(f"{setting}: no credentials to {verb} {url!r} ({cause}). "
                            f"{_credentials_fix(scheme)}")
     # s3fs raises PermissionError for S3's AccessDenied; gcsfs an OSError("Forbidden: ...").
     if isinstance(err, PermissionError) or str(err).startswith(("Forbidden", "Unauthorized")):
         return FlaxlmError(
             f"{setting}: access to {url!r} was denied ({cause}). The credentials found may not "
-            f"read {bucket}: grant them read access, or use others. {_credentials_fix(scheme)}"
+            f"{verb} {bucket}: grant them {action} access, or use others. "
+            f"{_credentials_fix(scheme)}"
         )
-    if isinstance(err, FileNotFoundError):
+    if isinstance(err, FileNotFoundError) and action == "read":
         return FlaxlmError(f"{setting}: {url!r} does not exist ({cause}). Fix the URL, or list "
                            f"the bucket with `{_lister(scheme)} {bucket}/`.")
     return FlaxlmError(
-        f"{setting}: could not read {url!r} ({cause}). Check the URL, this machine's access to "
+        f"{setting}: could not {verb} {url!r} ({cause}). Check the URL, this machine's access to "
         f"the store (network, endpoint variables) and its credentials. "
         f"{_credentials_fix(scheme)}"
     )

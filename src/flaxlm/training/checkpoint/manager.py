@@ -12,13 +12,18 @@ checkpoint at step s holds three items:
 
 It is generic over all three, so the pre-training loop and the fine-tuning loop share it.
 
-Atomicity comes from orbax (0.12.8, local filesystem): a step is written into
+Atomicity comes from orbax (0.12.8). On a filesystem a step is written into
 `<step>.orbax-checkpoint-tmp*/` and renamed to `<step>/` only once every item is on disk, so a
 process killed mid-save leaves only a tmp folder, which is never listed as a step (tested with a
 real SIGKILL) and is removed when the next run opens the directory. A finalised folder damaged
 afterwards (a truncated copy, a full disk, a deleted file) fails to restore: `restore_latest`
 then says so, falls back to the next older checkpoint and renames the damaged folder to
 `<step>.damaged-<time>` (kept, never deleted), so that the resumed run can save that step anew.
+In a gs:// bucket (output_url) there is no rename: orbax writes `<step>/` in place, each item
+then the step's `commit_success.txt` last, once every process has written its part; a step
+without it is not listed (`finalised_steps` reads the same), so a killed save stays invisible;
+orbax removes such a step when the next run opens the folder (`cleanup_tmp_directories`).
+Setting a step aside there moves its objects one by one (copy, then delete).
 
 Asynchronous saves: `save` returns once the arrays are copied off the device, and a background
 thread writes the files; the state's buffers may be donated to the next step at once (tested).
@@ -57,11 +62,15 @@ from orbax.checkpoint._src.metadata import array_metadata_store
 
 from flaxlm.config import CheckpointConfig
 from flaxlm.errors import FlaxlmError, causes, first_line
-from flaxlm.layout import CHECKPOINT_SUBDIR, run_path
+from flaxlm.layout import CHECKPOINT_SUBDIR, checkpoint_dir, run_path
+from flaxlm.storage import exists, forget_listings, is_url, list_names, move_folder
 
 BEST_METRIC = "eval/loss"  # lower is better
 SET_ASIDE_TIMEOUT_S = 300  # how long other processes wait for process 0 to set a step aside
 REPLICA_PARALLEL_MIN_BYTES = 1 << 20
+BUCKET_SETTING = "output_url"  # the setting that names a bucket's checkpoints, for messages
+# What orbax writes last into a step saved in a gs:// bucket (its CommitFileTemporaryPath).
+COMMIT_FILE = "commit_success.txt"
 
 
 class Restored(NamedTuple):
@@ -81,7 +90,8 @@ class Checkpointer:
                 f"checkpoint.keep_last={keep_last} must be at least 1 (the checkpoint a resume "
                 f"needs) and checkpoint.keep_best={keep_best} at least 0."
             )
-        self.directory = os.path.abspath(directory)
+        # A gs:// URL is orbax's and tensorstore's own to write (every process, its shards).
+        self.directory = directory if is_url(directory) else os.path.abspath(directory)
         keep = [policies.LatestN(n=keep_last)]
         if keep_best:
             keep.append(policies.BestN(
@@ -176,6 +186,8 @@ class Checkpointer:
         if jax.process_count() > 1:
             ocp.multihost.sync_global_processes(f"flaxlm_set_aside_after_{step}",
                                                 timeout=SET_ASIDE_TIMEOUT_S)
+        if is_url(self.directory):
+            forget_listings(self.directory)
         self._manager.reload()  # its list of steps still holds the ones moved
 
     def wait(self) -> None:
@@ -236,11 +248,15 @@ def set_aside(path: str) -> str:
     `finalised_steps` takes for a step, and say so; nothing is deleted. Returns the new path."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     target = f"{path}.damaged-{stamp}"
+    taken = ((lambda name: exists(name, BUCKET_SETTING)) if is_url(path) else os.path.lexists)
     for count in itertools.count(2):
-        if not os.path.lexists(target):
+        if not taken(target):
             break
         target = f"{path}.damaged-{stamp}-{count}"
-    os.rename(path, target)
+    if is_url(path):
+        move_folder(path, target, BUCKET_SETTING)
+    else:
+        os.rename(path, target)
     print(f"flaxlm: moved the unusable checkpoint {path} aside to {target} (kept for "
           "inspection; delete it when no longer needed)", file=sys.stderr, flush=True)
     return target
@@ -249,13 +265,19 @@ def set_aside(path: str) -> str:
 def _step_names(directory: str, after: int) -> list[str]:
     """Entries of `directory` named like a step later than `after` (finalised or not: orbax
     could not save that step while any of them is there), oldest first."""
-    return sorted((name for name in os.listdir(directory) if name.isdigit() and int(name) > after),
-                  key=int)
+    names = list_names(directory, BUCKET_SETTING) if is_url(directory) else os.listdir(directory)
+    return sorted((name for name in names if name.isdigit() and int(name) > after), key=int)
 
 
 def finalised_steps(directory: str) -> list[int]:
     """Steps with a finalised folder (orbax renames `<step>.orbax-checkpoint-tmp-*` into
-    `<step>` only once it is whole), read without orbax."""
+    `<step>` only once it is whole), read without orbax. In a gs:// bucket, which has no
+    rename, orbax writes `<step>/` in place and its `commit_success.txt` last, once every
+    process's items are written: a step without that object is not finalised."""
+    if is_url(directory):
+        return sorted(int(name) for name in list_names(directory, BUCKET_SETTING)
+                      if name.isdigit() and exists(f"{directory}/{name}/{COMMIT_FILE}",
+                                                   BUCKET_SETTING))
     if not os.path.isdir(directory):
         return []
     return sorted(int(name) for name in os.listdir(directory)
@@ -416,11 +438,12 @@ def _quiet_closed_loop_callbacks() -> None:
         sys.unraisablehook = _DropClosedLoopCallbacks(sys.unraisablehook)
 
 
-def make_checkpointer(run_dir: str, settings: CheckpointConfig) -> Checkpointer:
+def make_checkpointer(run_dir: str, settings: CheckpointConfig,
+                      output_url: str | None = None) -> Checkpointer:
     if settings.every_steps is not None and settings.every_steps < 1:
         raise FlaxlmError(f"checkpoint.every_steps={settings.every_steps} must be at least 1 "
                           "(or null: only at epoch ends, the last step and on SIGTERM).")
-    return Checkpointer(run_path(run_dir, CHECKPOINT_SUBDIR), keep_last=settings.keep_last,
+    return Checkpointer(checkpoint_dir(run_dir, output_url), keep_last=settings.keep_last,
                         keep_best=settings.keep_best, async_save=settings.async_save)
 
 

@@ -1,0 +1,217 @@
+"""A run's checkpoints in a bucket (issue 45, output_url), against the GCS emulator of
+tests/buckets.py: orbax writes them through tensorstore's gcs driver, a step counts only once
+its commit_success.txt is written (a killed save stays invisible), a damaged newest one is set
+aside, a run resumes from the bucket exactly, and a bucket it cannot write to stops it before
+training with one paragraph (exit 2)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import safetensors.numpy
+from conftest import SHORT, assert_names, bumped, leaves_equal, metrics_of, save_steps, trained_run
+
+from flaxlm.errors import FlaxlmError
+from flaxlm.storage import probe_write
+from flaxlm.training.checkpoint.manager import COMMIT_FILE, Checkpointer, finalised_steps
+
+# test_faults' run (checkpoints at 4, 6, 8, 12; evaluations at 0, 6, 12), its packed data shared.
+from test_faults import RUN  # noqa: E402  isort: skip
+
+
+def names_under(bucket, key: str) -> list[str]:
+    bucket.fs.invalidate_cache()
+    return sorted(path.rsplit("/", 1)[-1] for path in bucket.fs.ls(f"{bucket.name}/{key}"))
+
+
+def test_checkpoints_in_a_bucket_restore_and_a_damaged_newest_is_set_aside(gcs, train_state,
+                                                                           capsys):
+    directory = f"{gcs.url}/run/checkpoints"
+    save_steps(directory, train_state, [4, 8]).close()
+    assert finalised_steps(directory) == [4, 8]
+    assert gcs.fs.exists(f"{gcs.name}/run/checkpoints/8/{COMMIT_FILE}")
+    # Damage step 8's arrays, as a lost or truncated upload would: it is still listed.
+    for path in gcs.fs.find(f"{gcs.name}/run/checkpoints/8/state"):
+        if "/d/" in path:
+            gcs.fs.pipe_file(path, b"not an array")
+    checkpointer = Checkpointer(directory)
+    restored = checkpointer.restore_latest(train_state)
+    assert restored.step == 4 and leaves_equal(restored.state, bumped(train_state, 4))
+    [aside] = [n for n in names_under(gcs, "run/checkpoints") if not n.isdigit()]
+    assert aside.startswith("8.damaged-")
+    assert f"aside to {directory}/{aside}" in capsys.readouterr().err
+    assert checkpointer.steps() == [4] and finalised_steps(directory) == [4]
+
+    checkpointer.save(8, bumped(train_state, 9), {"step": 8}, {})  # saved anew
+    checkpointer.close()
+    again = Checkpointer(directory)
+    try:
+        resaved = again.restore_latest(train_state)
+    finally:
+        again.close()
+    assert resaved.step == 8 and leaves_equal(resaved.state, bumped(train_state, 9))
+    assert aside in names_under(gcs, "run/checkpoints")  # kept, never deleted
+
+
+# Saves steps 4 and 8 of a small state into argv[1]; SIGKILL just before orbax writes step 8's
+# commit_success.txt, when all of its items are in the bucket.
+KILLED_SAVE = r"""
+import os, signal, sys
+import jax.numpy as jnp
+from orbax.checkpoint._src.path import atomicity
+from flaxlm.training.checkpoint.manager import Checkpointer
+
+finalize = atomicity.CommitFileTemporaryPath.finalize
+
+async def finalize_killing(self, *args, **kwargs):
+    if self.get_final().name == "8":
+        print("fault: SIGKILL before the commit file of step 8", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return await finalize(self, *args, **kwargs)
+
+atomicity.CommitFileTemporaryPath.finalize = finalize_killing
+checkpointer = Checkpointer(sys.argv[1])
+for step in (4, 8):
+    checkpointer.save(step, {"params": jnp.full((4,), float(step))}, {"step": step}, {})
+    checkpointer.wait()
+"""
+
+
+def test_a_save_killed_before_its_commit_file_leaves_no_visible_checkpoint(gcs):
+    directory = f"{gcs.url}/run/checkpoints"
+    killed = subprocess.run([sys.executable, "-c", KILLED_SAVE, directory],
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert "fault: SIGKILL" in killed.stdout
+    written = gcs.fs.find(f"{gcs.name}/run/checkpoints/8")
+    assert any("/state/" in path for path in written)  # the items were written...
+    assert not any(path.endswith(f"/8/{COMMIT_FILE}") for path in written)  # ...not the commit
+    assert finalised_steps(directory) == [4]
+    import jax.numpy as jnp
+
+    checkpointer = Checkpointer(directory)
+    try:
+        # The unfinished step is removed when a checkpointer opens the folder (a tmp folder
+        # on disk is): the step can be saved again.
+        assert names_under(gcs, "run/checkpoints") == ["4"]
+        assert checkpointer.steps() == [4]
+        restored = checkpointer.restore_latest({"params": jnp.zeros((4,))})
+        assert restored.step == 4 and float(restored.state["params"][0]) == 4.0
+        checkpointer.save(8, {"params": jnp.full((4,), 9.0)}, {"step": 8}, {})
+    finally:
+        checkpointer.close()
+    assert finalised_steps(directory) == [4, 8]
+
+
+# --- a run whose checkpoints are in the bucket ---------------------------------------------------
+
+# test_faults' planted faults, with orbax's commit file (a bucket's) in place of its rename.
+RUN_KILLED_AT_COMMIT = r"""
+import os, signal, sys
+from orbax.checkpoint._src.path import atomicity
+
+step, overrides = sys.argv[1], sys.argv[2:]
+finalize = atomicity.CommitFileTemporaryPath.finalize
+
+async def finalize_killing(self, *args, **kwargs):
+    if self.get_final().name == step:
+        print(f"fault: SIGKILL before the commit file of step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return await finalize(self, *args, **kwargs)
+
+atomicity.CommitFileTemporaryPath.finalize = finalize_killing
+sys.argv = ["flaxlm-train", *overrides]
+from flaxlm.cli.train import main
+main()
+"""
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The run that never failed, with its checkpoints on disk."""
+    return trained_run(tmp_path_factory, "reference", RUN)
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_save_resumes_from_the_bucket_on_a_new_host_to_the_same_run(
+        gcs, tmp_path, reference, train_cli):
+    """The run is killed while saving step 8 (its items written, its commit file not), and
+    continued with resume_from=<its output_url> in a new local folder, as another host would:
+    the bucket's step 8 was never visible, the run goes on from step 6 and ends bitwise as the
+    run that never stopped, with the same metrics."""
+    url = f"{gcs.url}/runs/a"
+    killed = subprocess.run(
+        [sys.executable, "-c", RUN_KILLED_AT_COMMIT, "8", *RUN, f"output_url={url}",
+         f"hydra.run.dir={tmp_path / 'first'}"],
+        capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert finalised_steps(f"{url}/checkpoints") == [4, 6]
+    assert not (tmp_path / "first" / "checkpoints").exists()  # none on this host's disk
+
+    resumed = train_cli(*RUN, f"resume_from={url}", f"hydra.run.dir={tmp_path / 'second'}",
+                        cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "from its checkpoint at step 6" in resumed.stdout
+    # orbax removed the unfinished step 8 when the run opened the bucket's checkpoints, as it
+    # removes a killed save's tmp folder on disk; the run saved step 8 anew.
+    assert all(name.isdigit() for name in names_under(gcs, "runs/a/checkpoints"))
+    assert finalised_steps(f"{url}/checkpoints")[-1] == 12
+    before = [m for m in metrics_of(tmp_path / "first") if m["step"] <= 6]
+    after = metrics_of(tmp_path / "second")
+    assert after and all(m["step"] > 6 for m in after)
+    assert before + after == metrics_of(reference)
+    weights = "model/model.safetensors"
+    ours = safetensors.numpy.load_file(str(tmp_path / "second" / weights))
+    theirs = safetensors.numpy.load_file(str(reference / weights))
+    assert ours.keys() == theirs.keys()
+    assert all((ours[k] == theirs[k]).all() for k in ours)  # bitwise
+
+
+# --- a bucket the run cannot write to: one paragraph before training, exit 2 ---------------------
+
+
+def error_line(result) -> str:
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr[-3000:]
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("flaxlm: error:")]
+    return line
+
+
+def test_a_bucket_that_does_not_exist_stops_the_run_before_it_starts(gcs_env, tmp_path,
+                                                                      train_cli):
+    result = train_cli(*SHORT, "output_url=gs://no-such-bucket/runs/a",
+                       f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert result.returncode == 2
+    assert_names(error_line(result), "output_url", "'gs://no-such-bucket'", "does not exist",
+                 "gcloud storage ls")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # the run directory untouched
+
+
+@pytest.mark.parametrize(("url", "fragments"), [
+    ("s3://bucket/runs/a", ("output_url=s3://bucket/runs/a", "gs://", "s3:/bucket")),
+    ("/mnt/runs/a", ("output_url=/mnt/runs/a", "not a URL", "run_dir")),
+])
+def test_an_output_url_orbax_cannot_write_is_refused(url, fragments, tmp_path, train_cli):
+    result = train_cli(*SHORT, f"output_url={url}", f"hydra.run.dir={tmp_path / 'run'}",
+                       cwd=tmp_path)
+    assert result.returncode == 2
+    assert_names(error_line(result), *fragments)
+
+
+def test_a_denied_write_names_the_url_and_the_fix(gcs, monkeypatch):
+    import fsspec
+
+    def denied(*args, **kwargs):
+        raise OSError("Forbidden: caller does not have storage.objects.create access")
+
+    monkeypatch.setattr(fsspec.filesystem("gs"), "pipe_file", denied)
+    with pytest.raises(FlaxlmError) as error:
+        probe_write(f"{gcs.url}/runs/a", "output_url")
+    assert_names(error.value, "output_url", f"'{gcs.url}/runs/a'", "denied",
+                 "may not write to", "grant them write access", "gcloud auth")
+
+
+def test_a_writable_bucket_passes_the_probe_and_keeps_nothing_of_it(gcs):
+    probe_write(f"{gcs.url}/runs/a", "output_url")
+    assert gcs.fs.find(gcs.name) == []
