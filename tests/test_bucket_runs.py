@@ -6,6 +6,9 @@ training with one paragraph (exit 2)."""
 
 from __future__ import annotations
 
+import json
+import re
+import signal
 import subprocess
 import sys
 
@@ -16,9 +19,10 @@ from conftest import SHORT, assert_names, bumped, leaves_equal, metrics_of, save
 from flaxlm.errors import FlaxlmError
 from flaxlm.storage import probe_write
 from flaxlm.training.checkpoint.manager import COMMIT_FILE, Checkpointer, finalised_steps
+from flaxlm.training.stop import PREEMPTED_EXIT_CODE
 
 # test_faults' run (checkpoints at 4, 6, 8, 12; evaluations at 0, 6, 12), its packed data shared.
-from test_faults import RUN  # noqa: E402  isort: skip
+from test_faults import RUN, wait_for_logged_step  # noqa: E402  isort: skip
 
 
 def names_under(bucket, key: str) -> list[str]:
@@ -158,15 +162,42 @@ def test_a_run_killed_mid_save_resumes_from_the_bucket_on_a_new_host_to_the_same
     # removes a killed save's tmp folder on disk; the run saved step 8 anew.
     assert all(name.isdigit() for name in names_under(gcs, "runs/a/checkpoints"))
     assert finalised_steps(f"{url}/checkpoints")[-1] == 12
-    before = [m for m in metrics_of(tmp_path / "first") if m["step"] <= 6]
-    after = metrics_of(tmp_path / "second")
-    assert after and all(m["step"] > 6 for m in after)
-    assert before + after == metrics_of(reference)
+    # The new folder started from the bucket's metrics.jsonl (copied at each save), cut back
+    # to step 6: the whole run's lines, as in the run that never stopped; the bucket's too.
+    assert metrics_of(tmp_path / "second") == metrics_of(reference)
+    (tmp_path / "bucket").mkdir()
+    gcs.fs.get_file(f"{gcs.name}/runs/a/metrics.jsonl", str(tmp_path / "bucket" / "metrics.jsonl"))
+    assert metrics_of(tmp_path / "bucket") == metrics_of(reference)
     weights = "model/model.safetensors"
     ours = safetensors.numpy.load_file(str(tmp_path / "second" / weights))
     theirs = safetensors.numpy.load_file(str(reference / weights))
     assert ours.keys() == theirs.keys()
     assert all((ours[k] == theirs[k]).all() for k in ours)  # bitwise
+
+
+@pytest.mark.slow
+def test_a_preempted_run_leaves_every_metrics_line_and_its_status_in_the_bucket(gcs, tmp_path):
+    url, run_dir = f"{gcs.url}/runs/p", tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "flaxlm.cli.train", *RUN, "checkpoint.every_steps=null",
+         f"output_url={url}", f"hydra.run.dir={run_dir}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_logged_step(run_dir, 3, process)  # past its first lines, before any save
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=300)
+    finally:
+        process.kill()
+    assert process.returncode == PREEMPTED_EXIT_CODE, err[-3000:]
+    stopped = int(re.search(r"stopped by SIGTERM after step (\d+)", err)[1])
+    assert finalised_steps(f"{url}/checkpoints")[-1] == stopped
+    gcs.fs.invalidate_cache()
+    bucket_lines = gcs.fs.cat_file(f"{gcs.name}/runs/p/metrics.jsonl").decode()
+    assert bucket_lines == (run_dir / "metrics.jsonl").read_text()  # not a line lost
+    assert any(json.loads(line)["step"] == stopped for line in bucket_lines.splitlines())
+    status = json.loads(gcs.fs.cat_file(f"{gcs.name}/runs/p/status.json"))
+    assert status["status"] == "preempted"
+    assert gcs.fs.exists(f"{gcs.name}/runs/p/config.yaml")
 
 
 # --- a bucket the run cannot write to: one paragraph before training, exit 2 ---------------------

@@ -28,6 +28,7 @@ from flaxlm.config import ObjectiveMode, TrainConfig
 from flaxlm.errors import FlaxlmError, writable_dir
 from flaxlm.models.attention import kernel_compile_error
 from flaxlm.parallel import configure_platform, make_mesh
+from flaxlm.run_mirror import upload_run_files
 from flaxlm.run_records import FAILED, FINISHED, PREEMPTED, RUNNING, write_status
 from flaxlm.runs import open_shared_run_dir, output_url_of
 from flaxlm.storage import probe_write
@@ -80,12 +81,13 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     tracker_config = {**resolved, "choices": choices or {}}
     checkpointer = tracker = None
     try:
-        _record_status(run.path, RUNNING)
+        _record_status(run.path, RUNNING, output_url=output_url)
         tracker = start_tracker(config.logger, run.path, tracker_config, name=run_name,
                                 group=run_group, run_id=run.wandb_run_id,
                                 objective=objective.name,
                                 maximize=objective.mode == ObjectiveMode.max)
-        checkpointer = make_checkpointer(run.path, config.checkpoint, output_url)
+        checkpointer = make_checkpointer(run.path, config.checkpoint, output_url,
+                                         after_save=_mirror_at_saves(run.path, output_url))
         stop = AgreedStopRequest()
         job = JobContext(config, resolved, run, mesh, tracker, checkpointer, stop)
         with stop.catching_signals():
@@ -101,11 +103,11 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         result = objective_result(objective, run.path, final)
         tracker.summary({**final, OBJECTIVE_SUMMARY: result})
         _print_summary(final, run.path)
-        _record_status(run.path, FINISHED, f"{objective.name} {result:.4f}")
+        _record_status(run.path, FINISHED, f"{objective.name} {result:.4f}", output_url)
     except Preempted as stopped:
         stopped.run_dir = run.path
         close_quietly(checkpointer)
-        _record_status(run.path, PREEMPTED, str(stopped))
+        _record_status(run.path, PREEMPTED, str(stopped), output_url)
         print(f"flaxlm: {stopped}; to continue, run the same overrides plus "
               f"resume_from={run.path} (or the same command, if it set run_dir or "
               f"hydra.run.dir); exit code {PREEMPTED_EXIT_CODE}", file=sys.stderr, flush=True)
@@ -118,7 +120,7 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         known = (disk_full_error(err, run.path) or distributed.lost_peer_error(err, run.path)
                  or kernel_compile_error(err, attention)
                  or out_of_memory_error(err, config))
-        _record_status(run.path, FAILED, _failure_reason(known or err))
+        _record_status(run.path, FAILED, _failure_reason(known or err), output_url)
         if known is not None:
             raise known from err
         raise
@@ -128,10 +130,23 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     return result
 
 
-def _record_status(run_dir: str, status: str, reason: str = "") -> None:
-    """The run's state in its own directory (for flaxlm-report), written by process 0."""
+def _record_status(run_dir: str, status: str, reason: str = "",
+                   output_url: str | None = None) -> None:
+    """The run's state in its own directory (for flaxlm-report), written by process 0, and
+    with output_url the run's small files copied to the bucket: at the start and at its end
+    (a preempted run's last checkpoint is written by then)."""
     if distributed.is_primary():
         write_status(run_dir, status, reason)
+        if output_url:
+            upload_run_files(run_dir, output_url)
+
+
+def _mirror_at_saves(run_dir: str, output_url: str | None):
+    """What the checkpointer calls as each save starts: process 0 copies the run's small files
+    to the bucket, so that it holds every metrics line up to the checkpoint."""
+    if not (output_url and distributed.is_primary()):
+        return None
+    return lambda step: upload_run_files(run_dir, output_url)
 
 
 def _failure_reason(err: BaseException) -> str:

@@ -36,6 +36,7 @@ from flaxlm.layout import (
     checkpoint_dir,
     run_path,
 )
+from flaxlm.run_mirror import download_metrics
 from flaxlm.storage import is_url
 from flaxlm.training.checkpoint.manager import finalised_steps
 
@@ -150,6 +151,7 @@ def open_run_dir(config: TrainConfig, resolved: dict) -> RunDir:
             check_resumable_with(_bucket_config(bucket), bucket, resolved)
             claim_run_dir(path)
             save_config(path, resolved)
+            download_metrics(bucket, path)  # the resume cuts it back to the checkpoint
         elif resuming:
             check_resumable(run_path(path, CONFIG_FILE), resolved)
         else:

@@ -120,6 +120,15 @@ def list_names(url: str, setting: str) -> list[str]:
     return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries]
 
 
+def upload(local_path: str, url: str, setting: str) -> None:
+    """Copy the local file `local_path` to the object `url`, replacing it whole."""
+    fs = filesystem(url, setting)
+    try:
+        fs.put_file(local_path, url.partition("://")[2])
+    except Exception as err:
+        raise storage_error(err, url, setting, action="write") from None
+
+
 def exists(url: str, setting: str) -> bool:
     fs = filesystem(url, setting)
     try:

@@ -84,7 +84,8 @@ class Checkpointer:
     """Saves and restores (train state, loader state, metadata) by step under `directory`."""
 
     def __init__(self, directory: str, *, keep_last: int = 3, keep_best: int = 1,
-                 async_save: bool = True, read_only: bool = False):
+                 async_save: bool = True, read_only: bool = False,
+                 after_save: Callable[[int], None] | None = None):
         if keep_last < 1 or keep_best < 0:
             raise FlaxlmError(
                 f"checkpoint.keep_last={keep_last} must be at least 1 (the checkpoint a resume "
@@ -92,6 +93,7 @@ class Checkpointer:
             )
         # A gs:// URL is orbax's and tensorstore's own to write (every process, its shards).
         self.directory = directory if is_url(directory) else os.path.abspath(directory)
+        self.after_save = after_save  # called with the step once each save has started
         keep = [policies.LatestN(n=keep_last)]
         if keep_best:
             keep.append(policies.BestN(
@@ -140,6 +142,8 @@ class Checkpointer:
             metrics=best,
             force=True,  # the caller decides when to save
         )
+        if self.after_save is not None:
+            self.after_save(step)
 
     def restore(self, step: int, abstract_state) -> Restored:
         """The checkpoint at `step`, arrays laid out (shape, dtype, sharding) as
@@ -439,12 +443,14 @@ def _quiet_closed_loop_callbacks() -> None:
 
 
 def make_checkpointer(run_dir: str, settings: CheckpointConfig,
-                      output_url: str | None = None) -> Checkpointer:
+                      output_url: str | None = None,
+                      after_save: Callable[[int], None] | None = None) -> Checkpointer:
     if settings.every_steps is not None and settings.every_steps < 1:
         raise FlaxlmError(f"checkpoint.every_steps={settings.every_steps} must be at least 1 "
                           "(or null: only at epoch ends, the last step and on SIGTERM).")
     return Checkpointer(checkpoint_dir(run_dir, output_url), keep_last=settings.keep_last,
-                        keep_best=settings.keep_best, async_save=settings.async_save)
+                        keep_best=settings.keep_best, async_save=settings.async_save,
+                        after_save=after_save)
 
 
 def close_quietly(checkpointer: Checkpointer | None) -> None:

@@ -1,0 +1,50 @@
+"""A copy of the run's small files (metrics.jsonl, status.json, config.yaml) in its bucket
+folder (output_url), beside the checkpoints, for a run whose hosts share no disk.
+
+An object store has no append: each copy rewrites the whole object, which a reader sees old or
+new, never half-written. Process 0 keeps appending to its local files as always and copies them
+whole at the moments a resume or a reader depends on: at the start, when each checkpoint save
+starts (so the bucket holds every line up to the checkpoint a resume goes back to), and when the
+run ends, is preempted (after its last checkpoint is written) or fails. A run killed outright
+loses from the bucket only the lines after its last checkpoint, which a resume drops anyway.
+A run resumed on a host without its local files starts from the bucket's metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from flaxlm.errors import FlaxlmError
+from flaxlm.layout import CONFIG_FILE, METRICS_FILE, STATUS_FILE, run_path
+from flaxlm.storage import download, exists, upload
+
+MIRRORED_FILES = (METRICS_FILE, STATUS_FILE, CONFIG_FILE)
+SETTING = "output_url"
+
+
+def upload_run_files(run_dir: str, output_url: str) -> None:
+    """Copy the run's small files to `output_url`, each whole. A failed copy is a warning: the
+    next one rewrites every file, and training goes on (the checkpoints are what a resume
+    needs, and they fail loudly)."""
+    for name in MIRRORED_FILES:
+        local = run_path(run_dir, name)
+        if not os.path.exists(local):
+            continue
+        try:
+            upload(local, f"{output_url}/{name}", SETTING)
+        except FlaxlmError as err:
+            print(f"flaxlm: warning: could not copy {name} to the bucket ({err}); the next "
+                  "checkpoint copies it again", file=sys.stderr, flush=True)
+
+
+def download_metrics(output_url: str, run_dir: str) -> bool:
+    """The bucket's metrics.jsonl over the local one (a new local run_dir's, empty) of a run
+    resumed on another host; False when the bucket has none."""
+    remote = f"{output_url}/{METRICS_FILE}"
+    if not exists(remote, SETTING):
+        return False
+    local = run_path(run_dir, METRICS_FILE)
+    download(remote, f"{local}.tmp", SETTING)
+    os.replace(f"{local}.tmp", local)
+    return True
