@@ -99,11 +99,14 @@ def _send_generation_headers() -> None:
     x-goog-generation header; the emulator sends none, and tensorstore, which reads an OCDBT
     checkpoint's manifest that way (orbax's format), then fails on a "Malformed
     StorageGeneration" (now and then: when its cache misses). The emulator's download handler,
-    wherever its routes name it, also sends the header."""
+    wherever its routes name it (and the object GET that calls it for alt=media), also sends
+    the header."""
     from gcp_storage_emulator import server
     from gcp_storage_emulator.handlers import objects
 
     download = objects.download
+    if getattr(download, "sends_generation", False):
+        return
 
     def download_with_generation(request, response, storage, *args, **kwargs):
         download(request, response, storage, *args, **kwargs)
@@ -115,6 +118,8 @@ def _send_generation_headers() -> None:
         response["x-goog-generation"] = str(obj["generation"])
         response["x-goog-metageneration"] = str(obj["metageneration"])
 
+    download_with_generation.sends_generation = True
+    objects.download = download_with_generation  # what objects.get calls for alt=media
     for _, methods in server.HANDLERS:
         for method, handler in methods.items():
             if handler is download:

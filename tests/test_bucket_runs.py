@@ -165,6 +165,8 @@ def test_a_run_killed_mid_save_resumes_from_the_bucket_on_a_new_host_to_the_same
     # The new folder started from the bucket's metrics.jsonl (copied at each save), cut back
     # to step 6: the whole run's lines, as in the run that never stopped; the bucket's too.
     assert metrics_of(tmp_path / "second") == metrics_of(reference)
+    wandb_run = (tmp_path / "first" / "wandb_run_id").read_text()
+    assert (tmp_path / "second" / "wandb_run_id").read_text() == wandb_run  # the same W&B run
     (tmp_path / "bucket").mkdir()
     gcs.fs.get_file(f"{gcs.name}/runs/a/metrics.jsonl", str(tmp_path / "bucket" / "metrics.jsonl"))
     assert metrics_of(tmp_path / "bucket") == metrics_of(reference)

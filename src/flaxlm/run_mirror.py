@@ -1,5 +1,5 @@
-"""A copy of the run's small files (metrics.jsonl, status.json, config.yaml) in its bucket
-folder (output_url), beside the checkpoints, for a run whose hosts share no disk.
+"""A copy of the run's small files (metrics.jsonl, status.json, config.yaml, wandb_run_id) in
+its bucket folder (output_url), beside the checkpoints, for a run whose hosts share no disk.
 
 An object store has no append: each copy rewrites the whole object, which a reader sees old or
 new, never half-written. Process 0 keeps appending to its local files as always and copies them
@@ -7,7 +7,8 @@ whole at the moments a resume or a reader depends on: at the start, when each ch
 starts (so the bucket holds every line up to the checkpoint a resume goes back to), and when the
 run ends, is preempted (after its last checkpoint is written) or fails. A run killed outright
 loses from the bucket only the lines after its last checkpoint, which a resume drops anyway.
-A run resumed on a host without its local files starts from the bucket's metrics.jsonl.
+A run resumed on a host without its local files starts from the bucket's metrics.jsonl and
+continues its W&B run.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ import os
 import sys
 
 from flaxlm.errors import FlaxlmError
-from flaxlm.layout import CONFIG_FILE, METRICS_FILE, STATUS_FILE, run_path
+from flaxlm.layout import CONFIG_FILE, METRICS_FILE, STATUS_FILE, WANDB_ID_FILE, run_path
 from flaxlm.storage import download, exists, upload
 
-MIRRORED_FILES = (METRICS_FILE, STATUS_FILE, CONFIG_FILE)
+MIRRORED_FILES = (METRICS_FILE, STATUS_FILE, CONFIG_FILE, WANDB_ID_FILE)
+# What a resume on a host without the run's local files takes from the bucket: the lines up to
+# the checkpoint, and the W&B run to continue.
+RESUMED_FILES = (METRICS_FILE, WANDB_ID_FILE)
 SETTING = "output_url"
 
 
@@ -38,13 +42,14 @@ def upload_run_files(run_dir: str, output_url: str) -> None:
                   "checkpoint copies it again", file=sys.stderr, flush=True)
 
 
-def download_metrics(output_url: str, run_dir: str) -> bool:
-    """The bucket's metrics.jsonl over the local one (a new local run_dir's, empty) of a run
-    resumed on another host; False when the bucket has none."""
-    remote = f"{output_url}/{METRICS_FILE}"
-    if not exists(remote, SETTING):
-        return False
-    local = run_path(run_dir, METRICS_FILE)
-    download(remote, f"{local}.tmp", SETTING)
-    os.replace(f"{local}.tmp", local)
-    return True
+def download_resumed_files(output_url: str, run_dir: str) -> None:
+    """The bucket's metrics.jsonl and wandb_run_id over the local ones (a new local run_dir's:
+    an empty metrics.jsonl) of a run resumed on another host; each one the bucket lacks is left
+    as it is."""
+    for name in RESUMED_FILES:
+        remote = f"{output_url}/{name}"
+        if not exists(remote, SETTING):
+            continue
+        local = run_path(run_dir, name)
+        download(remote, f"{local}.tmp", SETTING)
+        os.replace(f"{local}.tmp", local)

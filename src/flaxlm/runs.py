@@ -36,7 +36,7 @@ from flaxlm.layout import (
     checkpoint_dir,
     run_path,
 )
-from flaxlm.run_mirror import download_metrics
+from flaxlm.run_mirror import download_resumed_files
 from flaxlm.storage import is_url
 from flaxlm.training.checkpoint.manager import finalised_steps
 
@@ -151,7 +151,8 @@ def open_run_dir(config: TrainConfig, resolved: dict) -> RunDir:
             check_resumable_with(_bucket_config(bucket), bucket, resolved)
             claim_run_dir(path)
             save_config(path, resolved)
-            download_metrics(bucket, path)  # the resume cuts it back to the checkpoint
+            # metrics.jsonl (the resume cuts it back to the checkpoint) and the W&B run id
+            download_resumed_files(bucket, path)
         elif resuming:
             check_resumable(run_path(path, CONFIG_FILE), resolved)
         else:
