@@ -7,6 +7,7 @@ training with one paragraph (exit 2)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from flaxlm.training.checkpoint.manager import COMMIT_FILE, Checkpointer, finali
 from flaxlm.training.stop import PREEMPTED_EXIT_CODE
 
 # test_faults' run (checkpoints at 4, 6, 8, 12; evaluations at 0, 6, 12), its packed data shared.
+import test_multihost as multihost  # noqa: E402  isort: skip
 from test_faults import RUN, wait_for_logged_step  # noqa: E402  isort: skip
 
 
@@ -200,6 +202,61 @@ def test_a_preempted_run_leaves_every_metrics_line_and_its_status_in_the_bucket(
     status = json.loads(gcs.fs.cat_file(f"{gcs.name}/runs/p/status.json"))
     assert status["status"] == "preempted"
     assert gcs.fs.exists(f"{gcs.name}/runs/p/config.yaml")
+
+
+# --- two hosts that share nothing but the bucket -------------------------------------------------
+
+
+def two_hosts_sharing_only(url: str, tmp_path, tag: str, port: int) -> list[subprocess.Popen]:
+    """The same command on two "hosts" joined by jax.distributed: each with its own cache and
+    its own timestamped local run_dir, the bucket folder `url` their only shared storage."""
+    processes = []
+    for index, command in enumerate(multihost.two_hosts(port)):
+        host = tmp_path / f"host{index}"
+        env = {**os.environ, "FLAXLM_CACHE": str(host / "cache")}
+        processes.append(subprocess.Popen(
+            [*command, f"output_url={url}", f"hydra.run.dir={host}/{tag}-" + "${now:%H-%M-%S_%f}"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return processes
+
+
+def bucket_metrics(bucket, key: str) -> list[dict]:
+    bucket.fs.invalidate_cache()
+    lines = bucket.fs.cat_file(f"{bucket.name}/{key}").decode().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in multihost.VOLATILE}
+            for line in lines]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_hosts_sharing_only_the_bucket_killed_and_resumed_train_as_if_never_stopped(
+        gcs, tmp_path):
+    """Issue 45's case: two processes, nothing shared but the bucket, killed (SIGKILL) mid-run
+    and started again with the same command (new local folders) end with the metrics of the
+    same two processes never stopped, exactly."""
+    port = multihost.free_port()
+    whole = two_hosts_sharing_only(f"{gcs.url}/runs/whole", tmp_path / "whole", "a", port)
+    for process, output in zip(whole, multihost.finish(whole)):
+        assert process.returncode == 0, output[-3000:]
+
+    url = f"{gcs.url}/runs/stopped"
+    first = two_hosts_sharing_only(url, tmp_path, "first", port)
+    run_dir = multihost.the_run_dir(tmp_path / "host0", first)
+    multihost.wait_for_step(run_dir, first, 8)
+    for process in first:
+        process.kill()
+    multihost.finish(first)
+    assert finalised_steps(f"{url}/checkpoints")[-1] < 12
+
+    again = two_hosts_sharing_only(url, tmp_path, "again", port)
+    for process, output in zip(again, multihost.finish(again)):
+        assert process.returncode == 0, output[-3000:]
+        assert "from its checkpoint at step" in output
+    expected = bucket_metrics(gcs, "runs/whole/metrics.jsonl")
+    assert [m["step"] for m in expected if "eval/loss" in m] == [0, 6, 12]
+    assert bucket_metrics(gcs, "runs/stopped/metrics.jsonl") == expected
+    [resumed] = [path for path in (tmp_path / "host0").glob("again-*/metrics.jsonl")]
+    assert multihost.metric_lines(resumed.parent) == expected
 
 
 # --- a bucket the run cannot write to: one paragraph before training, exit 2 ---------------------
