@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import uuid
 
 import pytest
@@ -90,8 +91,22 @@ def gcs_endpoint() -> str:
     server.start()
     # The emulator does not say which port port 0 became; its HTTP server knows.
     port = server._api._httpd.server_address[1]
+    _quiet_closed_connections(server._api._httpd)
     yield f"http://127.0.0.1:{port}"
     server.stop()
+
+
+def _quiet_closed_connections(httpd) -> None:
+    """The HTTP server prints a traceback on stderr for each client that hung up before its
+    answer was written (a killed test run, a client's timeout), at any moment: in a later
+    test's captured stderr, where no traceback may appear. Those alone are not printed."""
+    handle_error = httpd.handle_error
+
+    def quiet_handle_error(request, client_address):
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            handle_error(request, client_address)
+
+    httpd.handle_error = quiet_handle_error
 
 
 def _send_generation_headers() -> None:

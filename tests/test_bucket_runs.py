@@ -6,6 +6,7 @@ training with one paragraph (exit 2)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -19,7 +20,12 @@ from conftest import SHORT, assert_names, bumped, leaves_equal, metrics_of, save
 
 from flaxlm.errors import FlaxlmError
 from flaxlm.storage import probe_write
-from flaxlm.training.checkpoint.manager import COMMIT_FILE, Checkpointer, finalised_steps
+from flaxlm.training.checkpoint.manager import (
+    COMMIT_FILE,
+    Checkpointer,
+    disk_full_error,
+    finalised_steps,
+)
 from flaxlm.training.stop import PREEMPTED_EXIT_CODE
 
 # test_faults' run (checkpoints at 4, 6, 8, 12; evaluations at 0, 6, 12), its packed data shared.
@@ -33,7 +39,7 @@ def names_under(bucket, key: str) -> list[str]:
 
 
 def test_checkpoints_in_a_bucket_restore_and_a_damaged_newest_is_set_aside(gcs, train_state,
-                                                                           capsys):
+                                                                           capsys, tmp_path):
     directory = f"{gcs.url}/run/checkpoints"
     save_steps(directory, train_state, [4, 8]).close()
     assert finalised_steps(directory) == [4, 8]
@@ -59,6 +65,10 @@ def test_checkpoints_in_a_bucket_restore_and_a_damaged_newest_is_set_aside(gcs, 
         again.close()
     assert resaved.step == 8 and leaves_equal(resaved.state, bumped(train_state, 9))
     assert aside in names_under(gcs, "run/checkpoints")  # kept, never deleted
+    # A full local disk (metrics.jsonl, the export) names the bucket's last checkpoint as kept.
+    full = disk_full_error(OSError(errno.ENOSPC, "No space left on device"), str(tmp_path),
+                           f"{gcs.url}/run")
+    assert_names(full, "step 8, is intact", str(tmp_path))
 
 
 # Saves steps 4 and 8 of a small state into argv[1]; SIGKILL just before orbax writes step 8's
@@ -198,7 +208,8 @@ def test_a_preempted_run_leaves_every_metrics_line_and_its_status_in_the_bucket(
     gcs.fs.invalidate_cache()
     bucket_lines = gcs.fs.cat_file(f"{gcs.name}/runs/p/metrics.jsonl").decode()
     assert bucket_lines == (run_dir / "metrics.jsonl").read_text()  # not a line lost
-    assert any(json.loads(line)["step"] == stopped for line in bucket_lines.splitlines())
+    # lines logged since the start's copy (an empty file), before the preemption's checkpoint
+    assert max(json.loads(line)["step"] for line in bucket_lines.splitlines()) >= 3
     status = json.loads(gcs.fs.cat_file(f"{gcs.name}/runs/p/status.json"))
     assert status["status"] == "preempted"
     assert gcs.fs.exists(f"{gcs.name}/runs/p/config.yaml")

@@ -117,7 +117,8 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         if tracker is not None:
             tracker.finish(exit_code=1)
         # The step compiles at its first call (the train step's, or an evaluation's).
-        known = (disk_full_error(err, run.path) or distributed.lost_peer_error(err, run.path)
+        known = (disk_full_error(err, run.path, output_url)
+                 or distributed.lost_peer_error(err, run.path)
                  or kernel_compile_error(err, attention)
                  or out_of_memory_error(err, config))
         _record_status(run.path, FAILED, _failure_reason(known or err), output_url)

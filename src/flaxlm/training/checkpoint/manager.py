@@ -62,7 +62,7 @@ from orbax.checkpoint._src.metadata import array_metadata_store
 
 from flaxlm.config import CheckpointConfig
 from flaxlm.errors import FlaxlmError, causes, first_line
-from flaxlm.layout import CHECKPOINT_SUBDIR, checkpoint_dir, run_path
+from flaxlm.layout import CHECKPOINT_SUBDIR, checkpoint_dir
 from flaxlm.storage import exists, forget_listings, is_url, list_names, move_folder
 
 BEST_METRIC = "eval/loss"  # lower is better
@@ -463,15 +463,19 @@ def close_quietly(checkpointer: Checkpointer | None) -> None:
             print(f"flaxlm: closing the checkpointer failed too: {err}", file=sys.stderr)
 
 
-def disk_full_error(err: BaseException, run_dir: str) -> FlaxlmError | None:
+def disk_full_error(err: BaseException, run_dir: str,
+                    output_url: str | None = None) -> FlaxlmError | None:
     """A full disk or quota, met anywhere in the run (a checkpoint, metrics.jsonl, the
     export, a cache), as a message saying what is kept and how to go on; None for any other
     error. orbax saves a step under a temporary name, so a save that ran out of space never
-    replaces the last complete checkpoint."""
+    replaces the last complete checkpoint. With output_url the checkpoints are in the bucket."""
     text = disk_full_text(err)
     if text is None:
         return None
-    steps = finalised_steps(run_path(run_dir, CHECKPOINT_SUBDIR))
+    try:
+        steps = finalised_steps(checkpoint_dir(run_dir, output_url))
+    except FlaxlmError:  # the bucket does not answer now: say nothing about its checkpoints
+        steps = []
     kept = (f"Its last complete checkpoint, step {steps[-1]}, is intact: free some space and "
             "run the same command to resume."
             if steps else "It had saved no checkpoint yet: free some space and run the same "
