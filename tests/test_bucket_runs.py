@@ -212,6 +212,7 @@ def test_a_preempted_run_leaves_every_metrics_line_and_its_status_in_the_bucket(
     assert max(json.loads(line)["step"] for line in bucket_lines.splitlines()) >= 3
     status = json.loads(gcs.fs.cat_file(f"{gcs.name}/runs/p/status.json"))
     assert status["status"] == "preempted"
+    assert f"to continue, run the same command (output_url={url} continues it" in err
     assert gcs.fs.exists(f"{gcs.name}/runs/p/config.yaml")
 
 

@@ -108,9 +108,11 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         stopped.run_dir = run.path
         close_quietly(checkpointer)
         _record_status(run.path, PREEMPTED, str(stopped), output_url)
-        print(f"flaxlm: {stopped}; to continue, run the same overrides plus "
-              f"resume_from={run.path} (or the same command, if it set run_dir or "
-              f"hydra.run.dir); exit code {PREEMPTED_EXIT_CODE}", file=sys.stderr, flush=True)
+        how = (f"run the same command (output_url={output_url} continues it, on any host)"
+               if output_url else f"run the same overrides plus resume_from={run.path} (or the "
+               "same command, if it set run_dir or hydra.run.dir)")
+        print(f"flaxlm: {stopped}; to continue, {how}; exit code {PREEMPTED_EXIT_CODE}",
+              file=sys.stderr, flush=True)
         raise
     except BaseException as err:
         close_quietly(checkpointer)  # let good checkpoints already started finish writing
