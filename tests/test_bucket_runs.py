@@ -13,12 +13,14 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import safetensors.numpy
 from conftest import SHORT, assert_names, bumped, leaves_equal, metrics_of, save_steps, trained_run
 
 from flaxlm.errors import FlaxlmError
+from flaxlm.run_mirror import upload_run_files
 from flaxlm.storage import probe_write
 from flaxlm.training.checkpoint.manager import (
     COMMIT_FILE,
@@ -214,6 +216,30 @@ def test_a_preempted_run_leaves_every_metrics_line_and_its_status_in_the_bucket(
     assert status["status"] == "preempted"
     assert f"to continue, run the same command (output_url={url} continues it" in err
     assert gcs.fs.exists(f"{gcs.name}/runs/p/config.yaml")
+
+
+def test_the_bucket_gets_the_small_files_after_each_evaluation_and_checkpoint(
+        gcs, tmp_path, train_cli, monkeypatch):
+    """What metrics.jsonl held at each copy: the start's (empty), the evaluation before
+    training, the checkpoint's, the end's."""
+    import flaxlm.job
+
+    copied = []
+
+    def record_and_upload(run_dir, output_url):
+        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+        copied.append([sorted(k for k in json.loads(line) if k.startswith(("eval/", "train/")))[0]
+                       for line in lines])
+        upload_run_files(run_dir, output_url)
+
+    monkeypatch.setattr(flaxlm.job, "upload_run_files", record_and_upload)
+    result = train_cli(*RUN, "trainer.max_steps=2", f"output_url={gcs.url}/runs/e",
+                       f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert copied[0] == []  # the start
+    assert ["eval/bits_per_byte"] in copied  # the evaluation before training, on its own
+    assert finalised_steps(f"{gcs.url}/runs/e/checkpoints") == [2]
+    assert bucket_metrics(gcs, "runs/e/metrics.jsonl") == metrics_of(tmp_path / "run")
 
 
 # --- two hosts that share nothing but the bucket -------------------------------------------------

@@ -86,8 +86,10 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
                                 group=run_group, run_id=run.wandb_run_id,
                                 objective=objective.name,
                                 maximize=objective.mode == ObjectiveMode.max)
+        mirror = _mirror(run.path, output_url)
+        tracker.after_evaluation = mirror
         checkpointer = make_checkpointer(run.path, config.checkpoint, output_url,
-                                         after_save=_mirror_at_saves(run.path, output_url))
+                                         after_save=mirror and (lambda step: mirror()))
         stop = AgreedStopRequest()
         job = JobContext(config, resolved, run, mesh, tracker, checkpointer, stop)
         with stop.catching_signals():
@@ -144,12 +146,13 @@ def _record_status(run_dir: str, status: str, reason: str = "",
             upload_run_files(run_dir, output_url)
 
 
-def _mirror_at_saves(run_dir: str, output_url: str | None):
-    """What the checkpointer calls as each save starts: process 0 copies the run's small files
-    to the bucket, so that it holds every metrics line up to the checkpoint."""
+def _mirror(run_dir: str, output_url: str | None):
+    """What process 0 calls after each evaluation is logged and as each checkpoint save
+    starts: the run's small files copied to the bucket, which so holds every metrics line up
+    to the checkpoint a resume goes back to, and each evaluation as it comes."""
     if not (output_url and distributed.is_primary()):
         return None
-    return lambda step: upload_run_files(run_dir, output_url)
+    return lambda: upload_run_files(run_dir, output_url)
 
 
 def _failure_reason(err: BaseException) -> str:

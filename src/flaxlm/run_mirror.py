@@ -3,9 +3,10 @@ its bucket folder (output_url), beside the checkpoints, for a run whose hosts sh
 
 An object store has no append: each copy rewrites the whole object, which a reader sees old or
 new, never half-written. Process 0 keeps appending to its local files as always and copies them
-whole at the moments a resume or a reader depends on: at the start, when each checkpoint save
-starts (so the bucket holds every line up to the checkpoint a resume goes back to), and when the
-run ends, is preempted (after its last checkpoint is written) or fails. A run killed outright
+whole at the moments a resume or a reader depends on: at the start, after each evaluation is
+logged, when each checkpoint save starts (so the bucket holds every line up to the checkpoint a
+resume goes back to), and when the run ends, is preempted (after its last checkpoint is
+written) or fails. A run killed outright
 loses from the bucket only the lines after its last checkpoint, which a resume drops anyway.
 A run resumed on a host without its local files starts from the bucket's metrics.jsonl and
 continues its W&B run.

@@ -15,7 +15,7 @@ import json
 import netrc
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
@@ -40,6 +40,8 @@ class Tracker:
         self.objective = objective  # W&B keeps its best value as the summary; see `summary`
         self._path = run_path(run_dir, METRICS_FILE) if run_dir is not None else None
         self._jsonl = open(self._path, "a", buffering=1) if self._path is not None else None
+        # Called after an evaluation's record is written (a bucket run copies its files then).
+        self.after_evaluation: Callable[[], None] | None = None
 
     def rewind(self, step: int, evaluates_again: bool = False) -> int:
         """Drop the metrics.jsonl records after `step` (those of a run that was killed after
@@ -87,6 +89,8 @@ class Tracker:
             self.wandb_run.log({**record, STEP_AXIS: step}, step=wandb_step)
         if self.tensorboard is not None:
             self.tensorboard.log(record, step)
+        if self.after_evaluation is not None and any(key.startswith("eval/") for key in record):
+            self.after_evaluation()
 
     def log_table(self, key: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
                   step: int) -> None:
