@@ -242,6 +242,19 @@ def test_the_bucket_gets_the_small_files_after_each_evaluation_and_checkpoint(
     assert bucket_metrics(gcs, "runs/e/metrics.jsonl") == metrics_of(tmp_path / "run")
 
 
+def test_a_start_without_checkpoint_in_the_bucket_is_kept_not_copied_over(gcs, tmp_path,
+                                                                        train_cli):
+    old = '{"step": 2, "train/loss": 6.0}\n'
+    gcs.put("runs/s/metrics.jsonl", old)  # a start killed before its first checkpoint
+    result = train_cli(*SHORT, f"output_url={gcs.url}/runs/s",
+                       f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [kept] = [n for n in names_under(gcs, "runs/s") if n.startswith("metrics.jsonl.stopped-")]
+    assert gcs.fs.cat_file(f"{gcs.name}/runs/s/{kept}").decode() == old
+    assert f"keeps them in {gcs.url}/runs/s/{kept}" in result.stdout
+    assert bucket_metrics(gcs, "runs/s/metrics.jsonl") == metrics_of(tmp_path / "run")
+
+
 # --- two hosts that share nothing but the bucket -------------------------------------------------
 
 

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from flaxlm.errors import FlaxlmError
 from flaxlm.layout import CONFIG_FILE, METRICS_FILE, STATUS_FILE, WANDB_ID_FILE, run_path
-from flaxlm.storage import download, exists, upload
+from flaxlm.storage import download, exists, move_objects, upload
 
 MIRRORED_FILES = (METRICS_FILE, STATUS_FILE, CONFIG_FILE, WANDB_ID_FILE)
 # What a resume on a host without the run's local files takes from the bucket: the lines up to
@@ -41,6 +42,19 @@ def upload_run_files(run_dir: str, output_url: str) -> None:
         except FlaxlmError as err:
             print(f"flaxlm: warning: could not copy {name} to the bucket ({err}); the next "
                   "checkpoint copies it again", file=sys.stderr, flush=True)
+
+
+def keep_stopped_start(output_url: str) -> None:
+    """A start of this run stopped before its first checkpoint left its metrics.jsonl in the
+    bucket, which this new start (from step 0) would copy over: it is kept beside it as
+    metrics.jsonl.stopped-<time>, as on disk (flaxlm.runs)."""
+    remote = f"{output_url}/{METRICS_FILE}"
+    if not exists(remote, SETTING):
+        return
+    kept = f"{remote}.stopped-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    move_objects(remote, kept, SETTING)
+    print(f"flaxlm: {output_url} holds the metrics of a start without a checkpoint; this run "
+          f"starts from step 0 and keeps them in {kept}", flush=True)
 
 
 def download_resumed_files(output_url: str, run_dir: str) -> None:

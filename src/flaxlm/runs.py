@@ -36,7 +36,7 @@ from flaxlm.layout import (
     checkpoint_dir,
     run_path,
 )
-from flaxlm.run_mirror import download_resumed_files
+from flaxlm.run_mirror import download_resumed_files, keep_stopped_start
 from flaxlm.storage import is_url
 from flaxlm.training.checkpoint.manager import finalised_steps
 
@@ -160,6 +160,8 @@ def open_run_dir(config: TrainConfig, resolved: dict) -> RunDir:
                 _set_aside_start_without_checkpoint(path, resolved)
             claim_run_dir(path)
             save_config(path, resolved)
+            if bucket:  # no checkpoint there (or resume=never refused above)
+                keep_stopped_start(bucket)
         return RunDir(path, resuming, wandb_run_id(path), lock)
     except BaseException:
         os.close(lock)

@@ -137,8 +137,9 @@ def exists(url: str, setting: str) -> bool:
         raise storage_error(err, url, setting) from None
 
 
-def move_folder(source: str, target: str, setting: str) -> None:
-    """Move every object under `source` to the same key under `target`. An object store
+def move_objects(source: str, target: str, setting: str) -> None:
+    """Move the object `source`, or every object under the folder `source`, to the same key
+    under `target`. An object store
     copies and deletes, object by object: not atomic, which is why flaxlm moves only what it
     no longer trusts (a damaged checkpoint set aside). Every object is copied before any is
     deleted, so a move cut short loses nothing. (fsspec's own recursive `mv` ignores the

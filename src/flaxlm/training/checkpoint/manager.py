@@ -63,7 +63,7 @@ from orbax.checkpoint._src.metadata import array_metadata_store
 from flaxlm.config import CheckpointConfig
 from flaxlm.errors import FlaxlmError, causes, first_line
 from flaxlm.layout import CHECKPOINT_SUBDIR, checkpoint_dir
-from flaxlm.storage import exists, forget_listings, is_url, list_names, move_folder
+from flaxlm.storage import exists, forget_listings, is_url, list_names, move_objects
 
 BEST_METRIC = "eval/loss"  # lower is better
 SET_ASIDE_TIMEOUT_S = 300  # how long other processes wait for process 0 to set a step aside
@@ -258,7 +258,7 @@ def set_aside(path: str) -> str:
             break
         target = f"{path}.damaged-{stamp}-{count}"
     if is_url(path):
-        move_folder(path, target, BUCKET_SETTING)
+        move_objects(path, target, BUCKET_SETTING)
     else:
         os.rename(path, target)
     print(f"flaxlm: moved the unusable checkpoint {path} aside to {target} (kept for "
