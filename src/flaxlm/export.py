@@ -50,7 +50,7 @@ from flaxlm.layout import CHECKPOINT_SUBDIR, MODEL_SUBDIR, RUN_FILES, run_path
 from flaxlm.models import hf, peft
 from flaxlm.run_records import plain, read_metrics
 
-MARKER = "flaxlm_export.json"
+MARKER = layout.EXPORT_MARKER
 
 # The model card's evaluation table: metric key → label, format.
 _CARD_FIGURES = [
@@ -210,6 +210,29 @@ def check_destination(out_dir: str, overwrite: bool = False, run_dir: str | None
         + (", or pass --overwrite to replace this run's model/ folder (its tokenizer and "
            "config)." if own_model_dir else ".")
     )
+
+
+def check_bucket_destination(url: str) -> None:
+    """The bucket folder `url` may be written by an export: the store can be written to, and
+    the folder is empty or an earlier flaxlm export (its objects all directly in it, among them
+    the marker); never a run's folder (an output_url) or anything else."""
+    from flaxlm import storage
+
+    storage.probe_write(url, "--out")
+    names = storage.list_names(url, "--out")
+    if not names:
+        return
+    if found := sorted(set(names) & {*RUN_FILES, CHECKPOINT_SUBDIR}):
+        raise FlaxlmError(
+            f"--out {url} holds a flaxlm run (it has {', '.join(found)}), and the export would "
+            "replace its objects. Choose a new --out folder, e.g. --out <the run's url>/model."
+        )
+    if MARKER not in names:
+        raise FlaxlmError(
+            f"--out {url} already holds objects and is not a flaxlm export (no {MARKER} in it), "
+            "so the export would replace objects of yours; flaxlm-export replaces only its own "
+            "earlier exports. Choose a new --out folder, or delete this one yourself."
+        )
 
 
 def is_flaxlm_export(directory: str) -> bool:

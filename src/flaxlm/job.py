@@ -28,7 +28,7 @@ from flaxlm.config import ObjectiveMode, TrainConfig
 from flaxlm.errors import FlaxlmError, writable_dir
 from flaxlm.models.attention import kernel_compile_error
 from flaxlm.parallel import configure_platform, make_mesh
-from flaxlm.run_mirror import upload_run_files
+from flaxlm.run_mirror import upload_exports, upload_run_files
 from flaxlm.run_records import FAILED, FINISHED, PREEMPTED, RUNNING, write_status
 from flaxlm.runs import open_shared_run_dir, output_url_of
 from flaxlm.storage import probe_write
@@ -100,6 +100,8 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
                 tracker.finish(exit_code=PREEMPTED_EXIT_CODE, preempted=True)
                 raise
         checkpointer.close()
+        if output_url and distributed.is_primary():
+            upload_exports(run.path, output_url)
         final["wall_time_s"] = time.perf_counter() - started
         # What a sweeper is handed, also as W&B's `objective`: a W&B sweep's metric.
         result = objective_result(objective, run.path, final)

@@ -41,6 +41,7 @@ LOCK_FILE = ".lock"
 CHECKPOINT_SUBDIR = "checkpoints"
 MODEL_SUBDIR = "model"
 ADAPTER_SUBDIR = "adapter"  # model.lora: the PEFT adapter directory, beside model/
+EXPORT_MARKER = "flaxlm_export.json"  # in model/ and adapter/: written last by an export
 PREDICTIONS_FILE = "predictions.jsonl"
 TENSORBOARD_SUBDIR = "tensorboard"
 

@@ -19,8 +19,17 @@ import sys
 import time
 
 from flaxlm.errors import FlaxlmError
-from flaxlm.layout import CONFIG_FILE, METRICS_FILE, STATUS_FILE, WANDB_ID_FILE, run_path
-from flaxlm.storage import download, exists, move_objects, upload
+from flaxlm.layout import (
+    ADAPTER_SUBDIR,
+    CONFIG_FILE,
+    EXPORT_MARKER,
+    METRICS_FILE,
+    MODEL_SUBDIR,
+    STATUS_FILE,
+    WANDB_ID_FILE,
+    run_path,
+)
+from flaxlm.storage import download, exists, move_objects, upload, upload_folder
 
 MIRRORED_FILES = (METRICS_FILE, STATUS_FILE, CONFIG_FILE, WANDB_ID_FILE)
 # What a resume on a host without the run's local files takes from the bucket: the lines up to
@@ -42,6 +51,19 @@ def upload_run_files(run_dir: str, output_url: str) -> None:
         except FlaxlmError as err:
             print(f"flaxlm: warning: could not copy {name} to the bucket ({err}); the next "
                   "checkpoint copies it again", file=sys.stderr, flush=True)
+
+
+def upload_exports(run_dir: str, output_url: str) -> None:
+    """Copy the run's final model/ (and a LoRA run's adapter/) to `<output_url>/model/`
+    (`adapter/`), at the end of a run that finished: files first, the export's marker
+    (flaxlm_export.json) last, so that a copy cut short is a folder without a marker, never one
+    that looks whole (`flaxlm.storage.upload_folder`). Unlike the small files, a copy that
+    fails fails the run: the bucket is where its hosts keep what they make."""
+    for name in (MODEL_SUBDIR, ADAPTER_SUBDIR):
+        local = run_path(run_dir, name)
+        if os.path.exists(os.path.join(local, EXPORT_MARKER)):
+            upload_folder(local, f"{output_url}/{name}", SETTING, EXPORT_MARKER)
+            print(f"flaxlm: copied {name}/ to {output_url}/{name}", flush=True)
 
 
 def keep_stopped_start(output_url: str) -> None:

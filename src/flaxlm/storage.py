@@ -129,6 +129,53 @@ def upload(local_path: str, url: str, setting: str) -> None:
         raise storage_error(err, url, setting, action="write") from None
 
 
+def upload_folder(local_dir: str, url: str, setting: str, marker: str) -> None:
+    """Copy the files of the local folder `local_dir` (no subfolders) to the folder `url`,
+    replacing what it held, so that it counts as complete exactly when its object `marker`
+    exists: an object store has no rename, so the marker of what was there is deleted first,
+    every other file is uploaded, objects the new folder lacks are deleted, and `marker` is
+    uploaded last. A copy cut short leaves a folder without its marker, which readers refuse
+    and the next copy replaces."""
+    fs = filesystem(url, setting)
+    root = url.partition("://")[2].rstrip("/")
+    names = sorted(name for name in os.listdir(local_dir)
+                   if os.path.isfile(os.path.join(local_dir, name)))
+    try:
+        fs.invalidate_cache()
+        if fs.exists(f"{root}/{marker}"):
+            fs.rm_file(f"{root}/{marker}")
+        for name in names:
+            if name != marker:
+                fs.put_file(os.path.join(local_dir, name), f"{root}/{name}")
+        fs.invalidate_cache()
+        stale = [key for key in fs.find(root) if key[len(root) + 1:] not in names]
+        for key in stale:
+            fs.rm_file(key)
+        if marker in names:
+            fs.put_file(os.path.join(local_dir, marker), f"{root}/{marker}")
+    except Exception as err:
+        raise storage_error(err, url, setting, action="write") from None
+    forget_listings(url)
+
+
+def download_folder(url: str, local_dir: str, setting: str) -> None:
+    """Copy every object under the folder `url` into the local folder `local_dir` (made if
+    missing), keeping their relative paths."""
+    fs = filesystem(url, setting)
+    root = url.partition("://")[2].rstrip("/")
+    try:
+        fs.invalidate_cache()
+        keys = fs.find(root)
+        if not keys:
+            raise FileNotFoundError(f"no object under {url}")
+        for key in keys:
+            target = os.path.join(local_dir, *key[len(root) + 1:].split("/"))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            fs.get_file(key, target)
+    except Exception as err:
+        raise storage_error(err, url, setting) from None
+
+
 def exists(url: str, setting: str) -> bool:
     fs = filesystem(url, setting)
     try:
