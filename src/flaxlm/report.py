@@ -20,6 +20,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -33,10 +34,12 @@ from flaxlm.layout import (
     JOB_OK,
     JOB_PREEMPTED,
     METRICS_FILE,
+    STATUS_FILE,
     TOKENS_SEEN,
     run_path,
 )
 from flaxlm.run_records import job_statuses, read_metrics, read_status
+from flaxlm.storage import is_url
 
 # Metrics where lower is better; every other eval metric (accuracy, F1, correlations) is better
 # higher. Perplexity and bits per byte are the loss again in other units, so the table skips them
@@ -103,7 +106,9 @@ def collect_runs(paths: Sequence[str]) -> list[Run]:
     are among them (status `damaged`); if no run has a metric to report, that is an error."""
     runs: list[Run] = []
     for path in paths:
-        if is_run_dir(path):
+        if is_url(path):
+            runs.extend(read_bucket_runs(path))
+        elif is_run_dir(path):
             runs.append(read_run(path, os.path.basename(os.path.normpath(path))))
         elif _job_dirs(path):
             runs.extend(_read_multirun(path, _sweep_statuses(path)))
@@ -121,6 +126,48 @@ def collect_runs(paths: Sequence[str]) -> list[Run]:
         raise FlaxlmError(" ".join(_why_no_metrics(run) for run in runs)
                           + " Leave these runs out of the report, or train them first.")
     return runs
+
+
+def read_bucket_runs(url: str) -> list[Run]:
+    """The runs in a bucket: `url` is one run's folder (its output_url: config.yaml and
+    metrics.jsonl in it) or a folder of such folders. Each run's small files are downloaded
+    into a scratch folder and read as a local run's; the run is named and located by its URL."""
+    from flaxlm import storage
+
+    url = url.rstrip("/")
+    setting = "flaxlm-report"
+    if _is_bucket_run(url, storage.list_names(url, setting)):
+        folders = [url]
+    else:
+        folders = [f"{url}/{name}" for name in sorted(storage.list_names(url, setting))]
+        folders = [folder for folder in folders
+                   if _is_bucket_run(folder, storage.list_names(folder, setting))]
+    if not folders:
+        bucket = url.partition("://")[2].split("/", 1)[0]
+        if not storage.exists(f"{url.partition('://')[0]}://{bucket}", setting):
+            raise storage.storage_error(FileNotFoundError(f"no bucket {bucket!r}"), url, setting)
+        raise FlaxlmError(
+            f"{url} holds no run: neither its own {CONFIG_FILE} and {METRICS_FILE} (a run's "
+            "output_url) nor folders that hold them. Give flaxlm-report a run's output_url or "
+            "the bucket folder above several."
+        )
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="flaxlm-report-") as scratch:
+        for index, folder in enumerate(folders):
+            local = os.path.join(scratch, str(index))
+            os.makedirs(local)
+            for name in (CONFIG_FILE, METRICS_FILE, STATUS_FILE):
+                if storage.exists(f"{folder}/{name}", setting):
+                    storage.download(f"{folder}/{name}", run_path(local, name), setting)
+            name = folder[len(url.rsplit("/", 1)[0]) + 1:]  # "<run>" or "<folder>/<run>"
+            run = read_run(local, name)
+            run.path, run.reason = folder, run.reason.replace(local, folder)
+            runs.append(run)
+    return runs
+
+
+def _is_bucket_run(url: str, names: list[str]) -> bool:
+    return CONFIG_FILE in names and METRICS_FILE in names
 
 
 def is_run_dir(path: str) -> bool:
