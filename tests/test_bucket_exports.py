@@ -37,12 +37,13 @@ def bucket_run(gcs, tmp_path, train_cli):
 @pytest.mark.slow
 @pytest.mark.torch
 def test_the_final_model_and_flaxlm_export_to_a_bucket_load_back_through_transformers(
-        bucket_run, gcs, tmp_path):
+        bucket_run, gcs, tmp_path, capsys):
     import numpy as np
     import torch
     import transformers
 
     from flaxlm.cli import export as export_cli
+    from flaxlm.cli import generate as generate_cli
 
     run_dir, url = bucket_run
     # The run's own model/, copied whole to <output_url>/model/, marker included.
@@ -60,6 +61,13 @@ def test_the_final_model_and_flaxlm_export_to_a_bucket_load_back_through_transfo
         with torch.no_grad():
             logits.append(model(tokens).logits.numpy())
     np.testing.assert_array_equal(logits[0], logits[1])
+    # The bucket run itself (its output_url: the checkpoint read from the bucket through orbax,
+    # the tokenizer from its model/) exports and generates as the local run does.
+    from_bucket = export_cli.run([url, "--out", str(tmp_path / "from-bucket")])
+    assert files_of(from_bucket)["model.safetensors"] == files_of(local)["model.safetensors"]
+    assert f"exported {url} checkpoint step 1" in capsys.readouterr().out
+    prompt = [["--prompt", "Return the", "--greedy", "--max-new-tokens", "4"]]
+    assert generate_cli.run([url, *prompt[0]]) == generate_cli.run([str(run_dir), *prompt[0]])
     # An export again over the earlier one replaces it; a run's folder is never replaced.
     export_cli.run([str(run_dir), "--out", f"{gcs.url}/models/a"])
     with pytest.raises(FlaxlmError) as error:
@@ -110,3 +118,44 @@ def test_flaxlm_export_refuses_a_bucket_folder_it_did_not_write(gcs, tmp_path, c
         assert "Traceback" not in err
         assert_names(err, "--out", *fragments)
     assert bucket_names(gcs, "mine") == ["notes.txt"]
+
+
+def test_the_model_folder_a_run_starts_with_is_copied_once_without_a_marker(gcs, tmp_path):
+    from flaxlm.run_mirror import upload_run_files
+
+    run_dir = tmp_path / "run"
+    (run_dir / "model").mkdir(parents=True)
+    (run_dir / "model" / "tokenizer.json").write_text("{}")
+    (run_dir / "config.yaml").write_text("seed: 0\n")
+    upload_run_files(str(run_dir), f"{gcs.url}/r")
+    assert bucket_names(gcs, "r") == ["config.yaml", "tokenizer.json"]  # no marker: not final
+    (run_dir / "model" / "tokenizer.json").write_text('{"changed": 1}')
+    upload_run_files(str(run_dir), f"{gcs.url}/r")  # copied once: at the next evaluation or save
+    assert gcs.fs.cat_file(f"{gcs.name}/r/model/tokenizer.json") == b"{}"
+
+
+@pytest.mark.parametrize(("where", "fragments"), [
+    ("gs://no-such-bucket/runs/a", ("'gs://no-such-bucket'", "does not exist")),
+    ("{bucket}/runs/none", ("{bucket}/runs/none holds no flaxlm run", "output_url")),
+])
+def test_a_bucket_run_that_is_not_there_is_one_paragraph(gcs, capsys, where, fragments):
+    from flaxlm.cli import generate as generate_cli
+
+    with pytest.raises(SystemExit) as stop:
+        generate_cli.main([where.format(bucket=gcs.url), "--prompt", "a"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert_names(err, *(fragment.format(bucket=gcs.url) for fragment in fragments))
+
+
+def test_flaxlm_eval_on_a_bucket_run_puts_its_results_beside_the_checkpoints(gcs, tmp_path):
+    import json
+
+    from flaxlm.downstream import record_bucket_results
+    from flaxlm.harness import HarnessResults
+
+    results = HarnessResults({"results": {"arc": {"acc": 0.5}}}, {"eval/arc/acc": 0.5}, "table")
+    record_bucket_results(f"{gcs.url}/runs/a/", str(tmp_path), 8, results)
+    written = json.loads(gcs.fs.cat_file(f"{gcs.name}/runs/a/eval/harness-8.json"))
+    assert written == {"step": 8, "results": {"arc": {"acc": 0.5}}}

@@ -53,6 +53,21 @@ def write_results(run_dir: str, step: int | None, results: HarnessResults) -> st
     return path
 
 
+def record_bucket_results(url: str, local_dir: str, step: int | None,
+                          results: HarnessResults) -> None:
+    """After a bucket run (flaxlm-eval on its output_url): the JSON written in `local_dir`
+    (the run's local copy) and copied to `<url>/eval/`; the run's metrics.jsonl and W&B run
+    are left as they are (a resume of the run would copy its own metrics.jsonl over them)."""
+    from flaxlm.storage import upload
+
+    path = write_results(local_dir, step, results)
+    if path is None:
+        return
+    remote = f"{url.rstrip('/')}/{os.path.relpath(path, local_dir)}"
+    upload(path, remote, "RUN_DIR")
+    print(f"flaxlm: results in {remote}", file=sys.stderr)
+
+
 def record_results(run_dir: str, step: int | None, results: HarnessResults) -> None:
     """After the run (flaxlm-eval): the JSON, and the metrics at `step` in the run's
     metrics.jsonl, W&B run and TensorBoard files (those its logger had). While a run trains

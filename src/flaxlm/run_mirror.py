@@ -24,6 +24,7 @@ from flaxlm.layout import (
     CONFIG_FILE,
     EXPORT_MARKER,
     METRICS_FILE,
+    MODEL_CONFIG_FILE,
     MODEL_SUBDIR,
     STATUS_FILE,
     WANDB_ID_FILE,
@@ -31,17 +32,24 @@ from flaxlm.layout import (
 )
 from flaxlm.storage import download, exists, move_objects, upload, upload_folder
 
-MIRRORED_FILES = (METRICS_FILE, STATUS_FILE, CONFIG_FILE, WANDB_ID_FILE)
+MIRRORED_FILES = (METRICS_FILE, STATUS_FILE, CONFIG_FILE, MODEL_CONFIG_FILE, WANDB_ID_FILE)
 # What a resume on a host without the run's local files takes from the bucket: the lines up to
 # the checkpoint, and the W&B run to continue.
 RESUMED_FILES = (METRICS_FILE, WANDB_ID_FILE)
 SETTING = "output_url"
+TOKENIZER_FILE = "tokenizer.json"
 
 
 def upload_run_files(run_dir: str, output_url: str) -> None:
-    """Copy the run's small files to `output_url`, each whole. A failed copy is a warning: the
-    next one rewrites every file, and training goes on (the checkpoints are what a resume
-    needs, and they fail loudly)."""
+    """Copy the run's small files to `output_url`, each whole, and, once, the model/ folder the
+    run starts with (its tokenizer and config, which the tools that read the run's checkpoints
+    from the bucket need). A failed copy is a warning: the next one rewrites every file, and
+    training goes on (the checkpoints are what a resume needs, and they fail loudly)."""
+    try:
+        _upload_start_model(run_dir, output_url)
+    except FlaxlmError as err:
+        print(f"flaxlm: warning: could not copy model/ to the bucket ({err}); the next "
+              "checkpoint copies it again", file=sys.stderr, flush=True)
     for name in MIRRORED_FILES:
         local = run_path(run_dir, name)
         if not os.path.exists(local):
@@ -64,6 +72,18 @@ def upload_exports(run_dir: str, output_url: str) -> None:
         if os.path.exists(os.path.join(local, EXPORT_MARKER)):
             upload_folder(local, f"{output_url}/{name}", SETTING, EXPORT_MARKER)
             print(f"flaxlm: copied {name}/ to {output_url}/{name}", flush=True)
+
+
+def _upload_start_model(run_dir: str, output_url: str) -> None:
+    """model/ as the run started it (no export marker yet), if the bucket has no tokenizer
+    there: copied without a marker, so it never passes for a final export."""
+    local = run_path(run_dir, MODEL_SUBDIR)
+    if (not os.path.isfile(os.path.join(local, TOKENIZER_FILE))
+            or os.path.exists(os.path.join(local, EXPORT_MARKER))):
+        return
+    remote = f"{output_url}/{MODEL_SUBDIR}"
+    if not exists(f"{remote}/{TOKENIZER_FILE}", SETTING):
+        upload_folder(local, remote, SETTING, EXPORT_MARKER)
 
 
 def keep_stopped_start(output_url: str) -> None:

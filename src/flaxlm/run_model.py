@@ -5,7 +5,11 @@ and config. flaxlm-export writes it out; flaxlm-generate samples from it.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
+import shutil
+import tempfile
 from typing import Any, NamedTuple
 
 import jax
@@ -25,7 +29,8 @@ from flaxlm.models.build import build_classifier, build_lm, lm_from_params
 from flaxlm.models.layers import TransformerSpec
 from flaxlm.parallel import make_mesh, place_state, state_shardings
 from flaxlm.platforms import skip_absent_tpu
-from flaxlm.training.checkpoint.manager import restore_params
+from flaxlm.storage import is_url
+from flaxlm.training.checkpoint.manager import finalised_steps, restore_params
 
 
 class RunModel(NamedTuple):
@@ -67,6 +72,11 @@ def load_run_model(run_dir: str, step: int | None = None, mesh: Mesh | None = No
     (`flaxlm.parallel`), each device reading its part: the model is never whole on one device
     nor on the host (`local_mesh` spreads it over this machine's devices); without one, the
     parameters are numpy arrays on the host."""
+    checkpoints, name = None, run_dir
+    if is_url(run_dir):  # a bucket run: its output_url
+        name = run_dir.rstrip("/")
+        checkpoints = f"{name}/{CHECKPOINT_SUBDIR}"
+        run_dir = bucket_run_copy(name)
     run_dir = os.path.abspath(os.path.expanduser(run_dir))
     if not os.path.isdir(run_dir):
         raise FlaxlmError(
@@ -75,7 +85,8 @@ def load_run_model(run_dir: str, step: int | None = None, mesh: Mesh | None = No
         )
     model_dir = run_path(run_dir, MODEL_SUBDIR)
     tokenizer = _load_tokenizer(model_dir, run_dir)
-    if os.path.isdir(run_path(run_dir, CHECKPOINT_SUBDIR)):
+    if (finalised_steps(checkpoints) if checkpoints
+            else os.path.isdir(run_path(run_dir, CHECKPOINT_SUBDIR))):
         def layout(saved_config: dict) -> dict:
             run_config = upgrade_saved_config(saved_config)
             model = _abstract_model(_trained_model_config(run_dir, run_config),
@@ -83,14 +94,15 @@ def load_run_model(run_dir: str, step: int | None = None, mesh: Mesh | None = No
             return nnx.to_pure_dict(state_shardings(nnx.state(model, nnx.Param), mesh))
 
         params, run_config, step = restore_params(run_dir, step,
-                                                  layout if mesh is not None else None)
+                                                  layout if mesh is not None else None,
+                                                  directory=checkpoints)
         run_config = upgrade_saved_config(run_config)  # an earlier release's keys too
         model_config = _trained_model_config(run_dir, run_config)
         hf_config = _hf_config(run_config, model_dir)
         if lora.enabled(model_config):  # the checkpoint holds the adapters only
             params, model_config = _merged_onto_base(params, model_config, run_config, mesh)
         return RunModel(params, model_config, tokenizer, run_config, step,
-                        f"{run_dir} checkpoint step {step}", hf_config)
+                        f"{name if checkpoints else run_dir} checkpoint step {step}", hf_config)
     if step is not None:
         raise FlaxlmError(
             f"The run directory {run_dir} has no checkpoints/ folder, so there is no checkpoint "
@@ -98,6 +110,35 @@ def load_run_model(run_dir: str, step: int | None = None, mesh: Mesh | None = No
             f"({model_dir})."
         )
     return _from_export(model_dir, run_dir, tokenizer, mesh)
+
+
+@functools.cache
+def bucket_run_copy(url: str) -> str:
+    """A local folder holding what a bucket run (`url`, its output_url) keeps beside its
+    checkpoints: config.yaml, metrics.jsonl, status.json and model/ (the tokenizer and config
+    it started with, or its final export), downloaded once per process and removed at exit.
+    The checkpoints are read from the bucket where they are."""
+    from flaxlm import storage
+
+    setting = "RUN_DIR"
+    names = storage.list_names(url, setting)
+    if layout.CONFIG_FILE not in names or MODEL_SUBDIR not in names:
+        storage.check_bucket(url, setting)
+        raise FlaxlmError(
+            f"{url} holds no flaxlm run ({'no ' + layout.CONFIG_FILE if names else 'nothing'}"
+            f"{'' if MODEL_SUBDIR in names or not names else ', no model/ with its tokenizer'})"
+            ". Give a run's output_url, e.g. gs://bucket/runs/<name>; a run copies its "
+            "config.yaml there at its start and its model/ (with the tokenizer) by its first "
+            "evaluation or checkpoint."
+        )
+    local = tempfile.mkdtemp(prefix="flaxlm-bucket-run-")
+    atexit.register(shutil.rmtree, local, True)
+    for name in (layout.CONFIG_FILE, layout.METRICS_FILE, layout.STATUS_FILE,
+                 layout.MODEL_CONFIG_FILE):
+        if name in names:
+            storage.download(f"{url}/{name}", run_path(local, name), setting)
+    storage.download_folder(f"{url}/{MODEL_SUBDIR}", run_path(local, MODEL_SUBDIR), setting)
+    return local
 
 
 def _merged_onto_base(adapters: dict, model_config: ModelConfig, run_config: dict,

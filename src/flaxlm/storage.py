@@ -273,6 +273,19 @@ def storage_error(err: BaseException, url: str, setting: str,
     )
 
 
+def check_bucket(url: str, setting: str) -> None:
+    """Raise the paragraph for a bucket that does not exist, if `url`'s does not."""
+    fs = filesystem(url, setting)
+    scheme, rest = url.partition("://")[0], url.partition("://")[2]
+    bucket = rest.split("/", 1)[0]
+    try:
+        bucket_exists = fs.exists(bucket)
+    except Exception as err:
+        raise storage_error(err, f"{scheme}://{bucket}", setting) from None
+    if not bucket_exists:
+        raise _no_bucket(url, f"{scheme}://{bucket}", setting)
+
+
 def _no_bucket(url: str, bucket: str, setting: str) -> FlaxlmError:
     return FlaxlmError(
         f"{setting}: {url!r} names the bucket {bucket!r}, which does not exist (or is not "

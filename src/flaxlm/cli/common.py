@@ -75,7 +75,8 @@ class Parser(argparse.ArgumentParser):
 def add_run_dir(parser: Parser, use: str) -> None:
     """The run directory a tool reads, its first argument."""
     parser.add_argument("run_dir", metavar="RUN_DIR",
-                        help=f"a flaxlm-train run directory (outputs/<task>/runs/<time>) {use}")
+                        help=f"a flaxlm-train run directory (outputs/<task>/runs/<time>), or "
+                             f"a bucket run's output_url (gs://bucket/runs/<name>), {use}")
 
 
 def add_step(parser: Parser) -> None:

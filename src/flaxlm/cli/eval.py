@@ -50,8 +50,10 @@ def run(argv: Sequence[str]) -> dict[str, float]:
     """Evaluate as the command line says; print the harness's table; write and log the
     results. Returns the metrics, `eval/<task>/<metric>`."""
     args = parser().parse_args(argv)
-    from flaxlm.downstream import record_results
+    from flaxlm.downstream import record_bucket_results, record_results
     from flaxlm.harness import FlaxlmLM, evaluate
+    from flaxlm.run_model import bucket_run_copy
+    from flaxlm.storage import is_url
 
     tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
@@ -60,7 +62,10 @@ def run(argv: Sequence[str]) -> dict[str, float]:
     results = evaluate(lm, tasks, limit=limit, num_fewshot=args.num_fewshot,
                        include_path=args.include_path, seed=args.seed)
     print(results.table)
-    record_results(args.run_dir, lm.step, results)
+    if is_url(args.run_dir):  # a bucket run: the JSON beside its checkpoints
+        record_bucket_results(args.run_dir, bucket_run_copy(args.run_dir), lm.step, results)
+    else:
+        record_results(args.run_dir, lm.step, results)
     return results.metrics
 
 

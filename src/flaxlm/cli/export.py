@@ -45,7 +45,7 @@ def run(argv: Sequence[str]) -> str:
         export_hf,
         run_generation_settings,
     )
-    from flaxlm.run_model import load_run_model, local_mesh
+    from flaxlm.run_model import bucket_run_copy, load_run_model, local_mesh
     from flaxlm.storage import is_url, upload_folder
 
     in_bucket = is_url(args.out)
@@ -55,7 +55,8 @@ def run(argv: Sequence[str]) -> str:
     else:
         check_destination(args.out, args.overwrite, args.run_dir)
     run_model = load_run_model(args.run_dir, args.step, local_mesh())  # split over devices
-    metrics = eval_metrics_at(args.run_dir, run_model.step)
+    metrics = eval_metrics_at(bucket_run_copy(args.run_dir) if is_url(args.run_dir)
+                              else args.run_dir, run_model.step)
     staging = tempfile.mkdtemp(prefix="flaxlm-export-") if in_bucket else None
     try:
         out = export_hf(

@@ -212,15 +212,18 @@ class Checkpointer:
 
 
 def restore_params(run_dir: str, step: int | None = None,
-                   layout: Callable[[dict], dict] | None = None) -> tuple[dict, dict, int]:
+                   layout: Callable[[dict], dict] | None = None,
+                   directory: str | None = None) -> tuple[dict, dict, int]:
     """(parameters, resolved config, step) of a run's checkpoint: the latest complete one, or
     `step`. Parameters are a nested dict, as `nnx.to_pure_dict` gives (layer indices as ints);
     the config is the run's resolved config as a plain dict. Without `layout` it needs no
     model: the arrays are read as saved, as numpy arrays on the host. `layout(config)` gives
     the shardings (a nested dict like the parameters) that each parameter is read onto
     instead, every device reading its own part: never the whole model on one device or
-    host."""
-    directory = os.path.join(os.path.abspath(os.path.expanduser(run_dir)), CHECKPOINT_SUBDIR)
+    host. `directory`: where the checkpoints are, if not in `run_dir` (a bucket run's
+    `<output_url>/checkpoints`)."""
+    if directory is None:
+        directory = os.path.join(os.path.abspath(os.path.expanduser(run_dir)), CHECKPOINT_SUBDIR)
     steps = finalised_steps(directory)
     if not steps:
         raise FlaxlmError(
