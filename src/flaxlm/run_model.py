@@ -151,7 +151,8 @@ def _merged_onto_base(adapters: dict, model_config: ModelConfig, run_config: dic
     if model_config.init_from:
         model = nnx.eval_shape(lambda: build_lm(spec, nnx.Rngs(0)))
         pretrained.load_pretrained_weights(
-            model, pretrained.resolve_checkpoint(model_config.init_from),
+            model, pretrained.resolve_checkpoint(model_config.init_from,
+                                                 run_config.get("cache_dir")),
             source=model_config.init_from, shape_from_checkpoint=True)
     else:
         init_key = jax.random.split(jax.random.key(run_config.get("seed", 0)))[0]

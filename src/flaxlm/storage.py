@@ -97,6 +97,61 @@ def object_version(url: str, setting: str) -> str:
     return json.dumps({k: str(info[k]) for k in _VERSION_FIELDS if k in info}, sort_keys=True)
 
 
+def cached_copy(url: str, cache_dir: str | None, setting: str) -> str:
+    """A local copy of the object or the folder at `url` (a checkpoint, a tokenizer), kept in
+    `<cache_dir>/objects/<key>/<scheme>/<bucket>/<key path>`, where the key hashes the URL with
+    the version of every object under it: a rewritten one is copied again. Downloaded into a
+    scratch folder and renamed into place, so a killed copy never looks whole."""
+    import hashlib
+    import shutil
+    import tempfile
+
+    if cache_dir is None:
+        raise FlaxlmError(f"{setting}: {url!r} is in a bucket, and copies of bucket files are "
+                          "kept in flaxlm's cache: set cache_dir (or FLAXLM_CACHE).")
+    url = url.rstrip("/")
+    fs = filesystem(url, setting)
+    scheme, _, rest = url.partition("://")
+    fs.invalidate_cache()
+    try:
+        found = fs.find(rest, detail=True, withdirs=False)
+    except FileNotFoundError:  # gcsfs, in a bucket that does not exist
+        found = {}
+    except Exception as err:
+        raise storage_error(err, url, setting) from None
+    if not found:
+        check_bucket(url, setting)
+        raise storage_error(FileNotFoundError(f"no object at or under {url}"), url, setting)
+    versions = {key: {k: str(info[k]) for k in _VERSION_FIELDS if k in info}
+                for key, info in found.items()}
+    digest = hashlib.sha256(json.dumps([url, versions], sort_keys=True).encode()).hexdigest()
+    root = os.path.join(os.path.expanduser(cache_dir), "objects")
+    target = os.path.join(root, digest[:20], scheme, *rest.split("/"))
+    if os.path.exists(target):
+        return target
+    os.makedirs(root, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix=".tmp-", dir=root)
+    try:
+        single = list(found) == [rest]  # the URL names one object, not a folder
+        copy = os.path.join(scratch, "copy")
+        for key in found:
+            local = copy if single else os.path.join(copy, *key[len(rest) + 1:].split("/"))
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            try:
+                fs.get_file(key, local)
+            except Exception as err:
+                raise storage_error(err, f"{scheme}://{key}", setting) from None
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        try:
+            os.replace(copy, target)
+        except OSError:  # another process put the same copy there first
+            if not os.path.exists(target):
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
 def download(url: str, local_path: str, setting: str) -> None:
     """Copy the object at `url` to the local file `local_path`."""
     fs = filesystem(url, setting)

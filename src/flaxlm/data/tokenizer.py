@@ -31,6 +31,7 @@ from flaxlm.config import TokenConvention, TokenizerConfig
 from flaxlm.data import cache
 from flaxlm.data.fingerprint import settings_fingerprint, text_fingerprint
 from flaxlm.errors import FlaxlmError, first_line
+from flaxlm.storage import cached_copy, is_url
 
 PIECE_CHARS = 1 << 16  # the longest string handed to the tokenizer: a piece of a long document
 ENCODE_CHARS = 1 << 20  # characters tokenised (or counted for training) together
@@ -48,7 +49,9 @@ def prepare_tokenizer(
 ) -> transformers.PreTrainedTokenizerFast:
     """Load `settings.path`, or train (or reuse from the cache) a BPE on `train_texts`."""
     if settings.path is not None:
-        tokenizer = load_tokenizer(settings.path, settings)
+        path = (cached_copy(settings.path, cache_dir, "tokenizer.path")
+                if is_url(settings.path) else settings.path)  # a bucket's: copied to the cache
+        tokenizer = load_tokenizer(path, settings)
     else:
         vocab_size = _bpe_vocab_size(settings, model_vocab_size)
         key = settings_fingerprint(

@@ -33,6 +33,7 @@ from flaxlm.models.layers import (
     per_layer_paths,
     unstack_layers,
 )
+from flaxlm.storage import cached_copy, is_url
 
 # ---------------------------------------------------------------- finding a checkpoint
 
@@ -45,11 +46,13 @@ _HUB_TOKENIZER_FILES = [
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json")
 
 
-def resolve_checkpoint(source: str) -> str:
+def resolve_checkpoint(source: str, cache_dir: str | None = None) -> str:
     """A local directory holding the checkpoint `source` names (the `model.init_from` value):
     an existing directory; `pkg://<module>/<subdir>`, a directory inside an installed Python
-    package; or a Hugging Face Hub id, downloaded (config, weights, tokenizer) or found in the
-    Hub cache."""
+    package; a folder in a bucket (gs://, s3://), copied into `cache_dir`; or a Hugging Face
+    Hub id, downloaded (config, weights, tokenizer) or found in the Hub cache."""
+    if is_url(source) and not source.startswith("pkg://"):
+        return cached_copy(source, cache_dir, "model.init_from")
     local = os.path.expanduser(source)
     if os.path.isdir(local):
         return os.path.abspath(local)

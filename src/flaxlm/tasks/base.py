@@ -130,7 +130,7 @@ def model_start(config: TrainConfig) -> Start:
     config.json replaced, since the preset's name and shape no longer describe the model."""
     if not config.model.init_from:
         return Start(None, config.model)
-    checkpoint_dir = pretrained.resolve_checkpoint(config.model.init_from)
+    checkpoint_dir = pretrained.resolve_checkpoint(config.model.init_from, config.cache_dir)
     model = pretrained.pretrained_model_config(checkpoint_dir, config.model)
     replaced = pretrained.replaced_settings(config.model, model)
     print(f"flaxlm: model.init_from={config.model.init_from}: family and shape from its "
