@@ -19,22 +19,25 @@ def put_folder(bucket, local, key: str) -> str:
     return f"{bucket.url}/{key}"
 
 
-def test_a_bucket_folder_is_copied_once_and_again_when_an_object_changes(gcs, tmp_path,
-                                                                       monkeypatch):
-    gcs.put("m/config.json", "{}")
-    gcs.put("m/sub/w.bin", b"\x00\x01")
+@pytest.mark.parametrize("store", ["gcs", "s3"])
+def test_a_bucket_folder_is_copied_once_and_again_when_an_object_changes(store, request,
+                                                                       tmp_path, monkeypatch):
+    bucket = request.getfixturevalue(store)  # either store's
+    bucket.put("m/config.json", "{}")
+    bucket.put("m/sub/w.bin", b"\x00\x01")
     cache = str(tmp_path / "cache")
-    first = cached_copy(f"{gcs.url}/m", cache, "model.init_from")
+    first = cached_copy(f"{bucket.url}/m", cache, "model.init_from")
     assert sorted(os.listdir(first)) == ["config.json", "sub"]
     assert open(os.path.join(first, "sub", "w.bin"), "rb").read() == b"\x00\x01"
 
     import fsspec
 
     with monkeypatch.context() as patch:  # the same versions: no download
-        patch.setattr(fsspec.filesystem("gs"), "get_file", lambda *a, **k: 1 / 0)
-        assert cached_copy(f"{gcs.url}/m/", cache, "model.init_from") == first
-    gcs.put("m/config.json", '{"new": 1}')
-    second = cached_copy(f"{gcs.url}/m", cache, "model.init_from")
+        patch.setattr(fsspec.filesystem(bucket.url.partition(":")[0]), "get_file",
+                      lambda *a, **k: 1 / 0)
+        assert cached_copy(f"{bucket.url}/m/", cache, "model.init_from") == first
+    bucket.put("m/config.json", '{"new": 1}')
+    second = cached_copy(f"{bucket.url}/m", cache, "model.init_from")
     assert second != first and open(os.path.join(second, "config.json")).read() == '{"new": 1}'
     assert not [n for n in os.listdir(os.path.join(cache, "objects")) if n.startswith(".tmp-")]
 
