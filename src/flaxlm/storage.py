@@ -71,13 +71,8 @@ def glob_objects(pattern: str, setting: str) -> list[str]:
         raise storage_error(err, pattern, setting) from None
     if matches:
         return sorted(f"{scheme}://{m}" for m in matches)
+    check_bucket(pattern, setting)
     bucket = rest.split("/", 1)[0]
-    try:
-        bucket_exists = fs.exists(bucket)
-    except Exception as err:
-        raise storage_error(err, f"{scheme}://{bucket}", setting) from None
-    if not bucket_exists:
-        raise _no_bucket(pattern, f"{scheme}://{bucket}", setting)
     raise FlaxlmError(
         f"{setting}: the pattern {pattern!r} matches no object in the bucket "
         f"'{scheme}://{bucket}'. Fix the key or glob (list the bucket with "
