@@ -13,9 +13,8 @@ from pathlib import Path
 
 import datasets
 
-from flaxlm.data.objects import local_copy
 from flaxlm.errors import FlaxlmError
-from flaxlm.storage import glob_objects, is_url
+from flaxlm.storage import cached_copy, glob_objects, is_url
 
 
 def expand_patterns(patterns: list[str], setting: str, cache_dir: str | None = None
@@ -27,7 +26,7 @@ def expand_patterns(patterns: list[str], setting: str, cache_dir: str | None = N
     for pattern in patterns:
         if is_url(pattern):
             urls = glob_objects(pattern, setting)
-            paths.update((local_copy(url, cache_dir, setting), None) for url in urls)
+            paths.update((Path(cached_copy(url, cache_dir, setting)), None) for url in urls)
             continue
         matches = sorted(
             p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p)
