@@ -92,7 +92,6 @@ def flax_worker(config, tokens_np, args) -> None:
         jax.block_until_ready(metrics["loss"])
 
     first_step_s = harness.seconds(step)  # its compilation, mostly
-    harness.save_program(lambda: compiled.train.lower(holder["state"], inputs, key).compile())
     seconds = harness.time_steps(step, args.warmup, args.steps)
     kinds = [device.device_kind for device in mesh.devices.flat]
     memory = mesh.devices.flat[0].memory_stats() or {}  # None where the platform keeps none
@@ -100,7 +99,9 @@ def flax_worker(config, tokens_np, args) -> None:
     # temporaries outside the allocator whose peak memory_stats reports, so on a TPU that peak
     # is the train state and batch alone. Lowering again after the timed steps reuses the
     # executable they ran (JAX caches the lowering and the compile).
-    footprint = compiled.train.lower(holder["state"], inputs, key).compile().memory_analysis()
+    executable = compiled.train.lower(holder["state"], inputs, key).compile()
+    harness.save_program(lambda: executable)  # with --profile: the HLO beside the trace
+    footprint = executable.memory_analysis()
     harness.emit(seconds, flops_per_token=lm_flops_per_token(config.model, num_params, args.seq),
                  peak_flops=peak_flops(config.hardware.peak_tflops_per_device, kinds),
                  devices=f"{mesh.size} × {kinds[0]}", num_params=num_params,
