@@ -10,9 +10,12 @@ emulator), so a machine set up for `aws s3` or `gcloud storage` reads its bucket
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import socket
+import tempfile
 
 from flaxlm.errors import FlaxlmError
 
@@ -97,10 +100,6 @@ def cached_copy(url: str, cache_dir: str | None, setting: str) -> str:
     `<cache_dir>/objects/<key>/<scheme>/<bucket>/<key path>`, where the key hashes the URL with
     the version of every object under it: a rewritten one is copied again. Downloaded into a
     scratch folder and renamed into place, so a killed copy never looks whole."""
-    import hashlib
-    import shutil
-    import tempfile
-
     if cache_dir is None:
         raise FlaxlmError(f"{setting}: {url!r} is in a bucket, and copies of bucket files are "
                           "kept in flaxlm's cache: set cache_dir (or FLAXLM_CACHE).")
