@@ -83,6 +83,9 @@ for stage in "$@"; do
                     trainer.loss_chunk_size=512 --only flaxlm ;;
     qwen-none-2) step "$stage" "${QWEN[@]}" --batch 2 model.attention=splash \
                    trainer.loss_chunk_size=512 --only flaxlm ;;
+    # flaxlm-plan: 4 rows without remat fit in 14.16 GiB (loss in chunks of 512).
+    qwen-none-4) step "$stage" "${QWEN[@]}" --batch 4 model.attention=splash \
+                   trainer.loss_chunk_size=512 --only flaxlm ;;
     llama1b-bf16-moments-2) step "$stage" "${LLAMA1B[@]}" --batch 2 model.attention=splash \
                               optimizer.moment_dtype=bfloat16 trainer.loss_chunk_size=512 \
                               --only flaxlm ;;
