@@ -1,5 +1,5 @@
-"""A run's checkpoints in a bucket (issue 45, output_url), against the GCS emulator of
-tests/buckets.py: orbax writes them through tensorstore's gcs driver, a step counts only once
+"""A run's checkpoints in a bucket (issue 45, output_url), against the GCS and S3 emulators of
+tests/buckets.py: orbax writes them through tensorstore's gcs or s3 driver, a step counts only once
 its commit_success.txt is written (a killed save stays invisible), a damaged newest one is set
 aside, a run resumes from the bucket exactly, and a bucket it cannot write to stops it before
 training with one paragraph (exit 2)."""
@@ -40,8 +40,16 @@ def names_under(bucket, key: str) -> list[str]:
     return sorted(path.rsplit("/", 1)[-1] for path in bucket.fs.ls(f"{bucket.name}/{key}"))
 
 
-def test_checkpoints_in_a_bucket_restore_and_a_damaged_newest_is_set_aside(gcs, train_state,
+@pytest.fixture(params=["gcs", "s3"])
+def bucket(request):
+    """A new bucket in each emulator: orbax writes to gs:// through tensorstore's gcs driver,
+    to s3:// through its s3 driver (flaxlm.training.checkpoint.s3)."""
+    return request.getfixturevalue(request.param)
+
+
+def test_checkpoints_in_a_bucket_restore_and_a_damaged_newest_is_set_aside(bucket, train_state,
                                                                            capsys, tmp_path):
+    gcs = bucket
     directory = f"{gcs.url}/run/checkpoints"
     save_steps(directory, train_state, [4, 8]).close()
     assert finalised_steps(directory) == [4, 8]
@@ -154,11 +162,12 @@ def reference(tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_run_killed_mid_save_resumes_from_the_bucket_on_a_new_host_to_the_same_run(
-        gcs, tmp_path, reference, train_cli):
+        bucket, tmp_path, reference, train_cli):
     """The run is killed while saving step 8 (its items written, its commit file not), and
     continued with resume_from=<its output_url> in a new local folder, as another host would:
     the bucket's step 8 was never visible, the run goes on from step 6 and ends bitwise as the
     run that never stopped, with the same metrics."""
+    gcs = bucket
     url = f"{gcs.url}/runs/a"
     killed = subprocess.run(
         [sys.executable, "-c", RUN_KILLED_AT_COMMIT, "8", *RUN, f"output_url={url}",
@@ -219,10 +228,12 @@ def test_a_preempted_run_leaves_every_metrics_line_and_its_status_in_the_bucket(
 
 
 def test_the_bucket_gets_the_small_files_after_each_evaluation_and_checkpoint(
-        gcs, tmp_path, train_cli, monkeypatch):
+        bucket, tmp_path, train_cli, monkeypatch):
     """What metrics.jsonl held at each copy: the start's (empty), the evaluation before
     training, the checkpoint's, the end's."""
     import flaxlm.job
+
+    gcs = bucket
 
     copied = []
 
@@ -240,6 +251,8 @@ def test_the_bucket_gets_the_small_files_after_each_evaluation_and_checkpoint(
     assert ["eval/bits_per_byte"] in copied  # the evaluation before training, on its own
     assert finalised_steps(f"{gcs.url}/runs/e/checkpoints") == [2]
     assert bucket_metrics(gcs, "runs/e/metrics.jsonl") == metrics_of(tmp_path / "run")
+    gcs.fs.invalidate_cache()
+    assert gcs.fs.exists(f"{gcs.name}/runs/e/model/flaxlm_export.json")  # the final model/
 
 
 def test_a_start_without_checkpoint_in_the_bucket_is_kept_not_copied_over(gcs, tmp_path,
@@ -330,7 +343,7 @@ def test_a_bucket_that_does_not_exist_stops_the_run_before_it_starts(gcs_env, tm
 
 
 @pytest.mark.parametrize(("url", "fragments"), [
-    ("s3://bucket/runs/a", ("output_url=s3://bucket/runs/a", "gs://", "s3:/bucket")),
+    ("az://bucket/runs/a", ("output_url=az://bucket/runs/a", "gs:// and s3://", "run_dir")),
     ("/mnt/runs/a", ("output_url=/mnt/runs/a", "not a URL", "run_dir")),
 ])
 def test_an_output_url_orbax_cannot_write_is_refused(url, fragments, tmp_path, train_cli):

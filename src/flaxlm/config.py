@@ -577,11 +577,13 @@ class TrainConfig:
     # run (null only where Hydra runs no job, e.g. `flaxlm-train --cfg job --resolve`).
     run_dir: Optional[str] = MISSING
     # Continue the run in this directory (its latest complete checkpoint) instead of run_dir;
-    # or a gs:// URL: the output_url of the run to continue, in run_dir (a new local folder).
+    # or a gs:// or s3:// URL: the output_url of the run to continue, in run_dir (a new local
+    # folder).
     resume_from: Optional[str] = None
-    # gs://bucket/path: this run's folder in a bucket, for hosts that share no disk. Its
-    # checkpoints are written there by every process (run_dir, local, keeps the rest); the same
-    # command with the same output_url, on any host, continues the run (flaxlm.run_bucket).
+    # gs://bucket/path or s3://bucket/path: this run's folder in a bucket, for hosts that share
+    # no disk. Its checkpoints are written there by every process (run_dir, local, keeps the
+    # rest); the same command with the same output_url, on any host, continues the run
+    # (flaxlm.run_mirror).
     output_url: Optional[str] = None
     # Tokenizers and packed token blocks, shared by runs (FLAXLM_CACHE).
     cache_dir: str = MISSING

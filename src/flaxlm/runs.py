@@ -229,7 +229,7 @@ def _set_aside_start_without_checkpoint(run_dir: str, resolved: dict) -> None:
 def output_url_of(config: TrainConfig) -> str | None:
     """The run's folder in a bucket: output_url, or resume_from when that is a URL (the
     output_url of the run to continue); None when the run keeps everything in run_dir.
-    Checkpoints in a bucket go through orbax, which here (0.12) writes gs:// only."""
+    Checkpoints in a bucket go through orbax and tensorstore's gcs or s3 driver."""
     url = config.output_url
     if config.resume_from and is_url(config.resume_from):
         if url and url.rstrip("/") != config.resume_from.rstrip("/"):
@@ -247,12 +247,11 @@ def output_url_of(config: TrainConfig) -> str | None:
             "mount) is run_dir (hydra.run.dir)."
         )
     scheme = url.partition("://")[0].lower()
-    if scheme != "gs":
+    if scheme not in ("gs", "s3"):
         raise FlaxlmError(
-            f"output_url={url}: checkpoints are written by orbax, whose version here (0.12) "
-            "takes gs:// URLs only (it turns s3://bucket/key into s3:/bucket/key and refuses "
-            "it). Use a gs:// bucket, or mount the bucket (mountpoint-s3, s3fs-fuse) on every "
-            "host at the same path and give that path as run_dir."
+            f"output_url={url}: checkpoints in a bucket are written through tensorstore, "
+            "which flaxlm points at gs:// and s3:// buckets only. Use one of those, or mount "
+            "the bucket on every host at the same path and give that path as run_dir."
         )
     return url.rstrip("/")
 

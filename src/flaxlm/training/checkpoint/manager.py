@@ -19,8 +19,9 @@ real SIGKILL) and is removed when the next run opens the directory. A finalised 
 afterwards (a truncated copy, a full disk, a deleted file) fails to restore: `restore_latest`
 then says so, falls back to the next older checkpoint and renames the damaged folder to
 `<step>.damaged-<time>` (kept, never deleted), so that the resumed run can save that step anew.
-In a gs:// bucket (output_url) there is no rename: orbax writes `<step>/` in place, each item
-then the step's `commit_success.txt` last, once every process has written its part; a step
+In a bucket (output_url: gs://, or s3:// through `flaxlm.training.checkpoint.s3`) there is no
+rename: orbax writes `<step>/` in place, each item then the step's `commit_success.txt` last,
+once every process has written its part; a step
 without it is not listed (`finalised_steps` reads the same), so a killed save stays invisible;
 orbax removes such a step when the next run opens the folder (`cleanup_tmp_directories`).
 Setting a step aside there moves its objects one by one (copy, then delete).
@@ -64,12 +65,13 @@ from flaxlm.config import CheckpointConfig
 from flaxlm.errors import FlaxlmError, causes, first_line
 from flaxlm.layout import CHECKPOINT_SUBDIR, checkpoint_dir
 from flaxlm.storage import exists, forget_listings, is_url, list_names, move_objects
+from flaxlm.training.checkpoint import s3
 
 BEST_METRIC = "eval/loss"  # lower is better
 SET_ASIDE_TIMEOUT_S = 300  # how long other processes wait for process 0 to set a step aside
 REPLICA_PARALLEL_MIN_BYTES = 1 << 20
 BUCKET_SETTING = "output_url"  # the setting that names a bucket's checkpoints, for messages
-# What orbax writes last into a step saved in a gs:// bucket (its CommitFileTemporaryPath).
+# What orbax writes last into a step saved in a bucket (its CommitFileTemporaryPath).
 COMMIT_FILE = "commit_success.txt"
 
 
@@ -91,7 +93,8 @@ class Checkpointer:
                 f"checkpoint.keep_last={keep_last} must be at least 1 (the checkpoint a resume "
                 f"needs) and checkpoint.keep_best={keep_best} at least 0."
             )
-        # A gs:// URL is orbax's and tensorstore's own to write (every process, its shards).
+        # A bucket's URL is orbax's and tensorstore's own to write (every process, its
+        # shards); s3:// through flaxlm.training.checkpoint.s3.
         self.directory = directory if is_url(directory) else os.path.abspath(directory)
         self.after_save = after_save  # called with the step once each save has started
         keep = [policies.LatestN(n=keep_last)]
@@ -108,7 +111,10 @@ class Checkpointer:
             cleanup_tmp_directories=not read_only,  # leftovers of a save that was killed
             read_only=read_only,
             create=not read_only,
+            # in any bucket, orbax's gs:// rule: complete once commit_success.txt is written
+            atomicity_options=s3.ATOMICITY if is_url(self.directory) else None,
         )
+        s3.install()
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=("state", "loader", "meta")
         )
@@ -278,7 +284,7 @@ def _step_names(directory: str, after: int) -> list[str]:
 
 def finalised_steps(directory: str) -> list[int]:
     """Steps with a finalised folder (orbax renames `<step>.orbax-checkpoint-tmp-*` into
-    `<step>` only once it is whole), read without orbax. In a gs:// bucket, which has no
+    `<step>` only once it is whole), read without orbax. In a bucket, which has no
     rename, orbax writes `<step>/` in place and its `commit_success.txt` last, once every
     process's items are written: a step without that object is not finalised."""
     if is_url(directory):
@@ -293,11 +299,13 @@ def finalised_steps(directory: str) -> list[int]:
 
 def _read_params(step_dir: str, step: int,
                  layout: Callable[[dict], dict] | None = None) -> tuple[dict, dict, int]:
-    meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
+    s3.install()
+    atomicity = s3.ATOMICITY if is_url(step_dir) else None
+    meta = ocp.Checkpointer(ocp.JsonCheckpointHandler(), atomicity_options=atomicity).restore(
         os.path.join(step_dir, "meta"), args=ocp.args.JsonRestore()
     )
     handler = ocp.PyTreeCheckpointHandler()
-    reader = ocp.Checkpointer(handler)
+    reader = ocp.Checkpointer(handler, atomicity_options=atomicity)
     state_dir = os.path.join(step_dir, "state")
     # The handler's own metadata: the Checkpointer's would also look for the step's metadata
     # file inside this item folder (it lies one up) and warn that it is missing.
