@@ -353,6 +353,58 @@ def test_an_output_url_orbax_cannot_write_is_refused(url, fragments, tmp_path, t
     assert_names(error_line(result), *fragments)
 
 
+# What an IAM user may do to the test's bucket: read it (moto names the permissions by S3's
+# operations, HeadBucket, ListObjectsV2, GetObject, where AWS has s3:ListBucket and
+# s3:GetObject: the wildcards cover both), or nothing at all.
+READ_ONLY = ["s3:Get*", "s3:List*", "s3:Head*"]
+
+
+@pytest.fixture(params=[READ_ONLY, []], ids=["read-only", "no-access"])
+def s3_keys_that_may_not_write(request, s3, s3_endpoint, monkeypatch):
+    """The AWS variables of an IAM user who may not write to the `s3` bucket, with moto's
+    server checking every request's credentials against IAM (as S3 does) until the test
+    ends: a denied write is the store's own answer, not a planted error."""
+    import boto3
+    import requests
+    from buckets import _forget_filesystems
+
+    iam = boto3.client("iam", endpoint_url=s3_endpoint)
+    user = f"user-{s3.name}"
+    iam.create_user(UserName=user)
+    if request.param:
+        iam.put_user_policy(UserName=user, PolicyName="read", PolicyDocument=json.dumps({
+            "Version": "2012-10-17",
+            "Statement": [{"Effect": "Allow", "Action": request.param,
+                           "Resource": [f"arn:aws:s3:::{s3.name}", f"arn:aws:s3:::{s3.name}/*"]}],
+        }))
+    key = iam.create_access_key(UserName=user)["AccessKey"]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+    _forget_filesystems()
+    # moto's own switch: requests after the first 0 are authenticated and authorised
+    requests.post(f"{s3_endpoint}/moto-api/reset-auth", data=b"0", timeout=30).raise_for_status()
+    try:
+        yield s3
+    finally:
+        requests.post(f"{s3_endpoint}/moto-api/reset-auth", data=b"inf", timeout=30)
+        _forget_filesystems()
+
+
+def test_a_denied_write_stops_the_run_before_it_starts(s3_keys_that_may_not_write, tmp_path,
+                                                      train_cli):
+    """Whether the credentials may read the bucket or not even see it, the paragraph says the
+    write was denied (failed before for the second: the bucket "does not exist")."""
+    bucket = s3_keys_that_may_not_write
+    url = f"{bucket.url}/runs/a"
+    result = train_cli(*SHORT, f"output_url={url}", f"hydra.run.dir={tmp_path / 'run'}",
+                       cwd=tmp_path)
+    assert result.returncode == 2
+    assert_names(error_line(result), f"output_url: access to '{url}' was denied", "Access Denied",
+                 f"may not write to {bucket.url}", "grant them write access",
+                 "AWS_ACCESS_KEY_ID")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # before the run began
+
+
 def test_a_denied_write_names_the_url_and_the_fix(gcs, monkeypatch):
     import fsspec
 

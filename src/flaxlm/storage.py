@@ -284,6 +284,11 @@ def probe_write(url: str, setting: str) -> None:
         fs.pipe_file(key, b"flaxlm checks that it may write here; delete me if left behind\n")
         fs.rm_file(key)
     except Exception as err:
+        if _denied(err):
+            # S3 and GCS answer a write to a bucket that does not exist with "no such
+            # bucket"; access denied means it exists, though these credentials may not even
+            # see it (a bucket check would then call it missing).
+            raise storage_error(err, url, setting, action="write") from None
         scheme, bucket = url.partition("://")[0], rest.split("/", 1)[0]
         try:
             bucket_exists = fs.exists(bucket)
@@ -305,8 +310,7 @@ def storage_error(err: BaseException, url: str, setting: str,
     if type(err).__name__ in _NO_CREDENTIALS:
         return FlaxlmError(f"{setting}: no credentials to {verb} {url!r} ({cause}). "
                            f"{_credentials_fix(scheme)}")
-    # s3fs raises PermissionError for S3's AccessDenied; gcsfs an OSError("Forbidden: ...").
-    if isinstance(err, PermissionError) or str(err).startswith(("Forbidden", "Unauthorized")):
+    if _denied(err):
         return FlaxlmError(
             f"{setting}: access to {url!r} was denied ({cause}). The credentials found may not "
             f"{verb} {bucket}: grant them {action} access, or use others. "
@@ -320,6 +324,12 @@ def storage_error(err: BaseException, url: str, setting: str,
         f"the store (network, endpoint variables) and its credentials. "
         f"{_credentials_fix(scheme)}"
     )
+
+
+def _denied(err: BaseException) -> bool:
+    """Whether a store's client said access was denied: s3fs raises PermissionError for S3's
+    AccessDenied; gcsfs an OSError("Forbidden: ...")."""
+    return isinstance(err, PermissionError) or str(err).startswith(("Forbidden", "Unauthorized"))
 
 
 def check_bucket(url: str, setting: str) -> None:
