@@ -1,6 +1,7 @@
 """A bucket run's final model/ in the bucket, and flaxlm-export --out gs://: what transformers
 loads back from the bucket (an fsspec download) gives the local export's logits (issue 45).
-Against the GCS emulator of tests/buckets.py."""
+The tools on a run in an S3 bucket: flaxlm-export from it to s3://, flaxlm-report and
+flaxlm-eval on it. Against the GCS and S3 emulators of tests/buckets.py."""
 
 from __future__ import annotations
 
@@ -159,3 +160,58 @@ def test_flaxlm_eval_on_a_bucket_run_puts_its_results_beside_the_checkpoints(gcs
     record_bucket_results(f"{gcs.url}/runs/a/", str(tmp_path), 8, results)
     written = json.loads(gcs.fs.cat_file(f"{gcs.name}/runs/a/eval/harness-8.json"))
     assert written == {"step": 8, "results": {"arc": {"acc": 0.5}}}
+
+
+# --- the tools on a run whose output_url is in an S3 bucket (moto) -------------------------------
+
+
+@pytest.fixture
+def s3_run(s3, tmp_path, train_cli):
+    """A one-step run with output_url in the emulated S3 bucket: its local folder and URL."""
+    url, run_dir = f"{s3.url}/runs/m", tmp_path / "run"
+    result = train_cli(*SHORT, f"output_url={url}", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir, url
+
+
+def test_an_s3_run_exports_to_s3_and_is_reported_from_the_bucket(s3_run, s3, tmp_path, capsys):
+    from flaxlm.cli import export as export_cli
+    from flaxlm.cli.report import main as report
+
+    run_dir, url = s3_run
+    local = export_cli.run([str(run_dir), "--out", str(tmp_path / "local")])
+    # The checkpoint read from the bucket through orbax's s3 driver, the export uploaded there.
+    out = f"{s3.url}/models/a"
+    assert export_cli.run([url, "--out", out]) == out
+    download_folder(out, str(tmp_path / "downloaded"), "test")
+    downloaded = files_of(tmp_path / "downloaded")
+    assert downloaded["model.safetensors"] == files_of(local)["model.safetensors"]
+    assert MARKER in downloaded
+    capsys.readouterr()
+    report([url, "--out", str(tmp_path / "report")])
+    [row] = [line.split() for line in capsys.readouterr().out.splitlines()[2:3]]
+    assert row[0] == "m" and row[-1] == "finished"
+    assert (tmp_path / "report" / "report.md").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.harness
+def test_flaxlm_eval_on_an_s3_run_puts_its_results_in_the_bucket(s3_run, s3, tmp_path):
+    import json
+
+    from test_harness import write_tasks
+
+    from flaxlm.cli.eval import run
+
+    run_dir, url = s3_run
+    (tmp_path / "tasks").mkdir()
+    tasks = write_tasks(tmp_path / "tasks")
+    metrics = run([url, "--tasks", "tiny_mc", "--include-path", str(tasks), "--limit", "4",
+                   "--batch-size", "4"])
+    s3.fs.invalidate_cache()
+    written = json.loads(s3.fs.cat_file(f"{s3.name}/runs/m/eval/harness-1.json"))
+    assert written["step"] == 1
+    assert written["results"]["tiny_mc"]["acc,none"] == metrics["eval/tiny_mc/acc"]
+    # the run's own metrics.jsonl is left as the run wrote it
+    assert s3.fs.cat_file(f"{s3.name}/runs/m/metrics.jsonl") == (
+        run_dir / "metrics.jsonl").read_bytes()
