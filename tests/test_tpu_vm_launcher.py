@@ -3,7 +3,8 @@ made up, and `ssh --worker=I --command=...` runs the command as a local process,
 would. With a stand-in `flaxlm-train` that records what it was given, the launcher's part alone:
 each worker's arguments, the jobs of a sweep one after another, worker 0's output streamed, a
 failing worker named. With the real one, a two-worker "slice" trains, its processes joined by
-jax.distributed on localhost (mode=explicit: JAX's TPU detection needs a TPU VM). Before any
+jax.distributed on localhost (mode=explicit: JAX's TPU detection needs a TPU VM), in a folder
+both see, or each on a disk of its own with output_url in the emulated bucket. Before any
 worker starts, missing settings, a missing gcloud and an unknown slice are one paragraph, exit 2.
 """
 
@@ -22,6 +23,7 @@ from conftest import TINY, metrics_of, trained_run
 from numerics import assert_close, transformer_depth
 
 from flaxlm.cli import tpu_vm
+from flaxlm.training.checkpoint.manager import finalised_steps
 
 STAND_IN_GCLOUD = f"""#!{sys.executable}
 import json, os, sys
@@ -39,6 +41,13 @@ if verb == "describe":
         {{"ipAddress": f"10.0.0.{{i + 2}}", "port": 8470}} for i in range(workers)]}}))
     sys.exit(0)
 [command] = [a.split("=", 1)[1] for a in args if a.startswith("--command=")]
+if os.environ.get("STAND_IN_OWN_DISKS"):
+    # Each worker's disk of its own, at the same paths, as a slice's hosts have: the shared
+    # folder's path becomes a folder of this worker's, its cache too.
+    shared, own = json.loads(os.environ["STAND_IN_OWN_DISKS"])
+    own = own.format([a.split("=")[1] for a in args if a.startswith("--worker=")][0])
+    command = command.replace(shared, own)
+    os.environ["FLAXLM_CACHE"] = os.path.join(own, "cache")
 os.execvp("bash", ["bash", "-c", command])
 """
 
@@ -265,3 +274,43 @@ def test_a_two_worker_slice_trains_joined_by_jax_distributed_with_worker_0s_outp
                 depth = (reference["step"] + 1) * transformer_depth(2, backward=True)
                 assert np.isfinite(value)
                 assert_close(record[key], value, terms=4 * 2 * 64, depth=depth, err_msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_two_worker_slice_sharing_only_the_bucket_trains_into_it_and_is_reported_from_it(
+        tmp_path, stand_in, train_cli, gcs, monkeypatch, capsys):
+    """Issue 45's recipe end to end: each worker with a disk of its own (its run folder and
+    cache), output_url in the emulated bucket the only place both reach; both write their part
+    of each checkpoint there, process 0 the run's files, and flaxlm-report reads the run from
+    the bucket."""
+    from flaxlm.cli.report import main as report
+
+    monkeypatch.setenv("STAND_IN_OWN_DISKS",
+                       json.dumps([str(tmp_path / "sweep"), str(tmp_path / "worker-{}")]))
+    url = f"{gcs.url}/runs/slice"
+    run = [*TINY, "hardware.per_device_batch_size=2", "trainer.max_steps=4", "optimizer=sgd",
+           "language.max_train_docs=8", "language.max_eval_docs=2", "trainer.log_every_steps=2",
+           f"output_url={url}"]
+    result = launch(train_cli, tmp_path, *run, "hardware.cpu_devices=2",
+                    "hardware.num_devices=null", "hardware.distributed.mode=explicit",
+                    f"hardware.distributed.coordinator_address=localhost:{free_port()}",
+                    "hardware.distributed.timeout_s=120",
+                    command=f"{sys.executable} -m flaxlm.cli.train")
+    logs = tmp_path / "sweep" / ".tpu-vm" / "0"
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:],
+                                    (logs / "worker-1.log").read_text()[-3000:])
+    assert not (tmp_path / "sweep" / "0").exists()  # nothing of the run on the launcher's disk
+    assert not (tmp_path / "worker-1" / "0" / "metrics.jsonl").exists()  # process 0's files
+    assert finalised_steps(f"{url}/checkpoints") == [4]
+    gcs.fs.invalidate_cache()
+    step = gcs.fs.find(f"{gcs.name}/runs/slice/checkpoints/4")
+    assert any("process_1" in key for key in step)  # worker 1 wrote its part
+    bucket_lines = gcs.fs.cat_file(f"{gcs.name}/runs/slice/metrics.jsonl").decode()
+    assert bucket_lines == (tmp_path / "worker-0" / "0" / "metrics.jsonl").read_text()
+    assert gcs.fs.exists(f"{gcs.name}/runs/slice/model/flaxlm_export.json")
+
+    capsys.readouterr()
+    report([url, "--out", str(tmp_path / "report")])
+    [row] = [line.split() for line in capsys.readouterr().out.splitlines()[2:3]]
+    assert row[0] == "slice" and row[-1] == "finished"
