@@ -66,7 +66,7 @@ def flax_worker(config, tokens_np, args) -> None:
     from flaxlm.models.build import build_lm, lm_flops_per_token
     from flaxlm.models.layers import TransformerSpec, count_params
     from flaxlm.parallel import configure_platform, global_batch, make_mesh, replicated
-    from flaxlm.tasks.clm import lm_steps_compiler
+    from flaxlm.tasks.language_model import lm_steps_compiler
     from flaxlm.training.optimizer import make_optimizer, make_schedule
     from flaxlm.training.step import create_state
 

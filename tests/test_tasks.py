@@ -71,11 +71,22 @@ def test_the_job_and_the_shared_code_never_name_a_task():
 
     package = Path(flaxlm.__file__).parent
     shared = [package / "job.py", package / "tasks" / "base.py", package / "tasks" / "objective.py",
+              package / "tasks" / "pipeline.py",
               *sorted((package / "training").rglob("*.py"))]
     named = [(path.name, node.value) for path in shared
              for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
              if isinstance(node, ast.Constant) and node.value in TASKS]
     assert named == []
+
+
+def test_every_task_states_its_parts_and_runs_none_itself():
+    """Each task is a `Task` of the one pipeline (tasks/pipeline.py: `run`), which calls its
+    parts in order: no task has a run of its own."""
+    from flaxlm.tasks.pipeline import Task
+
+    for task in TASKS.values():
+        assert isinstance(task, Task)
+        assert not any("run" in vars(cls) for cls in type(task).__mro__)
 
 
 @pytest.mark.parametrize(("overrides", "logged", "default"), [

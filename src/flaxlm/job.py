@@ -2,10 +2,11 @@
 
 The job owns what every run needs whatever it trains: the platform and the device mesh, the
 compilation cache, the run directory (fresh, or a stopped run resumed), the tracker (W&B and
-metrics.jsonl), the checkpointer, and the SIGTERM / SIGINT handler. It hands these to the task
-named by `task.name` (`flaxlm.tasks.registry`) as a `JobContext`. This is the config edge:
-the composed config becomes typed objects here. The job wires pieces that live elsewhere: the
-objective (`flaxlm.tasks.objective`), the run directory (`flaxlm.runs`), checkpoints
+metrics.jsonl), the checkpointer, and the SIGTERM / SIGINT handler. It hands these, as a
+`JobContext`, to the one pipeline (`flaxlm.tasks.pipeline`), which runs the task named by
+`task.name` (`flaxlm.tasks.registry`). This is the config edge: the composed config becomes
+typed objects here. The job wires pieces that live elsewhere: the objective
+(`flaxlm.tasks.objective`), the run directory (`flaxlm.runs`), checkpoints
 (`flaxlm.training.checkpoint`) and stopping (`flaxlm.training.stop`).
 
 On several hosts (hardware.distributed) every process runs this same job: process 0 decides
@@ -32,6 +33,7 @@ from flaxlm.run_mirror import upload_exports, upload_run_files
 from flaxlm.run_records import FAILED, FINISHED, PREEMPTED, RUNNING, write_status
 from flaxlm.runs import open_shared_run_dir, output_url_of
 from flaxlm.storage import probe_write
+from flaxlm.tasks import pipeline
 from flaxlm.tasks.base import JobContext, attention_choice
 from flaxlm.tasks.objective import choose_objective, objective_result
 from flaxlm.tasks.registry import task_named
@@ -94,7 +96,7 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         job = JobContext(config, resolved, run, mesh, tracker, checkpointer, stop)
         with stop.catching_signals():
             try:
-                final = task.run(job, seq_len)
+                final = pipeline.run(task, job, seq_len)
             except Preempted:  # under the handler, which ignores a repeated SIGTERM
                 checkpointer.wait()  # the preemption checkpoint must be on disk before exit
                 tracker.finish(exit_code=PREEMPTED_EXIT_CODE, preempted=True)

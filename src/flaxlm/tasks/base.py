@@ -1,11 +1,9 @@
-"""What every task shares: the interface the job calls, the context it hands a task, and the
-skeleton both task bodies follow.
-
-A task turns the job's context into final metrics. Between the task's own first part (its
-data and its model's head) and its own last part (samples, predictions), every task does the
-same thing, written once here: the optimizer and its schedule, the model initialised (or
-loaded from `model.init_from`), the train state on the mesh, a stopped run restored, the run's
-model/ directory started, the banner, the loop with its checkpoints, and the final export.
+"""The steps of the one pipeline (tasks/pipeline.py) that every task runs, and what they share:
+the context the job hands a task, where the model starts, the train state on the mesh (the
+optimizer and its schedule, the model initialised or loaded from `model.init_from`, a stopped
+run restored), the run's model/ directory, the throughput, the loop with its checkpoints, and
+the export. The pipeline calls the steps in their order; a task's own parts use only what
+they state with (`EvalMetrics`, `Start`, `Training`) and the export of model/ (`export_model`).
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -94,25 +92,6 @@ class EvalMetrics:
     lower_is_better: tuple[str, ...] = ("eval/loss",)
 
 
-class Task(Protocol):
-    """One objective flaxlm trains for; `flaxlm.tasks.registry` registers each by name."""
-
-    # Whether its rows are padded examples whose padding attention must mask (rather than
-    # blocks of tokens, every one real): the fused kernels that take only causal and segment
-    # masks cannot run its model.
-    pads_rows: bool
-
-    def check_settings(self, config: TrainConfig) -> int:
-        """Check what can be checked before any data is read (raising FlaxlmError); return the
-        sequence length the task trains on."""
-
-    def eval_metrics(self, config: TrainConfig) -> EvalMetrics:
-        """The eval metrics a run of `config` will log, known before any data is read."""
-
-    def run(self, job: JobContext, seq_len: int) -> dict[str, float]:
-        """Train; return the final metrics (`eval/loss` and `steps` among them)."""
-
-
 # ------------------------------------------------------------------ the model a run starts from
 
 
@@ -144,7 +123,7 @@ def tokenizer_sha256(tokenizer) -> str:
     return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
 
 
-# --------------------------------------------------------------------------- the shared skeleton
+# ------------------------------------------------------------------------- the train state
 
 
 @dataclasses.dataclass
@@ -163,6 +142,7 @@ class Training:
     num_trainable: int = 0  # parameters the optimizer updates (model.lora: the adapters)
     opt_state_bytes: int = 0
     trainable: Any = None  # the nnx filter of what trains; None: every parameter
+    graphdef: Any = None  # the model's graph, to merge with `state.params`
 
     def checkpointed(self, state: TrainState) -> TrainState:
         """What a checkpoint holds of `state`: all of it, or with model.lora what trains."""
@@ -220,7 +200,8 @@ def prepare_training(
                   "again); set model.init_from to adapt a pretrained model")
     training = Training(state, steps, plan, dropout_key, metadata, count_params(model), None,
                         attention, num_trainable=_count(trained_part(state, trainable).params),
-                        opt_state_bytes=_bytes(state.opt_state), trainable=trainable)
+                        opt_state_bytes=_bytes(state.opt_state), trainable=trainable,
+                        graphdef=graphdef)
     if job.run.resuming:  # before model/ is written: a resume that is refused changes nothing
         resumed = restore_run(job.checkpointer, training.checkpointed(state), dropout_key,
                               loader, tokenizer_hash, job.tracker, job.run.path,
@@ -357,23 +338,6 @@ def eval_batch_size(hardware: HardwareConfig, num_devices: int) -> int:
     """Rows per evaluation batch over the whole mesh."""
     per_device = hardware.per_device_eval_batch_size or hardware.per_device_batch_size
     return per_device * num_devices
-
-
-def banner(job: JobContext, training: Training, model: ModelConfig, what: str,
-           data: str) -> str:
-    """The line that says what the run is about to do; `what` adds to the parameter count
-    (e.g. "2 labels"), `data` describes the data and the batch."""
-    extra = f", {what}" if what else ""
-    if training.trainable is not None:
-        extra += (f", {training.num_trainable / 1e6:.3g}M of them trained "
-                  f"({100 * training.num_trainable / training.num_params:.2g}%: "
-                  f"model.lora rank {model.lora.rank} on {', '.join(lora.targets(model))})")
-    extra += f", optimizer state {training.opt_state_bytes / 2**20:,.1f} MiB"
-    return (f"flaxlm: {model.name} ({training.num_params / 1e6:.2f}M params{extra}) on "
-            f"{job.mesh.size} {jax.default_backend()} device(s), "
-            f"{training.attention.describe()} | {data} | "
-            f"{training.plan.total_steps} steps ({training.plan.steps_per_epoch}/epoch) | "
-            f"run dir {job.run.path}")
 
 
 def run_loop(job: JobContext, training: Training, loader, evaluate: Evaluate,

@@ -9,11 +9,13 @@ HF-loadable model/.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import datasets
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import tokenizers
 from flax import nnx
@@ -21,7 +23,7 @@ from flax import nnx
 from flaxlm import layout
 from flaxlm.config import ModelConfig, TrainConfig
 from flaxlm.data.encoding import encode, example_loader, max_length_for
-from flaxlm.data.examples import load_examples
+from flaxlm.data.examples import Examples, load_examples
 from flaxlm.data.fingerprint import arrays_fingerprint
 from flaxlm.data.tables import text_dataset
 from flaxlm.data.tokenizer import (
@@ -35,15 +37,16 @@ from flaxlm.errors import FlaxlmError
 from flaxlm.models import build, hf, pretrained
 from flaxlm.parallel import replicated
 from flaxlm.tasks import base
-from flaxlm.tasks.base import JobContext, Start
+from flaxlm.tasks.base import Start, Training
+from flaxlm.tasks.pipeline import Network, Run, Task, TaskData
 from flaxlm.training import evaluation
-from flaxlm.training.plan import global_batch_size
-from flaxlm.training.step import CompiledSteps, compile_train_step
+from flaxlm.training.step import CompiledSteps, TrainState, compile_train_step
 
 
-class Classification:
-    """The classification task: `check_settings` → the padded example length, `run` → the
-    final metrics."""
+class Classification(Task):
+    """The classification task: labelled examples (or sentence pairs) in padded rows, a
+    classifier (or regressor) head, evaluation that scores every held-out example once, and
+    predictions.jsonl beside the exported model."""
 
     pads_rows = True
 
@@ -93,70 +96,91 @@ class Classification:
         main = "f1" if "f1" in names else names[0]
         return base.EvalMetrics(("eval/loss", *(f"eval/{n}" for n in names)), f"eval/{main}")
 
-    def run(self, job: JobContext, max_length: int) -> dict[str, float]:
-        config = job.config
-        start = base.model_start(config)
-        check_max_length(max_length, start.model)
+    def sequence_length(self, config: TrainConfig, max_length: int) -> int:
+        check_max_length(max_length, config.model)
+        return max_length
+
+    def data(self, run: Run) -> ExampleData:
+        config, max_length = run.config, run.seq_len
         examples = load_examples(config.task, config.cache_dir)
         metrics = config.task.metrics or evaluation.default_metrics(examples.num_labels,
                                                                     examples.is_regression)
         evaluation.check_metrics(metrics, examples.is_regression)
-        tokenizer = _tokenizer(config, start, examples.train)
+        tokenizer = _tokenizer(config, run.start, examples.train)
         train_arrays = encode(examples.train, tokenizer, max_length)
         eval_arrays = encode(examples.eval, tokenizer, max_length)
-
-        batch_size = global_batch_size(config, job.mesh.size)
-        loader = example_loader(train_arrays, batch_size, job.mesh, seed=config.seed,
+        loader = example_loader(train_arrays, run.batch_size, run.job.mesh, seed=config.seed,
                                 padding=config.task.padding)
         if loader.steps_per_epoch == 0:
             raise FlaxlmError(
                 f"The training split has {len(examples.train)} example(s), fewer than one "
-                f"global batch of {batch_size} (per-device batch × devices × "
+                f"global batch of {run.batch_size} (per-device batch × devices × "
                 "trainer.grad_accum_steps). Use more examples, or lower "
                 "hardware.per_device_batch_size or trainer.grad_accum_steps."
             )
-        build_model = functools.partial(_build_classifier, num_labels=examples.num_labels)
-        compile_fn = functools.partial(compile_classifier_steps,
-                                       is_regression=examples.is_regression,
-                                       grad_accum_steps=config.trainer.grad_accum_steps,
-                                       skip_nonfinite=config.trainer.skip_nonfinite)
         # Token ids and labels: the examples as the model sees them (the tokenizer is
         # checked on its own).
         fingerprint = {"training examples": arrays_fingerprint(train_arrays),
                        "evaluation examples": arrays_fingerprint(eval_arrays)}
-        training = base.prepare_training(job, start, build_model, compile_fn, loader, tokenizer,
-                                         fingerprint, pads_rows=self.pads_rows)
+        return ExampleData(tokenizer=tokenizer, loader=loader, fingerprint=fingerprint,
+                           trains_on=f"{len(examples.train)} train / {len(examples.eval)} eval "
+                                     f"examples of ≤ {max_length} tokens",
+                           examples=examples, metrics=metrics, eval_arrays=eval_arrays)
+
+    def network(self, run: Run) -> Network:
+        config, examples, tokenizer = run.config, run.data.examples, run.data.tokenizer
+
+        def build_classifier(spec, rngs):
+            return build.build_classifier(spec, examples.num_labels, rngs)
+
+        def flops_per_token(training: Training) -> float:
+            return build.classifier_flops_per_token(config.model, training.num_params,
+                                                    run.seq_len)
+
         hf_config = hf.to_classifier_config(
-            start.model, num_labels=examples.num_labels, pad_token_id=tokenizer.pad_token_id,
+            config.model, num_labels=examples.num_labels, pad_token_id=tokenizer.pad_token_id,
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
             label_names=examples.label_names,
         )
-        base.start_model_dir(job, start.model, tokenizer, hf_config)
+        steps = functools.partial(compile_classifier_steps, is_regression=examples.is_regression,
+                                  grad_accum_steps=config.trainer.grad_accum_steps,
+                                  skip_nonfinite=config.trainer.skip_nonfinite)
+        return Network(build=build_classifier, compile_steps=steps,
+                       flops_per_token=flops_per_token, hf_config=hf_config, tokenizer=tokenizer,
+                       about=("regression" if examples.is_regression
+                              else f"{examples.num_labels} labels"))
 
-        evaluator = evaluation.ClassifierEvaluator(
-            training.steps, eval_arrays, base.eval_batch_size(config.hardware, job.mesh.size),
-            job.mesh, metrics, examples.is_regression, examples.num_labels, config.task.padding,
+    def evaluator(self, run: Run) -> evaluation.ClassifierEvaluator:
+        examples = run.data.examples
+        return evaluation.ClassifierEvaluator(
+            run.training.steps, run.data.eval_arrays, run.eval_batch_size, run.job.mesh,
+            run.data.metrics, examples.is_regression, examples.num_labels,
+            run.config.task.padding,
         )
-        flops = build.classifier_flops_per_token(start.model, training.num_params, max_length)
-        speed = base.throughput(job, batch_size * max_length, flops)
-        labels = ("regression" if examples.is_regression
-                  else f"{examples.num_labels} labels")
-        print(base.banner(job, training, start.model, labels,
-                     f"{len(examples.train)} train / {len(examples.eval)} eval examples of "
-                     f"≤ {max_length} tokens | global batch {batch_size}"))
-        state, last_eval = base.run_loop(job, training, loader, evaluator, speed)
-        if evaluator.last_predictions is None:  # resumed after the last eval: score once more
-            last_eval = evaluator(state.params)
-        final = {**last_eval, "steps": int(state.step)}
+
+    def final_metrics(self, run: Run, state: TrainState, last_eval: dict) -> dict[str, float]:
+        """The last evaluation and the steps (no tokens: a row's are mostly padding)."""
+        if run.evaluator.last_predictions is None:  # resumed after the last eval: score once more
+            last_eval = run.evaluator(state.params)
+        return {**last_eval, "steps": int(state.step)}
+
+    def export(self, run: Run, params: dict, final: dict) -> None:
+        """predictions.jsonl of the held-out examples, and model/ as a sequence classifier."""
+        job, data = run.job, run.data
         job.write(evaluation.write_predictions, job.path(layout.PREDICTIONS_FILE),
-                  evaluator.last_predictions, eval_arrays["labels"], examples.label_names)
-        base.export_model(job, base.model_params(state), start.model, tokenizer, final,
-                     hf_config=hf_config, generation=None)
-        return final
+                  run.evaluator.last_predictions, data.eval_arrays["labels"],
+                  data.examples.label_names)
+        base.export_model(job, params, run.config.model, data.tokenizer, final,
+                          hf_config=run.network.hf_config, generation=None)
 
 
-def _build_classifier(spec, rngs, *, num_labels: int):
-    return build.build_classifier(spec, num_labels, rngs)
+@dataclasses.dataclass(kw_only=True)
+class ExampleData(TaskData):
+    """What the task trains and evaluates on."""
+
+    examples: Examples
+    metrics: list[str]  # the eval metrics: task.metrics, or the defaults of the labels
+    eval_arrays: dict[str, np.ndarray]
 
 
 def _tokenizer(config: TrainConfig, start: Start, train: datasets.Dataset):

@@ -8,17 +8,16 @@ samples.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import datasets
 import jax
-import jax.numpy as jnp
-import transformers
 
 from flaxlm.config import CorpusSource, LanguageConfig, TrainConfig
 from flaxlm.data.corpus import load_corpus, load_corpus_stream
 from flaxlm.data.fingerprint import documents_fingerprint, text_fingerprint
-from flaxlm.data.loader import BatchSource, block_loader
+from flaxlm.data.loader import block_loader
 from flaxlm.data.mixture import (
     MixtureSchedule,
     check_mixture_settings,
@@ -33,30 +32,18 @@ from flaxlm.data.mixture_loader import MixtureLoader, PackedSource, StreamedSour
 from flaxlm.data.packing import PackedBlocks, pack_blocks
 from flaxlm.data.streaming import StreamingLoader, process_shard
 from flaxlm.data.tables import text_dataset
-from flaxlm.data.tokenizer import (
-    document_prefix,
-    keeps_own_conventions,
-    prepare_tokenizer,
-    prompt_tokenizer,
-    token_byte_lengths,
-)
+from flaxlm.data.tokenizer import document_prefix, prepare_tokenizer
 from flaxlm.errors import FlaxlmError
-from flaxlm.generate import log_samples, settings_from_samples
-from flaxlm.models import build, hf, lora, pretrained
-from flaxlm.models.build import lm_from_params
-from flaxlm.parallel import replicated
+from flaxlm.models import pretrained
 from flaxlm.tasks import base
-from flaxlm.tasks.base import JobContext
-from flaxlm.tasks.language_model import (
-    check_block_length,
-    check_downstream,
-    downstream_hooks,
-    export_lm,
-    lm_start,
-    lm_steps_compiler,
+from flaxlm.tasks.language_model import LanguageModelTask, own_conventions, token_bytes
+from flaxlm.tasks.pipeline import Run, TaskData
+from flaxlm.training.evaluation import (
+    Evaluate,
+    LMEvaluator,
+    MixtureEvaluator,
+    source_metrics,
 )
-from flaxlm.training.evaluation import LMEvaluator, MixtureEvaluator, source_metrics
-from flaxlm.training.plan import global_batch_size
 
 # Training documents of a streamed corpus that its fingerprint covers, from the stream's start.
 STREAM_CHECKED_DOCS = 1000
@@ -70,22 +57,19 @@ _DOCUMENTS = {True: ", each document attending to itself only",
 LONG_BLOCK = 2048
 
 
-class CausalLM:
-    """The causal-LM task: `check_settings` → the block length, `run` → the final metrics."""
+class CausalLM(LanguageModelTask):
+    """The causal-LM task: its corpus packed into blocks, evaluated on every validation token
+    (per source, for a mixture); the rest is `LanguageModelTask`'s."""
 
-    pads_rows = False
+    chat = False
 
-    def check_settings(self, config: TrainConfig) -> int:
-        build.check_lm_family(config.model)
-        lora.check_lora(config.model)
+    def check_data_settings(self, config: TrainConfig) -> None:
         if config.language is None:
             raise FlaxlmError(
                 "task=clm needs a corpus, and language is null. Pick one, e.g. "
                 "language=en-builtin (offline English) or language=files "
                 "'language.files=[data/*.txt]'."
             )
-        seq_len = config.task.max_seq_length or config.model.max_positions
-        check_block_length(config, seq_len)
         if is_mixture(config):
             check_mixture_settings(config.mixture)
             if config.language.streaming:
@@ -94,82 +78,55 @@ class CausalLM:
                     "each on its own: set mixture.sources.<language>.streaming=true.")
         if any(language.streaming for language in corpora(config).values()):
             check_streaming_settings(config)
-        check_downstream(config)
-        return seq_len
 
     def eval_metrics(self, config: TrainConfig) -> base.EvalMetrics:
         logged = EVAL_METRICS + (source_metrics(corpora(config)) if is_mixture(config) else ())
         return base.EvalMetrics(logged, "eval/loss", lower_is_better=logged)
 
-    def run(self, job: JobContext, seq_len: int) -> dict[str, float]:
-        config = job.config
-        config, start, seq_len = lm_start(config, seq_len)
+    def sequence_length(self, config: TrainConfig, seq_len: int) -> int:
+        seq_len = super().sequence_length(config, seq_len)
         announce_long_blocks(config, seq_len)
-        batch_size = global_batch_size(config, job.mesh.size)
-        fixed_tokenizer = (pretrained.load_pretrained_tokenizer(start.checkpoint_dir)
-                           if start.checkpoint_dir and config.tokenizer.path is None else None)
-        own = keeps_own_conventions(config.tokenizer.convention, config.model.init_from)
+        return seq_len
+
+    def data(self, run: Run) -> LMData:
+        config, seq_len = run.config, run.seq_len
+        fixed_tokenizer = (pretrained.load_pretrained_tokenizer(run.start.checkpoint_dir)
+                           if run.start.checkpoint_dir and config.tokenizer.path is None
+                           else None)
         prepare = (_mixed_data if is_mixture(config) else
                    _streamed_data if config.language.streaming else _packed_data)
-        data = prepare(config, job.mesh, seq_len, batch_size, fixed_tokenizer, own)
-        tokenizer, loader = data.tokenizer, data.loader
+        data = prepare(config, run.job.mesh, seq_len, run.batch_size, fixed_tokenizer,
+                       own_conventions(config))
         if data.weights is not None and config.mixture.weights is None:
             # The weights the temperature gave, from the sources' sizes: what the run trains by.
-            job.record_in_config("mixture", {"weights": data.weights})
-        sample_settings = settings_from_samples(config.samples)  # a bad setting fails now
-        training = base.prepare_training(job, start, build.build_lm, lm_steps_compiler(config),
-                                         loader, tokenizer, data.fingerprint,
-                                         pads_rows=self.pads_rows)
-        hf_config = hf.to_lm_config(
-            config.model,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        base.start_model_dir(job, config.model, prompt_tokenizer(tokenizer, own), hf_config)
-
-        token_bytes = jax.device_put(jnp.asarray(token_byte_lengths(tokenizer)),
-                                     replicated(job.mesh))
-        evaluators = {name: LMEvaluator(training.steps, blocks.tokens,
-                                        base.eval_batch_size(config.hardware, job.mesh.size),
-                                        job.mesh, token_bytes, blocks.document_starts)
-                      for name, blocks in data.eval_blocks.items()}
-        evaluator = (MixtureEvaluator(evaluators) if data.weights is not None
-                     else next(iter(evaluators.values())))
-        flops = build.lm_flops_per_token(
-            config.model, training.num_params, seq_len,
-            training.num_trainable if training.trainable is not None else None)
-        speed = base.throughput(job, batch_size * seq_len, flops)
+            run.job.record_in_config("mixture", {"weights": data.weights})
         eval_size = sum(len(blocks) for blocks in data.eval_blocks.values())
         mixed = (f" | mixture {describe_weights(data.weights)}" + "".join(
             f", from step {stage.start_step} {describe_weights(weights)}"
             for stage, weights in zip(config.mixture.stages,
                                       stage_weights(config.mixture, data.weights)))
                  if data.weights is not None else "")
-        print(base.banner(job, training, config.model, "",
-                     f"{data.train_size} train / {eval_size} eval blocks of {seq_len} "
-                     f"tokens{_DOCUMENTS[config.task.document_masking]}{mixed} | global batch "
-                     f"{batch_size} ({batch_size * seq_len} tokens/step)"))
-        hooks = downstream_hooks(job, config.model, tokenizer, own)
-        state, last_eval = base.run_loop(job, training, loader, evaluator, speed, hooks=hooks)
-        final = {**last_eval, "tokens_seen": int(state.step) * batch_size * seq_len,
-                 "steps": int(state.step)}
-        model, params = export_lm(job, config.model, base.model_params(state), tokenizer, final,
-                                  generation=sample_settings, own_conventions=own)
-        log_samples(lm_from_params(model, params), tokenizer, config.samples.prompts,
-                    sample_settings, job.tracker, step=final["steps"], own_conventions=own)
-        return final
+        data.trains_on = (f"{data.train_size} train / {eval_size} eval blocks of {seq_len} "
+                          f"tokens{_DOCUMENTS[config.task.document_masking]}{mixed}")
+        return data
+
+    def evaluator(self, run: Run) -> Evaluate:
+        data, bytes_of_tokens = run.data, token_bytes(run)
+        evaluators = {name: LMEvaluator(run.training.steps, blocks.tokens, run.eval_batch_size,
+                                        run.job.mesh, bytes_of_tokens, blocks.document_starts)
+                      for name, blocks in data.eval_blocks.items()}
+        return (MixtureEvaluator(evaluators) if data.weights is not None
+                else next(iter(evaluators.values())))
 
 
-class LMData(NamedTuple):
+@dataclasses.dataclass(kw_only=True)
+class LMData(TaskData):
     """What the task trains and evaluates on."""
 
-    tokenizer: transformers.PreTrainedTokenizerFast
-    loader: BatchSource
     eval_blocks: dict[str, PackedBlocks]  # by language: one, or each source of a mixture
     train_size: int | str  # training blocks, or "streamed"
-    fingerprint: dict[str, str]  # what a checkpoint records of the data (see prepare_training)
     weights: dict[str, float] | None = None  # a mixture's, by source, before any stage
+    trains_on: str = ""  # said once the blocks are counted (`CausalLM.data`)
 
 
 def _packed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, tokenizer=None,
@@ -192,8 +149,8 @@ def _packed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, token
                           document_starts=train_blocks.document_starts)
     fingerprint = {"training data": text_fingerprint(corpus.train),
                    "validation data": text_fingerprint(corpus.validation)}
-    return LMData(tokenizer, loader, {config.language.name: eval_blocks}, len(train_blocks),
-                  fingerprint)
+    return LMData(tokenizer=tokenizer, loader=loader, fingerprint=fingerprint,
+                  eval_blocks={config.language.name: eval_blocks}, train_size=len(train_blocks))
 
 
 def _streamed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, tokenizer=None,
@@ -228,8 +185,8 @@ def _streamed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, tok
     head = documents_fingerprint(row["text"] for row in train_stream.take(STREAM_CHECKED_DOCS))
     fingerprint = {f"training data (first {STREAM_CHECKED_DOCS} documents of the stream)": head,
                    "validation data": text_fingerprint(validation)}
-    return LMData(tokenizer, loader, {config.language.name: eval_blocks}, "streamed",
-                  fingerprint)
+    return LMData(tokenizer=tokenizer, loader=loader, fingerprint=fingerprint,
+                  eval_blocks={config.language.name: eval_blocks}, train_size="streamed")
 
 
 def is_mixture(config: TrainConfig) -> bool:
@@ -326,8 +283,9 @@ def _mixed_data(config: TrainConfig, mesh, seq_len: int, batch_size: int, tokeni
             "(per-device batch × devices × trainer.grad_accum_steps), which is one epoch of "
             "a mixture. Use more text, or lower hardware.per_device_batch_size, "
             "trainer.grad_accum_steps or task.max_seq_length.")
-    return LMData(tokenizer, loader, eval_blocks,
-                  "streamed" if loader.streamed else packed, fingerprint, weights)
+    return LMData(tokenizer=tokenizer, loader=loader, fingerprint=fingerprint,
+                  eval_blocks=eval_blocks, train_size="streamed" if loader.streamed else packed,
+                  weights=weights)
 
 
 def _document_prefix(tokenizer, own_conventions: bool) -> tuple[int, ...]:

@@ -1,36 +1,147 @@
-"""What the language-model tasks (clm, sft, dpo) share: where a run starts and how long its
-sequences are, how its next-token train and eval steps are compiled, the chat tasks'
-tokenizer, and its downstream evaluation (eval.harness). The tasks themselves stay
-independent of each other; each imports this."""
+"""What the language-model tasks (clm, sft, dpo) share: `LanguageModelTask`, the parts of the
+pipeline they state alike (a GPT-2 or Llama network and its next-token steps, model/ as a
+causal LM, eval.harness as a loop hook, an export that merges LoRA adapters, and samples from
+the trained model); how long their sequences are; and the chat tasks' tokenizer. The tasks
+themselves stay independent of each other; each imports this."""
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
 
 from flaxlm import layout
 from flaxlm.config import ModelConfig, TrainConfig
 from flaxlm.data.chat_template import CHATML_MARKERS, with_chat_template
 from flaxlm.data.tables import text_dataset
-from flaxlm.data.tokenizer import prepare_tokenizer
+from flaxlm.data.tokenizer import (
+    keeps_own_conventions,
+    prepare_tokenizer,
+    prompt_tokenizer,
+    token_byte_lengths,
+)
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import export_adapter
-from flaxlm.models import lora, pretrained
+from flaxlm.generate import log_samples, settings_from_samples
+from flaxlm.models import build, hf, lora, pretrained
+from flaxlm.parallel import replicated
 from flaxlm.tasks import base
 from flaxlm.tasks.base import JobContext
+from flaxlm.tasks.pipeline import Network, Run, Task
 from flaxlm.training.loop import Hook
 from flaxlm.training.step import CompiledSteps, LossSettings, compile_steps
 
 
-def lm_start(config: TrainConfig, seq_len: int) -> tuple[TrainConfig, base.Start, int]:
-    """The run's start (`base.model_start`), the config with the model it starts from, and the
-    block length: with model.init_from, the checkpoint's shape decides its default."""
-    start = base.model_start(config)
-    if start.checkpoint_dir:
-        config = dataclasses.replace(config, model=start.model)
+class LanguageModelTask(Task):
+    """A task that trains a causal LM (GPT-2 or Llama, from model.init_from or fresh, LoRA
+    allowed): its network, model/, downstream hook and export, stated once for clm, sft and
+    dpo. Each states its data and evaluation; DPO its own steps (`steps_compiler`)."""
+
+    chat = True  # samples are a user's turns answered (task=clm's: prompts continued)
+
+    def check_settings(self, config: TrainConfig) -> int:
+        """What every LM task checks (a causal-LM family, LoRA's settings, the block length,
+        eval.harness's) around what the task checks of its data (`check_data_settings`)."""
+        build.check_lm_family(config.model)
+        lora.check_lora(config.model)
+        self.check_data_settings(config)
         seq_len = config.task.max_seq_length or config.model.max_positions
         check_block_length(config, seq_len)
-    return config, start, seq_len
+        check_downstream(config)
+        return seq_len
+
+    @abc.abstractmethod
+    def check_data_settings(self, config: TrainConfig) -> None:
+        """Check the settings of the task's data (raising FlaxlmError), before any is read."""
+
+    def sequence_length(self, config: TrainConfig, seq_len: int) -> int:
+        settings_from_samples(config.samples)  # a bad setting fails now, not after training
+        return lm_sequence_length(config, seq_len)
+
+    def steps_compiler(self, run: Run) -> Callable[..., CompiledSteps]:
+        return lm_steps_compiler(run.config)
+
+    def network(self, run: Run) -> Network:
+        config, tokenizer, seq_len = run.config, run.data.tokenizer, run.seq_len
+
+        def flops_per_token(training: base.Training) -> float:
+            return build.lm_flops_per_token(
+                config.model, training.num_params, seq_len,
+                training.num_trainable if training.trainable is not None else None)
+
+        hf_config = hf.to_lm_config(config.model, bos_token_id=tokenizer.bos_token_id,
+                                    eos_token_id=tokenizer.eos_token_id,
+                                    pad_token_id=tokenizer.pad_token_id)
+        return Network(build=build.build_lm, compile_steps=self.steps_compiler(run),
+                       flops_per_token=flops_per_token, hf_config=hf_config,
+                       tokenizer=prompt_tokenizer(tokenizer, own_conventions(config)))
+
+    def hooks(self, run: Run) -> list[Hook]:
+        return downstream_hooks(run.job, run.config.model, run.data.tokenizer,
+                                own_conventions(run.config))
+
+    def export(self, run: Run, params: dict, final: dict) -> None:
+        config, tokenizer = run.config, run.data.tokenizer
+        settings, own = settings_from_samples(config.samples), own_conventions(config)
+        model, params = export_lm(run.job, config.model, params, tokenizer, final,
+                                  generation=settings, own_conventions=own)
+        log_samples(build.lm_from_params(model, params), tokenizer, config.samples.prompts,
+                    settings, run.job.tracker, step=final["steps"], own_conventions=own,
+                    chat=self.chat)
+
+
+def check_chat_source(config: TrainConfig, what: str, no_data: str) -> None:
+    """Where a chat task's data come from: task.files (with task.eval_files, if any),
+    task.hub_path or task.drills, never a corpus; `no_data` is the error without any."""
+    task = config.task
+    if config.language is not None:
+        raise FlaxlmError(
+            f"task={task.name} reads {what} from task.files, task.hub_path or task.drills, so "
+            f"language={config.language.name} (a corpus for task=clm) would be ignored. Drop "
+            "the language override.")
+    if task.drills <= 0 and task.hub_path is None and not task.files:
+        raise FlaxlmError(no_data)
+    if task.eval_files and not task.files:
+        raise FlaxlmError(f"task.eval_files is set but task.files is empty: give the training "
+                          f"{what} too, task.files=[train.jsonl].")
+
+
+def pad_id(tokenizer) -> int:
+    """What fills a chat row after its last token: the tokenizer's pad token, else its EOS."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def token_bytes(run: Run) -> jax.Array:
+    """The UTF-8 bytes of each token of the run's tokenizer, on every device: what an LM
+    evaluation turns its loss into bits per byte with."""
+    return jax.device_put(jnp.asarray(token_byte_lengths(run.data.tokenizer)),
+                          replicated(run.job.mesh))
+
+
+def own_conventions(config: TrainConfig) -> bool:
+    """Whether the run frames documents and prompts with its tokenizer's own special tokens
+    (`keeps_own_conventions`)."""
+    return keeps_own_conventions(config.tokenizer.convention, config.model.init_from)
+
+
+def lm_sequence_length(config: TrainConfig, seq_len: int) -> int:
+    """The block length once the model the run starts from is known (`config.model`): with
+    model.init_from, the checkpoint's shape decides its default."""
+    if config.model.init_from:
+        seq_len = config.task.max_seq_length or config.model.max_positions
+        check_block_length(config, seq_len)
+    return seq_len
+
+
+def lm_start(config: TrainConfig, seq_len: int) -> tuple[TrainConfig, base.Start, int]:
+    """The run's start (`base.model_start`), the config with the model it starts from, and the
+    block length (`lm_sequence_length`)."""
+    start = base.model_start(config)
+    config = dataclasses.replace(config, model=start.model)
+    return config, start, lm_sequence_length(config, seq_len)
 
 
 def lm_steps_compiler(config: TrainConfig) -> Callable[..., CompiledSteps]:

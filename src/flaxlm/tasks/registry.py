@@ -1,13 +1,13 @@
 """The tasks flaxlm trains for, by the name `task.name` gives them. A new task is one module
-with a class that has the `Task` interface (tasks/base.py) and one entry here."""
+with a subclass of `Task` (tasks/pipeline.py) and one entry here."""
 
 from __future__ import annotations
 
 from flaxlm.errors import FlaxlmError
-from flaxlm.tasks.base import Task
 from flaxlm.tasks.classify import Classification
 from flaxlm.tasks.clm import CausalLM
 from flaxlm.tasks.dpo import DirectPreferenceOptimisation
+from flaxlm.tasks.pipeline import Task
 from flaxlm.tasks.sft import SupervisedFineTuning
 
 TASKS: dict[str, Task] = {"clm": CausalLM(), "classify": Classification(),

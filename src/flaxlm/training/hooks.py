@@ -6,8 +6,8 @@ A hook (`Hook`, training/loop.py) runs after every `every` steps and at the even
 the order they run at a step, and that order is part of what they promise: the train metrics
 are logged before the step's evaluation (as metrics.jsonl has always had them), a checkpoint
 carries the evaluation of its step, and the stop request comes last, asked at the same points
-on every process. A task adds its own (a downstream evaluation, a profiler window) with
-`base.run_loop(..., hooks=[...])`; they run after the evaluation, before the checkpoint.
+on every process. A task adds its own (a downstream evaluation, a profiler window) from its
+`Task.hooks` (tasks/pipeline.py); they run after the evaluation, before the checkpoint.
 """
 
 from __future__ import annotations
