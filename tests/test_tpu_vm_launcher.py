@@ -279,16 +279,17 @@ def test_a_two_worker_slice_trains_joined_by_jax_distributed_with_worker_0s_outp
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_two_worker_slice_sharing_only_the_bucket_trains_into_it_and_is_reported_from_it(
-        tmp_path, stand_in, train_cli, gcs, monkeypatch, capsys):
+        tmp_path, stand_in, train_cli, s3, monkeypatch, capsys):
     """Issue 45's recipe end to end: each worker with a disk of its own (its run folder and
     cache), output_url in the emulated bucket the only place both reach; both write their part
     of each checkpoint there, process 0 the run's files, and flaxlm-report reads the run from
-    the bucket."""
+    the bucket. S3 (moto) here: the GCS emulator has two processes' checkpoints in
+    test_bucket_runs."""
     from flaxlm.cli.report import main as report
 
     monkeypatch.setenv("STAND_IN_OWN_DISKS",
                        json.dumps([str(tmp_path / "sweep"), str(tmp_path / "worker-{}")]))
-    url = f"{gcs.url}/runs/slice"
+    url = f"{s3.url}/runs/slice"
     run = [*TINY, "hardware.per_device_batch_size=2", "trainer.max_steps=4", "optimizer=sgd",
            "language.max_train_docs=8", "language.max_eval_docs=2", "trainer.log_every_steps=2",
            f"output_url={url}"]
@@ -303,12 +304,12 @@ def test_a_two_worker_slice_sharing_only_the_bucket_trains_into_it_and_is_report
     assert not (tmp_path / "sweep" / "0").exists()  # nothing of the run on the launcher's disk
     assert not (tmp_path / "worker-1" / "0" / "metrics.jsonl").exists()  # process 0's files
     assert finalised_steps(f"{url}/checkpoints") == [4]
-    gcs.fs.invalidate_cache()
-    step = gcs.fs.find(f"{gcs.name}/runs/slice/checkpoints/4")
+    s3.fs.invalidate_cache()
+    step = s3.fs.find(f"{s3.name}/runs/slice/checkpoints/4")
     assert any("process_1" in key for key in step)  # worker 1 wrote its part
-    bucket_lines = gcs.fs.cat_file(f"{gcs.name}/runs/slice/metrics.jsonl").decode()
+    bucket_lines = s3.fs.cat_file(f"{s3.name}/runs/slice/metrics.jsonl").decode()
     assert bucket_lines == (tmp_path / "worker-0" / "0" / "metrics.jsonl").read_text()
-    assert gcs.fs.exists(f"{gcs.name}/runs/slice/model/flaxlm_export.json")
+    assert s3.fs.exists(f"{s3.name}/runs/slice/model/flaxlm_export.json")
 
     capsys.readouterr()
     report([url, "--out", str(tmp_path / "report")])
