@@ -23,7 +23,7 @@ from flaxlm import hardware_peak, layout
 from flaxlm.config import HardwareConfig, ModelConfig, TrainConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import export_hf
-from flaxlm.models import lora, pretrained
+from flaxlm.models import pretrained
 from flaxlm.models.attention import Choice, choose_backend
 from flaxlm.models.layers import TransformerSpec, count_params
 from flaxlm.parallel import init_on_mesh, run_accelerator
@@ -159,6 +159,7 @@ def prepare_training(
     data_fingerprint: dict[str, str],
     *,
     pads_rows: bool,
+    trainable: Any = None,
 ) -> Training:
     """Optimizer, model, train state and compiled steps; a resumed run's state, dropout key
     and data position restored from its latest checkpoint.
@@ -167,7 +168,10 @@ def prepare_training(
     schedule)` its jitted steps. `data_fingerprint` ({what: content hash}, e.g. "training
     data" and "validation data") is saved with every checkpoint; a resume on data with
     another fingerprint is refused unless trainer.resume_on_changed_data. `pads_rows`: the
-    task's (`Task.pads_rows`), for the attention backend.
+    task's (`Task.pads_rows`), for the attention backend. `trainable`: the nnx filter of what
+    trains (None: every parameter; with model.lora the adapters, `lora.trainable`): its
+    checkpoints hold only that, the frozen rest is made again from model.init_from (or the
+    seed) when it resumes.
     """
     config = job.config
     plan = make_plan(config, loader.steps_per_epoch)
@@ -176,7 +180,6 @@ def prepare_training(
     spec = model_spec(config, start.model, pads_rows)
     attention = attention_choice(config, start.model, pads_rows)
     init_key, dropout_key = jax.random.split(jax.random.key(config.seed))
-    trainable = lora.trainable(start.model)
     # Made where it lives: each device computes (and keeps) only its part of each parameter.
     model = init_on_mesh(lambda: build_model(spec, nnx.Rngs(params=init_key)), job.mesh)
     # A resumed run's weights come from its checkpoint, except a frozen base, which its

@@ -77,7 +77,8 @@ class LanguageModelTask(Task):
                                     pad_token_id=tokenizer.pad_token_id)
         return Network(build=build.build_lm, compile_steps=self.steps_compiler(run),
                        flops_per_token=flops_per_token, hf_config=hf_config,
-                       tokenizer=prompt_tokenizer(tokenizer, own_conventions(config)))
+                       tokenizer=prompt_tokenizer(tokenizer, own_conventions(config)),
+                       trainable=lora.trainable(config.model))
 
     def hooks(self, run: Run) -> list[Hook]:
         return downstream_hooks(run.job, run.config.model, run.data.tokenizer,

@@ -52,6 +52,9 @@ class Network:
     flops_per_token: Callable[[Training], float]  # for MFU, of the model as built
     hf_config: Any  # model/config.json, written at the start (flaxlm-export reads it)
     tokenizer: Any  # the tokenizer model/ keeps
+    # The nnx filter of what trains (None: every parameter); with model.lora the adapters
+    # (`lora.trainable`), and whatever else a task trains beside them (a fresh head).
+    trainable: Any = None
     about: str = ""  # for the banner, after the parameter count: "2 labels", "DPO β=0.1"
     sequences_per_row: int = 1  # sequences of seq_len tokens in a row (DPO's pair: two)
 
@@ -143,7 +146,7 @@ def run(task: Task, job: JobContext, seq_len: int) -> dict[str, float]:
     run.network = network = task.network(run)
     run.training = training = base.prepare_training(
         job, start, network.build, network.compile_steps, data.loader, data.tokenizer,
-        data.fingerprint, pads_rows=task.pads_rows)
+        data.fingerprint, pads_rows=task.pads_rows, trainable=network.trainable)
     task.with_state(run)
     base.start_model_dir(job, config.model, network.tokenizer, network.hf_config)
     run.evaluator = evaluator = task.evaluator(run)
