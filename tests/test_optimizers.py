@@ -460,6 +460,27 @@ def test_bfloat16_moments_are_stored_in_bfloat16_after_a_step(configs, tiny, kin
             > sum(leaf.nbytes for _, leaf in floating_leaves(state)))
 
 
+def test_the_optimizer_state_is_made_in_one_compiled_program(configs):
+    """create_state without a mesh (the benchmarks', the tests') starts the optimizer inside
+    jit, as with one: run eagerly, optax's init would make each float32 moment before
+    moments_stored_in rounds it to bfloat16, a peak of twice the parameters' bytes more than
+    the state kept (llama-1b's did not fit one 16 GiB chip that way, its step did)."""
+    traced = []
+    adamw = make_optimizer(dataclasses.replace(configs[OptimizerName.adamw].optimizer,
+                                               moment_dtype="bfloat16"),
+                           optax.constant_schedule(1e-3))
+
+    def init(params):
+        traced.extend(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(params))
+        return adamw.init(params)
+
+    model = GPT2LMHeadModel(TransformerSpec(configs[OptimizerName.adamw].model), nnx.Rngs(0))
+    _, state = create_state(model, optax.GradientTransformation(init, adamw.update))
+    assert traced and all(traced)
+    assert {leaf.dtype for _, leaf in floating_leaves(state.opt_state)} == {
+        jnp.dtype(jnp.bfloat16)}
+
+
 def test_float32_moments_are_optax_adamw_bit_for_bit(configs, tiny):
     """moment_dtype=float32 on float32 parameters only casts float32 to float32: the update
     and the state are exactly optax.adamw's (moment_dtype=null)."""
