@@ -57,7 +57,28 @@ def load_events(trace_dir: str) -> tuple[list[dict], dict]:
                      if key[0] == device and name == "XLA Ops"}
         events = [e for e in events if e["pid"] == device
                   and (not ops_lines or (e["pid"], e["tid"]) in ops_lines)]
-    return events, threads
+    return with_self_times(events), threads
+
+
+def with_self_times(events: list[dict]) -> list[dict]:
+    """`events`, each given its own time ("self", µs): its duration less that of the events
+    it encloses on its line. A TPU's "XLA Ops" line shows a while loop (the loss over the
+    vocabulary in chunks, scanned layers) as one event around its body's operations: summed
+    whole, the body would be counted twice."""
+    lines = collections.defaultdict(list)
+    for e in events:
+        lines[(e["pid"], e["tid"])].append(e)
+    for line in lines.values():
+        line.sort(key=lambda e: (e["ts"], -e["dur"]))
+        enclosing: list[dict] = []
+        for e in line:
+            e["self"] = e["dur"]
+            while enclosing and enclosing[-1]["ts"] + enclosing[-1]["dur"] <= e["ts"]:
+                enclosing.pop()
+            if enclosing and e["ts"] + e["dur"] <= enclosing[-1]["ts"] + enclosing[-1]["dur"]:
+                enclosing[-1]["self"] -= e["dur"]
+            enclosing.append(e)
+    return events
 
 
 def load_hlo(trace_dir: str) -> dict[str, str]:
@@ -128,11 +149,11 @@ def category(hlo: str, vocab: int | None) -> str:
 
 
 def operation_times(events: list[dict], steps: int) -> collections.Counter:
-    """Milliseconds per step by operation (numeric suffix dropped)."""
+    """Milliseconds per step by operation (numeric suffix dropped), each its own time."""
     totals: collections.Counter = collections.Counter()
     for e in events:
         if not e["name"].startswith(FRAMEWORK_EVENTS):
-            totals[re.sub(r"\.\d+$", "", e["name"])] += e["dur"] / 1e3 / steps
+            totals[re.sub(r"\.\d+$", "", e["name"])] += e["self"] / 1e3 / steps
     return totals
 
 
@@ -148,14 +169,14 @@ def summarise(trace_dir: str, top: int, steps: int = harness.PROFILED_STEPS,
              f"the last; operations summed over threads: {sum(totals.values()):,.0f} ms"]
     busy: collections.Counter = collections.Counter()
     for e in ops:
-        busy[threads.get((e["pid"], e["tid"]), str(e["tid"]))] += e["dur"] / 1e3 / steps
+        busy[threads.get((e["pid"], e["tid"]), str(e["tid"]))] += e["self"] / 1e3 / steps
     for name, ms in busy.most_common(4):
         lines.append(f"  thread {name}: {ms:,.0f} ms busy per step ({ms / span:.0%})")
     hlo = load_hlo(trace_dir)
     if hlo:
         by_category: collections.Counter = collections.Counter()
         for e in ops:
-            by_category[category(hlo.get(e["name"], ""), vocab)] += e["dur"] / 1e3 / steps
+            by_category[category(hlo.get(e["name"], ""), vocab)] += e["self"] / 1e3 / steps
         lines.append(f"  {'ms/step':>8}  {'share':>6}  category")
         for name, ms in by_category.most_common():
             lines.append(f"  {ms:8.1f}  {ms / sum(by_category.values()):6.1%}  {name}")

@@ -195,8 +195,10 @@ def test_the_summary_reads_a_tpus_operations_and_puts_each_in_its_category(tmp_p
                 {"ph": "M", "pid": 2, "tid": 8, "name": "thread_name",
                  "args": {"name": "XLA Modules"}}]
     steps = profile_summary.harness.PROFILED_STEPS
-    events = [op("fusion.1", 0, 3000 * steps), op("custom-call.2", 0, 5000 * steps),
-              op("fusion.3", 0, 1000 * steps), op("fusion.4", 0, 500 * steps),
+    events = [op("fusion.1", 0, 3000 * steps), op("custom-call.2", 3000 * steps, 5000 * steps),
+              op("fusion.3", 8000 * steps, 1000 * steps), op("fusion.4", 9000 * steps, 500 * steps),
+              # A while loop around its body's operation, on the same line: 200 µs its own.
+              op("while.5", 9500 * steps, 700 * steps), op("fusion.3", 9600 * steps, 500 * steps),
               op("jit_step", 0, 99000 * steps, tid=8),  # the module: not an operation
               op("fusion.1", 0, 77000 * steps, pid=1, tid=3)]  # a host thread
     trace_dir = tmp_path / "round-1"
@@ -209,5 +211,7 @@ def test_the_summary_reads_a_tpus_operations_and_puts_each_in_its_category(tmp_p
     shares = {line.split("%", 1)[1].strip(): float(line.split()[0])
               for line in text.splitlines() if "%  " in line}
     assert shares == {"attention kernel": 5.0, "matmul: vocabulary": 3.0,
-                      "elementwise, reductions (backward)": 1.0,
-                      "elementwise, reductions (outside the gradient: optimizer, metrics)": 0.5}
+                      "elementwise, reductions (backward)": 1.5,
+                      "elementwise, reductions (outside the gradient: optimizer, metrics)": 0.7}
+    # Summed, the operations' own times are the line's wall time: nothing counted twice.
+    assert "10 ms of wall time per step" in text and "summed over threads: 10 ms" in text, text
