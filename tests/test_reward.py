@@ -252,8 +252,11 @@ def test_with_lora_only_the_adapters_and_the_fresh_head_train():
 
 @pytest.mark.slow
 def test_a_lora_run_exports_the_merged_one_label_classifier(tmp_path, monkeypatch, capsys):
+    """Its end writes model/ merged; flaxlm-export makes the same model of its checkpoint,
+    which holds the adapters and the head only, put back on the base its seed made."""
     from safetensors.numpy import load_file
 
+    from flaxlm.cli.export import run as export
     from flaxlm.job import train
 
     monkeypatch.setenv("FLAXLM_CACHE", str(tmp_path / "cache"))
@@ -266,3 +269,8 @@ def test_a_lora_run_exports_the_merged_one_label_classifier(tmp_path, monkeypatc
     assert weights["score.weight"].shape == (1, 64)
     assert not any("lora" in name for name in weights)
     assert "eval/accuracy" in records_of(run_dir)[-1]
+    exported = load_file(os.path.join(export([str(run_dir), "--out", str(tmp_path / "hf")]),
+                                      "model.safetensors"))
+    assert exported.keys() == weights.keys()
+    for name, values in weights.items():  # merged on the mesh, or on the host: W + s·A·B
+        assert_close(exported[name], values, terms=4, err_msg=name)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import json
 import os
 import shutil
 import tempfile
@@ -24,7 +25,7 @@ from flaxlm.data.tokenizer import keeps_own_conventions
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import read_marker
 from flaxlm.layout import CHECKPOINT_SUBDIR, MODEL_SUBDIR, run_path
-from flaxlm.models import lora, pretrained
+from flaxlm.models import hf, lora, pretrained
 from flaxlm.models.build import build_classifier, build_lm, lm_from_params
 from flaxlm.models.layers import TransformerSpec
 from flaxlm.parallel import make_mesh, place_state, state_shardings
@@ -42,7 +43,7 @@ class RunModel(NamedTuple):
     run_config: dict  # the run's resolved config ({} if unknown)
     step: int | None
     source: str  # e.g. "/runs/x checkpoint step 200", for messages and the model card
-    hf_config: Any = None  # a task=classify run's HF classifier config; None for an LM
+    hf_config: Any = None  # a classifier's HF config (task=classify, task=reward); None: an LM
 
     @property
     def own_conventions(self) -> bool:
@@ -56,8 +57,8 @@ class RunModel(NamedTuple):
         if self.hf_config is not None:
             raise FlaxlmError(
                 f"{self.source} is a classifier ({self.hf_config.architectures[0]}, from a "
-                "task=classify run), not a language model, so it cannot generate text. Give "
-                "flaxlm-generate the directory of a task=clm run."
+                "task=classify or task=reward run), not a language model, so it cannot "
+                "generate text. Give flaxlm-generate the directory of a task=clm run."
             )
         return lm_from_params(self.model_config, self.params)
 
@@ -99,8 +100,9 @@ def load_run_model(run_dir: str, step: int | None = None, mesh: Mesh | None = No
         run_config = upgrade_saved_config(run_config)  # an earlier release's keys too
         model_config = _trained_model_config(run_dir, run_config)
         hf_config = _hf_config(run_config, model_dir)
-        if lora.enabled(model_config):  # the checkpoint holds the adapters only
-            params, model_config = _merged_onto_base(params, model_config, run_config, mesh)
+        if lora.enabled(model_config):  # the checkpoint holds what trained only
+            params, model_config = _merged_onto_base(params, model_config, run_config, mesh,
+                                                     hf_config)
         return RunModel(params, model_config, tokenizer, run_config, step,
                         f"{name if checkpoints else run_dir} checkpoint step {step}", hf_config)
     if step is not None:
@@ -141,30 +143,31 @@ def bucket_run_copy(url: str) -> str:
     return local
 
 
-def _merged_onto_base(adapters: dict, model_config: ModelConfig, run_config: dict,
-                      mesh: Mesh | None) -> tuple[dict, ModelConfig]:
-    """A LoRA run's checkpointed `adapters` on its frozen base, merged: the parameters and
-    config of the plain model the run's export holds. The base comes from model.init_from,
-    or, for a random base, from the run's seed as training made it. The base is read to the
-    host whole, then laid out on `mesh` if one is given."""
+def _merged_onto_base(trained: dict, model_config: ModelConfig, run_config: dict,
+                      mesh: Mesh | None, hf_config=None) -> tuple[dict, ModelConfig]:
+    """A LoRA run's checkpointed `trained` parameters (its adapters, and a classifier's fresh
+    head beside them) on its frozen base, merged: the parameters and config of the plain
+    model the run's export holds. The base comes from model.init_from, or, for a random base,
+    from the run's seed as training made it. The base is read to the host whole, then laid
+    out on `mesh` if one is given. `hf_config`: a classifier's (None: an LM)."""
     spec = TransformerSpec(model_config)
     if model_config.init_from:
-        model = nnx.eval_shape(lambda: build_lm(spec, nnx.Rngs(0)))
+        model = nnx.eval_shape(lambda: _network(spec, hf_config, nnx.Rngs(0)))
         pretrained.load_pretrained_weights(
             model, pretrained.resolve_checkpoint(model_config.init_from,
                                                  run_config.get("cache_dir")),
             source=model_config.init_from, shape_from_checkpoint=True)
     else:
         init_key = jax.random.split(jax.random.key(run_config.get("seed", 0)))[0]
-        model = build_lm(spec, nnx.Rngs(params=init_key))
-    state = nnx.state(model, nnx.LoRAParam)
-    nnx.replace_by_pure_dict(state, jax.device_get(adapters))
+        model = _network(spec, hf_config, nnx.Rngs(params=init_key))
+    state = nnx.state(model, nnx.Param)  # the adapters are Params too
+    nnx.replace_by_pure_dict(state, jax.device_get(trained))
     nnx.update(model, state)
     params = lora.merged_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)),
                                 lora.adapter_scale(model_config.lora))
     model_config = lora.without_adapters(model_config)
     if mesh is not None:
-        state = nnx.state(_abstract_model(model_config, None), nnx.Param)
+        state = nnx.state(_abstract_model(model_config, hf_config), nnx.Param)
         nnx.replace_by_pure_dict(state, params)
         params = nnx.to_pure_dict(place_state(state, mesh))
     return params, model_config
@@ -242,8 +245,8 @@ def _from_export(model_dir: str, run_dir: str, tokenizer, mesh: Mesh | None) -> 
 
 
 def _hf_config(run_config: dict, model_dir: str):
-    """A task=classify run's HF classifier config (its labels); None for an LM."""
-    if _is_classifier_run(run_config):
+    """The HF config of a run that trains a classifier (its labels); None for an LM."""
+    if _is_classifier_run(run_config, model_dir):
         return transformers.AutoConfig.from_pretrained(model_dir)
     return None
 
@@ -251,10 +254,15 @@ def _hf_config(run_config: dict, model_dir: str):
 def _abstract_model(model_config: ModelConfig, hf_config) -> nnx.Module:
     """The run's network, shapes only (`nnx.eval_shape`): a classifier of `hf_config`'s
     labels, or (None) a language model."""
-    spec = TransformerSpec(model_config)
+    return nnx.eval_shape(lambda: _network(TransformerSpec(model_config), hf_config,
+                                           nnx.Rngs(0)))
+
+
+def _network(spec: TransformerSpec, hf_config, rngs: nnx.Rngs) -> nnx.Module:
+    """A classifier of `hf_config`'s labels, or (None) a language model."""
     if hf_config is not None:
-        return nnx.eval_shape(lambda: build_classifier(spec, hf_config.num_labels, nnx.Rngs(0)))
-    return nnx.eval_shape(lambda: build_lm(spec, nnx.Rngs(0)))
+        return build_classifier(spec, hf_config.num_labels, rngs)
+    return build_lm(spec, rngs)
 
 
 def local_mesh() -> Mesh:
@@ -265,8 +273,17 @@ def local_mesh() -> Mesh:
     return make_mesh(None, MeshConfig(data=1, fsdp=-1, tensor=1))
 
 
-def _is_classifier_run(run_config: dict) -> bool:
-    return ((run_config or {}).get("task") or {}).get("name") == "classify"
+def _is_classifier_run(run_config: dict, model_dir: str) -> bool:
+    """Whether the run trains a sequence classifier (task=classify, task=reward), as the HF
+    config the task wrote into model/ when the run started says: no list of tasks to keep
+    here. A run without that file is a classifier if it was a task=classify run."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return ((run_config or {}).get("task") or {}).get("name") == "classify"
+    with open(path, encoding="utf-8") as file:
+        architectures = json.load(file).get("architectures") or []
+    return any(name in hf.ARCHITECTURES and not hf.architecture(name).is_lm
+               for name in architectures)
 
 
 def saved_run_config(run_dir: str) -> dict:
