@@ -145,6 +145,11 @@ def test_flaxlm_train_refuses_an_encoder_in_one_line_and_exits_2(train_cli, tmp_
 # --- the run -------------------------------------------------------------------------------------
 
 
+def session_cache(monkeypatch, tmp_path_factory) -> None:
+    """The session's flaxlm cache, as `trained_run`'s: the preset's compiled steps are reused."""
+    monkeypatch.setenv("FLAXLM_CACHE", str(tmp_path_factory.getbasetemp() / "flaxlm-cache"))
+
+
 def records_of(run_dir) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as file:
         return [json.loads(line) for line in file if line.strip()]
@@ -251,7 +256,8 @@ def test_with_lora_only_the_adapters_and_the_fresh_head_train():
 
 
 @pytest.mark.slow
-def test_a_lora_run_exports_the_merged_one_label_classifier(tmp_path, monkeypatch, capsys):
+def test_a_lora_run_exports_the_merged_one_label_classifier(tmp_path, tmp_path_factory,
+                                                            monkeypatch, capsys):
     """Its end writes model/ merged; flaxlm-export makes the same model of its checkpoint,
     which holds the adapters and the head only, put back on the base its seed made."""
     from safetensors.numpy import load_file
@@ -259,7 +265,7 @@ def test_a_lora_run_exports_the_merged_one_label_classifier(tmp_path, monkeypatc
     from flaxlm.cli.export import run as export
     from flaxlm.job import train
 
-    monkeypatch.setenv("FLAXLM_CACHE", str(tmp_path / "cache"))
+    session_cache(monkeypatch, tmp_path_factory)
     run_dir = tmp_path / "run"
     train(compose([PRESET, "logger=none", "task.drills=200", "model.lora.rank=4",
                    "trainer.max_steps=3", "trainer.eval_every_steps=3",
@@ -274,3 +280,28 @@ def test_a_lora_run_exports_the_merged_one_label_classifier(tmp_path, monkeypatc
     assert exported.keys() == weights.keys()
     for name, values in weights.items():  # merged on the mesh, or on the host: W + s·A·B
         assert_close(exported[name], values, terms=4, err_msg=name)
+
+
+@pytest.mark.slow
+def test_a_stopped_run_resumes_to_the_same_metrics(tmp_path, tmp_path_factory, monkeypatch,
+                                                   capsys):
+    """Stopped and resumed (the pipeline's checkpoints, nothing of the task's own), a run ends
+    as the one never stopped."""
+    from conftest import metrics_of, stop_at
+
+    from flaxlm.job import train
+    from flaxlm.training.stop import Preempted
+
+    session_cache(monkeypatch, tmp_path_factory)
+    overrides = [PRESET, "logger=none", "task.drills=400", "trainer.max_steps=6",
+                 "trainer.log_every_steps=1", "trainer.eval_every_steps=3",
+                 "optimizer.warmup_steps=0"]
+    train(compose(overrides, run_dir=tmp_path / "straight"))
+    with monkeypatch.context() as patch:
+        stop_at(patch, 3)
+        with pytest.raises(Preempted):
+            train(compose(overrides, run_dir=tmp_path / "resumed"))
+    capsys.readouterr()
+    train(compose(overrides, run_dir=tmp_path / "resumed"))
+    assert "from its checkpoint at step 3" in capsys.readouterr().out
+    assert metrics_of(tmp_path / "resumed") == metrics_of(tmp_path / "straight")
