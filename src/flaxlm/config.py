@@ -340,7 +340,8 @@ class TaskConfig:
     """WHAT objective. `clm`: causal language modelling on packed blocks. `classify`:
     sequence (or sentence-pair) classification, or regression when num_labels = 1. `sft`:
     supervised fine-tuning on conversations, the loss on the assistant's tokens. `dpo`: Direct
-    Preference Optimisation on pairs of replies, one preferred."""
+    Preference Optimisation on pairs of replies, one preferred. `reward`: a reward model (a
+    causal LM's one-output head) on the same pairs, with the Bradley–Terry loss."""
 
     name: str = MISSING
     # clm: blocks of this many tokens; null → the model's context length (model.max_positions).

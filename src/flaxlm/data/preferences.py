@@ -1,4 +1,4 @@
-"""The preference pairs of `task=dpo`, loaded, checked and laid out in rows.
+"""The preference pairs of `task=dpo` and `task=reward`, loaded, checked and laid out in rows.
 
 A pair is a prompt and two replies to it, the preferred (`chosen`) and the other (`rejected`),
 in task.prompt_column, task.chosen_column and task.rejected_column. Each is a string (the
@@ -102,7 +102,7 @@ def pairs_of(table: datasets.Dataset, task: TaskConfig, where: str) -> list[Pair
     if missing:
         raise FlaxlmError(
             f"{where} has no column {', '.join(map(repr, missing))}; its columns are "
-            f"{table.column_names}. task=dpo reads the prompt from task.prompt_column="
+            f"{table.column_names}. task={task.name} reads the prompt from task.prompt_column="
             f"{task.prompt_column!r} and the two replies from task.chosen_column="
             f"{task.chosen_column!r} and task.rejected_column={task.rejected_column!r}: set "
             "them to the data's column names.")
