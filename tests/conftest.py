@@ -53,6 +53,12 @@ def pytest_configure(config):
     from flaxlm.cli.common import end_without_final_collection
 
     end_without_final_collection()
+    # JAX starts now, on the 8 devices set above, before any test does. Left to the first test
+    # of a worker, a flaxlm-train run with hardware=cpu in this process would start it with one
+    # device per core (configure_platform), and every later test there would see that many.
+    import jax
+
+    jax.devices()
 
 
 @pytest.hookimpl(wrapper=True)

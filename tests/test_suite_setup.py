@@ -1,0 +1,40 @@
+"""The test processes themselves: what every test may take for granted, whatever ran before it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+FIRST_A_CPU_RUN_THEN_A_MESH = '''
+import jax
+from flaxlm.config import DistributedConfig, HardwareConfig
+from flaxlm.parallel import configure_platform
+
+
+def test_a_run_on_the_cpu_group_comes_first():
+    configure_platform(HardwareConfig(name="cpu", platform="cpu", cpu_devices=3,
+                                      distributed=DistributedConfig("off", timeout_s=300)))
+
+
+def test_then_a_test_that_needs_eight_devices():
+    assert jax.device_count() == 8
+'''
+
+
+def test_a_worker_runs_jax_on_eight_devices_whatever_test_comes_first(tmp_path):
+    """A worker whose first test ran flaxlm-train with hardware=cpu in its process started JAX
+    with hardware.cpu_devices, one per core by default (configure_platform picks the count
+    when JAX has not started):
+    on a 2-core machine test_sft.py's runs, which ask for 8, were then refused when pytest
+    -n 2 gave it that worker. The tests' conftest now starts JAX itself."""
+    (tmp_path / "test_order.py").write_text(FIRST_A_CPU_RUN_THEN_A_MESH)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
+         "-p", "no:randomly", "-o", "addopts=", str(tmp_path / "test_order.py")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "2 passed" in result.stdout
