@@ -305,3 +305,56 @@ def test_a_stopped_run_resumes_to_the_same_metrics(tmp_path, tmp_path_factory, m
     train(compose(overrides, run_dir=tmp_path / "resumed"))
     assert "from its checkpoint at step 3" in capsys.readouterr().out
     assert metrics_of(tmp_path / "resumed") == metrics_of(tmp_path / "straight")
+
+
+TWO_PROCESSES = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(sys.argv[2], num_processes=2, process_id=int(sys.argv[1]))
+import numpy as np
+from flaxlm.data.documents import INPUT_IDS
+from flaxlm.parallel import make_mesh
+from flaxlm.tasks.reward import held_out_scores
+
+mesh = make_mesh(None)
+assert mesh.devices.size == 8 and jax.local_device_count() == 4
+first_token = jax.jit(lambda batch: batch[INPUT_IDS][:, :, 0].astype(np.float32))
+for num_pairs in (1, 7, 33, 64):
+    for batch in (8, 24):
+        ids = np.arange(num_pairs * 2 * 3, dtype=np.int32).reshape(num_pairs, 2, 3) + 7
+        scores = held_out_scores(first_token, ids, batch, mesh)
+        assert np.array_equal(scores, ids[:, :, 0]), (num_pairs, batch, scores)
+print("process", jax.process_index(), "ok", flush=True)
+jax.distributed.shutdown()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_score_every_held_out_pair_once_in_order(tmp_path):
+    """Two processes of 4 CPU devices, one 8-device mesh: each gets every pair's scores, each
+    pair once, in order, whatever the batch."""
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "two_processes.py"
+    script.write_text(TWO_PROCESSES)
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        address = f"localhost:{sock.getsockname()[1]}"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    workers = [subprocess.Popen([sys.executable, str(script), str(i), address], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for i in range(2)]
+    try:
+        outputs = [worker.communicate(timeout=120)[0] for worker in workers]
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+    for i, (worker, output) in enumerate(zip(workers, outputs)):
+        assert worker.returncode == 0 and f"process {i} ok" in output, output[-3000:]
