@@ -31,6 +31,9 @@ from flaxlm.tasks.registry import task_named
 from flaxlm.tasks.reward import bradley_terry, held_out_scores, pair_scores, reward_metrics
 
 PRESET = "experiment=reward-llama-tiny-offline"
+# The preset's run as it goes on two CPU cores, 4 pairs on each, whatever the devices the tests
+# fake (a step over 8 of them costs more than its arithmetic on two cores).
+RUN = [PRESET, "logger=none", "hardware.num_devices=2"]
 PAD = 1
 
 
@@ -159,7 +162,7 @@ def records_of(run_dir) -> list[dict]:
 def preset_run(tmp_path_factory):
     """The offline preset, two thirds of its steps (enough to be far above chance)."""
     return trained_run(tmp_path_factory, "reward-run",
-                       [PRESET, "logger=none", "trainer.max_steps=1000",
+                       [*RUN, "trainer.max_steps=1000",
                         "trainer.eval_every_steps=500"])
 
 
@@ -267,7 +270,7 @@ def test_a_lora_run_exports_the_merged_one_label_classifier(tmp_path, tmp_path_f
 
     session_cache(monkeypatch, tmp_path_factory)
     run_dir = tmp_path / "run"
-    train(compose([PRESET, "logger=none", "task.drills=200", "model.lora.rank=4",
+    train(compose([*RUN, "task.drills=200", "model.lora.rank=4",
                    "trainer.max_steps=3", "trainer.eval_every_steps=3",
                    "optimizer.warmup_steps=0"], run_dir=run_dir))
     assert "of them trained" in capsys.readouterr().out
@@ -293,7 +296,7 @@ def test_a_stopped_run_resumes_to_the_same_metrics(tmp_path, tmp_path_factory, m
     from flaxlm.training.stop import Preempted
 
     session_cache(monkeypatch, tmp_path_factory)
-    overrides = [PRESET, "logger=none", "task.drills=400", "trainer.max_steps=6",
+    overrides = [*RUN, "task.drills=400", "trainer.max_steps=6",
                  "trainer.log_every_steps=1", "trainer.eval_every_steps=3",
                  "optimizer.warmup_steps=0"]
     train(compose(overrides, run_dir=tmp_path / "straight"))
