@@ -135,12 +135,17 @@ def test_bad_settings_are_refused_before_any_data_is_read(overrides, names):
         assert name in str(raised.value), str(raised.value)
 
 
-def test_flaxlm_train_refuses_an_encoder_in_one_line_and_exits_2(train_cli, tmp_path):
-    result = train_cli(PRESET, "model=bert-tiny", "logger=none", f"run_dir={tmp_path / 'run'}",
+@pytest.mark.parametrize(("override", "named"), [("model=bert-tiny", "model=bert-tiny"),
+                                                 ("task.drills=0", "task.files")])
+def test_flaxlm_train_refuses_bad_input_in_one_line_and_exits_2(train_cli, tmp_path, override,
+                                                                named):
+    """An encoder, or no pairs: one paragraph naming the setting and its fix, exit code 2."""
+    result = train_cli(PRESET, override, "logger=none", f"run_dir={tmp_path / 'run'}",
                        cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.splitlines()
     assert lines[0].startswith("flaxlm: error: task=reward"), result.stderr
+    assert named in lines[0], lines[0]
     assert result.stderr.count("flaxlm: error:") == 1 and "Traceback" not in result.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
