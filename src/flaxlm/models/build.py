@@ -16,16 +16,17 @@ from flaxlm.models import hf
 from flaxlm.models.layers import TransformerSpec, training_flops_per_token
 
 
-def check_lm_family(model: ModelConfig) -> None:
-    """task=clm needs a network with a next-token head."""
+def check_lm_family(model: ModelConfig,
+                    purpose: str = "task=clm trains a causal language model") -> None:
+    """A network with a next-token head, which `purpose` (what the task does with it) needs."""
     family = ModelFamily(model.family)
     if hf.lm_architecture(family) is None:
         lm_families = sorted({a.family.value for a in hf.ARCHITECTURES.values() if a.is_lm})
         raise FlaxlmError(
-            f"task=clm trains a causal language model, but model={model.name} "
-            f"(model.family={family.value}) is an encoder with no next-token head. Use a "
-            f"{' or '.join(lm_families)}-family model for task=clm (model=gpt2-tiny, gpt2, "
-            "llama-tiny or smollm-135m), or task=classify to fine-tune this encoder."
+            f"{purpose}, but model={model.name} (model.family={family.value}) is an encoder "
+            f"with no next-token head. Use a {' or '.join(lm_families)}-family model "
+            "(model=gpt2-tiny, gpt2, llama-tiny or smollm-135m, or model.init_from=<a causal "
+            "LM>), or task=classify to fine-tune this encoder."
         )
 
 

@@ -45,7 +45,8 @@ class LanguageModelTask(Task):
     def check_settings(self, config: TrainConfig) -> int:
         """What every LM task checks (a causal-LM family, LoRA's settings, the block length,
         eval.harness's) around what the task checks of its data (`check_data_settings`)."""
-        build.check_lm_family(config.model)
+        build.check_lm_family(config.model,
+                              f"task={config.task.name} trains a causal language model")
         lora.check_lora(config.model)
         self.check_data_settings(config)
         seq_len = config.task.max_seq_length or config.model.max_positions

@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from flaxlm.config import ModelConfig, ModelFamily, TrainConfig
+from flaxlm.config import ModelConfig, TrainConfig
 from flaxlm.data.chat_packing import chat_rows
 from flaxlm.data.documents import INPUT_IDS
 from flaxlm.data.loader import eval_batches, num_eval_batches
@@ -135,15 +135,8 @@ class RewardModelling(Task):
 
 def check_scorer(model: ModelConfig) -> None:
     """A reward model reads a causal LM's last token: an encoder family has none to read."""
-    family = ModelFamily(model.family)
-    if hf.lm_architecture(family) is None:
-        causal = sorted({a.family.value for a in hf.ARCHITECTURES.values() if a.is_lm})
-        raise FlaxlmError(
-            f"task=reward scores a reply with a causal language model (its last token's hidden "
-            f"state), but model={model.name} (model.family={family.value}) is an encoder. Use a "
-            f"{' or '.join(causal)}-family model (model=gpt2-tiny, llama-tiny or smollm-135m, "
-            "or model.init_from=<a causal LM>), or task=classify to fine-tune this encoder on "
-            "labelled examples.")
+    build.check_lm_family(model, "task=reward scores a reply with a causal language model (its "
+                                 "last token's hidden state)")
 
 
 def trainable(model: ModelConfig):
