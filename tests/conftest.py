@@ -555,6 +555,25 @@ def stop_at(monkeypatch, stop_step: int, sig=signal.SIGTERM) -> None:
     monkeypatch.setattr(Tracker, "log", log_then_signal)
 
 
+def assert_resumes_as_never_stopped(overrides: list[str], tmp_path: Path, monkeypatch, capsys,
+                                    stop_step: int) -> None:
+    """A run of `overrides` trained straight into tmp_path/straight, and one stopped by SIGTERM
+    at `stop_step` and started again into tmp_path/resumed: the second resumes from its
+    checkpoint there and ends with the first's metrics."""
+    from flaxlm.job import train
+    from flaxlm.training.stop import Preempted
+
+    train(compose(overrides, run_dir=tmp_path / "straight"))
+    with monkeypatch.context() as patch:
+        stop_at(patch, stop_step)
+        with pytest.raises(Preempted):
+            train(compose(overrides, run_dir=tmp_path / "resumed"))
+    capsys.readouterr()
+    train(compose(overrides, run_dir=tmp_path / "resumed"))
+    assert f"from its checkpoint at step {stop_step}" in capsys.readouterr().out
+    assert metrics_of(tmp_path / "resumed") == metrics_of(tmp_path / "straight")
+
+
 CHECKPOINT_LOADER = {"kind": "blocks", "epoch": 1, "step_in_epoch": 3, "seed": 0}
 
 

@@ -287,22 +287,11 @@ def test_a_stopped_run_resumes_on_the_same_reference(tmp_path, monkeypatch, caps
     """Stopped and resumed, a run ends as the one never stopped: without LoRA its reference
     log-probs come back from the run directory (its start's weights are gone), with LoRA from
     the frozen base."""
-    from conftest import compose, metrics_of, stop_at
-
-    from flaxlm.job import train
-    from flaxlm.training.stop import Preempted
+    from conftest import assert_resumes_as_never_stopped
 
     monkeypatch.setenv("FLAXLM_CACHE", str(tmp_path / "cache"))
     overrides = ["experiment=dpo-llama-tiny-offline", "logger=none", "task.drills=400",
                  "trainer.max_steps=6", "trainer.log_every_steps=1",
                  "trainer.eval_every_steps=3", "optimizer.warmup_steps=0", "samples.prompts=[]",
                  f"model.lora.rank={lora_rank or 'null'}"]
-    train(compose(overrides, run_dir=tmp_path / "straight"))
-    with monkeypatch.context() as patch:
-        stop_at(patch, 3)
-        with pytest.raises(Preempted):
-            train(compose(overrides, run_dir=tmp_path / "resumed"))
-    capsys.readouterr()
-    train(compose(overrides, run_dir=tmp_path / "resumed"))
-    assert "from its checkpoint at step 3" in capsys.readouterr().out
-    assert metrics_of(tmp_path / "resumed") == metrics_of(tmp_path / "straight")
+    assert_resumes_as_never_stopped(overrides, tmp_path, monkeypatch, capsys, stop_step=3)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY, compose, config_node, mesh_config, metrics_of, stop_at
+from conftest import TINY, assert_resumes_as_never_stopped, compose, config_node, mesh_config
 from flax import nnx
 from numerics import assert_close, transformer
 
@@ -226,21 +226,11 @@ def test_a_lora_run_checkpoints_its_adapters_and_exports_both_ways(lora_run, bas
 def test_a_lora_run_resumes_exactly(tmp_path, monkeypatch, capsys):
     """4 steps straight, and 2 + a resume: the same adapters and the same metrics. A base of
     random init (no model.init_from) comes back from the seed."""
-    from flaxlm.job import train
     from flaxlm.training.checkpoint.manager import restore_params
-    from flaxlm.training.stop import Preempted
 
     monkeypatch.setenv("FLAXLM_CACHE", str(tmp_path / "cache"))
     overrides = [*RUN, *LORA, "trainer.max_steps=4"]
-    train(compose(overrides, run_dir=tmp_path / "straight"))
-    with monkeypatch.context() as patch:
-        stop_at(patch, 2)
-        with pytest.raises(Preempted):
-            train(compose(overrides, run_dir=tmp_path / "resumed"))
-    capsys.readouterr()
-    train(compose(overrides, run_dir=tmp_path / "resumed"))
-    assert "from its checkpoint at step 2" in capsys.readouterr().out
-    assert metrics_of(tmp_path / "resumed") == metrics_of(tmp_path / "straight")
+    assert_resumes_as_never_stopped(overrides, tmp_path, monkeypatch, capsys, stop_step=2)
     straight, _, _ = restore_params(str(tmp_path / "straight"))
     resumed, _, _ = restore_params(str(tmp_path / "resumed"))
     assert jax.tree.all(jax.tree.map(np.array_equal, straight, resumed))

@@ -295,24 +295,13 @@ def test_a_stopped_run_resumes_to_the_same_metrics(tmp_path, tmp_path_factory, m
                                                    capsys):
     """Stopped and resumed (the pipeline's checkpoints, nothing of the task's own), a run ends
     as the one never stopped."""
-    from conftest import metrics_of, stop_at
-
-    from flaxlm.job import train
-    from flaxlm.training.stop import Preempted
+    from conftest import assert_resumes_as_never_stopped
 
     session_cache(monkeypatch, tmp_path_factory)
     overrides = [*RUN, "task.drills=400", "trainer.max_steps=6",
                  "trainer.log_every_steps=1", "trainer.eval_every_steps=3",
                  "optimizer.warmup_steps=0"]
-    train(compose(overrides, run_dir=tmp_path / "straight"))
-    with monkeypatch.context() as patch:
-        stop_at(patch, 3)
-        with pytest.raises(Preempted):
-            train(compose(overrides, run_dir=tmp_path / "resumed"))
-    capsys.readouterr()
-    train(compose(overrides, run_dir=tmp_path / "resumed"))
-    assert "from its checkpoint at step 3" in capsys.readouterr().out
-    assert metrics_of(tmp_path / "resumed") == metrics_of(tmp_path / "straight")
+    assert_resumes_as_never_stopped(overrides, tmp_path, monkeypatch, capsys, stop_step=3)
 
 
 TWO_PROCESSES = """
