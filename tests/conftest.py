@@ -574,6 +574,45 @@ def assert_resumes_as_never_stopped(overrides: list[str], tmp_path: Path, monkey
     assert metrics_of(tmp_path / "resumed") == metrics_of(tmp_path / "straight")
 
 
+# --- two processes joined by jax.distributed ------------------------------------------------------
+
+# What a script run by `in_two_processes` starts with: 4 CPU devices in each process, joined
+# over gloo into one mesh of 8 (sys.argv: its process id, the coordinator's address).
+TWO_PROCESSES_JOINED = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(sys.argv[2], num_processes=2, process_id=int(sys.argv[1]))
+"""
+
+
+def in_two_processes(body: str, tmp_path: Path, timeout: float = 120) -> None:
+    """Run `body` (Python, after TWO_PROCESSES_JOINED) in two processes; each must end well,
+    having printed "process <its index> ok"."""
+    import socket
+    import subprocess
+
+    script = tmp_path / "two_processes.py"
+    script.write_text(TWO_PROCESSES_JOINED + body)
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        address = f"localhost:{sock.getsockname()[1]}"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    workers = [subprocess.Popen([sys.executable, str(script), str(i), address], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for i in range(2)]
+    try:
+        outputs = [worker.communicate(timeout=timeout)[0] for worker in workers]
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+    for i, (worker, output) in enumerate(zip(workers, outputs)):
+        assert worker.returncode == 0 and f"process {i} ok" in output, output[-3000:]
+
+
 CHECKPOINT_LOADER = {"kind": "blocks", "epoch": 1, "step_in_epoch": 3, "seed": 0}
 
 

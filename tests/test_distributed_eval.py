@@ -7,16 +7,13 @@ from __future__ import annotations
 import functools
 import json
 import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import in_memory_dataset
+from conftest import in_memory_dataset, in_two_processes
 from numerics import approx, assert_close
 
 from flaxlm.config import Padding
@@ -269,12 +266,6 @@ def test_write_predictions(tmp_path):
 
 TWO_PROCESS_SCRIPT = textwrap.dedent(
     """
-    import os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(sys.argv[2], num_processes=2, process_id=int(sys.argv[1]))
     import grain
     import numpy as np
     from flaxlm.config import Padding
@@ -309,31 +300,7 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_gather_every_example_once_in_order(tmp_path):
     """Real multi-host: two processes of 4 CPU devices each, one 8-device mesh (gloo)."""
-    script = tmp_path / "two_processes.py"
-    script.write_text(TWO_PROCESS_SCRIPT)
-    address = f"localhost:{free_port()}"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    workers = [
-        subprocess.Popen([sys.executable, str(script), str(i), address], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(2)
-    ]
-    outputs = []
-    for worker in workers:
-        try:
-            outputs.append(worker.communicate(timeout=120)[0])
-        except subprocess.TimeoutExpired:
-            for other in workers:
-                other.kill()
-            raise
-    for i, (worker, output) in enumerate(zip(workers, outputs)):
-        assert worker.returncode == 0 and f"process {i} ok" in output, output[-3000:]
+    in_two_processes(TWO_PROCESS_SCRIPT, tmp_path)

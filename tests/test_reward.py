@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import compose, config_node, trained_run
+from conftest import compose, config_node, in_two_processes, trained_run
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -305,12 +305,6 @@ def test_a_stopped_run_resumes_to_the_same_metrics(tmp_path, tmp_path_factory, m
 
 
 TWO_PROCESSES = """
-import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-os.environ["JAX_PLATFORMS"] = "cpu"
-import jax
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(sys.argv[2], num_processes=2, process_id=int(sys.argv[1]))
 import numpy as np
 from flaxlm.data.documents import INPUT_IDS
 from flaxlm.parallel import make_mesh
@@ -334,24 +328,4 @@ jax.distributed.shutdown()
 def test_two_processes_score_every_held_out_pair_once_in_order(tmp_path):
     """Two processes of 4 CPU devices, one 8-device mesh: each gets every pair's scores, each
     pair once, in order, whatever the batch."""
-    import socket
-    import subprocess
-    import sys
-
-    script = tmp_path / "two_processes.py"
-    script.write_text(TWO_PROCESSES)
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
-        address = f"localhost:{sock.getsockname()[1]}"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    workers = [subprocess.Popen([sys.executable, str(script), str(i), address], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-               for i in range(2)]
-    try:
-        outputs = [worker.communicate(timeout=120)[0] for worker in workers]
-    finally:
-        for worker in workers:
-            if worker.poll() is None:
-                worker.kill()
-    for i, (worker, output) in enumerate(zip(workers, outputs)):
-        assert worker.returncode == 0 and f"process {i} ok" in output, output[-3000:]
+    in_two_processes(TWO_PROCESSES, tmp_path)

@@ -108,6 +108,21 @@ def launch(train_cli, tmp_path, *args, command=None, slice_name="two"):
                      f"hydra.sweep.dir={tmp_path / 'sweep'}", *args, cwd=tmp_path)
 
 
+def on_two_workers(train_cli, tmp_path, run: list[str]):
+    """flaxlm-train `run` on the stand-in slice's two workers, 2 CPU devices each, joined by
+    jax.distributed: its result (worker 0's output) once it ended well, and the folder of the
+    workers' logs."""
+    result = launch(train_cli, tmp_path, *run, "hardware.cpu_devices=2",
+                    "hardware.num_devices=null", "hardware.distributed.mode=explicit",
+                    f"hardware.distributed.coordinator_address=localhost:{free_port()}",
+                    "hardware.distributed.timeout_s=120",
+                    command=f"{sys.executable} -m flaxlm.cli.train")
+    logs = tmp_path / "sweep" / ".tpu-vm" / "0"
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:],
+                                    (logs / "worker-1.log").read_text()[-3000:])
+    return result, logs
+
+
 def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
@@ -251,14 +266,7 @@ def test_a_two_worker_slice_trains_joined_by_jax_distributed_with_worker_0s_outp
     run = [*TINY, "hardware.per_device_batch_size=2", "trainer.max_steps=4", "optimizer=sgd",
            "optimizer.lr=1e-2", "language.max_train_docs=8", "language.max_eval_docs=2",
            "trainer.log_every_steps=2"]
-    result = launch(train_cli, tmp_path, *run, "hardware.cpu_devices=2",
-                    "hardware.num_devices=null", "hardware.distributed.mode=explicit",
-                    f"hardware.distributed.coordinator_address=localhost:{free_port()}",
-                    "hardware.distributed.timeout_s=120",
-                    command=f"{sys.executable} -m flaxlm.cli.train")
-    logs = tmp_path / "sweep" / ".tpu-vm" / "0"
-    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:],
-                                    (logs / "worker-1.log").read_text()[-3000:])
+    result, logs = on_two_workers(train_cli, tmp_path, run)
     assert "flaxlm: process 0 of 2 joined" in result.stdout
     assert "flaxlm: process 1 of 2 joined" in (logs / "worker-1.log").read_text()
     assert "flaxlm: done in" in result.stdout  # worker 0's summary, streamed
@@ -293,14 +301,7 @@ def test_a_two_worker_slice_sharing_only_the_bucket_trains_into_it_and_is_report
     run = [*TINY, "hardware.per_device_batch_size=2", "trainer.max_steps=4", "optimizer=sgd",
            "language.max_train_docs=8", "language.max_eval_docs=2", "trainer.log_every_steps=2",
            f"output_url={url}"]
-    result = launch(train_cli, tmp_path, *run, "hardware.cpu_devices=2",
-                    "hardware.num_devices=null", "hardware.distributed.mode=explicit",
-                    f"hardware.distributed.coordinator_address=localhost:{free_port()}",
-                    "hardware.distributed.timeout_s=120",
-                    command=f"{sys.executable} -m flaxlm.cli.train")
-    logs = tmp_path / "sweep" / ".tpu-vm" / "0"
-    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:],
-                                    (logs / "worker-1.log").read_text()[-3000:])
+    on_two_workers(train_cli, tmp_path, run)
     assert not (tmp_path / "sweep" / "0").exists()  # nothing of the run on the launcher's disk
     assert not (tmp_path / "worker-1" / "0" / "metrics.jsonl").exists()  # process 0's files
     assert finalised_steps(f"{url}/checkpoints") == [4]
