@@ -95,6 +95,29 @@ def test_a_run_that_does_not_fit_names_the_recipes_and_fit_plans_the_first_that_
 
 
 @pytest.mark.slow
+def test_fit_leaves_out_the_recipes_costing_time_that_a_later_one_made_unneeded(tmp_path):
+    """As llama-1b on one v5e chip: with float32 AdamW remat does not fit the step, bfloat16
+    moments fit it without remat. --fit climbs the ladder to the loss in chunks, remat and
+    bfloat16 moments, then plans bfloat16 moments alone: the same loss, none of the time."""
+    with_remat = aot.plan(compose([*SHORT, "trainer.loss_chunk_size=512", "model.remat=block"]))
+    both = aot.plan(compose([*SHORT, "trainer.loss_chunk_size=512", "model.remat=block",
+                             "optimizer.moment_dtype=bfloat16"]))
+    alone = aot.plan(compose([*SHORT, "optimizer.moment_dtype=bfloat16"]))
+    assert alone.peak_bytes <= both.peak_bytes < with_remat.peak_bytes
+    chip = [gib((both.peak_bytes + with_remat.peak_bytes) / 2)]
+
+    path = tmp_path / "plan.json"
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert plan_cli.run([*SHORT, *chip, "--fit", "--json", str(path)]) == 0
+    assert ("flaxlm: fits with optimizer.moment_dtype=bfloat16: "
+            in out.getvalue()), out.getvalue()
+    assert "not needed with it: trainer.loss_chunk_size=512 model.remat=block" in out.getvalue()
+    chosen = json.loads(path.read_text())
+    assert chosen["recipe"] == ["optimizer.moment_dtype=bfloat16"]
+    assert chosen["peak_bytes"] == alone.peak_bytes
+
+
+@pytest.mark.slow
 def test_fit_says_so_when_no_recipe_fits(capsys):
     """A chip smaller than any rung's state: nothing is compiled beyond the run itself."""
     base = [*SHORT, "model.remat=full", "hardware.per_device_batch_size=1",

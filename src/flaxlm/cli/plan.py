@@ -14,7 +14,8 @@ and MFU it projects, and the compile time (docs/planning.md says what each figur
 
 A run that does not fit gets the memory recipes (remat, bfloat16 moments, adafactor, bfloat16
 parameters, smaller micro-batches) in the order of what they cost in quality, each with the
-per-chip state it leaves; `--fit` compiles them in that order and plans the first that fits.
+per-chip state it leaves; `--fit` compiles them in that order and plans the first that fits,
+less the recipes costing only time (remat, the loss in chunks) that a later one made unneeded.
 
 Exit status: 0 the run fits (or the chip's memory is unknown; with --fit: it or a recipe
 fits, the recipe's overrides printed); 2 it does not (one paragraph naming what to change),
@@ -100,12 +101,36 @@ def _fit(args, ladder, problem: str) -> int:
         if planned.fits is False:
             tried.append(f"{recipe} ({aot.gib(planned.peak_bytes)})")
             continue
-        _print(planned, args.json, recipe=step.overrides)
-        print(f"flaxlm: fits with {recipe}: {aot.gib(planned.peak_bytes)} of "
-              f"{aot.gib(planned.hbm_bytes)} per chip ({step.cost})")
+        overrides, planned = _without_unneeded(args, step, planned)
+        dropped = [o for o in step.overrides if o not in overrides]
+        _print(planned, args.json, recipe=overrides)
+        print(f"flaxlm: fits with {' '.join(overrides)}: {aot.gib(planned.peak_bytes)} of "
+              f"{aot.gib(planned.hbm_bytes)} per chip ({step.cost})"
+              + (f"; not needed with it: {' '.join(dropped)}" if dropped else ""))
         return 0
     raise FlaxlmError(f"{problem} No memory recipe fits either: "
                       + "; ".join(tried or ["none applies"]) + ".")
+
+
+def _without_unneeded(args, step, planned):
+    """The fitting rung `step` (planned: `planned`) without the recipes before it that cost
+    only time and that it made unneeded: each tried without, the last added first, and left
+    out where the step still fits. Its overrides and their plan."""
+    from flaxlm import aot
+    from flaxlm.training.memory import TIME_ONLY_SETTINGS
+
+    kept = list(step.overrides)
+    for recipe in reversed([o for o in step.overrides if o not in step.added
+                            and o.split("=", 1)[0] in TIME_ONLY_SETTINGS]):
+        trial = [o for o in kept if o != recipe]
+        print(f"flaxlm: planning without {recipe}", flush=True)
+        try:
+            candidate = aot.plan(compose(aot.override(args.overrides, trial)))
+        except aot.DoesNotFit:
+            continue
+        if candidate.fits is not False:
+            kept, planned = trial, candidate
+    return tuple(kept), planned
 
 
 def _print(planned, json_path: str | None, recipe: Sequence[str] = ()) -> None:
