@@ -19,12 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from tqdm.auto import tqdm
 
 from flaxlm.config import ModelConfig, TrainConfig
 from flaxlm.data.chat_packing import chat_rows
 from flaxlm.data.documents import INPUT_IDS
-from flaxlm.data.loader import eval_batches, num_eval_batches
 from flaxlm.errors import FlaxlmError
 from flaxlm.models import build, hf, lora
 from flaxlm.parallel import batch_sharded, traced_on
@@ -37,11 +35,9 @@ from flaxlm.tasks.language_model import (
 )
 from flaxlm.tasks.pairs import PairData, pair_data
 from flaxlm.tasks.pipeline import Network, Run, Task
-from flaxlm.training.evaluation import gather_rows
-from flaxlm.training.inflight import ready_in_order
-from flaxlm.training.progress import progress_file
+from flaxlm.training.evaluation import predict_rows
 from flaxlm.training.step import CompiledSteps, compile_train_step
-from flaxlm.training.stop import StopRequest, unless_stopped
+from flaxlm.training.stop import StopRequest
 
 EVAL_METRICS = ("eval/loss", "eval/accuracy", "eval/margin")
 NO_DATA = (
@@ -195,21 +191,10 @@ def compile_reward_steps(mesh: Mesh, graphdef, tx, schedule, *, pad_id: int,
 def held_out_scores(score, input_ids: np.ndarray, global_batch_size: int, mesh: Mesh,
                     stop: StopRequest | None = None) -> np.ndarray:
     """The scores (pairs, 2) of every pair of `input_ids` (pairs, 2, L) exactly once, in order,
-    on every process: `score(batch)` over eval batches whose last is filled with masked rows,
-    each batch gathered from every process and its filler rows dropped."""
-    num_pairs = len(input_ids)
+    on every process (`predict_rows`)."""
     gather = chat_rows({INPUT_IDS: input_ids}, global_batch_size, mesh)
-    batches = eval_batches(num_pairs, global_batch_size, mesh, gather)
-    dispatched = ((score(batch), mask) for batch, mask in batches)
-    total = num_eval_batches(num_pairs, global_batch_size)
-    parts = [gather_rows(scores)[gather_rows(mask).astype(bool)]
-             for scores, mask in tqdm(unless_stopped(ready_in_order(dispatched), stop, total),
-                                      total=total, desc="eval", leave=False,
-                                      file=progress_file())]
-    scores_Nx2 = np.concatenate(parts) if parts else np.zeros((0, 2), np.float32)
-    if len(scores_Nx2) != num_pairs:  # what the masks exist to guarantee
-        raise AssertionError(f"evaluation scored {len(scores_Nx2)} pairs of {num_pairs}")
-    return scores_Nx2
+    return predict_rows(score, len(input_ids), gather, global_batch_size, mesh, stop,
+                        progress="eval")
 
 
 def reward_metrics(scores_Nx2: np.ndarray) -> dict[str, float]:

@@ -198,23 +198,34 @@ def predict(
     stop: StopRequest | None = None,
 ) -> np.ndarray:
     """The model outputs (N, C) for the N examples of `arrays`, in dataset order, on every
-    process. A requested `stop` cuts it short (`EvaluationCut`).
+    process. A requested `stop` cuts it short (`EvaluationCut`)."""
+    num_examples = len(arrays["labels"])
+    return predict_rows(apply_fn, num_examples,
+                        example_rows(arrays, global_batch_size, mesh, padding),
+                        global_batch_size, mesh, stop)
+
+
+def predict_rows(apply_fn: Callable[[dict[str, jax.Array]], jax.Array], num_rows: int,
+                 gather: RowGather, global_batch_size: int, mesh: Mesh,
+                 stop: StopRequest | None = None, progress: str | None = None) -> np.ndarray:
+    """`apply_fn`'s outputs (N, C) for rows 0..num_rows-1 (`gather` builds them: classified
+    examples, preference pairs), each row once, in order, on every process; the last batch's
+    filler rows dropped by its mask. With `progress`, a progress bar of that name.
 
     Batch b is fetched once batch b+1 is dispatched, so the host builds the next batch while
     the devices run one, and only a couple of programs are ever queued (see `inflight`).
     """
-    num_examples = len(arrays["labels"])
-    gather = example_rows(arrays, global_batch_size, mesh, padding)
-    batches = eval_batches(num_examples, global_batch_size, mesh, gather)
+    batches = eval_batches(num_rows, global_batch_size, mesh, gather)
     dispatched = ((apply_fn(batch), mask) for batch, mask in batches)
-    total = num_eval_batches(num_examples, global_batch_size)
-    outputs = [_real_rows(gather_rows(out), gather_rows(mask))
-               for out, mask in unless_stopped(ready_in_order(dispatched), stop, total)]
+    total = num_eval_batches(num_rows, global_batch_size)
+    ready = unless_stopped(ready_in_order(dispatched), stop, total)
+    if progress:
+        ready = tqdm(ready, total=total, desc=progress, leave=False, file=progress_file())
+    outputs = [_real_rows(gather_rows(out), gather_rows(mask)) for out, mask in ready]
     outputs_NxC = np.concatenate(outputs) if outputs else np.zeros((0, 1), np.float32)
-    if len(outputs_NxC) != num_examples:  # the one thing this module exists to guarantee
-        raise AssertionError(
-            f"evaluation produced {len(outputs_NxC)} predictions for {num_examples} examples"
-        )
+    if len(outputs_NxC) != num_rows:  # the one thing this module exists to guarantee
+        raise AssertionError(f"evaluation produced {len(outputs_NxC)} outputs for {num_rows} "
+                             "rows")
     return outputs_NxC
 
 

@@ -28,7 +28,7 @@ from flaxlm.data.loader import eval_batches, num_eval_batches
 from flaxlm.data.preferences import REFERENCE_LOGPS
 from flaxlm.models import lora
 from flaxlm.parallel import batch_sharded, replicated, traced_on
-from flaxlm.training.evaluation import gather_rows
+from flaxlm.training.evaluation import predict_rows
 from flaxlm.training.inflight import ready_in_order
 from flaxlm.training.progress import progress_file
 from flaxlm.training.step import (
@@ -122,11 +122,8 @@ def reference_logps(params, graphdef, arrays: dict[str, np.ndarray], global_batc
     step = jax.jit(traced_on(mesh, logps), in_shardings=(None, batch_sharded(mesh)),
                    out_shardings=batch_sharded(mesh))
     gather = chat_rows({key: arrays[key] for key in CHAT_KEYS}, global_batch_size, mesh)
-    batches = eval_batches(len(arrays[INPUT_IDS]), global_batch_size, mesh, gather)
-    dispatched = ((step(params, batch), mask) for batch, mask in batches)
-    parts = [gather_rows(out)[gather_rows(mask).astype(bool)]
-             for out, mask in ready_in_order(dispatched)]
-    return np.concatenate(parts).astype(np.float32) if parts else np.zeros((0, 2), np.float32)
+    return predict_rows(lambda batch: step(params, batch), len(arrays[INPUT_IDS]), gather,
+                        global_batch_size, mesh).astype(np.float32)
 
 
 @dataclasses.dataclass
