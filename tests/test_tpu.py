@@ -138,3 +138,28 @@ def test_generation_with_the_kv_cache_on_the_chip_equals_recomputing_the_prefix(
                 ids.append(int(jnp.argmax(full(model, jnp.asarray(padded))[0, len(ids) - 1])))
             assert tokens == ids[len(prompt):]
     assert len({tuple(tokens) for tokens in cached}) == len(prompts)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_remat_block_keeps_the_kernels_residuals_and_gives_the_gradients_of_no_remat(
+        scan_layers):
+    """model.remat=block keeps what the splash kernel hands its backward pass (named
+    KERNEL_RESIDUALS) instead of running the kernel again: the same gradients as without
+    remat, up to bfloat16's rounding of what it recomputes (2⁻⁸ per element; a dropped
+    residual or a wrong policy is off by order one)."""
+    def grads(remat):
+        settings_ = config_node("model", ["model=llama-tiny"], num_layers=2, hidden_size=256,
+                                num_heads=4, num_kv_heads=2, mlp_size=512, vocab_size=512,
+                                max_positions=1024, attention="splash", remat=remat,
+                                scan_layers=scan_layers)
+        model = LlamaForCausalLM(TransformerSpec(settings_, jnp.bfloat16, jnp.float32),
+                                 nnx.Rngs(params=0))
+        ids = jax.random.randint(jax.random.key(1), (2, 1024), 0, 512)
+
+        def loss(model):
+            logits = model(ids).astype(jnp.float32)
+            return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 0])
+        return jax.tree.leaves(nnx.jit(nnx.grad(loss))(model))
+
+    for block, none in zip(grads("block"), grads("none"), strict=True):
+        assert relative_error(block, none) < 2**-7

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from flaxlm.config import AttentionBackend
@@ -310,6 +311,11 @@ def reference_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, mask=None, is_causal: b
 # ------------------------------------------------------------------------------ splash
 
 
+# The name the splash kernel gives what its backward pass reads (its output and the softmax's
+# log-sum-exp per query), for a remat policy to keep (flaxlm.models.layers, model.remat=block).
+KERNEL_RESIDUALS = "attention_kernel_residuals"
+
+
 def splash_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal: bool,
                      segment_ids_BxL: jax.Array | None) -> jax.Array:
     """The splash kernel over a batch. Inside a step traced on a device mesh it runs per
@@ -329,7 +335,11 @@ def splash_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal: bool,
         rows = None if segments is None else PartitionSpec(BATCH_AXES)
         run = jax.shard_map(run, mesh=mesh, in_specs=(qkv, qkv, qkv, rows), out_specs=qkv,
                             check_vma=False)
-    out_BxNxLxH = run(q_BxNxLxH, k_BxGxKxH, v_BxGxKxH, segments)
+    # Named as the kernel names its residuals: the output is also what the next matmul's
+    # backward reads, and a remat policy that kept only the residuals' copy would run the
+    # kernel's forward again for it.
+    out_BxNxLxH = checkpoint_name(run(q_BxNxLxH, k_BxGxKxH, v_BxGxKxH, segments),
+                                  KERNEL_RESIDUALS)
     return jnp.swapaxes(out_BxNxLxH, 1, 2)
 
 
@@ -359,6 +369,7 @@ def _splash_rows(q_BxNxLxH, k_BxGxKxH, v_BxGxKxH, segment_ids_BxL, *, is_causal:
     # 2048 tokens with heads of 64 (docs/benchmarks.md, "MFU on one TPU v5e chip").
     kernel = splash.make_splash_mha(
         splash.MultiHeadMask([head_mask] * N), head_shards=1, q_seq_shards=1,
+        residual_checkpoint_name=KERNEL_RESIDUALS,
         block_sizes=splash.BlockSizes(
             block_q=block, block_kv=kv_block, block_kv_compute=kv_block,
             block_q_dkv=block, block_kv_dkv=kv_block, block_kv_dkv_compute=kv_block,

@@ -25,7 +25,7 @@ from jax import lax
 
 from flaxlm.config import AttentionBackend, ModelConfig, Remat
 from flaxlm.models import lora
-from flaxlm.models.attention import attention
+from flaxlm.models.attention import KERNEL_RESIDUALS, attention
 from flaxlm.parallel import constrain_batch
 
 ACTIVATIONS = {
@@ -135,11 +135,17 @@ def layer_norm(spec: TransformerSpec, rngs: nnx.Rngs) -> nnx.LayerNorm:
 
 
 # What the backward pass may keep from a block's forward pass, by model.remat: `block` keeps
-# the matmul outputs without a batch dimension, the projections (recomputing norms,
-# activations and attention, which are cheap per byte), `full` keeps nothing but the block's
-# input. `dots_saveable` also keeps attention's batched matmuls, its L × L scores per head.
+# the matmul outputs without a batch dimension (the projections) and what the splash kernel
+# hands its backward pass (its output and softmax statistics, named KERNEL_RESIDUALS: a few
+# bytes per query, where recomputing them runs the kernel's forward again, about a tenth of
+# smollm-135m's step on a TPU v5e), recomputing norms, activations and attention's XLA path,
+# which are cheap per byte;
+# `full` keeps nothing but the block's input. `dots_saveable` also keeps attention's batched
+# matmuls, its L × L scores per head.
 _REMAT_POLICIES = {
-    Remat.block: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    Remat.block: jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(KERNEL_RESIDUALS)),
     Remat.dots_with_no_batch_dims_saveable:
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     Remat.dots_saveable: jax.checkpoint_policies.dots_saveable,
