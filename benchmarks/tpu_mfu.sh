@@ -28,13 +28,16 @@ LLAMA1B=(model=llama-1b hardware=tpu --seq 2048 --rounds 1 --warmup 2 --steps 10
 first_steps() {  # STAGE ARGS...: flaxlm-train ARGS for one step, twice with one cache: the
   # wall time from the process's start to its first training step, cold and warm
   local stage=$1; shift
-  local cache=/tmp/first-step-cache label started
+  local cache=/tmp/first-step-cache label started profile
   rm -rf "$cache"
   for label in cold warm; do
+    # The warm run under cProfile: where a start that compiles nothing spends its time.
+    profile=()
+    [ "$label" = warm ] && profile=(-m cProfile -o "/tmp/$stage.prof")
     started=$(date +%s.%N)
     FLAXLM_CACHE=$cache JAX_COMPILATION_CACHE_DIR= timeout "$TIMEOUT" python3 -u \
-      -m flaxlm.cli.train logger=none trainer.max_steps=1 trainer.eval_before_training=false \
-      trainer.eval_every_steps=null language.max_eval_docs=8 samples.prompts=[] \
+      "${profile[@]}" -m flaxlm.cli.train logger=none trainer.max_steps=1 \
+      trainer.eval_before_training=false trainer.eval_every_steps=null language.max_eval_docs=8 samples.prompts=[] \
       "run_dir=/tmp/runs/$stage-$label" "$@" > "$OUT/$stage-$label.log" 2>&1
     python3 - "$stage $label" "/tmp/runs/$stage-$label" "$started" <<'PY' | tee -a "$OUT/$stage.log"
 import json, sys
@@ -47,6 +50,8 @@ except (OSError, StopIteration) as err:
     print(f"{name}: no training step ({err})")
 PY
   done
+  python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative')\
+.print_stats(45)" "/tmp/$stage.prof" > "$OUT/$stage-warm.startup.txt" 2>&1
 }
 
 step() {  # STAGE ARGS...: benchmarks/train_step.py with ARGS, profiled into OUT/STAGE
@@ -86,6 +91,23 @@ for stage in "$@"; do
     # flaxlm-plan: 4 rows without remat fit in 14.16 GiB (loss in chunks of 512).
     qwen-none-4) step "$stage" "${QWEN[@]}" --batch 4 model.attention=splash \
                    trainer.loss_chunk_size=512 --only flaxlm ;;
+    # hardware=tpu with nothing more: rows by hardware.tokens_per_device, the loss chunked
+    # where the whole logits would be large (trainer.loss_chunk_size's default).
+    smollm-default) step "$stage" model=smollm-135m hardware=tpu task.max_seq_length=2048 \
+                      --seq 2048 --rounds 1 --warmup 2 --steps 10 --only flaxlm ;;
+    qwen-default) step "$stage" model=qwen2.5-0.5b hardware=tpu task.max_seq_length=2048 \
+                    --seq 2048 --rounds 1 --warmup 2 --steps 10 --only flaxlm ;;
+    # The loss in larger chunks: fewer trips through its loop (14.78 GiB in flaxlm-plan).
+    qwen-none-4-chunks-1024) step "$stage" "${QWEN[@]}" --batch 4 model.attention=splash \
+                               trainer.loss_chunk_size=1024 --only flaxlm ;;
+    qwen-none-4-chunks-256) step "$stage" "${QWEN[@]}" --batch 4 model.attention=splash \
+                              trainer.loss_chunk_size=256 --only flaxlm ;;
+    qwen-bf16-moments-5) step "$stage" "${QWEN[@]}" --batch 5 model.attention=splash \
+                           optimizer.moment_dtype=bfloat16 trainer.loss_chunk_size=512 \
+                           --only flaxlm ;;
+    qwen-bf16-moments-4-chunks-2048) step "$stage" "${QWEN[@]}" --batch 4 \
+                                       model.attention=splash optimizer.moment_dtype=bfloat16 \
+                                       trainer.loss_chunk_size=2048 --only flaxlm ;;
     llama1b-bf16-moments-2) step "$stage" "${LLAMA1B[@]}" --batch 2 model.attention=splash \
                               optimizer.moment_dtype=bfloat16 trainer.loss_chunk_size=512 \
                               --only flaxlm ;;

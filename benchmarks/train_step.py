@@ -219,7 +219,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=gpt2")
     parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=8, help="global batch")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="global batch (default 8; with hardware=tpu, one chip's rows by "
+                             "hardware.tokens_per_device: what flaxlm-train would run)")
     parser.add_argument("--vocab", type=int, default=None, help="override model.vocab_size")
     harness.add_arguments(parser)
     parser.add_argument("--quickstart", action="store_true")
@@ -229,6 +231,9 @@ def main() -> None:
     if args.vocab:
         overrides.append(f"model.vocab_size={args.vocab}")
     config = compose(overrides)
+    if args.batch is None:
+        args.batch = 8 if config.hardware.tokens_per_device is None else (
+            config.hardware.per_device_batch_size)
     tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (args.batch, args.seq))
     if args.worker:
         run_worker(args.worker, config, tokens, args)

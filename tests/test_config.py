@@ -15,6 +15,8 @@ from conftest import CONF_DIR, compose
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from hypothesis import given
+from hypothesis import strategies as st
 from omegaconf import MISSING, OmegaConf, open_dict
 
 from flaxlm.config import (
@@ -24,6 +26,7 @@ from flaxlm.config import (
     dotted,
     register_configs,
     renamed_keys,
+    rows_per_device,
     upgrade_saved_config,
 )
 from flaxlm.errors import FlaxlmError
@@ -433,3 +436,49 @@ def test_experiment_presets_state_only_what_they_change(option):
     values, _ = option_yaml("experiment", option)
     repeated = [".".join(path) for path, value in leaves(values) if lookup(base, path) == value]
     assert repeated == [], f"experiment/{option}.yaml repeats values it does not change"
+
+
+def test_hardware_tpu_caps_a_causal_lms_rows_by_tokens_and_keeps_other_tasks_rows():
+    """Issue 44: hardware=tpu's 16 rows per chip of 2048 tokens fit no model measured on a v5e
+    chip. A causal LM's micro-batch now holds at most hardware.tokens_per_device tokens (8,192:
+    smollm-135m's and qwen2.5-0.5b's fastest), fewer rows where its blocks are long; short
+    blocks keep the 16 rows (the quickstart on a TPU is unchanged). A row count given wins."""
+    def rows(*overrides):
+        return OmegaConf.to_object(compose(["hardware=tpu", *overrides])).hardware
+    assert rows("model=smollm-135m", "task.max_seq_length=2048").per_device_batch_size == 4
+    assert rows("model=smollm-135m", "task.max_seq_length=512").per_device_batch_size == 16
+    assert rows().per_device_batch_size == 16  # the quickstart's blocks of 256
+    assert rows("model=smollm-135m", "task.max_seq_length=16384").per_device_batch_size == 1
+    assert rows("model=gpt2").per_device_batch_size == 8  # null: the model's 1024 positions
+    assert rows("hardware.tokens_per_device=4096", "model=smollm-135m",
+                "task.max_seq_length=2048").per_device_batch_size == 2
+    assert rows("model=smollm-135m", "hardware.per_device_batch_size=3").per_device_batch_size == 3
+    assert rows("task=classify", "model=bert-tiny").per_device_batch_size == 16
+    assert rows("hardware=tpu-v5e-8", "model=smollm-135m").per_device_batch_size == 4
+    cpu = OmegaConf.to_object(compose(["hardware=cpu"])).hardware
+    assert cpu.tokens_per_device is None and cpu.per_device_batch_size == 4
+
+
+@given(tokens=st.integers(1, 1 << 20), length=st.integers(1, 1 << 16), most=st.integers(1, 64))
+def test_rows_per_device_are_the_most_within_the_tokens_at_least_one(tokens, length, most):
+    rows = rows_per_device(tokens, most, "clm", length, 1 << 20)
+    assert 1 <= rows <= most and (rows * length <= tokens or rows == 1)
+    assert rows == most or (rows + 1) * length > tokens
+    assert rows_per_device(tokens, most, "classify", length, 1 << 20) == most
+    assert rows_per_device(None, most, "clm", length, 1 << 20) == most
+
+
+def test_on_a_tpu_the_loss_is_chunked_by_default_only_where_the_whole_logits_are_large():
+    """trainer.loss_chunk_size defaults to 512 where a micro-batch's float32 logits would
+    exceed hardware.max_whole_logits_gib (2 GiB on TPUs): qwen2.5-0.5b's 4 rows of 2048 (4.6
+    GiB over 151,936 tokens) fit a v5e chip only so, while smollm-135m's (1.5 GiB) run faster
+    whole. Elsewhere, and when set, it is what it was."""
+    def chunk(*overrides):
+        return OmegaConf.to_object(compose([*overrides])).trainer.loss_chunk_size
+    assert chunk("hardware=tpu", "model=qwen2.5-0.5b", "task.max_seq_length=2048") == 512
+    assert chunk("hardware=tpu", "model=smollm-135m", "task.max_seq_length=2048") is None
+    assert chunk("hardware=tpu", "model=qwen2.5-0.5b", "task.max_seq_length=2048",
+                 "trainer.loss_chunk_size=null") is None
+    assert chunk("hardware=tpu", "model=smollm-135m", "trainer.loss_chunk_size=1024") == 1024
+    assert chunk("hardware=cpu", "model=qwen2.5-0.5b", "task.max_seq_length=2048") is None
+    assert chunk() is None  # the quickstart

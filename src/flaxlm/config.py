@@ -108,7 +108,8 @@ class Remat(str, enum.Enum):
     """What the backward pass recomputes instead of keeping from the forward pass."""
 
     none = "none"  # keep every activation: fastest, most memory
-    block = "block"  # per block: keep its input and matmul outputs; recompute the rest
+    block = "block"  # per block: keep its input, matmul outputs and the splash kernel's
+    # output and softmax statistics; recompute the rest (norms, activations, XLA attention)
     full = "full"  # per block: keep only its input; recompute everything, matmuls included
     # jax.checkpoint_policies by name, applied per block (docs/models.md weighs them):
     nothing_saveable = "nothing_saveable"  # = full
@@ -306,6 +307,13 @@ class HardwareConfig:
     cpu_devices: Optional[int] = None
     num_devices: Optional[int] = None  # devices in the data mesh; null → all JAX devices
     per_device_batch_size: int = MISSING
+    # A causal LM's micro-batch holds at most this many tokens per device: fewer rows where
+    # its blocks are long, at least one (conf/hardware/tpu.yaml's per_device_batch_size reads
+    # it through rows_per_device); null → per_device_batch_size's rows whatever the length.
+    tokens_per_device: Optional[int] = None
+    # trainer.loss_chunk_size's default: chunks of LOSS_CHUNK positions where a micro-batch's
+    # whole float32 logits would need more than this per device; null → whole.
+    max_whole_logits_gib: Optional[float] = None
     per_device_eval_batch_size: Optional[int] = None  # null → per_device_batch_size
     compute_dtype: str = MISSING  # activations and matmuls
     # Parameters and optimizer state: float32 master weights, or bfloat16 for half the memory
@@ -674,10 +682,38 @@ def _node(tree: dict, path: list[str], create: bool = False):
 
 def register_configs() -> None:
     """Make the schema known to Hydra as `train_schema`, the first entry of conf/train.yaml's
-    defaults list: every group file and override is then merged onto a typed node."""
+    defaults list: every group file and override is then merged onto a typed node; and the
+    resolvers the config files call."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    OmegaConf.register_new_resolver("rows_per_device", rows_per_device, replace=True)
+    OmegaConf.register_new_resolver("loss_chunk_size", loss_chunk_size, replace=True)
+
+
+def rows_per_device(tokens: int | None, rows: int, task: str, max_seq_length: int | None,
+                    max_positions: int) -> int:
+    """`rows` per device, fewer for task=clm where they would hold more than `tokens` (its
+    rows are packed blocks of task.max_seq_length tokens; null: the model's context), at
+    least one; `rows` for any other task (padded rows of varying use) or without `tokens`."""
+    if tokens is None or task != "clm":
+        return rows
+    return max(1, min(rows, tokens // (max_seq_length or max_positions)))
+
+
+LOSS_CHUNK = 512  # positions per chunk of the LM loss when it is chunked by default
+
+
+def loss_chunk_size(max_whole_gib: float | None, rows: int, max_seq_length: int | None,
+                    max_positions: int, vocab_size: int) -> int | None:
+    """trainer.loss_chunk_size's default: LOSS_CHUNK where `rows` rows of the task's length
+    would hold more than `max_whole_gib` of float32 logits (the LM loss's input, and its
+    gradient's), None (whole) otherwise or without a limit."""
+    if max_whole_gib is None:
+        return None
+    logits_bytes = rows * (max_seq_length or max_positions) * vocab_size * 4
+    return LOSS_CHUNK if logits_bytes > max_whole_gib * 2**30 else None
 
 
 def dotted(tree: dict, prefix: str = "") -> dict:
