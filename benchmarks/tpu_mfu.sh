@@ -98,6 +98,12 @@ for stage in "$@"; do
                       --seq 2048 --rounds 1 --warmup 2 --steps 10 --only flaxlm ;;
     qwen-default) step "$stage" model=qwen2.5-0.5b hardware=tpu task.max_seq_length=2048 \
                     --seq 2048 --rounds 1 --warmup 2 --steps 10 --only flaxlm ;;
+    # llama-1b as hardware=tpu gives it once the two settings it needs are added: bfloat16
+    # moments, 2 rows (the loss whole: 1.96 GiB of logits, under the 2 GiB that chunks it).
+    llama1b-default-bf16-moments-2) step "$stage" model=llama-1b hardware=tpu \
+                                      task.max_seq_length=2048 optimizer.moment_dtype=bfloat16 \
+                                      hardware.per_device_batch_size=2 --seq 2048 --rounds 1 \
+                                      --warmup 2 --steps 10 --only flaxlm ;;
     # The loss in other chunks: fewer or more trips through its loop (1024: 14.78 GiB in
     # flaxlm-plan). Both were slower than 512 on the chip.
     qwen-none-4-chunks-1024) step "$stage" "${QWEN[@]}" --batch 4 model.attention=splash \

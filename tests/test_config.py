@@ -470,12 +470,15 @@ def test_rows_per_device_are_the_most_within_the_tokens_at_least_one(tokens, len
 
 def test_on_a_tpu_the_loss_is_chunked_by_default_only_where_the_whole_logits_are_large():
     """trainer.loss_chunk_size defaults to 512 where a micro-batch's float32 logits would
-    exceed hardware.max_whole_logits_gib (2 GiB on TPUs): qwen2.5-0.5b's 4 rows of 2048 (4.6
-    GiB over 151,936 tokens) fit a v5e chip only so, while smollm-135m's (1.5 GiB) run faster
-    whole. Elsewhere, and when set, it is what it was."""
+    exceed hardware.max_whole_logits_gib (1.75 GiB on TPUs): qwen2.5-0.5b's 4 rows of 2048
+    (4.6 GiB over 151,936 tokens) fit a v5e chip only so, llama-1b's 2 rows (1.96 GiB) ran
+    faster so, while smollm-135m's 4 rows (1.5 GiB) run fastest whole. Elsewhere, and when
+    set, it is what it was."""
     def chunk(*overrides):
         return OmegaConf.to_object(compose([*overrides])).trainer.loss_chunk_size
     assert chunk("hardware=tpu", "model=qwen2.5-0.5b", "task.max_seq_length=2048") == 512
+    assert chunk("hardware=tpu", "model=llama-1b", "task.max_seq_length=2048",
+                 "hardware.per_device_batch_size=2") == 512
     assert chunk("hardware=tpu", "model=smollm-135m", "task.max_seq_length=2048") is None
     assert chunk("hardware=tpu", "model=qwen2.5-0.5b", "task.max_seq_length=2048",
                  "trainer.loss_chunk_size=null") is None
