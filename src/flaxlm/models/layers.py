@@ -136,10 +136,10 @@ def layer_norm(spec: TransformerSpec, rngs: nnx.Rngs) -> nnx.LayerNorm:
 
 # What the backward pass may keep from a block's forward pass, by model.remat: `block` keeps
 # the matmul outputs without a batch dimension (the projections) and what the splash kernel
-# hands its backward pass (its output and softmax statistics, named KERNEL_RESIDUALS: a few
-# bytes per query, where recomputing them runs the kernel's forward again, about a tenth of
-# smollm-135m's step on a TPU v5e), and recomputes norms, activations and attention's XLA
-# path, which are cheap per byte; `full` keeps nothing but the block's input.
+# hands its backward pass (its output and softmax statistics, named KERNEL_RESIDUALS, where
+# recomputing them runs the kernel's forward again, about a tenth of smollm-135m's step on a
+# TPU v5e), and recomputes norms, activations and attention's XLA path, which are cheap per
+# byte; `full` keeps nothing but the block's input.
 # `dots_saveable` also keeps attention's batched matmuls, its L × L scores per head.
 _REMAT_POLICIES = {
     Remat.block: jax.checkpoint_policies.save_from_both_policies(
