@@ -308,8 +308,9 @@ class HardwareConfig:
     num_devices: Optional[int] = None  # devices in the data mesh; null → all JAX devices
     per_device_batch_size: int = MISSING
     # A causal LM's micro-batch holds at most this many tokens per device: fewer rows where
-    # its blocks are long, at least one (conf/hardware/tpu.yaml's per_device_batch_size reads
-    # it through rows_per_device); null → per_device_batch_size's rows whatever the length.
+    # its blocks are long, at least one (conf/base/hardware/common.yaml's
+    # per_device_batch_size reads it through rows_per_device); null → the rows whatever the
+    # length.
     tokens_per_device: Optional[int] = None
     # trainer.loss_chunk_size's default: chunks of LOSS_CHUNK positions where a micro-batch's
     # whole float32 logits would need more than this per device; null → whole.
