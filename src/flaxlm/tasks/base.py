@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 
 from flaxlm import hardware_peak, layout
 from flaxlm.config import HardwareConfig, ModelConfig, TrainConfig
+from flaxlm.data.loader import RowLoader
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import export_hf
 from flaxlm.models import pretrained
@@ -29,6 +30,7 @@ from flaxlm.models.layers import TransformerSpec, count_params
 from flaxlm.parallel import init_on_mesh, run_accelerator
 from flaxlm.runs import RunDir, save_config
 from flaxlm.tracking import Tracker
+from flaxlm.training.ahead import CompiledAhead, abstract
 from flaxlm.training.checkpoint.manager import Checkpointer, key_to_json
 from flaxlm.training.checkpoint.resume import DATA_FINGERPRINT_KEY, CheckpointSaver, restore_run
 from flaxlm.training.evaluation import Evaluate
@@ -180,8 +182,11 @@ def prepare_training(
     spec = model_spec(config, start.model, pads_rows)
     attention = attention_choice(config, start.model, pads_rows)
     init_key, dropout_key = jax.random.split(jax.random.key(config.seed))
+    build = lambda: build_model(spec, nnx.Rngs(params=init_key))  # noqa: E731
+    train_ahead = _train_step_ahead(job.mesh, build, tx, schedule, compile_steps, loader,
+                                    dropout_key, trainable)
     # Made where it lives: each device computes (and keeps) only its part of each parameter.
-    model = init_on_mesh(lambda: build_model(spec, nnx.Rngs(params=init_key)), job.mesh)
+    model = init_on_mesh(build, job.mesh)
     # A resumed run's weights come from its checkpoint, except a frozen base, which its
     # checkpoints do not hold.
     if start.checkpoint_dir and (not job.run.resuming or trainable is not None):
@@ -191,6 +196,8 @@ def prepare_training(
         print(f"flaxlm: model.init_from={config.model.init_from}: {report}")
     graphdef, state = create_state(model, tx, job.mesh, trainable)  # by its logical axes
     steps = compile_steps(job.mesh, graphdef, tx, schedule)
+    if train_ahead is not None:
+        steps = dataclasses.replace(steps, train=train_ahead)
     tokenizer_hash = tokenizer_sha256(tokenizer)
     metadata = {"config": job.resolved, "tokenizer_sha256": tokenizer_hash,
                 "dropout_key": key_to_json(dropout_key), "wandb_run_id": job.run.wandb_run_id,
@@ -217,6 +224,22 @@ def prepare_training(
         training.dropout_key, training.resume = resumed.dropout_key, resumed.loop
         announce_new_length(config, resumed.saved_config, plan, schedule, resumed.loop.step)
     return training
+
+
+def _train_step_ahead(mesh, build: Callable[[], nnx.Module], tx, schedule,
+                      compile_steps: Callable[..., CompiledSteps], loader, dropout_key,
+                      trainable) -> CompiledAhead | None:
+    """The train step, compiling in the background from the shapes of the state (made by
+    `create_state` from the model's shapes, as the real one will be) and of the loader's first
+    batch, while the model is initialised (`flaxlm.training.ahead`). None for a loader whose
+    batches are not known before the loop reads them (a stream), which compiles at its first
+    step as before."""
+    if not isinstance(loader, RowLoader) or loader.steps_per_epoch == 0:
+        return None
+    graphdef, state = create_state(nnx.eval_shape(build), tx, mesh, trainable)
+    batch = abstract(next(iter(loader.epoch(0))))
+    train = compile_steps(mesh, graphdef, tx, schedule).train
+    return CompiledAhead(train, (state, batch, abstract(dropout_key)))
 
 
 # The checkpoint metadata of a run that trains adapters (model.lora): the frozen base they
