@@ -164,8 +164,8 @@ def prepare_training(
     """Optimizer, model, train state and compiled steps; a resumed run's state, dropout key
     and data position restored from its latest checkpoint.
 
-    `build_model(spec, rngs)` makes the task's model; `compile_steps(mesh, graphdef, tx,
-    schedule)` its jitted steps. `data_fingerprint` ({what: content hash}, e.g. "training
+    `build_model(spec, rngs)` makes the task's model; `compile_steps(mesh, graphdef, optimizer)`
+    its jitted steps. `data_fingerprint` ({what: content hash}, e.g. "training
     data" and "validation data") is saved with every checkpoint; a resume on data with
     another fingerprint is refused unless trainer.resume_on_changed_data. `pads_rows`: the
     task's (`Task.pads_rows`), for the attention backend. `trainable`: the nnx filter of what
@@ -190,7 +190,7 @@ def prepare_training(
                                                     shape_from_checkpoint=True)
         print(f"flaxlm: model.init_from={config.model.init_from}: {report}")
     graphdef, state = create_state(model, tx, job.mesh, trainable)  # by its logical axes
-    steps = compile_steps(job.mesh, graphdef, tx, schedule)
+    steps = compile_steps(job.mesh, graphdef, tx)
     tokenizer_hash = tokenizer_sha256(tokenizer)
     metadata = {"config": job.resolved, "tokenizer_sha256": tokenizer_hash,
                 "dropout_key": key_to_json(dropout_key), "wandb_run_id": job.run.wandb_run_id,
