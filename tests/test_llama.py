@@ -375,7 +375,7 @@ def train_steps(mesh_config, num_steps=3):
     tx = make_optimizer(optimizer, schedule)
     config = dataclasses.replace(CONFIG, max_positions=16, attention_dropout=0.1)  # dropout on
     graphdef, state = create_state(make_model(config), tx, mesh)
-    steps = compile_steps(mesh, graphdef, tx, schedule)
+    steps = compile_steps(mesh, graphdef, tx)
     losses = []
     for step in range(num_steps):
         batch = np.random.default_rng(step).integers(0, 97, (16, 16)).astype(np.int32)

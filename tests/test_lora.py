@@ -25,6 +25,7 @@ from flaxlm.models import lora, peft
 from flaxlm.models.build import build_lm, lm_from_params
 from flaxlm.models.layers import TransformerSpec
 from flaxlm.parallel import make_mesh
+from flaxlm.training.optimizer import make_optimizer
 from flaxlm.training.step import compile_train_step, create_state
 
 OPTIONS = {"llama": "llama-tiny", "gpt2": "gpt2-tiny"}
@@ -103,17 +104,18 @@ def test_a_train_step_changes_the_adapters_only():
 
     model_config = tiny_model("llama")  # adapter dropout: the resume test's runs
     mesh = make_mesh(2, mesh_config(data=1, fsdp=2))  # the adapters split as their kernels
-    tx = optax.adamw(1e-2)
+    tx = make_optimizer(config_node("optimizer", ["optimizer=adamw"], lr=1e-2),
+                        optax.constant_schedule(1e-2))
     graphdef, state = create_state(built(model_config), tx, mesh, nnx.LoRAParam)
     adapters = nnx.filter_state(state.params, nnx.LoRAParam)
     lora_a = adapters["model"]["layers"][0]["self_attn"]["q_proj"]["lora"]["lora_a"]
     assert tuple(lora_a[...].sharding.spec)[:1] == ("fsdp",)  # its input width, as q_proj's
     adapter_count = sum(p.size for p in jax.tree.leaves(adapters))
-    # Adam's two moments of the adapters, and nothing of the base.
-    assert sum(leaf.size for leaf in jax.tree.leaves(state.opt_state)) == 2 * adapter_count + 1
+    # Adam's two moments of the adapters, and nothing of the base (and two step counters:
+    # Adam's, the schedule's).
+    assert sum(leaf.size for leaf in jax.tree.leaves(state.opt_state)) == 2 * adapter_count + 2
     before = jax.device_get(state.params)
-    train = compile_train_step(mesh, graphdef, tx, optax.constant_schedule(1e-2),
-                               trainable=nnx.LoRAParam)
+    train = compile_train_step(mesh, graphdef, tx, trainable=nnx.LoRAParam)
     batch = INPUTS_BxL
     structure = jax.tree.structure(state)
     for step in range(2):

@@ -28,10 +28,10 @@ MESHES = {"data=8": mesh_config(), "fsdp=8": mesh_config(data=1, fsdp=8)}
 def setup(mesh_name: str):
     """A tiny GPT-2's AdamW train state laid out on the mesh, and its compiled steps."""
     mesh = make_mesh(8, MESHES[mesh_name])
-    tx, schedule = memory.optimizer()
+    tx = memory.optimizer()
     model = GPT2LMHeadModel(TransformerSpec(TINY, jnp.float32, jnp.float32), nnx.Rngs(params=0))
     graphdef, state = create_state(model, tx, mesh)
-    return mesh, state, compile_steps(mesh, graphdef, tx, schedule)
+    return mesh, state, compile_steps(mesh, graphdef, tx)
 
 
 def param_bytes(state) -> int:

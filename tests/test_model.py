@@ -96,7 +96,7 @@ def test_bfloat16_parameters_stay_bfloat16_through_training_and_the_loss_falls()
     model = make_model(compute_dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     graphdef, state = create_state(model, tx)
     mesh = make_mesh(8)
-    steps = compile_steps(mesh, graphdef, tx, schedule)
+    steps = compile_steps(mesh, graphdef, tx)
     state = jax.device_put(state, replicated(mesh))
     inputs = global_batch(token_ids((8, 32)).astype(np.int32), mesh)
     losses = []

@@ -375,9 +375,9 @@ def test_four_accumulated_micro_batches_equal_one_step_on_the_four_times_batch(c
 
     def first_step(accum):
         state = jax.device_put(start, replicated(mesh))
-        train = compile_steps(mesh, graphdef, tx, schedule, accum).train
+        train = compile_steps(mesh, graphdef, tx, accum).train
         compiled = train.lower(state, inputs, key).compile()
-        state, metrics = compiled(state, inputs, key)
+        state, metrics = compiled(state, inputs, key, train.hyperparams)
         params = nnx.to_pure_dict(jax.device_get(state.params))
         return compiled, state, jax.device_get(metrics), params
 
@@ -397,7 +397,7 @@ def test_four_accumulated_micro_batches_equal_one_step_on_the_four_times_batch(c
     assert max(jax.tree.leaves(moved)) > 1e-4  # the step did update the parameters
 
     # One call is one optimizer step: the counter and the schedule advance by one, not by 4.
-    state, metrics = compiled(state, inputs, key)
+    state, metrics = compiled(state, inputs, key, tx.arguments())
     assert int(state.step) == 2
     assert float(metrics["learning_rate"]) == float(schedule(1))  # the same float32 schedule
     # The micro-batches are cut where each device's rows already are: no rows move.

@@ -31,7 +31,7 @@ def build(num_devices):
     tx = make_optimizer(OPTIMIZER, schedule)
     graphdef, state = create_state(GPT2LMHeadModel(TransformerSpec(MODEL), nnx.Rngs(0)), tx)
     state = jax.device_put(state, replicated(mesh))
-    return mesh, graphdef, state, compile_steps(mesh, graphdef, tx, schedule)
+    return mesh, graphdef, state, compile_steps(mesh, graphdef, tx)
 
 
 def blocks(num, seed=0):

@@ -241,14 +241,16 @@ def test_with_lora_only_the_adapters_and_the_fresh_head_train():
     import optax
 
     from flaxlm.tasks.reward import compile_reward_steps, trainable
+    from flaxlm.training.optimizer import make_optimizer
     from flaxlm.training.step import create_state
 
     model_config, model = tiny_scorer(rank=2)
     mesh = make_mesh(2)
-    tx = optax.adamw(1e-2)
+    tx = make_optimizer(config_node("optimizer", ["optimizer=adamw"], lr=1e-2),
+                        optax.constant_schedule(1e-2))
     graphdef, state = create_state(model, tx, mesh, trainable(model_config))
     before = nnx.to_pure_dict(jax.device_get(state.params))
-    steps = compile_reward_steps(mesh, graphdef, tx, lambda step: 1e-2, pad_id=PAD,
+    steps = compile_reward_steps(mesh, graphdef, tx, pad_id=PAD,
                                  trainable=trainable(model_config))
     ids = np.random.default_rng(0).integers(2, 40, (4, 2, 12)).astype(np.int32)
     state, metrics = steps.train(state, {INPUT_IDS: jnp.asarray(ids)}, jax.random.key(0))

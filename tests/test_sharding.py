@@ -61,7 +61,7 @@ def optimizer_and_steps(mesh, grad_accum_steps):
     schedule = make_schedule(OPTIMIZER, total_steps=10)
     tx = make_optimizer(OPTIMIZER, schedule)
     graphdef, _ = create_state(GPT2LMHeadModel(TransformerSpec(MODEL), nnx.Rngs(0)), tx, mesh)
-    return tx, compile_steps(mesh, graphdef, tx, schedule, grad_accum_steps)
+    return tx, compile_steps(mesh, graphdef, tx, grad_accum_steps)
 
 
 def train(mesh_config, num_steps=3, grad_accum_steps=1):

@@ -233,7 +233,7 @@ def abstract_run(cfg: DictConfig | TrainConfig) -> AbstractRun:
     tx = make_optimizer(config.optimizer, schedule)
     model = abstract_model(config)
     graphdef, state = create_state(model, tx, mesh, lora.trainable(config.model))
-    steps = lm_steps_compiler(config)(mesh, graphdef, tx, schedule)
+    steps = lm_steps_compiler(config)(mesh, graphdef, tx)
     batch = batch_spec((global_batch_size(config, mesh.size), seq_len), jnp.int32, mesh)
     eval_rows = base.eval_batch_size(hardware, mesh.size)
     eval_args = (state.params, batch_spec((eval_rows, seq_len), jnp.int32, mesh),

@@ -41,6 +41,7 @@ from flaxlm.training.plan import Plan, make_plan
 from flaxlm.training.step import (
     CompiledSteps,
     TrainState,
+    TrainStep,
     create_state,
     trained_part,
     with_trained_part,
@@ -166,8 +167,8 @@ def prepare_training(
     """Optimizer, model, train state and compiled steps; a resumed run's state, dropout key
     and data position restored from its latest checkpoint.
 
-    `build_model(spec, rngs)` makes the task's model; `compile_steps(mesh, graphdef, tx,
-    schedule)` its jitted steps. `data_fingerprint` ({what: content hash}, e.g. "training
+    `build_model(spec, rngs)` makes the task's model; `compile_steps(mesh, graphdef, optimizer)`
+    its jitted steps. `data_fingerprint` ({what: content hash}, e.g. "training
     data" and "validation data") is saved with every checkpoint; a resume on data with
     another fingerprint is refused unless trainer.resume_on_changed_data. `pads_rows`: the
     task's (`Task.pads_rows`), for the attention backend. `trainable`: the nnx filter of what
@@ -183,8 +184,8 @@ def prepare_training(
     attention = attention_choice(config, start.model, pads_rows)
     init_key, dropout_key = jax.random.split(jax.random.key(config.seed))
     build = lambda: build_model(spec, nnx.Rngs(params=init_key))  # noqa: E731
-    train_ahead = _train_step_ahead(job.mesh, build, tx, schedule, compile_steps, loader,
-                                    dropout_key, trainable)
+    train_ahead = _train_step_ahead(job.mesh, build, tx, compile_steps, loader, dropout_key,
+                                    trainable)
     # Made where it lives: each device computes (and keeps) only its part of each parameter.
     model = init_on_mesh(build, job.mesh)
     # A resumed run's weights come from its checkpoint, except a frozen base, which its
@@ -195,7 +196,7 @@ def prepare_training(
                                                     shape_from_checkpoint=True)
         print(f"flaxlm: model.init_from={config.model.init_from}: {report}")
     graphdef, state = create_state(model, tx, job.mesh, trainable)  # by its logical axes
-    steps = compile_steps(job.mesh, graphdef, tx, schedule)
+    steps = compile_steps(job.mesh, graphdef, tx)
     if train_ahead is not None:
         steps = dataclasses.replace(steps, train=train_ahead)
     tokenizer_hash = tokenizer_sha256(tokenizer)
@@ -226,9 +227,9 @@ def prepare_training(
     return training
 
 
-def _train_step_ahead(mesh, build: Callable[[], nnx.Module], tx, schedule,
+def _train_step_ahead(mesh, build: Callable[[], nnx.Module], optimizer,
                       compile_steps: Callable[..., CompiledSteps], loader, dropout_key,
-                      trainable) -> CompiledAhead | None:
+                      trainable) -> TrainStep | None:
     """The train step, compiling in the background from the shapes of the state (made by
     `create_state` from the model's shapes, as the real one will be) and of the loader's first
     batch, while the model is initialised (`flaxlm.training.ahead`). None for a loader whose
@@ -236,10 +237,11 @@ def _train_step_ahead(mesh, build: Callable[[], nnx.Module], tx, schedule,
     step as before."""
     if not isinstance(loader, RowLoader) or loader.steps_per_epoch == 0:
         return None
-    graphdef, state = create_state(nnx.eval_shape(build), tx, mesh, trainable)
+    graphdef, state = create_state(nnx.eval_shape(build), optimizer, mesh, trainable)
+    train = compile_steps(mesh, graphdef, optimizer).train
     batch = abstract(next(iter(loader.epoch(0))))
-    train = compile_steps(mesh, graphdef, tx, schedule).train
-    return CompiledAhead(train, (state, batch, abstract(dropout_key)))
+    args = (state, batch, abstract(dropout_key), abstract(train.hyperparams))
+    return dataclasses.replace(train, jitted=CompiledAhead(train.jitted, args))
 
 
 # The checkpoint metadata of a run that trains adapters (model.lora): the frozen base they

@@ -238,7 +238,7 @@ def classification_losses(logits_BxC: jax.Array, labels_B: jax.Array,
     return optax.softmax_cross_entropy_with_integer_labels(logits_BxC, labels_B)
 
 
-def compile_classifier_steps(mesh, graphdef, tx, schedule, is_regression: bool,
+def compile_classifier_steps(mesh, graphdef, optimizer, is_regression: bool,
                              grad_accum_steps: int = 1,
                              skip_nonfinite: bool = False) -> CompiledSteps:
     """The shared jitted train step with a classification loss; `eval` returns the logits of
@@ -253,6 +253,6 @@ def compile_classifier_steps(mesh, graphdef, tx, schedule, is_regression: bool,
         return model(batch["input_ids"], batch["attention_mask"],
                      batch["token_type_ids"]).astype(jnp.float32)
 
-    train = compile_train_step(mesh, graphdef, tx, schedule, loss_fn, grad_accum_steps,
+    train = compile_train_step(mesh, graphdef, optimizer, loss_fn, grad_accum_steps,
                                skip_nonfinite)
     return CompiledSteps(train=train, eval=jax.jit(logits, out_shardings=replicated(mesh)))

@@ -147,11 +147,11 @@ def lm_start(config: TrainConfig, seq_len: int) -> tuple[TrainConfig, base.Start
 
 
 def lm_steps_compiler(config: TrainConfig) -> Callable[..., CompiledSteps]:
-    """`compile(mesh, graphdef, tx, schedule)`: the LM's train and eval steps as this run
+    """`compile(mesh, graphdef, optimizer)`: the LM's train and eval steps as this run
     jits them (its gradient accumulation, its handling of non-finite steps)."""
 
-    def compile_lm_steps(mesh, graphdef, tx, schedule) -> CompiledSteps:
-        return compile_steps(mesh, graphdef, tx, schedule, config.trainer.grad_accum_steps,
+    def compile_lm_steps(mesh, graphdef, optimizer) -> CompiledSteps:
+        return compile_steps(mesh, graphdef, optimizer, config.trainer.grad_accum_steps,
                              skip_nonfinite=config.trainer.skip_nonfinite,
                              loss=LossSettings(z_loss=config.trainer.z_loss,
                                                chunk_size=config.trainer.loss_chunk_size),

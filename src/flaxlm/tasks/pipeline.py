@@ -48,7 +48,7 @@ class Network:
     """The network a task trains, as the pipeline makes, compiles, sizes and saves it."""
 
     build: Callable[[TransformerSpec, nnx.Rngs], nnx.Module]
-    compile_steps: Callable[..., CompiledSteps]  # (mesh, graphdef, tx, schedule)
+    compile_steps: Callable[..., CompiledSteps]  # (mesh, graphdef, optimizer)
     flops_per_token: Callable[[Training], float]  # for MFU, of the model as built
     hf_config: Any  # model/config.json, written at the start (flaxlm-export reads it)
     tokenizer: Any  # the tokenizer model/ keeps

@@ -168,12 +168,12 @@ def reward_objective(model, batch, rngs: nnx.Rngs, *, pad_id: int) -> tuple[jax.
     return means.pop("loss"), means
 
 
-def compile_reward_steps(mesh: Mesh, graphdef, tx, schedule, *, pad_id: int,
+def compile_reward_steps(mesh: Mesh, graphdef, optimizer, *, pad_id: int,
                          grad_accum_steps: int = 1, skip_nonfinite: bool = False,
                          trainable=None) -> CompiledSteps:
     """The train step (`compile_train_step` with `reward_objective`) and an eval step that
     returns the scores of a batch of pairs, sharded as the batch is."""
-    train = compile_train_step(mesh, graphdef, tx, schedule,
+    train = compile_train_step(mesh, graphdef, optimizer,
                                functools.partial(reward_objective, pad_id=pad_id),
                                grad_accum_steps, skip_nonfinite, trainable)
 

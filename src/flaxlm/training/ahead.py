@@ -65,6 +65,7 @@ def abstract(tree) -> Any:
         if not isinstance(leaf, jax.Array):
             return leaf
         sharding = leaf.sharding if leaf.committed else None
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding,
+                                    weak_type=leaf.weak_type)
 
     return jax.tree.map(spec, tree)

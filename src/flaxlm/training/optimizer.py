@@ -1,8 +1,11 @@
 """The optimizer group as an optax transformation: adamw, adafactor, lion, sgd or muon, driven
-by a warmup + decay learning-rate schedule, with optional global-norm clipping in front."""
+by a warmup + decay learning-rate schedule, with optional global-norm clipping in front. Its
+numbers are arguments of the compiled step, so a sweep over them compiles once
+(`flaxlm.training.hyperparams`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -13,35 +16,46 @@ import optax.contrib
 
 from flaxlm.config import OptimizerConfig, OptimizerName, Schedule
 from flaxlm.errors import FlaxlmError
+from flaxlm.training.hyperparams import (
+    LearningRateSchedule,
+    as_arguments,
+    cosine_numbers,
+    rate,
+    rate_numbers,
+    reciprocal,
+)
 
 
-def make_schedule(opt: OptimizerConfig, total_steps: int) -> optax.Schedule:
+def make_schedule(opt: OptimizerConfig, total_steps: int) -> LearningRateSchedule:
     """Linear warmup from 0 to `lr` over `warmup_steps`, then the chosen shape down to `end_lr`
-    at `total_steps`."""
+    at `total_steps`; its numbers become arguments of the compiled step (`hyperparams`)."""
     if not 0 <= opt.warmup_steps <= total_steps:
         raise FlaxlmError(
             f"optimizer.warmup_steps={opt.warmup_steps} must be between 0 and the run's "
             f"{total_steps} training steps. Lower optimizer.warmup_steps, or train longer "
             "(trainer.max_steps, trainer.num_epochs)."
         )
-    warmup = optax.linear_schedule(0.0, opt.lr, opt.warmup_steps)
+    lr, end_lr = float(opt.lr), float(opt.end_lr)
+    numbers: dict[str, float | int] = {"lr": lr, "minus_lr": -lr,
+                                       "warmup_steps": int(opt.warmup_steps),
+                                       "warmup_reciprocal": reciprocal(opt.warmup_steps)}
     if opt.schedule == Schedule.wsd:
-        return _warmup_stable_decay(opt, total_steps, warmup)
-    decay_steps = max(total_steps - opt.warmup_steps, 1)
-    if opt.schedule == Schedule.linear:
-        decay = optax.linear_schedule(opt.lr, opt.end_lr, decay_steps)
-    elif opt.schedule == Schedule.cosine:
-        decay = optax.cosine_decay_schedule(opt.lr, decay_steps, alpha=opt.end_lr / opt.lr)
+        decay_steps, decay_start = _wsd_decay(opt, total_steps)
+        numbers.update(decay_start=decay_start)
     else:
-        decay = optax.constant_schedule(opt.lr)
-    return optax.join_schedules([warmup, decay], [opt.warmup_steps])
+        decay_steps = max(total_steps - opt.warmup_steps, 1)
+    if opt.schedule == Schedule.cosine:
+        numbers.update(cosine_numbers(lr, end_lr, decay_steps))
+    elif opt.schedule in (Schedule.linear, Schedule.wsd):
+        numbers.update(decay_steps=decay_steps, decay_reciprocal=reciprocal(decay_steps),
+                       end_lr=end_lr, lr_drop=lr - end_lr)
+    return LearningRateSchedule(Schedule(opt.schedule), numbers)
 
 
-def _warmup_stable_decay(opt: OptimizerConfig, total_steps: int,
-                         warmup: optax.Schedule) -> optax.Schedule:
-    """Warmup, flat at `lr`, then linear to `end_lr` over the last `decay_fraction` of all
-    steps (WSD, as named by MiniCPM, Hu et al. 2024; Hägele et al. 2024 find it matches cosine
-    given a long enough cooldown)."""
+def _wsd_decay(opt: OptimizerConfig, total_steps: int) -> tuple[int, int]:
+    """Warmup-stable-decay (WSD, as named by MiniCPM, Hu et al. 2024; Hägele et al. 2024 find
+    it matches cosine given a long enough cooldown) decays linearly to `end_lr` over the last
+    `decay_fraction` of all steps: their number, and the step they start at."""
     if not 0 < opt.decay_fraction <= 1:
         raise FlaxlmError(
             f"optimizer.decay_fraction={opt.decay_fraction} must be in (0, 1]: the share of "
@@ -55,9 +69,7 @@ def _warmup_stable_decay(opt: OptimizerConfig, total_steps: int,
             f"optimizer.decay_fraction={opt.decay_fraction} of the run's {total_steps} steps "
             f"starts decaying at step {decay_start}. Lower one of them."
         )
-    stable = optax.constant_schedule(opt.lr)
-    decay = optax.linear_schedule(opt.lr, opt.end_lr, decay_steps)
-    return optax.join_schedules([warmup, stable, decay], [opt.warmup_steps, decay_start])
+    return decay_steps, decay_start
 
 
 def decay_mask(params):
@@ -173,14 +185,72 @@ def _check_moment_dtype(opt: OptimizerConfig) -> None:
             )
 
 
-def make_optimizer(opt: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+def make_optimizer(opt: OptimizerConfig, schedule: optax.Schedule) -> Optimizer:
     check_optimizer_settings(opt)
-    tx = _OPTIMIZERS[opt.name](opt, schedule)
-    if opt.moment_dtype is not None and opt.name != OptimizerName.adafactor:
-        tx = moments_stored_in(jnp.dtype(opt.moment_dtype), tx)
-    if opt.max_grad_norm is None:
-        return tx
-    return optax.chain(optax.clip_by_global_norm(opt.max_grad_norm), tx)
+    return Optimizer(opt, schedule)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Optimizer:
+    """The optimizer group as an optax transformation whose numbers are arguments: `numbers`
+    (the schedule's, when it is a `make_schedule`, and b1, b2, eps, weight_decay, momentum,
+    max_grad_norm) go into the compiled step as `arguments()`, and the step builds its
+    transformation from them (`transformation`, `learning_rate`). Its structure (which
+    optimizer, clipping or not, moment dtypes, nesterov, adafactor's weight decay or none, the
+    schedule's kind) is fixed here. `init` and `update` are optax's, at its own numbers."""
+
+    config: OptimizerConfig
+    schedule: optax.Schedule  # a LearningRateSchedule; any other is a constant of the step
+
+    @property
+    def numbers(self) -> dict[str, float | int]:
+        opt = self.config
+        numbers = dict(self.schedule.numbers) if isinstance(
+            self.schedule, LearningRateSchedule) else {}
+        numbers.update(eps=float(opt.eps), weight_decay=float(opt.weight_decay))
+        for name in _RATES[opt.name]:
+            if getattr(opt, name) is not None:
+                numbers.update(rate_numbers(name, getattr(opt, name)))
+        if opt.max_grad_norm is not None:
+            numbers.update(max_grad_norm=float(opt.max_grad_norm))
+        return numbers
+
+    def arguments(self) -> dict[str, jax.Array]:
+        return as_arguments(self.numbers)
+
+    def learning_rate(self, step, numbers) -> jax.Array:
+        if isinstance(self.schedule, LearningRateSchedule):
+            return self.schedule.at(step, numbers)
+        return self.schedule(step)
+
+    def transformation(self, numbers) -> optax.GradientTransformation:
+        """The optax transformation at `numbers` (`arguments()`, traced inside the step)."""
+        opt = self.config
+        settings = {**numbers, **{name: rate(numbers, name) for name in _RATES[opt.name]
+                                  if getattr(opt, name) is not None}}
+        tx = _OPTIMIZERS[opt.name](opt, lambda step: self.learning_rate(step, numbers),
+                                   settings)
+        if opt.moment_dtype is not None and opt.name != OptimizerName.adafactor:
+            tx = moments_stored_in(jnp.dtype(opt.moment_dtype), tx)
+        if opt.max_grad_norm is None:
+            return tx
+        return optax.chain(optax.clip_by_global_norm(settings["max_grad_norm"]), tx)
+
+    def init(self, params):
+        return self.transformation(self.arguments()).init(params)
+
+    def update(self, updates, state, params=None):
+        return self.transformation(self.arguments()).update(updates, state, params)
+
+
+# The rates each optimizer's optax code mixes as `(1 - r) * g + r * m` (`hyperparams.Rate`).
+_RATES = {
+    OptimizerName.adamw: ("b1", "b2"),
+    OptimizerName.lion: ("b1", "b2"),
+    OptimizerName.sgd: ("momentum",),
+    OptimizerName.adafactor: ("momentum",),
+    OptimizerName.muon: ("momentum", "b1", "b2"),
+}
 
 
 def moments_stored_in(dtype, tx: optax.GradientTransformation
@@ -207,52 +277,54 @@ def moments_stored_in(dtype, tx: optax.GradientTransformation
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-def _adamw(opt: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+def _adamw(opt: OptimizerConfig, schedule: optax.Schedule, hp) -> optax.GradientTransformation:
     return optax.adamw(
-        schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay, mask=decay_mask
+        schedule, b1=hp["b1"], b2=hp["b2"], eps=hp["eps"], weight_decay=hp["weight_decay"],
+        mask=decay_mask
     )
 
 
-def _lion(opt: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+def _lion(opt: OptimizerConfig, schedule: optax.Schedule, hp) -> optax.GradientTransformation:
     return optax.lion(
-        schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay, mask=decay_mask
+        schedule, b1=hp["b1"], b2=hp["b2"], weight_decay=hp["weight_decay"], mask=decay_mask
     )
 
 
-def _sgd(opt: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+def _sgd(opt: OptimizerConfig, schedule: optax.Schedule, hp) -> optax.GradientTransformation:
     """optax.sgd has no weight decay: L2 is added to the gradient first, as torch.optim.SGD
     does, so momentum carries it and the learning rate scales it."""
     return optax.chain(
-        optax.add_decayed_weights(opt.weight_decay, mask=decay_mask),
-        optax.sgd(schedule, momentum=opt.momentum, nesterov=opt.nesterov),
+        optax.add_decayed_weights(hp["weight_decay"], mask=decay_mask),
+        optax.sgd(schedule, momentum=hp.get("momentum"), nesterov=opt.nesterov),
     )
 
 
-def _adafactor(opt: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+def _adafactor(opt: OptimizerConfig, schedule: optax.Schedule, hp
+               ) -> optax.GradientTransformation:
     """optax's defaults for everything else (factored second moments with decay exponent 0.8,
     update clipping at RMS 1, steps relative to each parameter's scale). Its weight decay is
     added after the learning rate, so it is not scaled by it; None skips that transformation."""
     return optax.adafactor(
         schedule,
-        momentum=opt.momentum,
+        momentum=hp.get("momentum"),
         # Its momentum only: the factored second moments are small, and their decay,
         # 1 − step^-0.8, nears 1, where a bfloat16 moment would stop moving.
         dtype_momentum=jnp.dtype(opt.moment_dtype or "float32"),
-        weight_decay_rate=opt.weight_decay or None,
+        weight_decay_rate=hp["weight_decay"] if opt.weight_decay else None,
         weight_decay_mask=decay_mask,
     )
 
 
-def _muon(opt: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+def _muon(opt: OptimizerConfig, schedule: optax.Schedule, hp) -> optax.GradientTransformation:
     """optax's Muon on the hidden matrices (`muon_labels`), `_adamw` on the rest, one schedule
     and one weight decay for both. Muon's update is the Newton–Schulz orthogonalised momentum
     (optax's default coefficients and 5 steps, Jordan's), rescaled to an RMS of
     MUON_RMS × sqrt(max(fan_in, fan_out)) as Moonlight does, so that AdamW's learning rate and
     weight decay carry over; its decay is decoupled (× the scheduled lr) on every matrix."""
-    muon = optax.contrib.muon(schedule, beta=opt.momentum, nesterov=opt.nesterov,
-                              weight_decay=opt.weight_decay, consistent_rms=MUON_RMS,
+    muon = optax.contrib.muon(schedule, beta=hp["momentum"], nesterov=opt.nesterov,
+                              weight_decay=hp["weight_decay"], consistent_rms=MUON_RMS,
                               muon_weight_dimension_numbers=_per_layer_matrices)
-    return optax.partition({"muon": muon, "adamw": _adamw(opt, schedule)}, muon_labels)
+    return optax.partition({"muon": muon, "adamw": _adamw(opt, schedule, hp)}, muon_labels)
 
 
 def _per_layer_matrices(params):

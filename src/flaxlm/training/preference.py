@@ -90,13 +90,13 @@ def dpo_eval_step(params, batch, row_mask_B: jax.Array, *, graphdef, beta: float
             **{name: (values_B * real_B).sum() for name, values_B in terms.items()}}
 
 
-def compile_dpo_steps(mesh: Mesh, graphdef, tx, schedule, *, beta: float,
+def compile_dpo_steps(mesh: Mesh, graphdef, optimizer, *, beta: float,
                       grad_accum_steps: int = 1, skip_nonfinite: bool = False,
                       chunk_size: int | None = None, trainable=None) -> CompiledSteps:
     """The DPO train step (`compile_train_step` with `dpo_objective`) and eval step
     (`dpo_eval_step`), jitted with the LM steps' shardings."""
     train = compile_train_step(
-        mesh, graphdef, tx, schedule,
+        mesh, graphdef, optimizer,
         functools.partial(dpo_objective, beta=beta, chunk_size=chunk_size),
         grad_accum_steps, skip_nonfinite, trainable)
     evaluate = jax.jit(

@@ -34,6 +34,7 @@ from flaxlm.parallel import (
     state_shardings,
     traced_on,
 )
+from flaxlm.training.optimizer import Optimizer
 
 
 @struct.dataclass
@@ -243,10 +244,10 @@ def lm_loss(model, batch, rngs: nnx.Rngs) -> jax.Array:
     return lm_objective(model, batch, rngs)[0]
 
 
-def train_step(state: TrainState, batch_K, dropout_key: jax.Array, *, graphdef,
-               tx: optax.GradientTransformation, schedule: optax.Schedule,
-               loss_fn: Callable = lm_objective, skip_nonfinite: bool = False,
-               layout: Callable = lambda tree: tree, trainable: Filter | None = None):
+def train_step(state: TrainState, batch_K, dropout_key: jax.Array, hyperparams: dict, *,
+               graphdef, optimizer: Optimizer, loss_fn: Callable = lm_objective,
+               skip_nonfinite: bool = False, layout: Callable = lambda tree: tree,
+               trainable: Filter | None = None):
     """One optimizer step on the mean gradient of K micro-batches of B rows.
 
     `batch_K` is an array or a pytree of arrays (e.g. a dict of input ids, masks and labels),
@@ -265,6 +266,9 @@ def train_step(state: TrainState, batch_K, dropout_key: jax.Array, *, graphdef,
     `trainable` (an nnx filter, e.g. `nnx.LoRAParam`; None: every parameter) selects what is
     differentiated and updated; the other parameters go through the step unchanged, and no
     gradient or optimizer state of theirs exists.
+
+    `hyperparams`: the optimizer's numbers (`optimizer.arguments()`), arguments rather than
+    constants, so that a sweep over them compiles one program (`flaxlm.training.hyperparams`).
     """
     if trainable is None:
         trained, frozen = state.params, None
@@ -279,6 +283,7 @@ def train_step(state: TrainState, batch_K, dropout_key: jax.Array, *, graphdef,
     (loss, loss_metrics), grads = accumulate_gradients(
         micro_batch_loss, trained, batch_K, dropout_key, first_micro_batch, layout
     )
+    tx = optimizer.transformation(hyperparams)
     updates, opt_state = tx.update(grads, state.opt_state, trained)
     params = optax.apply_updates(trained, updates)
     if frozen is not None:
@@ -295,7 +300,7 @@ def train_step(state: TrainState, batch_K, dropout_key: jax.Array, *, graphdef,
     metrics = {
         "loss": loss,
         "grad_norm": grad_norm,
-        "learning_rate": schedule(state.step),
+        "learning_rate": optimizer.learning_rate(state.step, hyperparams),
         "finite": finite,
         "skipped": skipped,
         **loss_metrics,
@@ -391,43 +396,60 @@ def eval_step(params, batch, row_mask_B: jax.Array, token_bytes_V: jax.Array,
 
 
 @dataclasses.dataclass(frozen=True)
+class TrainStep:
+    """`step(state, batch, dropout_key) -> (state, metrics)`: the jitted train step, called
+    with the optimizer's numbers as its last argument. `lower` lowers it as the call runs it."""
+
+    jitted: Callable
+    hyperparams: dict
+
+    def __call__(self, state, batch, dropout_key):
+        return self.jitted(state, batch, dropout_key, self.hyperparams)
+
+    def lower(self, state, batch, dropout_key):
+        return self.jitted.lower(state, batch, dropout_key, self.hyperparams)
+
+
+@dataclasses.dataclass(frozen=True)
 class CompiledSteps:
-    train: Callable
+    train: TrainStep
     eval: Callable
 
 
-def compile_train_step(mesh: Mesh, graphdef, tx, schedule, loss_fn: Callable = lm_objective,
-                       grad_accum_steps: int = 1, skip_nonfinite: bool = False,
-                       trainable: Filter | None = None) -> Callable:
+def compile_train_step(mesh: Mesh, graphdef, optimizer: Optimizer,
+                       loss_fn: Callable = lm_objective, grad_accum_steps: int = 1,
+                       skip_nonfinite: bool = False, trainable: Filter | None = None
+                       ) -> TrainStep:
     """`train(state, batch, dropout_key) -> (state, metrics)`, jitted: the batch (an array or
     a pytree of arrays with `grad_accum_steps` micro-batches' rows) sharded over `data` ×
-    `fsdp`, the state donated (updated in place). The state comes in as `create_state` laid it
-    out on the mesh (its sharding is the argument's own) and goes out the same way, by its
-    logical axes.
+    `fsdp`, the state donated (updated in place), the optimizer's numbers (`make_optimizer`)
+    replicated arguments. The state comes in as `create_state` laid it out on the mesh (its
+    sharding is the argument's own) and goes out the same way, by its logical axes.
     `loss_fn(model, micro_batch, rngs) -> (loss, metrics)`; `trainable`: as `train_step`."""
     rep, data = replicated(mesh), batch_sharded(mesh)
     micro_batches = NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))
-    return jax.jit(
-        traced_on(mesh, lambda state, batch, key: train_step(
+    jitted = jax.jit(
+        traced_on(mesh, lambda state, batch, key, hyperparams: train_step(
             state, split_micro_batches(batch, grad_accum_steps, micro_batches), key,
-            graphdef=graphdef, tx=tx, schedule=schedule, loss_fn=loss_fn,
+            hyperparams, graphdef=graphdef, optimizer=optimizer, loss_fn=loss_fn,
             skip_nonfinite=skip_nonfinite, layout=lambda tree: constrain_state(tree, mesh),
             trainable=trainable,
         )),
-        in_shardings=(None, data, rep),
+        in_shardings=(None, data, rep, rep),
         out_shardings=(None, rep),
         donate_argnums=0,
     )
+    return TrainStep(jitted, optimizer.arguments())
 
 
-def compile_steps(mesh: Mesh, graphdef, tx, schedule, grad_accum_steps: int = 1,
+def compile_steps(mesh: Mesh, graphdef, optimizer: Optimizer, grad_accum_steps: int = 1,
                   skip_nonfinite: bool = False,
                   loss: LossSettings = LossSettings(),
                   trainable: Filter | None = None) -> CompiledSteps:
     """The causal-LM train and eval steps, jitted with explicit shardings; `trainable`: what
     trains (`train_step`)."""
     rep, data = replicated(mesh), batch_sharded(mesh)
-    train = compile_train_step(mesh, graphdef, tx, schedule,
+    train = compile_train_step(mesh, graphdef, optimizer,
                                functools.partial(lm_objective, settings=loss),
                                grad_accum_steps, skip_nonfinite, trainable)
     evaluate = jax.jit(
