@@ -20,17 +20,19 @@ def mesh():
 
 def _step(mesh):
     rows = NamedSharding(mesh, PartitionSpec("data"))
-    return jax.jit(lambda state, batch: (state + batch.sum(), batch * state),
-                   in_shardings=(None, rows), donate_argnums=0)
+    return jax.jit(lambda state, batch, key: (state + batch.sum(), batch * state
+                                              * jax.random.uniform(key, batch.shape)),
+                   in_shardings=(None, rows, None), donate_argnums=0)
 
 
 def test_compiled_ahead_gives_the_jitted_steps_results(mesh):
     rows = NamedSharding(mesh, PartitionSpec("data"))
     batch = jax.device_put(jnp.arange(8.0), rows)
     state = jnp.float32(3.0)
-    ahead = CompiledAhead(_step(mesh), (abstract(state), abstract(batch)))
-    expected = _step(mesh)(jnp.float32(3.0), batch)
-    got = ahead(state, batch)
+    key = jax.random.key(1)  # a typed key, as the train step's dropout key is
+    ahead = CompiledAhead(_step(mesh), (abstract(state), abstract(batch), abstract(key)))
+    expected = _step(mesh)(jnp.float32(3.0), batch, key)
+    got = ahead(state, batch, key)
     assert ahead.ready()
     for want, have in zip(expected, got, strict=True):
         np.testing.assert_array_equal(np.asarray(want), np.asarray(have))
@@ -40,13 +42,14 @@ def test_compiled_ahead_gives_the_jitted_steps_results(mesh):
 def test_other_arguments_go_to_the_jitted_step(mesh, capsys):
     rows = NamedSharding(mesh, PartitionSpec("data"))
     planned = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=rows)
-    ahead = CompiledAhead(_step(mesh), (abstract(jnp.float32(0)), planned))
+    key = jax.random.key(0)
+    ahead = CompiledAhead(_step(mesh), (abstract(jnp.float32(0)), planned, abstract(key)))
     longer = jax.device_put(jnp.arange(16.0), rows)
-    state, out = ahead(jnp.float32(1.0), longer)
+    state, out = ahead(jnp.float32(1.0), longer, key)
     assert float(state) == 1.0 + float(jnp.arange(16.0).sum())
     assert out.shape == (16,)
     assert "does not take these arguments" in capsys.readouterr().out
-    assert ahead(jnp.float32(1.0), longer)[1].shape == (16,)  # and stays with it
+    assert ahead(jnp.float32(1.0), longer, key)[1].shape == (16,)  # and stays with it
 
 
 def test_a_compile_error_is_raised_at_the_first_call(mesh, monkeypatch):
@@ -60,6 +63,8 @@ def test_a_compile_error_is_raised_at_the_first_call(mesh, monkeypatch):
         raise Refused("RESOURCE_EXHAUSTED: out of memory")
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", refuse)
-    ahead = CompiledAhead(_step(mesh), (abstract(jnp.float32(0)), abstract(batch)))
+    key = jax.random.key(0)
+    ahead = CompiledAhead(_step(mesh), (abstract(jnp.float32(0)), abstract(batch),
+                                        abstract(key)))
     with pytest.raises(Refused, match="RESOURCE_EXHAUSTED"):
-        ahead(jnp.float32(0), batch)
+        ahead(jnp.float32(0), batch, key)

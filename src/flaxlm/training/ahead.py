@@ -66,6 +66,6 @@ def abstract(tree) -> Any:
             return leaf
         sharding = leaf.sharding if leaf.committed else None
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding,
-                                    weak_type=leaf.weak_type)
+                                    weak_type=getattr(leaf, "weak_type", False))
 
     return jax.tree.map(spec, tree)
