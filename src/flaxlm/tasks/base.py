@@ -33,6 +33,7 @@ from flaxlm.training.checkpoint.manager import Checkpointer, key_to_json
 from flaxlm.training.checkpoint.resume import DATA_FINGERPRINT_KEY, CheckpointSaver, restore_run
 from flaxlm.training.evaluation import Evaluate
 from flaxlm.training.hooks import standard_hooks
+from flaxlm.training.keys import run_keys
 from flaxlm.training.loop import Hook, LoopState, Throughput, fit
 from flaxlm.training.optimizer import make_optimizer, make_schedule
 from flaxlm.training.plan import Plan, make_plan
@@ -179,7 +180,7 @@ def prepare_training(
     tx = make_optimizer(config.optimizer, schedule)
     spec = model_spec(config, start.model, pads_rows)
     attention = attention_choice(config, start.model, pads_rows)
-    init_key, dropout_key = jax.random.split(jax.random.key(config.seed))
+    init_key, dropout_key = run_keys(config.seed)
     # Made where it lives: each device computes (and keeps) only its part of each parameter.
     model = init_on_mesh(lambda: build_model(spec, nnx.Rngs(params=init_key)), job.mesh)
     # A resumed run's weights come from its checkpoint, except a frozen base, which its
