@@ -4,6 +4,12 @@ the one the train step draws its dropout masks from (`fold_in` per micro-batch).
 `jax.random.split(jax.random.key(seed))` run eagerly compiles four small programs before the
 first real one (a TPU pays each one's compile); the same Threefry hash in numpy gives the same
 key data, bit for bit, and wrapping it in a typed key compiles nothing.
+
+The dropout key's generator is `hardware.dropout_rng`. Threefry, JAX's default, draws the
+same masks on every platform and layout; on a TPU its hash, written out for the CPU
+(`flaxlm.models.dropout`), costs the train step 25-29 s of compile. The chip's own
+RngBitGenerator (`rbg`, `unsafe_rbg`) compiles in a fraction of that, and draws other masks
+than the CPU would: a run gives up bit-equality with the same run elsewhere.
 """
 
 from __future__ import annotations
@@ -11,7 +17,22 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from flaxlm.config import DropoutRng
 from flaxlm.models.dropout import threefry2x32
+
+# hardware.dropout_rng → JAX's name of the key implementation.
+IMPLEMENTATIONS = {DropoutRng.threefry: "threefry2x32", DropoutRng.rbg: "rbg",
+                   DropoutRng.unsafe_rbg: "unsafe_rbg"}
+
+
+def dropout_impl(setting: DropoutRng | str, platform: str) -> str:
+    """The key implementation hardware.dropout_rng comes to on `platform`: auto is rbg on a
+    TPU (its RngBitGenerator compiles fast there) and threefry elsewhere, so that a CPU's or
+    a GPU's masks stay those of JAX's default key."""
+    setting = DropoutRng(setting)
+    if setting is DropoutRng.auto:
+        setting = DropoutRng.rbg if platform == "tpu" else DropoutRng.threefry
+    return IMPLEMENTATIONS[setting]
 
 
 def _threefry_seed(seed: int) -> np.ndarray:
@@ -35,9 +56,19 @@ def _threefry_split(words: np.ndarray, num: int) -> np.ndarray:
     return np.stack([high, low], axis=1)
 
 
-def run_keys(seed: int) -> tuple[jax.Array, jax.Array]:
-    """(init key, dropout key): `jax.random.split(jax.random.key(seed))`, computed on the host."""
+def run_keys(seed: int, dropout_rng: str = "threefry2x32") -> tuple[jax.Array, jax.Array]:
+    """(init key, dropout key): `jax.random.split(jax.random.key(seed))`, computed on the host.
+    The dropout key is of the implementation `dropout_rng` (`dropout_impl`); an rbg key is
+    what `jax.random.split(jax.random.key(seed, impl="rbg"))[1]` gives (rbg seeds and splits
+    each half of its four words as a Threefry key), and unsafe_rbg is given the same words."""
     assert jax.config.jax_threefry_partitionable, "the split below is the partitionable one"
     init_words, dropout_words = _threefry_split(_threefry_seed(seed), 2)
+    if dropout_rng != "threefry2x32":
+        dropout_words = np.concatenate([dropout_words, dropout_words])
     return (jax.random.wrap_key_data(init_words, impl="threefry2x32"),
-            jax.random.wrap_key_data(dropout_words, impl="threefry2x32"))
+            jax.random.wrap_key_data(dropout_words, impl=dropout_rng))
+
+
+def key_impl_name(key: jax.Array) -> str:
+    """JAX's name of a typed key's implementation ("threefry2x32", "rbg", "unsafe_rbg")."""
+    return str(jax.random.key_impl(key))
