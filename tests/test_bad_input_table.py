@@ -186,6 +186,7 @@ ROWS = {
     "attention-cudnn-on-cpu": Row(["model.attention=cudnn"], ["model.attention=cudnn", "auto"]),
     "attention-splash-on-cpu": Row(["model.attention=splash"], ["model.attention=splash"]),
     "attention-unknown": Row(["model.attention=flash"], ["model.attention"]),
+    "dropout-rng-unknown": Row(["hardware.dropout_rng=philox"], ["hardware.dropout_rng"]),
     "clm-with-an-encoder": Row(["model=bert-tiny"], ["model=bert-tiny", "task=clm"]),
     "lora-rank-zero": Row(["model.lora.rank=0"], ["model.lora.rank=0"]),
     "lora-unknown-target": Row(["model=gpt2-tiny", "model.lora.rank=4",

@@ -27,6 +27,7 @@ What the compiler reports, and how far to trust it:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -241,7 +242,8 @@ def abstract_run(cfg: DictConfig | TrainConfig) -> AbstractRun:
                  jax.ShapeDtypeStruct((config.model.vocab_size,), jnp.int32,
                                       sharding=replicated(mesh)))
     return AbstractRun(config, list(devices), mesh, seq_len, model, tx, state, steps,
-                       (state, batch, abstract_key(mesh)), eval_args)
+                       (state, batch, abstract_key(mesh, base.run_dropout_impl(hardware))),
+                       eval_args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,9 +335,10 @@ def abstract_model(config: TrainConfig) -> nnx.Module:
     return nnx.eval_shape(lambda: build.build_lm(spec, nnx.Rngs(params=0)))
 
 
-def abstract_key(mesh: Mesh) -> jax.ShapeDtypeStruct:
-    """The step's dropout key, replicated as training passes it."""
-    key = jax.eval_shape(jax.random.key, 0)
+def abstract_key(mesh: Mesh, impl: str) -> jax.ShapeDtypeStruct:
+    """The step's dropout key of implementation `impl` (`base.run_dropout_impl`), replicated
+    as training passes it."""
+    key = jax.eval_shape(functools.partial(jax.random.key, impl=impl), 0)
     return jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated(mesh))
 
 

@@ -296,6 +296,15 @@ class TopologyConfig:
     chips_per_host: Optional[list[int]] = None  # chips of one host per axis; null → libtpu's
 
 
+class DropoutRng(str, enum.Enum):
+    """Which generator draws the dropout masks (flaxlm.training.keys)."""
+
+    auto = "auto"  # unsafe_rbg on a TPU, threefry elsewhere
+    threefry = "threefry"  # JAX's default: the same masks on every platform and layout
+    rbg = "rbg"  # the chip's RngBitGenerator: fast to compile on a TPU, masks of its own
+    unsafe_rbg = "unsafe_rbg"  # rbg with cheaper key derivation (fold_in, split) of its own
+
+
 @dataclasses.dataclass
 class HardwareConfig:
     """WHERE: platform, devices, per-device batch and dtypes."""
@@ -327,6 +336,11 @@ class HardwareConfig:
     # null → unknown (no verdict, and a roofline of FLOPs alone).
     hbm_gib_per_device: Optional[float] = None
     hbm_gbps_per_device: Optional[float] = None
+    # The dropout masks' generator: threefry's are the same on every platform, and cost the
+    # quickstart's train step 25-29 s more compile on a TPU; rbg's are the chip's own
+    # (docs/checkpoints.md, "Dropout's generator"). auto → unsafe_rbg on a TPU, threefry
+    # elsewhere.
+    dropout_rng: DropoutRng = MISSING
     topology: TopologyConfig = dataclasses.field(default_factory=TopologyConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
@@ -637,6 +651,7 @@ ADDED = {
     "task.document_masking": False,  # blocks were one sequence each
     "model.attention": "xla",  # jax.nn.dot_product_attention's default, XLA's
     "model.scan_layers": False,  # one module per layer
+    "hardware.dropout_rng": "threefry",  # JAX's default key
 }
 
 

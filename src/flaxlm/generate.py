@@ -29,6 +29,7 @@ from flaxlm.data.chat_template import chat_prompt_ids, stop_token_ids
 from flaxlm.data.tokenizer import prompt_tokenizer
 from flaxlm.errors import FlaxlmError
 from flaxlm.models.layers import KVCache
+from flaxlm.training.keys import seed_key
 
 MIN_PROMPT_BUCKET = 16
 
@@ -135,9 +136,11 @@ def generate_ids(model: LanguageModel, prompt_ids: Sequence[Sequence[int]],
            else tuple(eos_token_id))
     graphdef, params = nnx.split(model)
     tokens_BxT = _generate_tokens(
-        graphdef, params, jnp.asarray(ids_BxP), jnp.asarray(mask_BxP),
-        jax.random.key(settings.seed), jnp.float32(max(settings.temperature, 1e-6)),
-        jnp.float32(settings.top_p), max_new_tokens=settings.max_new_tokens,
+        # Host values as they are: each `jnp` conversion or `jax.random.key` here would
+        # compile a program of its own beside the generation's.
+        graphdef, params, ids_BxP, mask_BxP,
+        seed_key(settings.seed), np.float32(max(settings.temperature, 1e-6)),
+        np.float32(settings.top_p), max_new_tokens=settings.max_new_tokens,
         greedy=settings.is_greedy, top_k=settings.top_k,
         stop_ids=eos, pad_token_id=pad,
     )

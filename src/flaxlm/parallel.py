@@ -319,7 +319,11 @@ def initializer(build: Callable[[], nnx.Module], mesh: Mesh
     for this program (it runs once)."""
     graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
     shardings = state_shardings(abstract_state, mesh)
-    return graphdef, jax.jit(lambda: nnx.split(build())[1], out_shardings=shardings,
+
+    def init_model():  # the program's name in JAX's compile log
+        return nnx.split(build())[1]
+
+    return graphdef, jax.jit(init_model, out_shardings=shardings,
                              compiler_options={"xla_disable_hlo_passes": "algsimp"})
 
 
@@ -345,14 +349,17 @@ def is_abstract(tree) -> bool:
     return bool(leaves) and all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves)
 
 
-def traced_on(mesh: Mesh, fn):
+def traced_on(mesh: Mesh, fn, name: str | None = None):
     """`fn`, which `jax.jit` traces with `mesh` as the mesh in context: what lets the models'
-    `constrain_batch` lay activations out on it without being given the mesh."""
+    `constrain_batch` lay activations out on it without being given the mesh. `name`: the
+    program's, as JAX's compile log and profiles show it (else `on_mesh`)."""
 
     def on_mesh(*args, **kwargs):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             return fn(*args, **kwargs)
 
+    if name:
+        on_mesh.__name__ = on_mesh.__qualname__ = name
     return on_mesh
 
 

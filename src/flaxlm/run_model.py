@@ -32,6 +32,7 @@ from flaxlm.parallel import make_mesh, place_state, state_shardings
 from flaxlm.platforms import skip_absent_tpu
 from flaxlm.storage import is_url
 from flaxlm.training.checkpoint.manager import finalised_steps, restore_params
+from flaxlm.training.keys import run_keys
 
 
 class RunModel(NamedTuple):
@@ -158,7 +159,7 @@ def _merged_onto_base(trained: dict, model_config: ModelConfig, run_config: dict
                                                  run_config.get("cache_dir")),
             source=model_config.init_from, shape_from_checkpoint=True)
     else:
-        init_key = jax.random.split(jax.random.key(run_config.get("seed", 0)))[0]
+        init_key, _ = run_keys(run_config.get("seed", 0))
         model = _network(spec, hf_config, nnx.Rngs(params=init_key))
     state = nnx.state(model, nnx.Param)  # the adapters are Params too
     nnx.replace_by_pure_dict(state, jax.device_get(trained))

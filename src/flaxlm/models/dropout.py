@@ -28,13 +28,15 @@ _PARITY = np.uint32(0x1BD11BDA)
 _MANTISSA_BITS = 23  # float32: jax.random.uniform keeps the top 23 of 32 random bits
 
 
-def _rotate_left(x: jax.Array, bits: int) -> jax.Array:
-    return lax.shift_left(x, np.uint32(bits)) | lax.shift_right_logical(x, np.uint32(32 - bits))
+def _rotate_left(x, bits: int):
+    # Operators, not lax: uint32 shifts are logical in JAX and numpy alike, so the same hash
+    # runs traced (masks) and on the host (the run's keys, flaxlm.training.keys).
+    return (x << np.uint32(bits)) | (x >> np.uint32(32 - bits))
 
 
 def threefry2x32(key_words: tuple[jax.Array, jax.Array], x0: jax.Array, x1: jax.Array):
     """The Threefry-2x32 hash of the counter pairs (x0, x1) under a two-word key, 20 rounds
-    written out so that the compiler fuses them."""
+    written out so that the compiler fuses them. numpy uint32 arrays in give numpy out."""
     k0, k1 = key_words
     schedule = (k0, k1, k0 ^ k1 ^ _PARITY)
     x0, x1 = x0 + schedule[0], x1 + schedule[1]

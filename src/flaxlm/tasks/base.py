@@ -32,9 +32,15 @@ from flaxlm.runs import RunDir, save_config
 from flaxlm.tracking import Tracker
 from flaxlm.training.ahead import CompiledAhead, abstract
 from flaxlm.training.checkpoint.manager import Checkpointer, key_to_json
-from flaxlm.training.checkpoint.resume import DATA_FINGERPRINT_KEY, CheckpointSaver, restore_run
+from flaxlm.training.checkpoint.resume import (
+    DATA_FINGERPRINT_KEY,
+    DROPOUT_RNG_KEY,
+    CheckpointSaver,
+    restore_run,
+)
 from flaxlm.training.evaluation import Evaluate
 from flaxlm.training.hooks import standard_hooks
+from flaxlm.training.keys import dropout_impl, key_impl_name, run_keys
 from flaxlm.training.loop import Hook, LoopState, Throughput, fit
 from flaxlm.training.optimizer import make_optimizer, make_schedule
 from flaxlm.training.plan import Plan, make_plan
@@ -182,7 +188,7 @@ def prepare_training(
     tx = make_optimizer(config.optimizer, schedule)
     spec = model_spec(config, start.model, pads_rows)
     attention = attention_choice(config, start.model, pads_rows)
-    init_key, dropout_key = jax.random.split(jax.random.key(config.seed))
+    init_key, dropout_key = run_keys(config.seed, run_dropout_impl(config.hardware))
     build = lambda: build_model(spec, nnx.Rngs(params=init_key))  # noqa: E731
     train_ahead = _train_step_ahead(job.mesh, build, tx, compile_steps, loader, dropout_key,
                                     trainable)
@@ -201,7 +207,8 @@ def prepare_training(
         steps = dataclasses.replace(steps, train=train_ahead)
     tokenizer_hash = tokenizer_sha256(tokenizer)
     metadata = {"config": job.resolved, "tokenizer_sha256": tokenizer_hash,
-                "dropout_key": key_to_json(dropout_key), "wandb_run_id": job.run.wandb_run_id,
+                "dropout_key": key_to_json(dropout_key),
+                DROPOUT_RNG_KEY: key_impl_name(dropout_key), "wandb_run_id": job.run.wandb_run_id,
                 DATA_FINGERPRINT_KEY: data_fingerprint}
     if trainable is not None:
         metadata[LORA_BASE_KEY] = lora_base(config, start)
@@ -287,6 +294,11 @@ def _count(params) -> int:
 
 def _bytes(tree) -> int:
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
+
+def run_dropout_impl(hardware: HardwareConfig) -> str:
+    """The dropout key's implementation hardware.dropout_rng comes to on the run's devices."""
+    return dropout_impl(hardware.dropout_rng, run_accelerator(hardware).platform)
 
 
 def model_spec(config: TrainConfig, model: ModelConfig, pads_rows: bool) -> TransformerSpec:

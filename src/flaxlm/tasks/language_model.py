@@ -11,7 +11,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 
 from flaxlm import layout
 from flaxlm.config import ModelConfig, TrainConfig
@@ -119,7 +118,8 @@ def pad_id(tokenizer) -> int:
 def token_bytes(run: Run) -> jax.Array:
     """The UTF-8 bytes of each token of the run's tokenizer, on every device: what an LM
     evaluation turns its loss into bits per byte with."""
-    return jax.device_put(jnp.asarray(token_byte_lengths(run.data.tokenizer)),
+    # Put from the host straight onto the mesh: through `jnp.asarray` it compiles a copy.
+    return jax.device_put(token_byte_lengths(run.data.tokenizer),
                           replicated(run.job.mesh))
 
 

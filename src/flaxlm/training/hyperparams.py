@@ -30,8 +30,9 @@ from flaxlm.config import Schedule
 
 def as_arguments(numbers: Mapping[str, float | int]) -> dict[str, jax.Array]:
     """Host numbers as the step's arguments: weakly typed 0-d arrays, so that `x * lr` has
-    x's dtype as it had with the Python float, and every job passes the same types."""
-    return {name: jnp.asarray(value) for name, value in numbers.items()}
+    x's dtype as it had with the Python float, and every job passes the same types. Put on
+    the device as they are: `jnp.asarray` would compile a program for each dtype first."""
+    return {name: jax.device_put(value) for name, value in numbers.items()}
 
 
 @jax.tree_util.register_pytree_node_class

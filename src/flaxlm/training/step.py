@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
 from flax.nnx.filterlib import Filter
@@ -58,7 +59,9 @@ def create_state(model: nnx.Module, tx: optax.GradientTransformation,
     and the steps compile for it (flaxlm-plan)."""
     graphdef, params = nnx.split(model, nnx.Param)
     abstract = is_abstract(params)
-    step = jax.ShapeDtypeStruct((), jnp.int32) if abstract else jnp.zeros((), jnp.int32)
+    # Put from the host, not `jnp.zeros`: that would compile a program of its own.
+    step = (jax.ShapeDtypeStruct((), jnp.int32) if abstract
+            else jax.device_put(np.zeros((), np.int32)))
     trained = lambda params: (params if trainable is None  # noqa: E731
                               else nnx.filter_state(params, trainable))
     if mesh is None:
@@ -70,7 +73,11 @@ def create_state(model: nnx.Module, tx: optax.GradientTransformation,
                                     opt_state=init(tx.init, trained(params)))
     params = place_state(params, mesh)
     opt_state_sharding = state_shardings(jax.eval_shape(tx.init, trained(params)), mesh)
-    init_opt_state = jax.jit(tx.init, out_shardings=opt_state_sharding)
+
+    def init_optimizer(params):  # the program's name in JAX's compile log
+        return tx.init(params)
+
+    init_opt_state = jax.jit(init_optimizer, out_shardings=opt_state_sharding)
     opt_state = (jax.eval_shape(init_opt_state, trained(params)) if abstract
                  else init_opt_state(trained(params)))
     return graphdef, place_state(TrainState(step=step, params=params, opt_state=opt_state), mesh)
@@ -434,7 +441,7 @@ def compile_train_step(mesh: Mesh, graphdef, optimizer: Optimizer,
             hyperparams, graphdef=graphdef, optimizer=optimizer, loss_fn=loss_fn,
             skip_nonfinite=skip_nonfinite, layout=lambda tree: constrain_state(tree, mesh),
             trainable=trainable,
-        )),
+        ), name="train_step"),
         in_shardings=(None, data, rep, rep),
         out_shardings=(None, rep),
         donate_argnums=0,
@@ -455,7 +462,7 @@ def compile_steps(mesh: Mesh, graphdef, optimizer: Optimizer, grad_accum_steps: 
     evaluate = jax.jit(
         traced_on(mesh, lambda params, inputs, mask, token_bytes: eval_step(
             params, inputs, mask, token_bytes, graphdef=graphdef, chunk_size=loss.chunk_size
-        )),
+        ), name="eval_step"),
         in_shardings=(None, data, data, rep),  # the parameters as the train state holds them
         out_shardings=rep,
     )

@@ -16,11 +16,15 @@ from flaxlm import distributed
 from flaxlm.data.loader import DATA_SIZE_KEYS
 from flaxlm.errors import FlaxlmError
 from flaxlm.training.checkpoint.manager import Checkpointer, key_from_json
+from flaxlm.training.keys import IMPLEMENTATIONS, key_impl_name
 from flaxlm.training.loop import LoopState
 
 # The checkpoint metadata that fingerprints the run's data: {what: content hash}, e.g.
 # {"training data": ..., "validation data": ...}, as the task names them.
 DATA_FINGERPRINT_KEY = "data_fingerprint"
+# The checkpoint metadata that names the dropout key's implementation (hardware.dropout_rng
+# as the run's platform resolved it); absent: JAX's default, threefry2x32.
+DROPOUT_RNG_KEY = "dropout_rng"
 # The metrics.jsonl record (and W&B table) of a resume that accepted changed data.
 CHANGED_DATA_RECORD = "resume/changed_data"
 
@@ -66,6 +70,8 @@ def restore_run(checkpointer: Checkpointer, state, dropout_key, loader, tokenize
         saved_loader.update({key: current_loader[key] for key in DATA_SIZE_KEYS
                              if key in current_loader})
     loader.load_state_dict(saved_loader)
+    _check_same_dropout_rng(restored.metadata.get(DROPOUT_RNG_KEY, "threefry2x32"),
+                            key_impl_name(dropout_key), run_dir, restored.step)
     dropout_key = key_from_json(restored.metadata["dropout_key"], dropout_key)
     resume = LoopState.from_json(restored.metadata["loop"])
     dropped = tracker.rewind(restored.step, evaluates_again=resume.eval_due is not None)
@@ -82,6 +88,22 @@ def restore_run(checkpointer: Checkpointer, state, dropout_key, loader, tokenize
         _record_changed_data(tracker, changed, saved_data, data_fingerprint, restored.step)
     return Resumed(restored.state, dropout_key, resume, restored.metadata.get("config") or {},
                    restored.metadata)
+
+
+def _check_same_dropout_rng(saved: str, current: str, run_dir: str, step: int) -> None:
+    """A resumed run draws its dropout masks from its checkpoint's key: a key of one generator
+    cannot continue as another's (other masks, another key size)."""
+    if saved == current:
+        return
+    setting = {impl: option.value for option, impl in IMPLEMENTATIONS.items()}
+    raise FlaxlmError(
+        f"run_dir={run_dir} draws its dropout masks with the {saved} generator (its checkpoint "
+        f"at step {step}), and this start's hardware.dropout_rng comes to {current} on these "
+        "devices (auto: unsafe_rbg on a TPU, threefry elsewhere). The checkpoint's dropout key "
+        "continues only in its own generator. Resume with "
+        f"hardware.dropout_rng={setting.get(saved, saved)}, or start a new run "
+        "(trainer.resume=never with a new run_dir)."
+    )
 
 
 def _check_same_tokenizer(saved_hash: str | None, tokenizer_hash: str, run_dir: str,
