@@ -4,10 +4,10 @@ To list the options of each config group, Hydra's help makes a fresh `CachingCon
 per group and per kind of entry, 133 for flaxlm's conf/, and each deep-copies the repository it
 wraps: its three config sources, one of which holds the process's `ConfigStore` with flaxlm's
 typed schema (`train_schema`) and Hydra's own. That was ~6 ms a copy, 0.8 of the 1.3 s of CPU
-the help text took here. The copy only shields the sources from
-`initialize_sources()`, which replaces them and never changes the store: the store is a
-process-wide singleton that each source reads through `ConfigStore.load()`, which hands out
-copies of its nodes. So the copies share it and copy everything else as before.
+the help text took here. The copy only shields the sources from `initialize_sources()`, which
+replaces them and never changes the store: the store is a process-wide singleton that each
+source reads through `ConfigStore.load()`, which hands out copies of its nodes. So the copies
+share it and copy everything else as before.
 """
 
 from __future__ import annotations
