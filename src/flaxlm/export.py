@@ -37,7 +37,6 @@ import shutil
 import tempfile
 
 import numpy as np
-import transformers
 from omegaconf import OmegaConf
 
 from flaxlm import layout
@@ -47,8 +46,11 @@ from flaxlm.data.tokenizer import document_prefix, prompt_tokenizer
 from flaxlm.errors import FlaxlmError
 from flaxlm.generate import GenerationSettings
 from flaxlm.layout import CHECKPOINT_SUBDIR, MODEL_SUBDIR, RUN_FILES, run_path
+from flaxlm.lazy_imports import lazy_module
 from flaxlm.models import hf, peft
 from flaxlm.run_records import plain, read_metrics
+
+transformers = lazy_module("transformers")
 
 MARKER = layout.EXPORT_MARKER
 

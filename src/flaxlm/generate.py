@@ -29,6 +29,7 @@ from flaxlm.data.chat_template import chat_prompt_ids, stop_token_ids
 from flaxlm.data.tokenizer import prompt_tokenizer
 from flaxlm.errors import FlaxlmError
 from flaxlm.models.layers import KVCache
+from flaxlm.tool_defaults import GenerationSettings
 from flaxlm.training.keys import seed_key
 
 MIN_PROMPT_BUCKET = 16
@@ -52,34 +53,6 @@ class LanguageModel(Protocol):
                              ) -> tuple[jax.Array, KVCache]: ...
 
     def lm_head_logits(self, x_BxLxD: jax.Array) -> jax.Array: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationSettings:
-    """How to pick each new token. `greedy` (or temperature 0) takes the most likely token;
-    otherwise logits / temperature are cut to the `top_k` most likely tokens (0: no cut) and
-    then to the smallest set whose probability reaches `top_p` (1.0: no cut), and sampled."""
-
-    max_new_tokens: int = 50
-    greedy: bool = False
-    temperature: float = 1.0
-    top_k: int = 50  # as transformers' default
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise FlaxlmError(f"max_new_tokens={self.max_new_tokens} must be at least 1.")
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise FlaxlmError(
-                f"temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}: "
-                "temperature and top_k must be at least 0 (temperature 0: greedy; top_k 0: no "
-                "cut) and top_p in (0, 1] (1: no cut)."
-            )
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.greedy or self.temperature == 0
 
 
 def generate(model: LanguageModel, tokenizer, prompts: Sequence[str],

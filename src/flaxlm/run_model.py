@@ -14,7 +14,6 @@ import tempfile
 from typing import Any, NamedTuple
 
 import jax
-import transformers
 from flax import nnx
 from jax.sharding import Mesh
 from omegaconf import OmegaConf
@@ -25,6 +24,7 @@ from flaxlm.data.tokenizer import keeps_own_conventions
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import read_marker
 from flaxlm.layout import CHECKPOINT_SUBDIR, MODEL_SUBDIR, run_path
+from flaxlm.lazy_imports import lazy_module
 from flaxlm.models import hf, lora, pretrained
 from flaxlm.models.build import build_classifier, build_lm, lm_from_params
 from flaxlm.models.layers import TransformerSpec
@@ -33,6 +33,8 @@ from flaxlm.platforms import skip_absent_tpu
 from flaxlm.storage import is_url
 from flaxlm.training.checkpoint.manager import finalised_steps, restore_params
 from flaxlm.training.keys import run_keys
+
+transformers = lazy_module("transformers")
 
 
 class RunModel(NamedTuple):

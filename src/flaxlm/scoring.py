@@ -29,8 +29,8 @@ from jax.sharding import Mesh
 from flaxlm.errors import FlaxlmError
 from flaxlm.generate import LanguageModel
 from flaxlm.parallel import BATCH_AXES, global_batch, process_rows, replicated
+from flaxlm.tool_defaults import DEFAULT_BATCH_ROWS
 
-DEFAULT_BATCH_ROWS = 32
 MIN_BUCKET = 8
 
 

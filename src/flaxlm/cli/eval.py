@@ -23,7 +23,7 @@ from flaxlm.cli.common import Parser, add_run_dir, add_step, run_command
 
 
 def parser() -> Parser:
-    from flaxlm.scoring import DEFAULT_BATCH_ROWS  # the defaults' one home
+    from flaxlm.tool_defaults import DEFAULT_BATCH_ROWS  # the defaults' one home, without JAX
 
     parse = Parser("flaxlm-eval", __doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
     add_run_dir(parse, "whose model is evaluated")

@@ -20,7 +20,7 @@ from flaxlm.cli.common import Parser, add_run_dir, add_step, run_command
 
 
 def parser() -> Parser:
-    from flaxlm.generate import GenerationSettings  # the defaults' one home
+    from flaxlm.tool_defaults import GenerationSettings  # the defaults' one home, without JAX
 
     defaults = GenerationSettings()
     parse = Parser("flaxlm-generate", __doc__.split("\n\n")[0],

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from flaxlm.cli.common import collector_paused_while_importing, end_without_final_collection
+from flaxlm.cli.hydra_copies import share_the_config_store
 from flaxlm.cli.language_list import expand_language_list, folded
 from flaxlm.cli.sweep import SweepJob
 from flaxlm.config import register_configs, renamed_keys
@@ -123,6 +124,7 @@ def main() -> None:
     full_error_asked = bool(os.environ.get("HYDRA_FULL_ERROR"))
     os.environ["HYDRA_FULL_ERROR"] = "1"
     end_without_final_collection()
+    share_the_config_store()  # --help: a second less
     try:
         sys.argv[1:] = expand_language_list(sys.argv[1:])  # a list of languages: a mixture
     except FlaxlmError as err:

@@ -15,13 +15,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import datasets
-
 from flaxlm.config import TaskConfig
 from flaxlm.data.drills import drill_conversations
 from flaxlm.data.examples import read_data_file
 from flaxlm.data.files import expand_patterns, root_cause
 from flaxlm.errors import FlaxlmError
+from flaxlm.lazy_imports import lazy_module
+
+datasets = lazy_module("datasets")
 
 ROLES = ("system", "user", "assistant")
 Conversation = list[dict[str, str]]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 
-import datasets
 import jax
 import numpy as np
 from jax.sharding import Mesh
@@ -25,7 +24,10 @@ from flaxlm.data.chat_packing import layout_rows
 from flaxlm.data.chat_template import encode_chat
 from flaxlm.data.loader import check_same_loader
 from flaxlm.errors import FlaxlmError
+from flaxlm.lazy_imports import lazy_module
 from flaxlm.parallel import global_batch, process_rows
+
+datasets = lazy_module("datasets")
 
 
 @dataclasses.dataclass(frozen=True)

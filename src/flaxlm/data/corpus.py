@@ -31,14 +31,16 @@ import tempfile
 import warnings
 from pathlib import Path
 
-import datasets
 import numpy as np
-import pyarrow.compute as pc
 
 from flaxlm.config import CorpusSource, LanguageConfig, TextSplitting
 from flaxlm.data.files import check_file_type, expand_patterns, quiet_datasets_logs, root_cause
 from flaxlm.data.tables import text_dataset
 from flaxlm.errors import FlaxlmError
+from flaxlm.lazy_imports import lazy_module
+
+datasets = lazy_module("datasets")
+pc = lazy_module("pyarrow.compute")
 
 # Standard-library directories whose docstrings are not prose about Python (tests, GUI, vendored
 # tools) or are already in the corpus (pydoc_data holds the topics).

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 
-import datasets
 import jax
 import numpy as np
 from jax.sharding import Mesh
@@ -18,6 +17,9 @@ from jax.sharding import Mesh
 from flaxlm.config import Padding, TaskConfig
 from flaxlm.data.loader import RowGather, RowLoader, local_part
 from flaxlm.errors import FlaxlmError
+from flaxlm.lazy_imports import lazy_module
+
+datasets = lazy_module("datasets")
 
 # Model inputs in every batch; `lengths` (tokens per example) only chooses the bucket.
 FEATURES = ("input_ids", "attention_mask", "token_type_ids", "labels")

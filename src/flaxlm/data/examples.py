@@ -12,15 +12,16 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import datasets
-import pyarrow as pa
-import pyarrow.compute as pc
-
 from flaxlm.config import TaskConfig
 from flaxlm.data.files import check_file_type, expand_patterns, quiet_datasets_logs, root_cause
 from flaxlm.data.labels import resolve_labels, with_labels
 from flaxlm.data.tables import derived_fingerprint, named_dataset
 from flaxlm.errors import FlaxlmError
+from flaxlm.lazy_imports import lazy_module
+
+datasets = lazy_module("datasets")
+pa = lazy_module("pyarrow")
+pc = lazy_module("pyarrow.compute")
 
 # File extension -> (`datasets` packaged builder, its extra arguments).
 # tsv: QUOTE_NONE (3), as GLUE's original files need: MRPC's sentences hold unbalanced quotes.

@@ -11,10 +11,11 @@ import glob
 import os
 from pathlib import Path
 
-import datasets
-
 from flaxlm.errors import FlaxlmError
+from flaxlm.lazy_imports import lazy_module
 from flaxlm.storage import cached_copy, glob_objects, is_url
+
+datasets = lazy_module("datasets")
 
 
 def expand_patterns(patterns: list[str], setting: str, cache_dir: str | None = None

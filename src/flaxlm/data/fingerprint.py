@@ -9,8 +9,11 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import datasets
 import numpy as np
+
+from flaxlm.lazy_imports import lazy_module
+
+datasets = lazy_module("datasets")
 
 _TEXT_HASHES: dict[str, str] = {}  # datasets' own fingerprint of a dataset → its text hash
 

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 
-import datasets
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from flaxlm.config import TaskConfig
 from flaxlm.data.fingerprint import arrays_fingerprint
 from flaxlm.data.tables import derived_fingerprint, named_dataset
 from flaxlm.errors import FlaxlmError
+from flaxlm.lazy_imports import lazy_module
+
+datasets = lazy_module("datasets")
+pa = lazy_module("pyarrow")
+pc = lazy_module("pyarrow.compute")
 
 _GLUE_UNLABELED = -1  # GLUE's test splits carry this label
 

@@ -30,12 +30,14 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
-import datasets
 import numpy as np
-import pyarrow.compute as pc
 
 from flaxlm.config import CorpusSource, LanguageConfig, MixtureConfig
 from flaxlm.errors import FlaxlmError
+from flaxlm.lazy_imports import lazy_module
+
+datasets = lazy_module("datasets")
+pc = lazy_module("pyarrow.compute")
 
 
 def check_mixture_settings(mixture: MixtureConfig | None) -> None:

@@ -17,11 +17,9 @@ import dataclasses
 import zlib
 from collections.abc import Iterator, Sequence
 
-import datasets
 import grain
 import jax
 import numpy as np
-import transformers
 from jax.sharding import Mesh
 
 from flaxlm import distributed
@@ -29,7 +27,11 @@ from flaxlm.data.documents import block_starts, with_documents
 from flaxlm.data.loader import Batch, check_same_loader
 from flaxlm.data.mixture import MixtureSchedule, SchedulePosition
 from flaxlm.data.streaming import PREFETCH_BATCHES, Prefetcher, StreamState, shuffled_blocks
+from flaxlm.lazy_imports import lazy_module
 from flaxlm.parallel import global_batch, process_rows
+
+datasets = lazy_module("datasets")
+transformers = lazy_module("transformers")
 
 
 def source_seed(seed: int, name: str) -> int:

@@ -25,9 +25,7 @@ import dataclasses
 import os
 from collections.abc import Iterator, Sequence
 
-import datasets
 import numpy as np
-import transformers
 from tqdm.auto import tqdm
 
 from flaxlm import distributed
@@ -35,6 +33,10 @@ from flaxlm.data import cache
 from flaxlm.data.documents import opening_tokens
 from flaxlm.data.fingerprint import settings_fingerprint, text_fingerprint
 from flaxlm.data.tokenizer import DocumentEncoder
+from flaxlm.lazy_imports import lazy_module
+
+datasets = lazy_module("datasets")
+transformers = lazy_module("transformers")
 
 ENCODE_BATCH = 1000  # documents tokenised together
 COPY_TOKENS = 1 << 24  # tokens moved at a time from the scratch stream into the blocks

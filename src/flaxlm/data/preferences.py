@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import datasets
 import numpy as np
 
 from flaxlm.config import LongConversations, TaskConfig
@@ -29,6 +28,9 @@ from flaxlm.data.chat_packing import layout_rows
 from flaxlm.data.chat_template import encode_chat
 from flaxlm.data.preference_drills import preference_drills
 from flaxlm.errors import FlaxlmError
+from flaxlm.lazy_imports import lazy_module
+
+datasets = lazy_module("datasets")
 
 Turns = list[dict[str, str]]
 REFERENCE_LOGPS = "reference_logps"  # (pairs, 2): the reference model's log-probs, once

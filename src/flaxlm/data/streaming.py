@@ -28,11 +28,8 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TypeVar
 
-import datasets
 import jax
 import numpy as np
-import transformers
-from datasets.distributed import split_dataset_by_node
 from jax.sharding import Mesh
 
 from flaxlm.data.documents import opening_tokens, with_documents
@@ -40,7 +37,11 @@ from flaxlm.data.loader import check_same_loader
 from flaxlm.data.packing import join_documents
 from flaxlm.data.tokenizer import DocumentEncoder
 from flaxlm.errors import FlaxlmError
+from flaxlm.lazy_imports import lazy_module
 from flaxlm.parallel import global_batch, process_rows
+
+datasets = lazy_module("datasets")
+transformers = lazy_module("transformers")
 
 ENCODE_DOCS = 256  # documents tokenised together: the producer's batch of raw text
 PREFETCH_BATCHES = 4  # local batches the producer may hold ready ahead of the training step
@@ -65,6 +66,8 @@ def process_shard(train: datasets.IterableDataset, rank: int, world_size: int):
     files (each process still reads the whole stream, keeping its share)."""
     if world_size == 1:
         return train
+    from datasets.distributed import split_dataset_by_node  # datasets only where it is used
+
     return split_dataset_by_node(train, rank=rank, world_size=world_size, strategy="examples")
 
 

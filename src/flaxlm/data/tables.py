@@ -15,19 +15,19 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import datasets
-import pyarrow as pa
-
 from flaxlm.data.fingerprint import documents_fingerprint, remember_text_hash, settings_fingerprint
+from flaxlm.lazy_imports import lazy_module
 
-TEXT_FEATURES = datasets.Features({"text": datasets.Value("string")})
+datasets = lazy_module("datasets")
+pa = lazy_module("pyarrow")
 
 
 def text_dataset(texts: Sequence[str]) -> datasets.Dataset:
     """A {"text"} dataset of `texts`, named by their content hash (`documents_fingerprint`),
     which `text_fingerprint` then knows without reading the texts again."""
     content = documents_fingerprint(texts)
-    table = named_dataset({"text": texts}, TEXT_FEATURES, content)
+    features = datasets.Features({"text": datasets.Value("string")})
+    table = named_dataset({"text": texts}, features, content)
     remember_text_hash(table, content)
     return table
 

@@ -21,17 +21,19 @@ import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 
-import datasets
 import numpy as np
 import tokenizers
-import transformers
 
 from flaxlm import distributed
 from flaxlm.config import TokenConvention, TokenizerConfig
 from flaxlm.data import cache
 from flaxlm.data.fingerprint import settings_fingerprint, text_fingerprint
 from flaxlm.errors import FlaxlmError, first_line
+from flaxlm.lazy_imports import lazy_module
 from flaxlm.storage import cached_copy, is_url
+
+datasets = lazy_module("datasets")
+transformers = lazy_module("transformers")
 
 PIECE_CHARS = 1 << 16  # the longest string handed to the tokenizer: a piece of a long document
 ENCODE_CHARS = 1 << 20  # characters tokenised (or counted for training) together

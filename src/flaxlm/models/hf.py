@@ -40,10 +40,10 @@ import os
 from collections.abc import Callable
 
 import numpy as np
-import transformers
 from flax import nnx
 
 from flaxlm.config import ModelConfig, ModelFamily
+from flaxlm.lazy_imports import lazy_module
 from flaxlm.models import bert, gpt2, llama
 from flaxlm.models.layers import (
     HFNames,
@@ -53,6 +53,8 @@ from flaxlm.models.layers import (
     unstack_layers,
 )
 from flaxlm.parallel import host_copy
+
+transformers = lazy_module("transformers")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,11 +28,11 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import transformers
 from flax import nnx
 
 from flaxlm.config import ModelConfig, ModelFamily, Remat, RopeScaling
 from flaxlm.errors import FlaxlmError
+from flaxlm.lazy_imports import lazy_module
 from flaxlm.models.attention import attention
 from flaxlm.models.layers import (
     ACTIVATIONS,
@@ -53,6 +53,8 @@ from flaxlm.models.layers import (
     stack_blocks,
 )
 from flaxlm.parallel import constrain_batch
+
+transformers = lazy_module("transformers")
 
 ROPE_TYPES = ("default", "linear", "llama3")  # HF's rope_type names
 

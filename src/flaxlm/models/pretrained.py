@@ -21,11 +21,11 @@ from collections.abc import Callable
 import jax
 import ml_dtypes  # noqa: F401 — registers bfloat16 with numpy, so safetensors reads it
 import numpy as np
-import transformers
 from flax import nnx
 
 from flaxlm.config import ModelConfig, ModelFamily
 from flaxlm.errors import FlaxlmError
+from flaxlm.lazy_imports import lazy_module
 from flaxlm.models import hf
 from flaxlm.models.layers import (
     ACTIVATIONS,
@@ -34,6 +34,8 @@ from flaxlm.models.layers import (
     unstack_layers,
 )
 from flaxlm.storage import cached_copy, is_url
+
+transformers = lazy_module("transformers")
 
 # ---------------------------------------------------------------- finding a checkpoint
 

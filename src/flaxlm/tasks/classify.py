@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import datasets
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,6 +33,7 @@ from flaxlm.data.tokenizer import (
     set_post_processor,
 )
 from flaxlm.errors import FlaxlmError
+from flaxlm.lazy_imports import lazy_module
 from flaxlm.models import build, hf, pretrained
 from flaxlm.parallel import replicated
 from flaxlm.tasks import base
@@ -41,6 +41,8 @@ from flaxlm.tasks.base import Start, Training
 from flaxlm.tasks.pipeline import Network, Run, Task, TaskData
 from flaxlm.training import evaluation
 from flaxlm.training.step import CompiledSteps, TrainState, compile_train_step
+
+datasets = lazy_module("datasets")
 
 
 class Classification(Task):

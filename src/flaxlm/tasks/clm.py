@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-import datasets
 import jax
 
 from flaxlm.config import CorpusSource, LanguageConfig, TrainConfig
@@ -34,6 +33,7 @@ from flaxlm.data.streaming import StreamingLoader, process_shard
 from flaxlm.data.tables import text_dataset
 from flaxlm.data.tokenizer import document_prefix, prepare_tokenizer
 from flaxlm.errors import FlaxlmError
+from flaxlm.lazy_imports import lazy_module
 from flaxlm.models import pretrained
 from flaxlm.tasks import base
 from flaxlm.tasks.language_model import LanguageModelTask, own_conventions, token_bytes
@@ -44,6 +44,8 @@ from flaxlm.training.evaluation import (
     MixtureEvaluator,
     source_metrics,
 )
+
+datasets = lazy_module("datasets")
 
 # Training documents of a streamed corpus that its fingerprint covers, from the stream's start.
 STREAM_CHECKED_DOCS = 1000

@@ -1,0 +1,36 @@
+"""Libraries imported where they are first used, not where a module names them.
+
+`datasets` (with pandas under it), `transformers` and pyarrow take seconds to import, more on a TPU
+VM, and not every use of a module that names them needs them: a tool's `--help` needs none, a
+run only what its corpus, task, tokenizer and export use, and only when it gets there. A module
+that writes
+
+    datasets = lazy_module("datasets")
+
+uses `datasets.Dataset` as before; the library is imported at the first attribute read, by
+Python's own import (so `sys.modules` holds the real module, never this stand-in), and annotations
+(`from __future__ import annotations`) never read it. tests/test_imports.py pins which libraries
+importing the train path loads.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+from typing import Any
+
+
+class LazyModule(types.ModuleType):
+    """Stands for the module `name` until an attribute is read from it."""
+
+    def __getattr__(self, attribute: str) -> Any:
+        # Only called for what the stand-in itself lacks, i.e. everything of the library's own.
+        return getattr(importlib.import_module(self.__name__), attribute)
+
+    def __repr__(self) -> str:
+        return f"<module {self.__name__!r}, imported at its first use>"
+
+
+def lazy_module(name: str) -> Any:
+    """The module `name`, imported at its first use (typed Any: it stands for any module)."""
+    return LazyModule(name)
