@@ -53,6 +53,13 @@ def pytest_configure(config):
     from flaxlm.cli.common import end_without_final_collection
 
     end_without_final_collection()
+    # pytest-xdist (3.7 and later) hands out `--dist loadfile`'s modules in its own order, the
+    # ones with the most tests first, unless told to keep the collection's: the order of
+    # pytest_collection_modifyitems below, longest first. Left to xdist, modules of a few long
+    # end-to-end tests (test_multihost.py, test_wheel.py, test_resume_data.py) started last,
+    # and the worker that drew them finished minutes after the other.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     # JAX starts now, on the 8 devices set above, before any test does. Left to the first test
     # of a worker, a flaxlm-train run with hardware=cpu in this process would start it with one
     # device per core (configure_platform), and every later test there would see that many.
