@@ -42,9 +42,10 @@ import pytest  # noqa: E402
 # The S3 and GCS emulators, started by the tests that ask for a bucket (tests/buckets.py).
 from buckets import gcs, gcs_endpoint, gcs_env, s3, s3_endpoint, s3_env  # noqa: E402, F401
 
-# A module's end-to-end tests (`slow`, `multiprocess`) take ten times an ordinary test's time, or
-# more: its weight, for the order below.
-_LONG_MARKERS = {"slow", "multiprocess"}
+# A module's end-to-end tests take ten times an ordinary test's time (`slow`: a few seconds), or
+# forty (`multiprocess`: two processes that each start Python and JAX, 20-40 s): their weights,
+# for the order below.
+_TEST_WEIGHTS = {"multiprocess": 40, "slow": 10}
 
 
 def pytest_configure(config):
@@ -53,6 +54,13 @@ def pytest_configure(config):
     from flaxlm.cli.common import end_without_final_collection
 
     end_without_final_collection()
+    # pytest-xdist (3.7 and later) hands out `--dist loadfile`'s modules in its own order, the
+    # ones with the most tests first, unless told to keep the collection's: the order of
+    # pytest_collection_modifyitems below, longest first. Left to xdist, modules of a few long
+    # end-to-end tests (test_multihost.py, test_wheel.py, test_resume_data.py) started last,
+    # and the worker that drew them finished minutes after the other.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     # JAX starts now, on the 8 devices set above, before any test does. Left to the first test
     # of a worker, a flaxlm-train run with hardware=cpu in this process would start it with one
     # device per core (configure_platform), and every later test there would see that many.
@@ -85,8 +93,9 @@ def pytest_collection_modifyitems(items):
         elif ON_TPU and not on_the_chip:
             item.add_marker(pytest.mark.skip(
                 reason="FLAXLM_TEST_TPU=1 runs the tests marked tpu; the rest run on the CPU"))
-        long = any(item.get_closest_marker(name) for name in _LONG_MARKERS)
-        weights[item.module.__name__] = weights.get(item.module.__name__, 0) + (10 if long else 1)
+        weight = next((weight for marker, weight in _TEST_WEIGHTS.items()
+                       if item.get_closest_marker(marker)), 1)
+        weights[item.module.__name__] = weights.get(item.module.__name__, 0) + weight
     items.sort(key=lambda item: -weights[item.module.__name__])
 
 
