@@ -32,6 +32,7 @@ from flaxlm.tracking import Tracker
 from flaxlm.training.checkpoint.manager import Checkpointer, key_to_json
 from flaxlm.training.checkpoint.resume import DATA_FINGERPRINT_KEY, CheckpointSaver, restore_run
 from flaxlm.training.evaluation import Evaluate
+from flaxlm.training.executables import kept_steps
 from flaxlm.training.hooks import standard_hooks
 from flaxlm.training.loop import Hook, LoopState, Throughput, fit
 from flaxlm.training.optimizer import make_optimizer, make_schedule
@@ -190,7 +191,9 @@ def prepare_training(
                                                     shape_from_checkpoint=True)
         print(f"flaxlm: model.init_from={config.model.init_from}: {report}")
     graphdef, state = create_state(model, tx, job.mesh, trainable)  # by its logical axes
-    steps = compile_steps(job.mesh, graphdef, tx, schedule)
+    steps = kept_steps(compile_steps(job.mesh, graphdef, tx, schedule),
+                       dataclasses.replace(config, model=start.model), plan.total_steps, job.mesh,
+                       data_fingerprint)
     tokenizer_hash = tokenizer_sha256(tokenizer)
     metadata = {"config": job.resolved, "tokenizer_sha256": tokenizer_hash,
                 "dropout_key": key_to_json(dropout_key), "wandb_run_id": job.run.wandb_run_id,
