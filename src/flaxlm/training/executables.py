@@ -261,14 +261,23 @@ class StoredStep:
         self.required = required
         self.compiled: dict[str, Any] = {}  # by signature
         self.loaded: set[str] = set()  # the signatures whose program came from the store
+        self.last = None  # the program of the last call, tried first: no signature per step
 
     def __call__(self, *args):
+        if self.last is not None:
+            try:  # a compiled program checks its arguments before it runs (in C++)
+                return self.last(*args)
+            except (TypeError, ValueError):
+                pass  # other arguments than the last call's: look up their program
         args_signature = signature(args)
         compiled = self.compiled.get(args_signature)
         if compiled is None:
             compiled = self.compiled[args_signature] = self._obtain(args_signature, args)
             if args_signature in self.loaded:
-                return self._first_call_of_loaded(args_signature, args)
+                result = self._first_call_of_loaded(args_signature, args)
+                self.last = self.compiled[args_signature]
+                return result
+        self.last = compiled
         return compiled(*args)
 
     def lower(self, *args, **kwargs):
