@@ -31,6 +31,7 @@ import json
 import os
 import pickle
 import tempfile
+import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -284,6 +285,7 @@ class StoredStep:
         return self.jitted.lower(*args, **kwargs)
 
     def _obtain(self, args_signature: str, args):
+        started = time.perf_counter()
         try:
             loaded = self.store.load(self.key, self.role, args_signature)
         except Exception as err:  # noqa: BLE001 — a damaged or foreign file: compile instead
@@ -294,6 +296,9 @@ class StoredStep:
             loaded = None
         if loaded is not None:
             self.loaded.add(args_signature)
+            print(f"flaxlm: the {self.role} step loaded from "
+                  f"{self.store.path(self.key, self.role, args_signature)} in "
+                  f"{time.perf_counter() - started:.1f} s: not traced, not compiled", flush=True)
             return loaded
         if self.required:
             raise self._refusal(
