@@ -120,6 +120,9 @@ def isolated_caches(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("FLAXLM_CACHE", str(session_dir / "flaxlm-cache"))
     workers_dir = session_dir.parent if os.environ.get("PYTEST_XDIST_WORKER") else session_dir
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(workers_dir / "xla"))
+    # No run loads steps an earlier test compiled (flaxlm.training.executables): a test that
+    # patches a step's code keeps the config, so the key would not tell its program apart.
+    monkeypatch.setenv("FLAXLM_KEEP_COMPILED_STEPS", "false")
     hf_cache = tmp_path_factory.mktemp("hf-datasets")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(hf_cache))
     # `datasets` reads its settings once, at import: patch them where it looks them up.

@@ -57,6 +57,8 @@ from flaxlm.parallel import (
 from flaxlm.tasks import base
 from flaxlm.tasks.clm import CausalLM
 from flaxlm.tasks.language_model import lm_start, lm_steps_compiler
+from flaxlm.training import executables
+from flaxlm.training.ahead import abstract
 from flaxlm.training.memory import MEMORY_RECIPES, MemoryRecipe
 from flaxlm.training.optimizer import make_optimizer, make_schedule
 from flaxlm.training.plan import global_batch_size
@@ -263,10 +265,13 @@ class _Layout:
         return self.param_bytes + self.opt_state_bytes
 
 
-def plan(cfg: DictConfig | TrainConfig) -> RunPlan:
+def plan(cfg: DictConfig | TrainConfig, save_to: str | None = None) -> RunPlan:
     """Compile the run `cfg` describes for its hardware, without running it. A run whose
-    step the compiler cannot fit in a chip's memory is a FlaxlmError saying what to change."""
+    step the compiler cannot fit in a chip's memory is a FlaxlmError saying what to change.
+    `save_to`: a directory that a run of `cfg` on these devices loads its compiled steps from
+    (flaxlm-train compiled_steps=DIR; `flaxlm.training.executables`)."""
     run = abstract_run(cfg)
+    keep = _saver(run, save_to) if save_to else (lambda role, args: None)
     config, hardware, mesh, state = run.config, run.config.hardware, run.mesh, run.state
     batch = run.train_args[1]
     rows, accum = batch.shape[0], config.trainer.grad_accum_steps
@@ -277,8 +282,13 @@ def plan(cfg: DictConfig | TrainConfig) -> RunPlan:
         opt_state_bytes=per_device_bytes((state.step, state.opt_state)),
         fsdp_state_bytes=_fsdp_state_bytes(mesh, run.model, run.tx,
                                            lora.trainable(config.model)))
-    train = _compile_or_refuse(run, layout, "train", run.steps.train, run.train_args)
-    evaluate = _compile_or_refuse(run, layout, "eval", run.steps.eval, run.eval_args)
+    # A run calls the jitted train step with the optimizer's numbers after the train step's
+    # own arguments (`TrainStep`): the program a run looks up is keyed by all four.
+    train = _compile_or_refuse(run, layout, "train", run.steps.train, run.train_args,
+                               keep("train", (*run.train_args,
+                                              abstract(run.steps.train.hyperparams))))
+    evaluate = _compile_or_refuse(run, layout, "eval", run.steps.eval, run.eval_args,
+                                  keep("eval", run.eval_args))
     num_params = count_params(run.model)
     kind = run.devices[0].device_kind
     hbm = _hbm_bytes(hardware.hbm_gib_per_device, run.devices[0])
@@ -304,13 +314,28 @@ def plan(cfg: DictConfig | TrainConfig) -> RunPlan:
     )
 
 
-def _compile_or_refuse(run: AbstractRun, layout: _Layout, phase: str, step, args
-                       ) -> CompiledStep:
+def _saver(run: AbstractRun, directory: str) -> Callable:
+    """`keep(role, args)`: what hands the compiled `role` step, made for `args`, to the
+    directory a run loads it from. The schedule's length is compiled into the train step:
+    without data it is known only from trainer.max_steps."""
+    if run.config.trainer.max_steps is None:
+        raise FlaxlmError(
+            "flaxlm-plan --save needs trainer.max_steps: the train step has the learning-rate "
+            "schedule's length compiled in, and without reading the data the plan cannot know "
+            "an epoch's. Add trainer.max_steps=N to the plan's overrides and to the run's.")
+    store = executables.StepStore(directory)
+    key = executables.program_key(run.config, _schedule_length(run.config), run.mesh)
+    return lambda role, args: (
+        lambda compiled: store.save(key, role, executables.signature(args), compiled))
+
+
+def _compile_or_refuse(run: AbstractRun, layout: _Layout, phase: str, step, args,
+                       keep: Callable | None = None) -> CompiledStep:
     """`compile_step`; XLA's TPU compiler refuses a program that cannot fit the chip's
     memory, which is the plan's answer, said as one paragraph with what to change; an
     attention kernel that does not compile for the chips is one paragraph too."""
     try:
-        return compile_step(step, *args)
+        return compile_step(step, *args, keep=keep)
     except Exception as err:  # noqa: BLE001 — JaxRuntimeError, whatever XLA raises
         kernel = kernel_compile_error(
             err, base.attention_choice(run.config, run.config.model, CausalLM.pads_rows))
@@ -342,11 +367,18 @@ def abstract_key(mesh: Mesh, impl: str) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated(mesh))
 
 
-def compile_step(step, *args) -> CompiledStep:
-    """`step` (a jitted function) lowered for `args` (shapes with shardings) and compiled."""
+def compile_step(step, *args, keep: Callable | None = None) -> CompiledStep:
+    """`step` (a jitted function) lowered for `args` (shapes with shardings) and compiled;
+    `keep(compiled)`, if given, is handed the executable."""
     started = time.perf_counter()
-    compiled = step.lower(*args).compile()
+    if keep is None:
+        compiled = step.lower(*args).compile()
+    else:
+        platform = jax.tree.leaves(args)[0].sharding.device_set.pop().platform
+        compiled = executables.compile_to_keep(step, args, platform)
     seconds = time.perf_counter() - started
+    if keep is not None:
+        keep(compiled)
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, Sequence):  # one dict per program in some jax versions

@@ -611,6 +611,13 @@ class TrainConfig:
     output_url: Optional[str] = None
     # Tokenizers and packed token blocks, shared by runs (FLAXLM_CACHE).
     cache_dir: str = MISSING
+    # Keep the compiled train and eval steps in <cache_dir>/executables and load them in a
+    # later run with the same key (config, devices, versions, flaxlm's source): no tracing,
+    # no compiling (flaxlm.training.executables).
+    keep_compiled_steps: bool = MISSING
+    # A directory written by `flaxlm-plan ... --save DIR` for this run's devices: its steps
+    # are loaded instead of compiled; one made for another run is refused.
+    compiled_steps: Optional[str] = None
 
 
 # Keys an earlier release spelt differently, by their old dotted key → the key now. Given on

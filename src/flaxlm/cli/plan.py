@@ -17,6 +17,10 @@ parameters, smaller micro-batches) in the order of what they cost in quality, ea
 per-chip state it leaves; `--fit` compiles them in that order and plans the first that fits,
 less the recipes costing only time (remat, the loss in chunks) that a later one made unneeded.
 
+`--save DIR` also writes the compiled train and eval steps to DIR: a run of the same overrides
+on those devices loads them instead of compiling (`flaxlm-train ... compiled_steps=DIR`,
+`flaxlm.training.executables`; docs/planning.md).
+
 Exit status: 0 the run fits (or the chip's memory is unknown; with --fit: it or a recipe
 fits, the recipe's overrides printed); 2 it does not (one paragraph naming what to change),
 or a mistake in the command or the config.
@@ -45,6 +49,11 @@ def parser() -> Parser:
                             "model.remat=full ...): the run to plan")
     parse.add_argument("--json", metavar="FILE",
                        help="also write the plan's figures to FILE as JSON (default: none)")
+    parse.add_argument("--save", metavar="DIR",
+                       help="also write the compiled train and eval steps to DIR, for a run "
+                            "of the same overrides on these devices to load instead of "
+                            "compiling (flaxlm-train ... compiled_steps=DIR); needs "
+                            "trainer.max_steps")
     parse.add_argument("--fit", action="store_true",
                        help="if the run does not fit, compile the memory recipes in order "
                             "(cheapest in quality first) and plan the first that fits")
@@ -54,11 +63,15 @@ def parser() -> Parser:
 def run(argv: Sequence[str]) -> int:
     """Plan as the command line says; returns the exit status (0 fits, 2 does not)."""
     args = parser().parse_args(argv)
+    if args.save and args.fit:
+        raise FlaxlmError("flaxlm-plan: --save writes the steps of the run the overrides "
+                          "describe; find the recipe with --fit first, then plan it with "
+                          "its overrides and --save.")
     cfg = compose(args.overrides)
     from flaxlm import aot  # only now: it starts JAX, which the composed config configures
 
     try:
-        planned = aot.plan(cfg)
+        planned = aot.plan(cfg, save_to=args.save)
     except aot.DoesNotFit as refused:  # no figures but the compiler's
         planned, problem = None, str(refused)
     else:

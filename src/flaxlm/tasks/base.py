@@ -39,6 +39,7 @@ from flaxlm.training.checkpoint.resume import (
     restore_run,
 )
 from flaxlm.training.evaluation import Evaluate
+from flaxlm.training.executables import kept_steps
 from flaxlm.training.hooks import standard_hooks
 from flaxlm.training.keys import dropout_impl, key_impl_name, run_keys
 from flaxlm.training.loop import Hook, LoopState, Throughput, fit
@@ -47,7 +48,6 @@ from flaxlm.training.plan import Plan, make_plan
 from flaxlm.training.step import (
     CompiledSteps,
     TrainState,
-    TrainStep,
     create_state,
     trained_part,
     with_trained_part,
@@ -190,8 +190,8 @@ def prepare_training(
     attention = attention_choice(config, start.model, pads_rows)
     init_key, dropout_key = run_keys(config.seed, run_dropout_impl(config.hardware))
     build = lambda: build_model(spec, nnx.Rngs(params=init_key))  # noqa: E731
-    train_ahead = _train_step_ahead(job.mesh, build, tx, compile_steps, loader, dropout_key,
-                                    trainable)
+    steps = _steps(job, dataclasses.replace(config, model=start.model), build, tx,
+                   compile_steps, loader, plan, dropout_key, data_fingerprint, trainable)
     # Made where it lives: each device computes (and keeps) only its part of each parameter.
     model = init_on_mesh(build, job.mesh)
     # A resumed run's weights come from its checkpoint, except a frozen base, which its
@@ -202,9 +202,6 @@ def prepare_training(
                                                     shape_from_checkpoint=True)
         print(f"flaxlm: model.init_from={config.model.init_from}: {report}")
     graphdef, state = create_state(model, tx, job.mesh, trainable)  # by its logical axes
-    steps = compile_steps(job.mesh, graphdef, tx)
-    if train_ahead is not None:
-        steps = dataclasses.replace(steps, train=train_ahead)
     tokenizer_hash = tokenizer_sha256(tokenizer)
     metadata = {"config": job.resolved, "tokenizer_sha256": tokenizer_hash,
                 "dropout_key": key_to_json(dropout_key),
@@ -234,21 +231,26 @@ def prepare_training(
     return training
 
 
-def _train_step_ahead(mesh, build: Callable[[], nnx.Module], optimizer,
-                      compile_steps: Callable[..., CompiledSteps], loader, dropout_key,
-                      trainable) -> TrainStep | None:
-    """The train step, compiling in the background from the shapes of the state (made by
-    `create_state` from the model's shapes, as the real one will be) and of the loader's first
-    batch, while the model is initialised (`flaxlm.training.ahead`). None for a loader whose
-    batches are not known before the loop reads them (a stream), which compiles at its first
-    step as before."""
+def _steps(job: JobContext, config: TrainConfig, build: Callable[[], nnx.Module], optimizer,
+           compile_steps: Callable[..., CompiledSteps], loader, plan: Plan, dropout_key,
+           data_fingerprint: dict[str, str], trainable) -> CompiledSteps:
+    """The task's steps, made from the model's shapes before the model is initialised: loaded
+    from or kept in a store of compiled steps (`kept_steps`: compiled_steps, or
+    keep_compiled_steps), and the train step obtained in the background, from the shapes of
+    the state (`create_state` of the model's shapes, as the real state will be laid out) and
+    of the loader's first batch, while the model is initialised (`flaxlm.training.ahead`).
+    A loader whose batches are not known before the loop reads them (a stream) leaves the
+    train step to its first call. `config`: with the model the run starts from."""
+    graphdef, state = create_state(nnx.eval_shape(build), optimizer, job.mesh, trainable)
+    steps = kept_steps(compile_steps(job.mesh, graphdef, optimizer), config, plan.total_steps,
+                       job.mesh, data_fingerprint)
     if not isinstance(loader, RowLoader) or loader.steps_per_epoch == 0:
-        return None
-    graphdef, state = create_state(nnx.eval_shape(build), optimizer, mesh, trainable)
-    train = compile_steps(mesh, graphdef, optimizer).train
-    batch = abstract(next(iter(loader.epoch(0))))
-    args = (state, batch, abstract(dropout_key), abstract(train.hyperparams))
-    return dataclasses.replace(train, jitted=CompiledAhead(train.jitted, args))
+        return steps
+    train = steps.train
+    args = (state, abstract(next(iter(loader.epoch(0)))), abstract(dropout_key),
+            abstract(train.hyperparams))
+    return dataclasses.replace(
+        steps, train=dataclasses.replace(train, jitted=CompiledAhead(train.jitted, args)))
 
 
 # The checkpoint metadata of a run that trains adapters (model.lora): the frozen base they

@@ -36,8 +36,11 @@ class CompiledAhead:
 
     def __init__(self, jitted: Callable, abstract_args: Sequence[Any]):
         self.jitted = jitted
-        lowered = jitted.lower(*abstract_args)
-        self._compiled = _WORKERS.submit(lowered.compile)
+        prepare = getattr(jitted, "prepare", None)
+        if prepare is not None:  # a step that keeps its programs (StoredStep) loads or compiles
+            self._compiled = _WORKERS.submit(lambda: prepare(abstract_args) or jitted)
+        else:
+            self._compiled = _WORKERS.submit(jitted.lower(*abstract_args).compile)
         self._call: Callable | None = None
 
     def __call__(self, *args):
@@ -46,7 +49,7 @@ class CompiledAhead:
         try:
             return self._call(*args)
         except (TypeError, ValueError) as err:  # the arguments' check, before anything runs
-            if self._call is self.jitted:
+            if self._call is self.jitted:  # its own program, or its own refusal
                 raise
             print(f"flaxlm: note: the train step compiled ahead does not take these "
                   f"arguments ({str(err).splitlines()[0][:200]}); compiling it for them")
