@@ -65,7 +65,7 @@ def flax_worker(config, checkpoint: str, arrays, args) -> None:
     tx = make_optimizer(config.optimizer, schedule)
     graphdef, state = create_state(model, tx)
     state = jax.device_put(state, replicated(mesh))
-    steps_ = compile_classifier_steps(mesh, graphdef, tx, schedule, is_regression=False)
+    steps_ = compile_classifier_steps(mesh, graphdef, tx, is_regression=False)
     batch = {name: global_batch(array, mesh) for name, array in arrays.items()}
     key = jax.random.key(0)
     holder = {"state": state}

@@ -87,8 +87,7 @@ def optimizer():
     from flaxlm.training.optimizer import make_optimizer, make_schedule
 
     config = config_node("optimizer", ["optimizer=adamw"], lr=1e-4)
-    schedule = make_schedule(config, total_steps=10)
-    return make_optimizer(config, schedule), schedule
+    return make_optimizer(config, make_schedule(config, total_steps=10))
 
 
 def bytes_per_device(abstract_state, mesh) -> tuple[int, int]:
@@ -179,11 +178,11 @@ def train_one_step(preset: str, mesh_name: str, seq_len: int) -> dict:
 
     start = time.perf_counter()
     mesh = make_mesh(NUM_DEVICES, MeshConfig(**MESHES[mesh_name]))
-    tx, schedule = optimizer()
+    tx = optimizer()
     init, graphdef = init_fn(preset, tx)
     abstract = jax.eval_shape(init)
     state = jax.jit(init, out_shardings=state_shardings(abstract, mesh))()
-    train = compile_steps(mesh, graphdef, tx, schedule).train
+    train = compile_steps(mesh, graphdef, tx).train
     vocab = abstract.params["wte"]["embedding"].shape[0]
     rows = np.random.default_rng(0).integers(0, vocab, (NUM_DEVICES, seq_len), dtype=np.int32)
     state, metrics = train(state, global_batch(rows, mesh), jax.random.key(0))

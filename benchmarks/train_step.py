@@ -82,7 +82,7 @@ def flax_worker(config, tokens_np, args) -> None:
     num_params = count_params(model)
     graphdef, state = create_state(model, tx)
     state = jax.device_put(state, replicated(mesh))
-    compiled = lm_steps_compiler(config)(mesh, graphdef, tx, schedule)  # training's own step
+    compiled = lm_steps_compiler(config)(mesh, graphdef, tx)  # training's own step
     inputs = global_batch(tokens_np, mesh)
     key = jax.random.key(0)
     holder = {"state": state}
