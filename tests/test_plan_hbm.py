@@ -81,7 +81,7 @@ def test_the_plans_verdict_measures_against_the_usable_memory(monkeypatch, capsy
     """A train step of 15.9 GiB per chip would have fit the nominal 16 GiB; it does not fit
     the 15.75 a program can use, and the report says where that figure comes from."""
     monkeypatch.setattr(aot, "compile_step",
-                        lambda step, *args: _compiled(
+                        lambda step, *args, keep=None: _compiled(
                             train_gib if isinstance(args[0], aot.TrainState) else 0.0))
     with contextlib.redirect_stdout(io.StringIO()) as out:
         if fits:

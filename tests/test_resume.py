@@ -102,14 +102,15 @@ def test_resume_must_without_a_checkpoint_and_never_with_resume_from_fail(tmp_pa
 
 def corrupt_batch_at(monkeypatch, bad_step: int):
     """Token ids past the vocabulary in the batch of `bad_step`: the embedding lookup fills
-    them with NaN, so that step's loss and gradients are NaN."""
+    them with NaN, so that step's loss and gradients are NaN. By the batch's place in the run,
+    not by how many were read: the run reads its first batch's shapes before training (the
+    train step compiled ahead)."""
     epoch_of = RowLoader.epoch
-    seen = {"steps": 0}
 
     def epoch(self, epoch_index, start_step=0):
-        for batch in epoch_of(self, epoch_index, start_step):
-            seen["steps"] += 1
-            yield batch + 100_000 if seen["steps"] == bad_step else batch
+        for index, batch in enumerate(epoch_of(self, epoch_index, start_step), start_step):
+            step = epoch_index * self.steps_per_epoch + index + 1
+            yield batch + 100_000 if step == bad_step else batch
 
     monkeypatch.setattr(RowLoader, "epoch", epoch)
 

@@ -53,7 +53,7 @@ def parser() -> Parser:
                        help="also write the compiled train and eval steps to DIR, for a run "
                             "of the same overrides on these devices to load instead of "
                             "compiling (flaxlm-train ... compiled_steps=DIR); needs "
-                            "trainer.max_steps")
+                            "trainer.max_steps (default: nothing written)")
     parse.add_argument("--fit", action="store_true",
                        help="if the run does not fit, compile the memory recipes in order "
                             "(cheapest in quality first) and plan the first that fits")
