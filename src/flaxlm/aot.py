@@ -374,7 +374,10 @@ def compile_step(step, *args, keep: Callable | None = None) -> CompiledStep:
     if keep is None:
         compiled = step.lower(*args).compile()
     else:
-        platform = jax.tree.leaves(args)[0].sharding.device_set.pop().platform
+        # The devices' platform from a leaf laid out on them (a leaf on the abstract mesh
+        # names none).
+        platform = next(device.platform for leaf in jax.tree.leaves(args)
+                        for device in getattr(getattr(leaf, "sharding", None), "device_set", ()))
         compiled = executables.compile_to_keep(step, args, platform)
     seconds = time.perf_counter() - started
     if keep is not None:
