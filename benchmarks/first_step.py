@@ -78,7 +78,7 @@ def child(run_dir: str, overrides: list[str]) -> None:
     }), flush=True)
 
 
-def run(cache: str, overrides: list[str], label: str) -> dict:
+def run(cache: str, overrides: list[str], label: str, logs: str | None = None) -> dict:
     env = {key: value for key, value in os.environ.items()
            if key != "JAX_COMPILATION_CACHE_DIR"}  # the run's own cache, under FLAXLM_CACHE
     if not any(o.startswith("hardware=") and o != "hardware=cpu" for o in overrides):
@@ -90,6 +90,10 @@ def run(cache: str, overrides: list[str], label: str) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
         done = subprocess.run([sys.executable, __file__, "--child", run_dir, "--", *overrides],
                               env=env, capture_output=True, text=True)
+    if logs:
+        os.makedirs(logs, exist_ok=True)
+        with open(os.path.join(logs, f"{label}.log"), "w") as log:
+            log.write(done.stdout + done.stderr)
     lines = [line for line in done.stdout.splitlines() if line.startswith("FIRST_STEP ")]
     if done.returncode or not lines:
         sys.exit(f"{label}: flaxlm-train failed ({done.returncode}):\n{done.stderr[-4000:]}")
@@ -103,6 +107,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--full", action="store_true", help="without the QUICK overrides")
     parser.add_argument("--label", default="")
+    parser.add_argument("--logs", help="a folder for each run's output, <label>.log")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     overrides = args.overrides if args.full else [*QUICK, *args.overrides]
@@ -113,7 +118,8 @@ def main() -> None:
     results = []
     for index in range(args.runs):
         label = args.label + ("cold" if fresh and index == 0 else "warm")
-        results.append(run(cache, overrides, label))
+        results.append(run(cache, overrides, f"{label}{index}" if index > 1 else label,
+                           args.logs))
         print(json.dumps(results[-1]), flush=True)
     print(f"{'run':<12} {'python':>7} {'imports':>8} {'runtime':>8} {'to step':>8} "
           f"{'process':>8} {'compiled':>9} {'compile':>8} {'trace':>6} {'hits':>5}")

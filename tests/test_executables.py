@@ -137,3 +137,15 @@ def test_a_plan_saved_for_other_devices_is_refused_naming_them(tmp_path, monkeyp
 def test_plan_save_needs_the_schedules_length(tmp_path):
     with pytest.raises(FlaxlmError, match="--save needs trainer.max_steps"):
         plan_cli.run([*TINY, "task.max_seq_length=32", "--save", str(tmp_path / "x")])
+
+
+def test_the_key_leaves_out_what_jax_adds_on_a_tpu_but_keeps_the_users_tpu_flags(monkeypatch):
+    """JAX adds --xla_tpu_use_enhanced_launch_barrier to LIBTPU_INIT_ARGS when it starts on a
+    TPU: a plan made on a CPU, loaded on the chip, was refused over it (issue 52, on a v5e)."""
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+    planned = executables.environment()
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_use_enhanced_launch_barrier=true")
+    assert executables.environment() == planned
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_use_enhanced_launch_barrier=true "
+                       "--xla_tpu_enable_latency_hiding_scheduler=false")
+    assert executables.environment() != planned

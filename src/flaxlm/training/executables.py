@@ -67,6 +67,9 @@ VERSIONED = ("jax", "jaxlib", "libtpu", "libtpu-nightly", "flax", "optax")
 # XLA's flags that do not change a program: the CPU's simulated device count (the devices
 # are in the key).
 _IGNORED_FLAGS = ("--xla_force_host_platform_device_count",)
+# What JAX itself adds to LIBTPU_INIT_ARGS when it starts on a TPU (jax._src.cloud_tpu_init):
+# a run finds it there, a plan made on a CPU never does, and it changes no program.
+_JAX_TPU_INIT_ARGS = ("--xla_tpu_use_enhanced_launch_barrier",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +140,9 @@ def environment() -> dict[str, str]:
     flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
              if not flag.startswith(_IGNORED_FLAGS)]
     return {"XLA_FLAGS": " ".join(sorted(flags)),
-            "LIBTPU_INIT_ARGS": os.environ.get("LIBTPU_INIT_ARGS", ""),
+            "LIBTPU_INIT_ARGS": " ".join(sorted(
+                arg for arg in os.environ.get("LIBTPU_INIT_ARGS", "").split()
+                if not arg.startswith(_JAX_TPU_INIT_ARGS))),
             "x64": str(jax.config.jax_enable_x64),
             "matmul_precision": str(jax.config.jax_default_matmul_precision)}
 
