@@ -24,8 +24,10 @@ FROM_INDEX=(flax optax orbax-checkpoint transformers datasets tokenizers safeten
             scikit-learn scipy matplotlib pyarrow)
 # What it lacks, as wheels (versions as `make test` resolves them here). antlr4-python3-runtime
 # 4.9.3, which omegaconf pins, exists only as a source archive: built into a wheel here.
+# flax and optax too, though the index has them: a plan saved here (flaxlm-plan --save) loads
+# only where the same versions trace the steps (flaxlm.training.executables).
 CARRIED=(hydra-core==1.3.8 omegaconf==2.3.1 grain==0.2.18 array_record==0.8.6 portpicker==1.6.0
-         cloudpickle==3.1.3 pytest-xdist==3.8.0 execnet==2.1.2)
+         cloudpickle==3.1.3 pytest-xdist==3.8.0 execnet==2.1.2 flax==0.12.8 optax==0.2.8)
 # The files whose tests compare floats computed by XLA (tests/numerics.py's tolerances), run on
 # the VM host's CPU: another CPU model than CI's. Their tests marked torch, harness, libtpu or
 # multiprocess are left out there (no PyTorch, no lm-eval, no sockets).

@@ -10,6 +10,7 @@ import io
 import json
 
 import jax
+import jax.numpy as jnp
 import pytest
 from conftest import TINY, compose
 
@@ -149,3 +150,12 @@ def test_the_key_leaves_out_what_jax_adds_on_a_tpu_but_keeps_the_users_tpu_flags
     monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_use_enhanced_launch_barrier=true "
                        "--xla_tpu_enable_latency_hiding_scheduler=false")
     assert executables.environment() != planned
+
+
+def test_a_store_that_cannot_be_written_costs_a_compile_not_the_run(tmp_path, capsys):
+    store = executables.StepStore(tmp_path / "store")
+    (tmp_path / "store").write_text("a file where the store's folder would be")
+    compiled = jax.jit(lambda x: x + 1).lower(jnp.ones(2)).compile()
+    key = executables.ProgramKey({"what": "a test"})
+    assert store.save(key, "train", "sig", compiled) is False
+    assert "not kept for later runs" in capsys.readouterr().out

@@ -36,6 +36,7 @@ from flaxlm.parallel import (
     run_accelerator,
     target_devices,
 )
+from flaxlm.training.optimizer import make_optimizer, make_schedule
 from flaxlm.training.step import create_state
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -145,7 +146,7 @@ def test_gradient_accumulation_counts_its_loop_in_full(plans):
 def test_a_run_that_does_not_fit_exits_2_naming_what_to_change(plans, monkeypatch, capsys):
     """The plan compiled by the fixture, on a chip of 1 MiB."""
     small_chip = dataclasses.replace(plans["gpt2", "data"], hbm_bytes=2**20)
-    monkeypatch.setattr(aot, "plan", lambda cfg: small_chip)
+    monkeypatch.setattr(aot, "plan", lambda cfg, save_to=None: small_chip)
     with pytest.raises(SystemExit) as exit_info:
         plan_cli.main(SMALL)
     assert exit_info.value.code == 2
@@ -190,8 +191,12 @@ def test_a_cpu_group_is_planned_for_its_own_devices(cpu_plan):
     assert "hardware=cpu-8: 8 × cpu (the devices attached)" in out
     assert "roofline estimate     none" in out and "flaxlm: fits" not in out
     assert (run["num_devices"], run["topology"], run["fits"], run["mfu"]) == (8, None, None, None)
-    # Unpadded on a CPU: the compiler's arguments are the state, the batch and the key.
-    assert run["train"]["argument_bytes"] == run["state_bytes"] + run["batch_bytes"] + 8
+    # Unpadded on a CPU: the compiler's arguments are the state, the batch, the key and the
+    # optimizer's numbers (4-byte scalars).
+    config = OmegaConf.to_object(compose([*TINY, "task.max_seq_length=32"]))
+    numbers = make_optimizer(config.optimizer, make_schedule(config.optimizer, 10)).numbers
+    assert run["train"]["argument_bytes"] == (run["state_bytes"] + run["batch_bytes"] + 8
+                                              + 4 * len(numbers))
     assert run["train"]["alias_bytes"] == run["state_bytes"]
 
 

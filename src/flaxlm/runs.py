@@ -96,6 +96,8 @@ RESUMABLE_CHANGES = (
     # The generator it comes to on the devices is checked against the checkpoint's instead
     # (auto is unsafe_rbg on a TPU, threefry elsewhere): flaxlm.training.checkpoint.resume.
     "hardware.dropout_rng",
+    # Where the compiled steps come from: the same programs either way.
+    "compiled_steps", "keep_compiled_steps",
 )
 
 

@@ -48,6 +48,7 @@ from flaxlm.training.plan import Plan, make_plan
 from flaxlm.training.step import (
     CompiledSteps,
     TrainState,
+    TrainStep,
     create_state,
     trained_part,
     with_trained_part,
@@ -169,6 +170,7 @@ def prepare_training(
     *,
     pads_rows: bool,
     trainable: Any = None,
+    compile_ahead: bool = True,
 ) -> Training:
     """Optimizer, model, train state and compiled steps; a resumed run's state, dropout key
     and data position restored from its latest checkpoint.
@@ -191,7 +193,8 @@ def prepare_training(
     init_key, dropout_key = run_keys(config.seed, run_dropout_impl(config.hardware))
     build = lambda: build_model(spec, nnx.Rngs(params=init_key))  # noqa: E731
     steps = _steps(job, dataclasses.replace(config, model=start.model), build, tx,
-                   compile_steps, loader, plan, dropout_key, data_fingerprint, trainable)
+                   compile_steps, loader if compile_ahead else None, plan, dropout_key,
+                   data_fingerprint, trainable)
     # Made where it lives: each device computes (and keeps) only its part of each parameter.
     model = init_on_mesh(build, job.mesh)
     # A resumed run's weights come from its checkpoint, except a frozen base, which its
@@ -239,14 +242,17 @@ def _steps(job: JobContext, config: TrainConfig, build: Callable[[], nnx.Module]
     keep_compiled_steps), and the train step obtained in the background, from the shapes of
     the state (`create_state` of the model's shapes, as the real state will be laid out) and
     of the loader's first batch, while the model is initialised (`flaxlm.training.ahead`).
-    A loader whose batches are not known before the loop reads them (a stream) leaves the
-    train step to its first call. `config`: with the model the run starts from."""
+    A loader whose batches are not known before the loop reads them (a stream, or None: the
+    task's batches change once the state exists) leaves the train step to its first call, as
+    does a train step the task (or a test) wrapped. `config`: with the model the run starts
+    from."""
     graphdef, state = create_state(nnx.eval_shape(build), optimizer, job.mesh, trainable)
     steps = kept_steps(compile_steps(job.mesh, graphdef, optimizer), config, plan.total_steps,
                        job.mesh, data_fingerprint)
-    if not isinstance(loader, RowLoader) or loader.steps_per_epoch == 0:
-        return steps
     train = steps.train
+    if (not isinstance(loader, RowLoader) or loader.steps_per_epoch == 0
+            or not isinstance(train, TrainStep)):
+        return steps
     args = (state, abstract(next(iter(loader.epoch(0)))), abstract(dropout_key),
             abstract(train.hyperparams))
     return dataclasses.replace(

@@ -49,6 +49,7 @@ class DirectPreferenceOptimisation(LanguageModelTask):
     `LanguageModelTask`'s."""
 
     pads_rows = False  # rows are causal sequences; padding is a segment no target attends to
+    batches_before_state = False  # each pair's reference log-probs join its row after the init
 
     def check_data_settings(self, config: TrainConfig) -> None:
         check_chat_source(config, "preference pairs", NO_DATA)

@@ -85,6 +85,10 @@ class Task(abc.ABC):
     # blocks of tokens, every one real): the fused kernels that take only causal and segment
     # masks cannot run its model.
     pads_rows: bool = False
+    # Whether the loader's batches are what the train step takes before the train state exists
+    # (not so for DPO, whose rows get the reference model's log-probs then): the train step is
+    # then compiled from the first batch's shapes while the model is initialised.
+    batches_before_state: bool = True
 
     @abc.abstractmethod
     def check_settings(self, config: TrainConfig) -> int:
@@ -146,7 +150,8 @@ def run(task: Task, job: JobContext, seq_len: int) -> dict[str, float]:
     run.network = network = task.network(run)
     run.training = training = base.prepare_training(
         job, start, network.build, network.compile_steps, data.loader, data.tokenizer,
-        data.fingerprint, pads_rows=task.pads_rows, trainable=network.trainable)
+        data.fingerprint, pads_rows=task.pads_rows, trainable=network.trainable,
+        compile_ahead=task.batches_before_state)
     task.with_state(run)
     base.start_model_dir(job, config.model, network.tokenizer, network.hf_config)
     run.evaluator = evaluator = task.evaluator(run)

@@ -1,17 +1,18 @@
-"""The train step compiled ahead, while the model is initialised.
+"""The train step compiled (or loaded) ahead, while the model is initialised.
 
 A run's start-up compiles programs one after another: the initialisation, the eval step (with
 an eval before training), then the train step at its first call. Each XLA compile runs on one
 core with Python's lock released, so the train step, the longest of them, can compile beside
-the others: it is traced and lowered from the state's and the batch's shapes (`jax.stages`,
-as flaxlm-plan does), then compiled in a worker thread while the main thread initialises the
-model and evaluates. The first step waits for it only if it is not done yet. On a TPU v5e the
-quickstart's three programs compile in 11, 3.5 and 20-34 s: ahead, the longest decides the
-wait, not their sum.
+the others: from the state's and the first batch's shapes (`jax.stages`, as flaxlm-plan does),
+in a worker thread, while the main thread initialises the model and evaluates. The first step
+waits for it only if it is not done yet. On a TPU v5e the quickstart's programs compile in
+19.7 s (the train step), 8.1 s (the init) and 3.3 s (the eval step): ahead, the longest decides
+the wait, not their sum (docs/benchmarks.md, "Seconds to the first step").
 
-Tracing stays on the calling thread (nnx's graph code is not made to be traced from two
-threads); only the compile, the part that releases the lock, runs beside it. With JAX's
-persistent cache the worker reads the executable back instead, in parallel too.
+A step that keeps its programs (`flaxlm.training.executables.StoredStep`) loads its executable
+in the worker, or traces, compiles and keeps it there on a miss: JAX's trace state and nnx's
+graph contexts are per thread. A plain jitted step is traced on the calling thread and only
+its compile (or its read from JAX's persistent cache) runs in the worker.
 """
 
 from __future__ import annotations

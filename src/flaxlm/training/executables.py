@@ -201,10 +201,15 @@ class StepStore:
                   f"it ({err})", flush=True)
             return False
         folder = self.root / key.digest
-        folder.mkdir(parents=True, exist_ok=True)
-        _write_atomically(folder / KEY_FILE,
-                          json.dumps(key.parts, indent=1, sort_keys=True).encode())
-        _write_atomically(self.path(key, role, args_signature), payload)
+        try:  # a cache that cannot be written costs the next run a compile, not this run
+            folder.mkdir(parents=True, exist_ok=True)
+            _write_atomically(folder / KEY_FILE,
+                              json.dumps(key.parts, indent=1, sort_keys=True).encode())
+            _write_atomically(self.path(key, role, args_signature), payload)
+        except OSError as err:
+            print(f"flaxlm: the {role} step is not kept for later runs: {folder} cannot be "
+                  f"written ({err})", flush=True)
+            return False
         return True
 
     def keys(self) -> list[dict]:
