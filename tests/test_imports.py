@@ -50,6 +50,7 @@ def test_the_train_path_imports_no_heavy_library():
     assert heavy == []
 
 
+@pytest.mark.slow  # seven interpreters: make test-fast keeps the train path's check above
 @pytest.mark.parametrize("tool", sorted(SCRIPTS))
 def test_help_exits_0_without_jax_or_a_heavy_library(tool):
     """`--help` prints what the tool takes: nothing of JAX (seconds to start, more on a TPU VM)
