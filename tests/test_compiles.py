@@ -13,6 +13,7 @@ import pytest
 from conftest import TINY, compose
 from jax import monitoring
 
+from flaxlm.errors import FlaxlmError
 from flaxlm.job import train
 from flaxlm.training.keys import run_keys, seed_key
 
@@ -62,3 +63,8 @@ def test_the_keys_made_on_the_host_are_jax_randoms_own(seed):
     np.testing.assert_array_equal(data(ours[0]), data(init_key))
     np.testing.assert_array_equal(data(ours[1]), data(dropout_key))
     np.testing.assert_array_equal(data(seed_key(seed)), data(jax.random.key(seed)))
+
+
+def test_a_seed_past_32_bits_is_refused_naming_the_setting():
+    with pytest.raises(FlaxlmError, match=r"seed=4294967296 does not fit .* set seed between"):
+        run_keys(2**32)

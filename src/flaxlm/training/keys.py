@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from flaxlm.config import DropoutRng
+from flaxlm.errors import FlaxlmError
 from flaxlm.models.dropout import threefry2x32
 
 # hardware.dropout_rng → JAX's name of the key implementation.
@@ -42,7 +43,9 @@ def _threefry_seed(seed: int) -> np.ndarray:
     """`jax.random.key(seed)`'s data: the seed's high and low 32 bits (JAX, without x64, takes
     the seed as an int32, whose high word is 0)."""
     if not -2**31 <= seed < 2**31:
-        raise OverflowError(f"seed={seed} does not fit in an int32")
+        raise FlaxlmError(
+            f"seed={seed} does not fit in a 32-bit signed integer, which JAX's keys are made "
+            f"from: set seed between {-2**31} and {2**31 - 1}.")
     return np.array([0, seed & 0xFFFFFFFF], np.uint32)
 
 
