@@ -102,6 +102,34 @@ class ModelFamily(str, enum.Enum):
     bert = "bert"  # encoder: BertForSequenceClassification (task=classify)
     llama = "llama"  # decoder: LlamaForCausalLM (task=clm), LlamaForSequenceClassification
     qwen2 = "qwen2"  # Llama's decoder with biases on q/k/v: Qwen2ForCausalLM, ...Classification
+    # Mixture-of-Experts decoders (model.moe; flaxlm.models.moe): Llama's attention, each
+    # MLP a set of SwiGLU experts behind a router, as HF's classes of these names hold them.
+    qwen3_moe = "qwen3_moe"  # Qwen3MoeForCausalLM: q/k RMSNorm per head, renormalised top-k
+    qwen2_moe = "qwen2_moe"  # Qwen2MoeForCausalLM: q/k/v biases, a gated shared expert
+    mixtral = "mixtral"  # MixtralForCausalLM: Mistral's attention, 8 experts, top-2
+    olmoe = "olmoe"  # OlmoeForCausalLM: q/k RMSNorm over the whole projection, 64 experts, top-8
+
+
+MOE_FAMILIES = (ModelFamily.qwen3_moe, ModelFamily.qwen2_moe, ModelFamily.mixtral,
+                ModelFamily.olmoe)
+
+
+class QKNorm(str, enum.Enum):
+    """RMSNorm on the queries and keys before RoPE (llama-family decoders)."""
+
+    none = "none"  # Llama, Qwen2, Mixtral
+    head = "head"  # each head's H values, one scale of width H shared by the heads (Qwen3)
+    width = "width"  # the whole projection's N·H (or G·H) values at once (OLMo 2, OLMoE)
+
+
+class MoeDispatch(str, enum.Enum):
+    """How tokens reach their experts (flaxlm.models.moe says what each is)."""
+
+    auto = "auto"  # megablox on a TPU, ragged elsewhere on an accelerator, tiled on a CPU
+    ragged = "ragged"  # sorted by expert, jax.lax.ragged_dot (native on TPUs and GPUs)
+    tiled = "tiled"  # sorted by expert, a grouped matmul over row tiles written in JAX (CPU)
+    megablox = "megablox"  # sorted by expert, JAX's Pallas grouped matmul kernel (TPUs)
+    dense = "dense"  # every token through every expert, weighted by its routing: the reference
 
 
 class Remat(str, enum.Enum):
@@ -165,6 +193,39 @@ class LoraConfig:
     targets: Optional[list[str]] = None
 
 
+@dataclasses.dataclass(unsafe_hash=True)  # hashable: the models keep it as a static attribute
+class MoeConfig:
+    """Mixture-of-Experts MLPs (llama-family decoders; docs/models.md, "Mixture of Experts"):
+    each sparse layer's MLP is `num_experts` SwiGLU experts of width `expert_mlp_size`, and a
+    router sends each token to `top_k` of them, its output their outputs weighted by the
+    router's probabilities. On once `num_experts` is set: model.moe.num_experts=8, or a preset
+    (model=moe-tiny, olmoe-1b-7b, qwen3-30b-a3b, mixtral-8x7b).
+
+    Not an Optional node that is null when off, for LoraConfig's reason."""
+
+    num_experts: Optional[int] = None  # null: a dense model
+    top_k: int = MISSING  # experts per token (HF: num_experts_per_tok)
+    expert_mlp_size: Optional[int] = None  # each expert's inner width; null → model.mlp_size
+    # Divide the top-k probabilities by their sum (Mixtral always, Qwen3-MoE; Qwen2-MoE and
+    # OLMoE do not: HF's norm_topk_prob)
+    normalize_top_k: bool = MISSING
+    # A shared expert every token goes through, of this width, its output scaled by a sigmoid
+    # gate (Qwen2-MoE's shared_expert_intermediate_size); null → none
+    shared_expert_size: Optional[int] = None
+    first_dense_layers: int = MISSING  # the first layers keep a dense MLP (DeepSeek's)
+    dispatch: MoeDispatch = MISSING
+    # Token dropping (Switch/GShard): each expert takes at most capacity_factor × its even share
+    # of a device's tokens, the rest pass by the MLP (the residual carries them) and are
+    # counted in moe/dropped; null → dropless
+    capacity_factor: Optional[float] = None
+    # Switch's load-balancing loss × this, added to the training loss (HF: router_aux_loss_coef)
+    aux_loss_coef: float = MISSING
+    z_loss_coef: float = MISSING  # the router's z-loss (ST-MoE: mean log²Z of its logits) × this
+    # DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the routing
+    # scores for the choice only, moved by this much per step toward the even load; 0 → off
+    bias_update_rate: float = MISSING
+
+
 @dataclasses.dataclass
 class ModelConfig:
     """WHICH network. The shape and dropout fields have one name for every family; docs/models.md
@@ -207,6 +268,9 @@ class ModelConfig:
     attention_bias: bool = False  # biases on the q/k/v/o projections
     qkv_bias: bool = False  # biases on q/k/v only, none on o: Qwen2's (model.family=qwen2)
     mlp_bias: bool = False  # biases on the gate/up/down projections
+    qk_norm: QKNorm = QKNorm.none  # RMSNorm on queries and keys (Qwen3: per head; OLMoE: width)
+    # Mixture-of-Experts MLPs (the moe families); off while model.moe.num_experts is null.
+    moe: MoeConfig = dataclasses.field(default_factory=MoeConfig)
     # Low-rank adapters on a frozen base (task=clm); off while model.lora.rank is null.
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 

@@ -45,6 +45,7 @@ LOGICAL_AXIS_RULES: dict[str, tuple[str, ...]] = {
     "heads": (TENSOR_AXIS, FSDP_AXIS),  # attention projections' per-head columns / rows
     "kv_heads": (TENSOR_AXIS, FSDP_AXIS),  # grouped-query attention's key/value projections
     "mlp": (TENSOR_AXIS, FSDP_AXIS),  # the MLP's hidden width
+    "experts": (),  # an MoE layer's experts: each device holds all of them, split as the rest
     "positions": (),  # position and segment tables: small, looked up by every row
     "classes": (),  # a classifier's outputs: a handful
     "layers": (),  # a scanned model's stacked blocks: each step of the scan reads one whole

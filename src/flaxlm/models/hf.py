@@ -44,7 +44,7 @@ from flax import nnx
 
 from flaxlm.config import ModelConfig, ModelFamily
 from flaxlm.lazy_imports import lazy_module
-from flaxlm.models import bert, gpt2, llama
+from flaxlm.models import bert, gpt2, llama, llama_moe
 from flaxlm.models.layers import (
     HFNames,
     TransformerSpec,
@@ -82,6 +82,14 @@ ARCHITECTURES = {arch.name: arch for arch in (
     Architecture(llama.LlamaForSequenceClassification, ModelFamily.llama, llama.HF_NAMES),
     Architecture(llama.Qwen2ForCausalLM, ModelFamily.qwen2, llama.QWEN2_HF_NAMES, is_lm=True),
     Architecture(llama.Qwen2ForSequenceClassification, ModelFamily.qwen2, llama.QWEN2_HF_NAMES),
+    Architecture(llama_moe.Qwen3MoeForCausalLM, ModelFamily.qwen3_moe,
+                 llama_moe.QWEN3_MOE_HF_NAMES, is_lm=True),
+    Architecture(llama_moe.Qwen2MoeForCausalLM, ModelFamily.qwen2_moe,
+                 llama_moe.QWEN2_MOE_HF_NAMES, is_lm=True),
+    Architecture(llama_moe.MixtralForCausalLM, ModelFamily.mixtral, llama_moe.MIXTRAL_HF_NAMES,
+                 is_lm=True),
+    Architecture(llama_moe.OlmoeForCausalLM, ModelFamily.olmoe, llama_moe.OLMOE_HF_NAMES,
+                 is_lm=True),
 )}
 GPT2_LM = gpt2.GPT2LMHeadModel.__name__
 FAMILY_NAMES = {arch.family: arch.names for arch in ARCHITECTURES.values()}

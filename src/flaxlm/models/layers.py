@@ -23,7 +23,8 @@ import numpy as np
 from flax import nnx, struct
 from jax import lax
 
-from flaxlm.config import AttentionBackend, ModelConfig, Remat
+from flaxlm.config import MOE_FAMILIES, AttentionBackend, ModelConfig, ModelFamily, Remat
+from flaxlm.errors import FlaxlmError
 from flaxlm.models import lora
 from flaxlm.models.attention import KERNEL_RESIDUALS, attention
 from flaxlm.parallel import constrain_batch
@@ -62,6 +63,25 @@ def check_shape(spec: TransformerSpec) -> None:
             f"{sorted(ACTIVATIONS)}"
         )
     lora.check_lora(cfg)
+    check_experts_family(cfg)
+
+
+def check_experts_family(cfg: ModelConfig) -> None:
+    """Experts (model.moe) exactly on the Mixture-of-Experts families: the others' checkpoints
+    and transformers' classes hold one dense MLP per layer."""
+    family = ModelFamily(cfg.family)
+    moe_families = ", ".join(f.value for f in MOE_FAMILIES)
+    if cfg.moe.num_experts is None and family in MOE_FAMILIES:
+        raise FlaxlmError(
+            f"model.family={family.value} is a Mixture-of-Experts family, but "
+            "model.moe.num_experts is not set. Set it (e.g. model.moe.num_experts=8 "
+            "model.moe.top_k=2), or start from an MoE preset such as model=moe-tiny.")
+    if cfg.moe.num_experts is not None and family not in MOE_FAMILIES:
+        raise FlaxlmError(
+            f"model.moe.num_experts={cfg.moe.num_experts} on model.family={family.value}, "
+            "which has no experts: its checkpoints (and transformers' classes) hold one dense "
+            f"MLP per layer. Use a Mixture-of-Experts family ({moe_families}), e.g. "
+            "model=moe-tiny, or leave model.moe.num_experts null.")
 
 
 def axes(*names: str | None) -> dict:
@@ -110,9 +130,13 @@ class RMSNorm(nnx.Module):
     """x / rms(x) × scale, as HF's LlamaRMSNorm: normalised in float32 whatever the compute
     dtype, cast back, then scaled (a bfloat16 mean of squares loses the small components)."""
 
-    def __init__(self, spec: TransformerSpec):
+    def __init__(self, spec: TransformerSpec, width: int | None = None,
+                 logical_axis: str | None = "embed"):
+        """`width`: what it normalises, the model width unless given (a head's, for Qwen3's
+        query and key norms), its dimension named `logical_axis`."""
         self.epsilon = spec.model.layer_norm_eps
-        self.scale = nnx.Param(jnp.ones(spec.model.hidden_size, spec.param_dtype), **axes("embed"))
+        self.scale = nnx.Param(jnp.ones(width or spec.model.hidden_size, spec.param_dtype),
+                               **axes(logical_axis))
         self.dtype = spec.compute_dtype
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
@@ -160,10 +184,17 @@ def run_block(block: nnx.Module, remat: Remat, x_BxLxD: jax.Array, *args):
     over the batch's mesh axes (`constrain_batch`): each device holds its rows' activations."""
     x_BxLxD = constrain_batch(x_BxLxD)
     if Remat(remat) is Remat.none:
-        return constrain_batch(block(x_BxLxD, *args))
+        return _constrain_output(block(x_BxLxD, *args))
     rematerialised = nnx.remat(lambda block, *args: block(*args),
                                policy=_REMAT_POLICIES[Remat(remat)])
-    return constrain_batch(rematerialised(block, x_BxLxD, *args))
+    return _constrain_output(rematerialised(block, x_BxLxD, *args))
+
+
+def _constrain_output(output):
+    """A block's hidden states, or (hidden states, what else it returns), laid out by rows."""
+    if isinstance(output, tuple):
+        return constrain_batch(output[0]), *output[1:]
+    return constrain_batch(output)
 
 
 # ---------------------------------------------------------------- scanned layers
@@ -228,6 +259,27 @@ def run_layers(layers: nnx.Module, scanned: bool, call: Callable, x_BxLxD: jax.A
         return call(layer, x_BxLxD, None if key is None else nnx.Rngs(dropout=key)), None
 
     return scan_blocks(layers, step, x_BxLxD, (keys,))[0]
+
+
+def run_layers_collecting(layers: nnx.Module, scanned: bool, call: Callable,
+                          x_BxLxD: jax.Array, rngs: nnx.Rngs | None):
+    """`run_layers` for layers that report something besides their hidden states:
+    `call(layer, x_BxLxD, rngs) -> (x_BxLxD, report)`, a report a pytree of arrays or None.
+    The last hidden states, and the layers' reports stacked on a leading axis in layer order
+    (those that reported None left out; None if none reported)."""
+    if scanned:
+        keys = None if rngs is None else jax.random.split(rngs.dropout(), num_stacked(layers))
+
+        def step(layer, x_BxLxD, key):
+            return call(layer, x_BxLxD, None if key is None else nnx.Rngs(dropout=key))
+
+        return scan_blocks(layers, step, x_BxLxD, (keys,))
+    reports = []
+    for layer in layers:
+        x_BxLxD, report = call(layer, x_BxLxD, rngs)
+        if report is not None:
+            reports.append(report)
+    return x_BxLxD, (jax.tree.map(lambda *r: jnp.stack(r), *reports) if reports else None)
 
 
 def decode_layers(layers: nnx.Module, scanned: bool, decode_layer: Callable,

@@ -30,9 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flaxlm.config import ModelConfig, ModelFamily, Remat, RopeScaling
+from flaxlm.config import ModelConfig, ModelFamily, QKNorm, Remat, RopeScaling
 from flaxlm.errors import FlaxlmError
 from flaxlm.lazy_imports import lazy_module
+from flaxlm.models import moe
 from flaxlm.models.attention import attention
 from flaxlm.models.layers import (
     ACTIVATIONS,
@@ -49,7 +50,7 @@ from flaxlm.models.layers import (
     empty_cache,
     last_token_states,
     run_block,
-    run_layers,
+    run_layers_collecting,
     stack_blocks,
 )
 from flaxlm.parallel import constrain_batch
@@ -71,6 +72,7 @@ def check_llama(spec: TransformerSpec) -> None:
         )
     check_rope_scaling(cfg.rope_scaling)
     check_biases(cfg)
+    moe.check_moe(cfg)
 
 
 def check_biases(cfg: ModelConfig) -> None:
@@ -78,17 +80,18 @@ def check_biases(cfg: ModelConfig) -> None:
     all four attention projections, Qwen2Config fixes them on q/k/v and nowhere else."""
     biases = (f"model.qkv_bias={cfg.qkv_bias}, model.attention_bias={cfg.attention_bias}, "
               f"model.mlp_bias={cfg.mlp_bias}")
-    if ModelFamily(cfg.family) is ModelFamily.qwen2:
+    family = ModelFamily(cfg.family)
+    if family in (ModelFamily.qwen2, ModelFamily.qwen2_moe):
         if not cfg.qkv_bias or cfg.attention_bias or cfg.mlp_bias:
             raise FlaxlmError(
-                f"model.family=qwen2 with {biases}: a Qwen2 checkpoint (Qwen2Config) has biases "
+                f"model.family={family.value} with {biases}: a Qwen2 checkpoint has biases "
                 "on q/k/v and none on o or the MLP. Set model.qkv_bias=true "
                 "model.attention_bias=false model.mlp_bias=false, or model.family=llama for "
                 "Llama's choice of biases."
             )
     elif cfg.qkv_bias and not cfg.attention_bias:
         raise FlaxlmError(
-            f"model.family={ModelFamily(cfg.family).value} with {biases}: biases on q/k/v and "
+            f"model.family={family.value} with {biases}: biases on q/k/v and "
             "none on o are Qwen2's layout, which a Llama checkpoint (LlamaConfig) cannot hold. "
             "Set model.family=qwen2 (as model=qwen2.5-0.5b does), or model.attention_bias=true "
             "for Llama's biases on all four projections."
@@ -198,6 +201,13 @@ class LlamaAttention(nnx.Module):
                                  qkv_bias)
         self.o_proj = projection("o_proj", cfg.hidden_size, cfg.hidden_size, ("heads", "embed"),
                                  cfg.attention_bias)
+        self.qk_norm = QKNorm(cfg.qk_norm)
+        if self.qk_norm is QKNorm.head:  # one scale of a head's width, shared by the heads
+            self.q_norm = RMSNorm(spec, self.head_width, logical_axis=None)
+            self.k_norm = RMSNorm(spec, self.head_width, logical_axis=None)
+        elif self.qk_norm is QKNorm.width:  # over the whole projection at once
+            self.q_norm = RMSNorm(spec, cfg.hidden_size, logical_axis="heads")
+            self.k_norm = RMSNorm(spec, kv_width, logical_axis="kv_heads")
 
     def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
                  rngs: nnx.Rngs | None, segment_ids_BxL: jax.Array | None = None) -> jax.Array:
@@ -220,20 +230,26 @@ class LlamaAttention(nnx.Module):
                rngs: nnx.Rngs | None = None):
         B, L, _ = x_BxLxD.shape
         H = self.head_width
-        q_BxLxNxH = self.q_proj(x_BxLxD, rngs).reshape(B, L, self.num_heads, H)
-        k_BxLxGxH = self.k_proj(x_BxLxD, rngs).reshape(B, L, self.num_kv_heads, H)
+        q_BxLxQ, k_BxLxV = self.q_proj(x_BxLxD, rngs), self.k_proj(x_BxLxD, rngs)
+        if self.qk_norm is QKNorm.width:
+            q_BxLxQ, k_BxLxV = self.q_norm(q_BxLxQ), self.k_norm(k_BxLxV)
+        q_BxLxNxH = q_BxLxQ.reshape(B, L, self.num_heads, H)
+        k_BxLxGxH = k_BxLxV.reshape(B, L, self.num_kv_heads, H)
         v_BxLxGxH = self.v_proj(x_BxLxD, rngs).reshape(B, L, self.num_kv_heads, H)
+        if self.qk_norm is QKNorm.head:
+            q_BxLxNxH, k_BxLxGxH = self.q_norm(q_BxLxNxH), self.k_norm(k_BxLxGxH)
         cos_BxLx1xH, sin_BxLx1xH = rotary(positions_BxL, np.asarray(self.inv_freq_R, np.float32))
         return (apply_rotary(q_BxLxNxH, cos_BxLx1xH, sin_BxLx1xH),
                 apply_rotary(k_BxLxGxH, cos_BxLx1xH, sin_BxLx1xH), v_BxLxGxH)
 
 
 class LlamaMLP(nnx.Module):
-    """SwiGLU: down(act(gate(x)) × up(x))."""
+    """SwiGLU: down(act(gate(x)) × up(x)), of `width` (model.mlp_size unless given: an MoE's
+    shared expert has its own)."""
 
-    def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
+    def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs, width: int | None = None):
         cfg = spec.model
-        F = spec.mlp_width
+        F = width or spec.mlp_width
 
         def projection(name, width_in, width_out, logical_axes):
             return dense(width_in, width_out, spec, rngs, cfg.initializer_range,
@@ -253,19 +269,30 @@ class LlamaMLP(nnx.Module):
 
 
 class LlamaDecoderLayer(nnx.Module):
-    """x + attn(norm(x)), then + mlp(norm(x)). Llama's only dropout is on attention weights."""
+    """x + attn(norm(x)), then + mlp(norm(x)). Llama's only dropout is on attention weights.
+    Layer `index` of a Mixture-of-Experts model (model.moe) has experts for its MLP
+    (`moe.MoeMLP`), unless it is one of the first dense ones."""
 
-    def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
+    def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs, index: int = 0):
         self.input_layernorm = RMSNorm(spec)
         self.self_attn = LlamaAttention(spec, rngs)
         self.post_attention_layernorm = RMSNorm(spec)
-        self.mlp = LlamaMLP(spec, rngs)
+        self.sparse = moe.is_sparse_layer(spec.model, index)
+        self.mlp = moe.MoeMLP(spec, rngs, LlamaMLP) if self.sparse else LlamaMLP(spec, rngs)
 
     def __call__(self, x_BxLxD, positions_BxL, rngs: nnx.Rngs | None,
-                 segment_ids_BxL: jax.Array | None = None) -> jax.Array:
+                 segment_ids_BxL: jax.Array | None = None
+                 ) -> tuple[jax.Array, moe.RouterStats | None]:
+        """The new hidden states, and the router's statistics (None in a dense layer)."""
         x_BxLxD = x_BxLxD + self.self_attn(self.input_layernorm(x_BxLxD), positions_BxL, rngs,
                                            segment_ids_BxL)
-        return x_BxLxD + self.mlp(self.post_attention_layernorm(x_BxLxD), rngs)
+        mlp_BxLxD, stats = self._mlp(self.post_attention_layernorm(x_BxLxD), rngs)
+        return x_BxLxD + mlp_BxLxD, stats
+
+    def _mlp(self, x_BxLxD, rngs: nnx.Rngs | None = None):
+        if self.sparse:
+            return self.mlp(x_BxLxD, rngs)
+        return self.mlp(x_BxLxD, rngs), None
 
     def decode(self, x_BxLxD, positions_BxL, keys_BxSxGxH, values_BxSxGxH, index, mask_BxLxS):
         """`__call__` attending over the cache (see `LlamaAttention.decode`)."""
@@ -274,7 +301,7 @@ class LlamaDecoderLayer(nnx.Module):
             mask_BxLxS,
         )
         x_BxLxD = x_BxLxD + attn_BxLxD
-        return (x_BxLxD + self.mlp(self.post_attention_layernorm(x_BxLxD)), keys_BxSxGxH,
+        return (x_BxLxD + self._mlp(self.post_attention_layernorm(x_BxLxD))[0], keys_BxSxGxH,
                 values_BxSxGxH)
 
 
@@ -284,12 +311,13 @@ class LlamaModel(nnx.Module):
     def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         cfg = spec.model
         self.embed_tokens = embedding(cfg.vocab_size, spec, rngs, rows="vocab")
-        layers = [LlamaDecoderLayer(spec, rngs) for _ in range(cfg.num_layers)]
+        layers = [LlamaDecoderLayer(spec, rngs, index) for index in range(cfg.num_layers)]
         # model.scan_layers: one layer whose parameters are every layer's, stacked.
         self.layers = stack_blocks(layers) if cfg.scan_layers else nnx.List(layers)
         self.norm = RMSNorm(spec)
         self.remat = Remat(cfg.remat)
         self.scan_layers, self.num_layers = cfg.scan_layers, cfg.num_layers
+        self.moe = cfg.moe
 
     def __call__(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None, *,
                  segment_ids_BxL: jax.Array | None = None,
@@ -297,15 +325,24 @@ class LlamaModel(nnx.Module):
         """Hidden states (B, L, D). With `segment_ids_BxL` each token attends within its
         segment only; `positions_BxL` (each token's position within its document) sets its
         rotary angles; without, the row is one sequence at positions 0..L-1."""
+        return self.run(input_ids_BxL, rngs, segment_ids_BxL=segment_ids_BxL,
+                        positions_BxL=positions_BxL)[0]
+
+    def run(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None, *,
+            segment_ids_BxL: jax.Array | None = None,
+            positions_BxL: jax.Array | None = None
+            ) -> tuple[jax.Array, moe.RouterStats | None]:
+        """`__call__`'s hidden states, and the sparse layers' router statistics stacked in
+        layer order (None for a dense model)."""
         if positions_BxL is None:
             positions_BxL = jnp.arange(input_ids_BxL.shape[1])[None]
         x_BxLxD = self.embed_tokens(input_ids_BxL)
-        x_BxLxD = run_layers(
+        x_BxLxD, stats = run_layers_collecting(
             self.layers, self.scan_layers,
             lambda layer, x_BxLxD, rngs: run_block(layer, self.remat, x_BxLxD, positions_BxL,
                                                    rngs, segment_ids_BxL),
             x_BxLxD, rngs)
-        return self.norm(x_BxLxD)
+        return self.norm(x_BxLxD), stats
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -344,6 +381,16 @@ class LlamaForCausalLM(nnx.Module):
         `LlamaModel` says."""
         return self.model(input_ids_BxL, rngs, segment_ids_BxL=segment_ids_BxL,
                           positions_BxL=positions_BxL)
+
+    def hidden_states_and_aux(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None = None, *,
+                              segment_ids_BxL: jax.Array | None = None,
+                              positions_BxL: jax.Array | None = None
+                              ) -> tuple[jax.Array, moe.AuxLosses | None]:
+        """`hidden_states`, and what a Mixture-of-Experts model adds to its training loss with
+        the metrics beside it (`moe.aux_losses`); None for a dense model."""
+        x_BxLxD, stats = self.model.run(input_ids_BxL, rngs, segment_ids_BxL=segment_ids_BxL,
+                                        positions_BxL=positions_BxL)
+        return x_BxLxD, None if stats is None else moe.aux_losses(stats, self.model.moe)
 
     def lm_head_logits(self, x_BxLxD: jax.Array) -> jax.Array:
         """Logits (B, L, V) of final hidden states (`hidden_states`, or any slice of their

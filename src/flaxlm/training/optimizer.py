@@ -16,6 +16,7 @@ import optax.contrib
 
 from flaxlm.config import OptimizerConfig, OptimizerName, Schedule
 from flaxlm.errors import FlaxlmError
+from flaxlm.models.moe import EXPERT_MATRICES
 from flaxlm.training.hyperparams import (
     LearningRateSchedule,
     as_arguments,
@@ -73,9 +74,10 @@ def _wsd_decay(opt: OptimizerConfig, total_steps: int) -> tuple[int, int]:
 
 
 def decay_mask(params):
-    """Weight decay on matrices and embeddings only: biases and LayerNorm scales are exempt."""
+    """Weight decay on matrices and embeddings only (an MoE's experts' stacked matrices
+    included): biases, norm scales and a router's balancing bias are exempt."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: parameter_name(path) in ("kernel", "embedding"), params
+        lambda path, _: parameter_name(path) in ("kernel", "embedding", *EXPERT_MATRICES), params
     )
 
 

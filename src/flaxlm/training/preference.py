@@ -49,7 +49,7 @@ def sequence_logps(model, batch, rngs: nnx.Rngs | None = None,
     """The summed log-probs of each sequence's target tokens (B, 2), in float32."""
     B, P, L = batch[INPUT_IDS].shape
     rows = {key: batch[key].reshape(B * P, L) for key in CHAT_KEYS}
-    losses_NxL, _, _ = lm_token_losses(model, rows, rngs, chunk_size)
+    losses_NxL, _, _, _ = lm_token_losses(model, rows, rngs, chunk_size)
     return -(losses_NxL * target_weights(rows)).sum(axis=-1).reshape(B, P)
 
 

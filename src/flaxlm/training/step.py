@@ -25,6 +25,8 @@ from flax.nnx.filterlib import Filter
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flaxlm.data.documents import INPUT_IDS, POSITIONS, SEGMENT_IDS, TARGET_MASK
+from flaxlm.models import moe
+from flaxlm.models.moe import AuxLosses
 from flaxlm.parallel import (
     BATCH_AXES,
     batch_sharded,
@@ -196,37 +198,58 @@ def _documents(batch) -> dict[str, jax.Array]:
 
 def lm_token_losses(model, batch, rngs: nnx.Rngs | None = None, chunk_size: int | None = None,
                     with_log_z: bool = False
-                    ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+                    ) -> tuple[jax.Array, jax.Array | None, jax.Array, AuxLosses | None]:
     """Next-token cross-entropy of every position that has a next token (B, L-1), its log Z
-    (B, L-1) if asked, and the batch's token ids (B, L); the batch as `lm_logits` reads it.
-    With `chunk_size` the model's final hidden states go through its LM head
-    `chunk_size` positions at a time (`chunked_token_losses`)."""
-    if chunk_size is None:
+    (B, L-1) if asked, the batch's token ids (B, L), and what the model adds to its training
+    loss itself (a Mixture-of-Experts router's, `moe.aux_losses`; None for most); the batch as
+    `lm_logits` reads it. With `chunk_size` the model's final hidden states go through its LM
+    head `chunk_size` positions at a time (`chunked_token_losses`)."""
+    aux = None
+    if chunk_size is None and not hasattr(model, "hidden_states_and_aux"):
         logits_BxLxV, inputs_BxL = lm_logits(model, batch, rngs)
         losses_BxL, log_z_BxL = token_losses(logits_BxLxV, next_tokens(inputs_BxL), with_log_z)
     else:
         inputs_BxL = batch[INPUT_IDS] if isinstance(batch, dict) else batch
         documents = _documents(batch) if isinstance(batch, dict) else {}
-        hidden_BxLxD = model.hidden_states(inputs_BxL, rngs, **documents)
-        losses_BxL, log_z_BxL = chunked_token_losses(
-            hidden_BxLxD, model.lm_head_logits, next_tokens(inputs_BxL), chunk_size, with_log_z)
+        hidden_BxLxD, aux = hidden_states_and_aux(model, inputs_BxL, rngs, documents)
+        if chunk_size is None:
+            losses_BxL, log_z_BxL = token_losses(model.lm_head_logits(hidden_BxLxD),
+                                                 next_tokens(inputs_BxL), with_log_z)
+        else:
+            losses_BxL, log_z_BxL = chunked_token_losses(
+                hidden_BxLxD, model.lm_head_logits, next_tokens(inputs_BxL), chunk_size,
+                with_log_z)
     drop_last = lambda a_BxL: None if a_BxL is None else a_BxL[:, :-1]  # noqa: E731
-    return drop_last(losses_BxL), drop_last(log_z_BxL), inputs_BxL
+    return drop_last(losses_BxL), drop_last(log_z_BxL), inputs_BxL, aux
+
+
+def hidden_states_and_aux(model, inputs_BxL: jax.Array, rngs: nnx.Rngs | None,
+                          documents: dict) -> tuple[jax.Array, AuxLosses | None]:
+    """The model's final hidden states, and its own training-loss terms where it has any
+    (`hidden_states_and_aux`: the llama-family decoders, whose MoE routers have them)."""
+    if hasattr(model, "hidden_states_and_aux"):
+        return model.hidden_states_and_aux(inputs_BxL, rngs, **documents)
+    return model.hidden_states(inputs_BxL, rngs, **documents), None
 
 
 def lm_objective(model, batch, rngs: nnx.Rngs,
                  settings: LossSettings = LossSettings()) -> tuple[jax.Array, dict]:
     """Causal LM: the mean next-token cross-entropy of a batch of token blocks, plus
-    `settings.z_loss` × the mean log²Z, and the metrics beside it (`z_loss`: that term, when
-    its coefficient is not 0)."""
-    losses_BxL, log_z_BxL, _ = lm_token_losses(model, batch, rngs, settings.chunk_size,
-                                               with_log_z=settings.z_loss > 0)
+    `settings.z_loss` × the mean log²Z, plus what the model adds itself (a Mixture-of-Experts
+    router's balancing losses), and the metrics beside it (`z_loss`: that term, when its
+    coefficient is not 0; the router's, `moe.aux_losses`)."""
+    losses_BxL, log_z_BxL, _, aux = lm_token_losses(model, batch, rngs, settings.chunk_size,
+                                                    with_log_z=settings.z_loss > 0)
     weights_BxL = target_weights(batch)
     loss = weighted_mean(losses_BxL, weights_BxL)
+    metrics = {}
+    if aux is not None:
+        aux_loss, metrics = aux
+        loss = loss + aux_loss
     if not settings.z_loss:
-        return loss, {}
+        return loss, metrics
     z_term = settings.z_loss * weighted_mean(jnp.square(log_z_BxL), weights_BxL)
-    return loss + z_term, {"z_loss": z_term}
+    return loss + z_term, {**metrics, "z_loss": z_term}
 
 
 def target_weights(batch) -> jax.Array | None:
@@ -295,6 +318,9 @@ def train_step(state: TrainState, batch_K, dropout_key: jax.Array, hyperparams: 
     params = optax.apply_updates(trained, updates)
     if frozen is not None:
         params = nnx.merge_state(params, frozen)
+    # An MoE router's per-layer loads move its balancing biases, if it has them; they are
+    # not a scalar to report.
+    params = moe.rebalanced(params, loss_metrics.pop(moe.LOAD_METRIC, None))
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(params)
     skipped = jnp.zeros((), jnp.bool_)
@@ -390,7 +416,7 @@ def eval_step(params, batch, row_mask_B: jax.Array, token_bytes_V: jax.Array,
     `batch`: as `lm_logits` reads it; the loss is training's cross-entropy (`lm_token_losses`,
     chunked as training chunks it), without the z-loss."""
     model = nnx.merge(graphdef, params)
-    losses_BxL, _, inputs_BxL = lm_token_losses(model, batch, chunk_size=chunk_size)
+    losses_BxL, _, inputs_BxL, _ = lm_token_losses(model, batch, chunk_size=chunk_size)
     mask_BxL = jnp.broadcast_to(row_mask_B[:, None], losses_BxL.shape).astype(jnp.float32)
     if (weights_BxL := target_weights(batch)) is not None:
         mask_BxL = mask_BxL * weights_BxL

@@ -1,0 +1,170 @@
+"""The grouped matmul of Mixture-of-Experts layers: rows sorted by group, each group multiplied by
+its own matrix, `out[rows of g] = lhs[rows of g] @ rhs[g]`, with no row multiplied by a matrix
+that is not its group's.
+
+Three ways to compute it, one contract (`grouped_matmul`):
+
+- `ragged`: `jax.lax.ragged_dot`, which TPUs and GPUs run as one instruction. XLA's CPU has no
+  such instruction, and JAX lowers it there to every row times every group's matrix, masked:
+  the dense cost that the sorting was to avoid.
+- `tiled`: the rows in tiles of `TILE_ROWS`, each tile multiplied by the matrix of every group
+  it holds rows of, in a `lax.scan` over those (tile, group) visits: at most tiles + groups - 1
+  visits, so the work is the rows' own plus one tile per group. Written in JAX for the CPU, with
+  its own gradient (`_tiled_backward`), which is the same visits again: the input's gradient
+  with the matrices transposed, and each group's matrix gradient summed over its visits. This is
+  the structure of megablox's kernel, without the kernel.
+- `megablox`: JAX's Pallas grouped matmul for TPUs (`jax.experimental.pallas.ops.tpu.megablox`).
+
+Shapes: M rows, K their width, N the output's, G groups.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+TILE_ROWS = 128  # rows a tiled visit multiplies at once: wide enough for the CPU's matmul
+
+
+def grouped_matmul(lhs_MxK: jax.Array, rhs_GxKxN: jax.Array, group_sizes_G: jax.Array,
+                   backend: str) -> jax.Array:
+    """(M, N): row block g of `lhs_MxK` (the `group_sizes_G[g]` rows after the groups before
+    it) times `rhs_GxKxN[g]`. Rows past the groups' total come out zero. `backend`: ragged,
+    tiled or megablox (see the module's docstring)."""
+    group_sizes_G = group_sizes_G.astype(jnp.int32)
+    if backend == "ragged":
+        return lax.ragged_dot(lhs_MxK, rhs_GxKxN, group_sizes_G)
+    if backend == "tiled":
+        return tiled_grouped_matmul(lhs_MxK, rhs_GxKxN, group_sizes_G)
+    if backend == "megablox":
+        return _megablox(lhs_MxK, rhs_GxKxN, group_sizes_G)
+    raise ValueError(f"grouped matmul backend {backend!r}: ragged, tiled or megablox")
+
+
+def _megablox(lhs_MxK, rhs_GxKxN, group_sizes_G):
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    M, K = lhs_MxK.shape
+    N = rhs_GxKxN.shape[2]
+    # The kernel's tiles must divide the operands; the largest of its defaults that do.
+    tiling = tuple(_largest_tile(size) for size in (M, K, N))
+    return gmm(lhs_MxK, rhs_GxKxN, group_sizes_G, preferred_element_type=lhs_MxK.dtype,
+               tiling=tiling)
+
+
+def _largest_tile(size: int, largest: int = 512) -> int:
+    tile = largest
+    while tile > 8 and size % tile:
+        tile //= 2
+    return tile if size % tile == 0 else size
+
+
+# ---------------------------------------------------------------- tiled, in JAX
+
+
+def visits(group_sizes_G: jax.Array, num_rows: int, tile_rows: int = TILE_ROWS):
+    """The (tile, group) pairs a tiled grouped matmul visits, in a fixed-length list of
+    tiles + groups - 1 entries (the most there can be): each entry's tile index, its group,
+    and whether it is real (the list's tail repeats the last visit, marked not real). A group
+    of no rows has no visit; one of r rows starting at row s visits tiles s // T to
+    (s + r - 1) // T."""
+    G = group_sizes_G.shape[0]
+    num_tiles = -(-num_rows // tile_rows)
+    num_visits = num_tiles + G - 1
+    ends_G = jnp.cumsum(group_sizes_G)
+    starts_G = ends_G - group_sizes_G
+    first_tile_G = starts_G // tile_rows
+    tiles_G = jnp.where(group_sizes_G > 0, (ends_G - 1) // tile_rows - first_tile_G + 1, 0)
+    visit_ends_G = jnp.cumsum(tiles_G)
+    visit_V = jnp.arange(num_visits)
+    group_V = jnp.minimum(jnp.searchsorted(visit_ends_G, visit_V, side="right"), G - 1)
+    real_V = visit_V < visit_ends_G[-1]
+    tile_V = first_tile_G[group_V] + visit_V - (visit_ends_G[group_V] - tiles_G[group_V])
+    tile_V = jnp.where(real_V, tile_V, 0)
+    return tile_V, group_V, real_V, starts_G, ends_G
+
+
+def _row_mask(tile, group, real, starts_G, ends_G, tile_rows):
+    rows_T = tile * tile_rows + jnp.arange(tile_rows)
+    return real & (rows_T >= starts_G[group]) & (rows_T < ends_G[group])
+
+
+def _padded(rows_MxK: jax.Array, tile_rows: int) -> jax.Array:
+    return jnp.pad(rows_MxK, ((0, -rows_MxK.shape[0] % tile_rows), (0, 0)))
+
+
+def _tiled_forward(lhs_MxK, rhs_GxKxN, group_sizes_G, tile_rows):
+    """Each visit adds its tile's rows of its group, times the group's matrix, to the output."""
+    M = lhs_MxK.shape[0]
+    lhs_PxK = _padded(lhs_MxK, tile_rows)
+    tile_V, group_V, real_V, starts_G, ends_G = visits(group_sizes_G, M, tile_rows)
+    out_dtype = jnp.result_type(lhs_MxK.dtype, rhs_GxKxN.dtype)
+
+    def visit(out_PxN, tile_group_real):
+        tile, group, real = tile_group_real
+        start = tile * tile_rows
+        lhs_TxK = lax.dynamic_slice_in_dim(lhs_PxK, start, tile_rows)
+        product_TxN = jnp.dot(lhs_TxK, rhs_GxKxN[group], preferred_element_type=jnp.float32)
+        mask_Tx1 = _row_mask(tile, group, real, starts_G, ends_G, tile_rows)[:, None]
+        out_TxN = lax.dynamic_slice_in_dim(out_PxN, start, tile_rows)
+        out_TxN = out_TxN + jnp.where(mask_Tx1, product_TxN, 0).astype(out_PxN.dtype)
+        return lax.dynamic_update_slice_in_dim(out_PxN, out_TxN, start, axis=0), None
+
+    out_PxN = jnp.zeros((lhs_PxK.shape[0], rhs_GxKxN.shape[2]), out_dtype)
+    out_PxN, _ = lax.scan(visit, out_PxN, (tile_V, group_V, real_V))
+    return out_PxN[:M]
+
+
+def _tiled_rhs_gradient(lhs_MxK, grad_MxN, group_sizes_G, num_groups, tile_rows):
+    """Each group's matrix gradient, lhs[rows of g]ᵀ · grad[rows of g], summed over its
+    visits; float32 sums, in the matrices' dtype at the end."""
+    M, K = lhs_MxK.shape
+    N = grad_MxN.shape[1]
+    lhs_PxK, grad_PxN = _padded(lhs_MxK, tile_rows), _padded(grad_MxN, tile_rows)
+    tile_V, group_V, real_V, starts_G, ends_G = visits(group_sizes_G, M, tile_rows)
+
+    def visit(sums_GxKxN, tile_group_real):
+        tile, group, real = tile_group_real
+        start = tile * tile_rows
+        mask_Tx1 = _row_mask(tile, group, real, starts_G, ends_G, tile_rows)[:, None]
+        lhs_TxK = jnp.where(mask_Tx1, lax.dynamic_slice_in_dim(lhs_PxK, start, tile_rows), 0)
+        grad_TxN = lax.dynamic_slice_in_dim(grad_PxN, start, tile_rows)
+        product_KxN = jnp.dot(lhs_TxK.T, grad_TxN, preferred_element_type=jnp.float32)
+        return sums_GxKxN.at[group].add(product_KxN), None
+
+    sums_GxKxN = jnp.zeros((num_groups, K, N), jnp.float32)
+    sums_GxKxN, _ = lax.scan(visit, sums_GxKxN, (tile_V, group_V, real_V))
+    return sums_GxKxN
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _tiled(lhs_MxK, rhs_GxKxN, group_sizes_G, tile_rows):
+    return _tiled_forward(lhs_MxK, rhs_GxKxN, group_sizes_G, tile_rows)
+
+
+def _tiled_forward_rule(lhs_MxK, rhs_GxKxN, group_sizes_G, tile_rows):
+    out = _tiled_forward(lhs_MxK, rhs_GxKxN, group_sizes_G, tile_rows)
+    return out, (lhs_MxK, rhs_GxKxN, group_sizes_G)
+
+
+def _tiled_backward(tile_rows, residuals, grad_MxN):
+    """d lhs: the same visits with each matrix transposed; d rhs: `_tiled_rhs_gradient`. The
+    group sizes are integers: no gradient."""
+    lhs_MxK, rhs_GxKxN, group_sizes_G = residuals
+    grad_lhs_MxK = _tiled_forward(grad_MxN, rhs_GxKxN.swapaxes(1, 2), group_sizes_G, tile_rows)
+    grad_rhs_GxKxN = _tiled_rhs_gradient(lhs_MxK, grad_MxN, group_sizes_G,
+                                         rhs_GxKxN.shape[0], tile_rows)
+    return (grad_lhs_MxK.astype(lhs_MxK.dtype), grad_rhs_GxKxN.astype(rhs_GxKxN.dtype), None)
+
+
+_tiled.defvjp(_tiled_forward_rule, _tiled_backward)
+
+
+def tiled_grouped_matmul(lhs_MxK: jax.Array, rhs_GxKxN: jax.Array, group_sizes_G: jax.Array,
+                         tile_rows: int = TILE_ROWS) -> jax.Array:
+    """`grouped_matmul`'s `tiled` backend; a tile no taller than the rows need."""
+    tile_rows = min(tile_rows, max(8, -(-lhs_MxK.shape[0] // 8) * 8))
+    return _tiled(lhs_MxK, rhs_GxKxN, group_sizes_G.astype(jnp.int32), tile_rows)

@@ -1,0 +1,390 @@
+"""The Mixture-of-Experts MLP of the llama-family decoders (`model.moe`): a router and a set of
+SwiGLU experts, optionally a gated shared expert, in the parameter layout of transformers'
+Qwen3-MoE / Qwen2-MoE / OLMoE blocks (`mlp.gate`, `mlp.experts`, `mlp.shared_expert`,
+`mlp.shared_expert_gate`), the experts' matrices stacked on a leading expert axis.
+
+Routing (as the released families route): softmax over the router's logits in float32, each
+token's `top_k` largest probabilities chosen, divided by their sum where the family does
+(`normalize_top_k`); the token's output is its experts' outputs weighted by them. With
+`bias_update_rate` the choice is made on the probabilities plus a per-expert bias that the
+train step moves toward the even load (DeepSeek-V3's auxiliary-loss-free balancing); the
+weights stay the unbiased probabilities.
+
+Dispatch (`model.moe.dispatch`): the token copies (T·K of them) are sorted by expert and each
+expert's run of rows multiplied by its matrices in one grouped matmul (`grouped_matmul`), then
+unsorted and summed per token: no row meets an expert it was not sent to, and nothing is
+dropped. With `capacity_factor` each expert takes at most that many times its even share of a
+device's copies, in order, into a fixed (E, C) buffer, and the rest are dropped (their MLP
+output is zero; the residual carries the token on). `dense` runs every token through every
+expert and weights by the routing (zero off the chosen ones): the reference the others are
+tested against.
+
+Within a step on a device mesh the dispatch runs per device on its own rows
+(`jax.shard_map` over the batch axes): a sort over the whole global batch would move every
+token between devices. The router and its statistics stay global.
+
+Statistics (`RouterStats`, per sparse layer, over the whole batch): Switch's load-balancing
+loss E · Σ_e f_e · P̄_e (f_e the tokens sent to expert e per token, P̄_e its mean probability;
+transformers' definition, K at the even load), the router's z-loss (mean log²Z of its
+logits), each expert's share of the copies, and the share dropped.
+
+Shapes: T tokens (rows × positions), D model width, E experts, K experts per token, F an
+expert's width, M = T·K token copies, C an expert's capacity.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+from jax.sharding import PartitionSpec
+
+from flaxlm.config import ModelConfig, MoeConfig, MoeDispatch
+from flaxlm.errors import FlaxlmError
+from flaxlm.models.grouped_matmul import grouped_matmul
+from flaxlm.models.layers import ACTIVATIONS, TransformerSpec, axes
+from flaxlm.parallel import BATCH_AXES, TENSOR_AXIS
+
+
+def check_moe(cfg: ModelConfig) -> None:
+    """The expert settings that must make sense before anything is built (the family's
+    having experts at all: `layers.check_shape`)."""
+    moe = cfg.moe
+    if moe.num_experts is None:
+        return
+    problems = []
+    if moe.num_experts < 1:
+        problems.append(f"model.moe.num_experts={moe.num_experts} must be at least 1")
+    elif not 1 <= moe.top_k <= moe.num_experts:
+        problems.append(f"model.moe.top_k={moe.top_k} must be between 1 and "
+                        f"model.moe.num_experts={moe.num_experts}: a token cannot go to more "
+                        "experts than there are")
+    if moe.capacity_factor is not None and not moe.capacity_factor > 0:
+        problems.append(f"model.moe.capacity_factor={moe.capacity_factor} must be > 0 (1.0: "
+                        "each expert takes its even share of the tokens; null: dropless)")
+    if not 0 <= moe.first_dense_layers < cfg.num_layers:
+        problems.append(f"model.moe.first_dense_layers={moe.first_dense_layers} must be from 0 "
+                        f"to model.num_layers - 1 = {cfg.num_layers - 1}")
+    elif moe.first_dense_layers and cfg.scan_layers:
+        problems.append(f"model.moe.first_dense_layers={moe.first_dense_layers} with "
+                        "model.scan_layers=true: a scan runs one kind of layer, and the first "
+                        "layers are dense; set model.scan_layers=false")
+    for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+        if not getattr(moe, name) >= 0:
+            problems.append(f"model.moe.{name}={getattr(moe, name)} must be >= 0")
+    if problems:
+        raise FlaxlmError("; ".join(problems) + ".")
+
+
+def enabled(cfg: ModelConfig) -> bool:
+    return cfg.moe.num_experts is not None
+
+
+def expert_width(cfg: ModelConfig) -> int:
+    return cfg.moe.expert_mlp_size or cfg.mlp_size or 4 * cfg.hidden_size
+
+
+def is_sparse_layer(cfg: ModelConfig, layer: int) -> bool:
+    """Whether decoder layer `layer` has experts (the first `first_dense_layers` do not)."""
+    return enabled(cfg) and layer >= cfg.moe.first_dense_layers
+
+
+def dispatch_backend(moe: MoeConfig, platform: str | None = None) -> str:
+    """The dispatch `model.moe.dispatch` means on `platform` (the default backend's if None):
+    auto is megablox's kernel on a TPU, ragged_dot on a GPU, the tiled grouped matmul on a
+    CPU (where ragged_dot is every row times every expert)."""
+    dispatch = MoeDispatch(moe.dispatch)
+    if dispatch is not MoeDispatch.auto:
+        return dispatch.value
+    platform = platform or jax.default_backend()
+    return {"tpu": "megablox", "gpu": "ragged"}.get(platform, "tiled")
+
+
+@struct.dataclass
+class RouterStats:
+    """One sparse layer's routing over a batch (stacked over layers on a leading axis)."""
+
+    balance_loss: jax.Array  # Switch's load-balancing loss, unscaled: K at the even load
+    z_loss: jax.Array  # mean log²Z of the router's logits
+    load_E: jax.Array  # each expert's share of the token copies (sums to 1)
+    dropped: jax.Array  # the share of token copies dropped past capacity (0 dropless)
+
+
+# The experts' stacked matrices, by their parameter names (weight decay applies to them).
+EXPERT_MATRICES = ("gate_proj", "up_proj", "down_proj")
+
+
+class Experts(nnx.Module):
+    """E SwiGLU MLPs, their matrices stacked: gate and up (E, D, F), down (E, F, D)."""
+
+    def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
+        cfg = spec.model
+        E, D, F = cfg.moe.num_experts, cfg.hidden_size, expert_width(cfg)
+        init = nnx.initializers.normal(cfg.initializer_range)
+
+        def matrix(shape, logical_axes):
+            return nnx.Param(init(rngs.params(), shape, spec.param_dtype), **axes(*logical_axes))
+
+        self.gate_proj = matrix((E, D, F), ("experts", "embed", "mlp"))
+        self.up_proj = matrix((E, D, F), ("experts", "embed", "mlp"))
+        self.down_proj = matrix((E, F, D), ("experts", "mlp", "embed"))
+        self.activation = ACTIVATIONS[cfg.activation]
+        self.dtype = spec.compute_dtype
+
+    def matrices(self):
+        return tuple(w[...].astype(self.dtype)
+                     for w in (self.gate_proj, self.up_proj, self.down_proj))
+
+
+class RouterBias(nnx.Param):
+    """The auxiliary-loss-free balancing bias (`bias_update_rate`, kept as its `update_rate`
+    metadata): in the parameters, so that it is checkpointed and sharded with them, but never
+    differentiated (its gradient is zero, and so is any optimizer's update of it); the train
+    step moves it (`rebalanced`)."""
+
+
+class MoeMLP(nnx.Module):
+    """The sparse MLP: router (`gate`), experts, and the optional shared expert."""
+
+    def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs, shared_mlp: type[nnx.Module]):
+        cfg = spec.model
+        self.moe = cfg.moe
+        E = cfg.moe.num_experts
+        # The router's weights in float32 whatever the parameters' dtype: a bfloat16 logit
+        # differs from its neighbour by 1/128 of its size, enough to flip a top-k choice.
+        self.gate = nnx.Linear(cfg.hidden_size, E, use_bias=False, dtype=jnp.float32,
+                               param_dtype=jnp.float32,
+                               kernel_init=nnx.initializers.normal(cfg.initializer_range),
+                               kernel_metadata=axes("embed", None), rngs=rngs)
+        self.experts = Experts(spec, rngs)
+        if cfg.moe.bias_update_rate:
+            self.router_bias = RouterBias(jnp.zeros(E, jnp.float32),
+                                          update_rate=cfg.moe.bias_update_rate, **axes(None))
+        if cfg.moe.shared_expert_size:
+            self.shared_expert = shared_mlp(spec, rngs, width=cfg.moe.shared_expert_size)
+            self.shared_expert_gate = nnx.Linear(
+                cfg.hidden_size, 1, use_bias=False, dtype=spec.compute_dtype,
+                param_dtype=spec.param_dtype,
+                kernel_init=nnx.initializers.normal(cfg.initializer_range),
+                kernel_metadata=axes("embed", None), rngs=rngs)
+
+    def __call__(self, x_BxLxD: jax.Array, rngs: nnx.Rngs | None = None
+                 ) -> tuple[jax.Array, RouterStats]:
+        B, L, D = x_BxLxD.shape
+        logits_BxLxE = self.gate(x_BxLxD.astype(jnp.float32))
+        weights_BxLxK, experts_BxLxK = self.route(logits_BxLxE)
+        out_BxLxD, dropped = dispatch(x_BxLxD, experts_BxLxK,
+                                      weights_BxLxK.astype(x_BxLxD.dtype),
+                                      self.experts, self.moe)
+        if self.moe.shared_expert_size:
+            shared_BxLxD = self.shared_expert(x_BxLxD, rngs)
+            gate_BxLx1 = jax.nn.sigmoid(self.shared_expert_gate(x_BxLxD))
+            out_BxLxD = out_BxLxD + gate_BxLx1 * shared_BxLxD
+        return out_BxLxD, router_stats(logits_BxLxE, experts_BxLxK, dropped)
+
+    def route(self, logits_BxLxE: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Each token's K routing weights and experts (B, L, K)."""
+        probs_BxLxE = jax.nn.softmax(logits_BxLxE, axis=-1)
+        if self.moe.bias_update_rate:
+            choice_BxLxE = probs_BxLxE + jax.lax.stop_gradient(self.router_bias[...])
+            _, experts_BxLxK = jax.lax.top_k(choice_BxLxE, self.moe.top_k)
+            weights_BxLxK = jnp.take_along_axis(probs_BxLxE, experts_BxLxK, axis=-1)
+        else:
+            weights_BxLxK, experts_BxLxK = jax.lax.top_k(probs_BxLxE, self.moe.top_k)
+        if self.moe.normalize_top_k:
+            weights_BxLxK = weights_BxLxK / weights_BxLxK.sum(-1, keepdims=True)
+        return weights_BxLxK, experts_BxLxK
+
+
+def router_stats(logits_BxLxE: jax.Array, experts_BxLxK: jax.Array,
+                 dropped: jax.Array) -> RouterStats:
+    E = logits_BxLxE.shape[-1]
+    logits_TxE = logits_BxLxE.reshape(-1, E)
+    T = logits_TxE.shape[0]
+    counts_E = jnp.zeros(E, jnp.float32).at[experts_BxLxK.reshape(-1)].add(1.0)
+    mean_probs_E = jax.nn.softmax(logits_TxE, axis=-1).mean(0)
+    log_z_T = jax.nn.logsumexp(logits_TxE, axis=-1)
+    return RouterStats(balance_loss=E * jnp.sum(counts_E / T * mean_probs_E),
+                       z_loss=jnp.mean(jnp.square(log_z_T)),
+                       load_E=counts_E / counts_E.sum(), dropped=dropped)
+
+
+# The metric holding each sparse layer's expert loads (S, E): what `rebalanced` reads; the
+# train step takes it out of the metrics it reports, which are scalars.
+LOAD_METRIC = "moe/load"
+
+AuxLosses = tuple[jax.Array, dict[str, jax.Array]]
+
+
+def aux_losses(stats: RouterStats, moe: MoeConfig) -> AuxLosses:
+    """What the router adds to the training loss (aux_loss_coef × the balancing loss, plus
+    z_loss_coef × its z-loss, each the mean over the sparse layers), and the metrics beside
+    it: both losses unscaled, the busiest and idlest expert's load as a multiple of the even
+    share (1 is even; 0 an expert that got nothing, `dead_experts` of them over all layers),
+    the share of token copies dropped, and `LOAD_METRIC`."""
+    balance, z_loss = stats.balance_loss.mean(), stats.z_loss.mean()
+    load_SxE = stats.load_E
+    E = load_SxE.shape[-1]
+    metrics = {
+        "moe/balance_loss": balance,
+        "moe/router_z_loss": z_loss,
+        "moe/load_max": load_SxE.max() * E,
+        "moe/load_min": load_SxE.min() * E,
+        "moe/dead_experts": (load_SxE == 0).sum().astype(jnp.float32),
+        "moe/dropped": stats.dropped.mean(),
+        LOAD_METRIC: load_SxE,
+    }
+    return moe.aux_loss_coef * balance + moe.z_loss_coef * z_loss, metrics
+
+
+def rebalance(bias_E: jax.Array, load_E: jax.Array, rate: float) -> jax.Array:
+    """DeepSeek-V3's update of the routing bias after a step: up by `rate` for an expert
+    below the even share, down for one above (unchanged at exactly even)."""
+    return bias_E + rate * jnp.sign(1.0 / load_E.shape[-1] - load_E)
+
+
+def rebalanced(params, load_SxE: jax.Array | None):
+    """`params` (an nnx.State) with every `RouterBias` moved by `rebalance` for its layer's
+    load: a scanned model's one stacked bias (S, E) at once, an unrolled model's one per
+    sparse layer, in layer order (as the loads are stacked). Unchanged without biases."""
+    if load_SxE is None:
+        return params
+    layer = iter(range(load_SxE.shape[0]))
+
+    def update(variable):
+        if not isinstance(variable, RouterBias):
+            return variable
+        rate = variable.get_metadata()["update_rate"]
+        bias = variable[...]
+        load = load_SxE if bias.ndim == 2 else load_SxE[next(layer)]
+        return variable.replace(rebalance(bias, load, rate))
+
+    return jax.tree.map(update, params, is_leaf=lambda node: isinstance(node, nnx.Variable))
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def dispatch(x_BxLxD: jax.Array, experts_BxLxK: jax.Array, weights_BxLxK: jax.Array,
+             experts: Experts, moe: MoeConfig) -> tuple[jax.Array, jax.Array]:
+    """The experts' weighted outputs (B, L, D) and the share of token copies dropped: on a
+    mesh, each device its own rows (`jax.shard_map` over the batch axes; the experts'
+    matrices whole on every device, or split over `tensor` on their width, the partial
+    outputs then summed over it); off one, directly."""
+    matrices = experts.matrices()
+    local = lambda x, e, w, *m: _local_dispatch(x, e, w, m, experts.activation, moe)  # noqa: E731
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or any(axis not in mesh.axis_names for axis in BATCH_AXES):
+        return local(x_BxLxD, experts_BxLxK, weights_BxLxK, *matrices)
+    tensor = TENSOR_AXIS if mesh.shape.get(TENSOR_AXIS, 1) > 1 else None
+
+    def per_device(x, e, w, *m):
+        out_BxLxD, dropped = local(x, e, w, *m)
+        if tensor:  # each device holds 1/tensor of every expert's width: partial sums
+            out_BxLxD = jax.lax.psum(out_BxLxD, tensor)
+        return out_BxLxD, jax.lax.pmean(dropped, BATCH_AXES)
+
+    rows = PartitionSpec(BATCH_AXES)
+    return jax.shard_map(
+        per_device, mesh=mesh,
+        in_specs=(rows, rows, rows, PartitionSpec(None, None, tensor),
+                  PartitionSpec(None, None, tensor), PartitionSpec(None, tensor, None)),
+        out_specs=(rows, PartitionSpec()), check_vma=False,
+    )(x_BxLxD, experts_BxLxK, weights_BxLxK, *matrices)
+
+
+def _local_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, matrices, activation,
+                    moe: MoeConfig):
+    B, L, D = x_BxLxD.shape
+    K = experts_BxLxK.shape[-1]
+    x_TxD = x_BxLxD.reshape(B * L, D)
+    experts_TxK = experts_BxLxK.reshape(B * L, K)
+    weights_TxK = weights_BxLxK.reshape(B * L, K)
+    backend = dispatch_backend(moe)
+    if backend == MoeDispatch.dense.value:
+        out_TxD, dropped = _dense(x_TxD, experts_TxK, weights_TxK, matrices, activation)
+    elif moe.capacity_factor is not None:
+        out_TxD, dropped = _with_capacity(x_TxD, experts_TxK, weights_TxK, matrices, activation,
+                                          moe.capacity_factor)
+    else:
+        out_TxD, dropped = _dropless(x_TxD, experts_TxK, weights_TxK, matrices, activation,
+                                     backend)
+    return out_TxD.reshape(B, L, D), dropped
+
+
+def _dropless(x_TxD, experts_TxK, weights_TxK, matrices, activation, backend):
+    """Token copies sorted by expert (stably: within an expert, in token order), through the
+    grouped matmuls, then back in token order and summed with their weights."""
+    gate_ExDxF, up_ExDxF, down_ExFxD = matrices
+    T, K = experts_TxK.shape
+    E = gate_ExDxF.shape[0]
+    expert_M = experts_TxK.reshape(T * K)
+    order_M = jnp.argsort(expert_M, stable=True)
+    x_MxD = x_TxD[order_M // K]
+    group_sizes_E = jnp.zeros(E, jnp.int32).at[expert_M].add(1)
+    h_MxF = (activation(grouped_matmul(x_MxD, gate_ExDxF, group_sizes_E, backend))
+             * grouped_matmul(x_MxD, up_ExDxF, group_sizes_E, backend))
+    y_MxD = grouped_matmul(h_MxF, down_ExFxD, group_sizes_E, backend)
+    y_TxKxD = y_MxD[jnp.argsort(order_M)].reshape(T, K, -1)
+    return jnp.einsum("tkd,tk->td", y_TxKxD, weights_TxK), jnp.zeros((), jnp.float32)
+
+
+def capacity(num_copies: int, num_experts: int, capacity_factor: float) -> int:
+    """Token copies an expert takes: capacity_factor × the even share, rounded up."""
+    return max(1, math.ceil(capacity_factor * num_copies / num_experts))
+
+
+def _with_capacity(x_TxD, experts_TxK, weights_TxK, matrices, activation, capacity_factor):
+    """Switch/GShard's token dropping: each expert's first C copies (in token order) go into
+    its row of an (E, C) buffer, multiplied as one batched matmul; the rest are dropped."""
+    gate_ExDxF, up_ExDxF, down_ExFxD = matrices
+    T, K = experts_TxK.shape
+    E, D = gate_ExDxF.shape[0], x_TxD.shape[1]
+    C = capacity(T * K, E, capacity_factor)
+    expert_M = experts_TxK.reshape(T * K)
+    order_M = jnp.argsort(expert_M, stable=True)
+    sorted_expert_M = expert_M[order_M]
+    group_sizes_E = jnp.zeros(E, jnp.int32).at[expert_M].add(1)
+    group_starts_E = jnp.cumsum(group_sizes_E) - group_sizes_E
+    slot_M = jnp.arange(T * K) - group_starts_E[sorted_expert_M]
+    kept_M = slot_M < C
+    # A dropped copy's row goes to one spare slot past the buffer, which is then cut off.
+    index_M = jnp.where(kept_M, sorted_expert_M * C + slot_M, E * C)
+    buffer_NxD = jnp.zeros((E * C + 1, D), x_TxD.dtype).at[index_M].set(x_TxD[order_M // K])
+    x_ExCxD = buffer_NxD[:-1].reshape(E, C, D)
+    h_ExCxF = (activation(jnp.einsum("ecd,edf->ecf", x_ExCxD, gate_ExDxF))
+               * jnp.einsum("ecd,edf->ecf", x_ExCxD, up_ExDxF))
+    y_NxD = jnp.einsum("ecf,efd->ecd", h_ExCxF, down_ExFxD).reshape(E * C, D)
+    y_NxD = jnp.concatenate([y_NxD, jnp.zeros((1, D), y_NxD.dtype)])
+    y_MxD = y_NxD[index_M]  # dropped copies read the spare slot's zeros
+    y_TxKxD = y_MxD[jnp.argsort(order_M)].reshape(T, K, D)
+    dropped = 1.0 - kept_M.astype(jnp.float32).mean()
+    return jnp.einsum("tkd,tk->td", y_TxKxD, weights_TxK), dropped
+
+
+def _dense(x_TxD, experts_TxK, weights_TxK, matrices, activation):
+    """Every token through every expert, each output weighted by the token's routing weight
+    for that expert (zero for the experts not chosen)."""
+    gate_ExDxF, up_ExDxF, down_ExFxD = matrices
+    T, K = experts_TxK.shape
+    E = gate_ExDxF.shape[0]
+    h_TxExF = (activation(jnp.einsum("td,edf->tef", x_TxD, gate_ExDxF))
+               * jnp.einsum("td,edf->tef", x_TxD, up_ExDxF))
+    y_TxExD = jnp.einsum("tef,efd->ted", h_TxExF, down_ExFxD)
+    combine_TxE = jnp.zeros((T, E), weights_TxK.dtype).at[
+        jnp.arange(T)[:, None], experts_TxK].add(weights_TxK)
+    return jnp.einsum("ted,te->td", y_TxExD, combine_TxE), jnp.zeros((), jnp.float32)
+
+
+def num_active_params(cfg: ModelConfig, num_params: int) -> int:
+    """The parameters a token's forward pass multiplies by: all but the experts it is not
+    routed to (E - K of each sparse layer's)."""
+    if not enabled(cfg):
+        return num_params
+    sparse_layers = cfg.num_layers - cfg.moe.first_dense_layers
+    per_expert = 3 * cfg.hidden_size * expert_width(cfg)
+    idle = cfg.moe.num_experts - cfg.moe.top_k
+    return int(num_params - sparse_layers * idle * per_expert)
+
