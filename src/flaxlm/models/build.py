@@ -12,7 +12,7 @@ from flax import nnx
 
 from flaxlm.config import ModelConfig, ModelFamily
 from flaxlm.errors import FlaxlmError
-from flaxlm.models import hf
+from flaxlm.models import hf, moe
 from flaxlm.models.layers import TransformerSpec, training_flops_per_token
 
 
@@ -46,12 +46,15 @@ def lm_flops_per_token(model: ModelConfig, num_params: int, seq_len: int,
     """Training FLOPs per token of the language model of `model`'s family, with `num_params`
     parameters, on sequences of `seq_len` tokens. With `num_trained` (model.lora: the
     adapters) the other weights are frozen: 4 FLOPs each, as no gradient of theirs is made
-    (the forward pass and the gradient of their inputs), where a trained weight costs 6."""
+    (the forward pass and the gradient of their inputs), where a trained weight costs 6.
+    A Mixture-of-Experts model counts the weights a token meets (`moe.num_active_params`): its
+    top-k experts of each sparse layer, not the idle ones."""
     lookups = hf.lm_architecture(model.family).model_class.lookup_params(model)
-    flops = training_flops_per_token(model, num_params - lookups, seq_len)
+    active = moe.num_active_params(model, num_params)
+    flops = training_flops_per_token(model, active - lookups, seq_len)
     if num_trained is None:
         return flops
-    return flops - 2 * (num_params - num_trained - lookups)
+    return flops - 2 * (active - num_trained - lookups)
 
 
 def classifier_flops_per_token(model: ModelConfig, num_params: int, seq_len: int) -> float:

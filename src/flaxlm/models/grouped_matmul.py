@@ -167,4 +167,6 @@ def tiled_grouped_matmul(lhs_MxK: jax.Array, rhs_GxKxN: jax.Array, group_sizes_G
                          tile_rows: int = TILE_ROWS) -> jax.Array:
     """`grouped_matmul`'s `tiled` backend; a tile no taller than the rows need."""
     tile_rows = min(tile_rows, max(8, -(-lhs_MxK.shape[0] // 8) * 8))
-    return _tiled(lhs_MxK, rhs_GxKxN, group_sizes_G.astype(jnp.int32), tile_rows)
+    # As arrays: the rules index the matrices by a traced group.
+    return _tiled(jnp.asarray(lhs_MxK), jnp.asarray(rhs_GxKxN),
+                  jnp.asarray(group_sizes_G, jnp.int32), tile_rows)

@@ -44,13 +44,15 @@ from jax.sharding import PartitionSpec
 from flaxlm.config import ModelConfig, MoeConfig, MoeDispatch
 from flaxlm.errors import FlaxlmError
 from flaxlm.models.grouped_matmul import grouped_matmul
-from flaxlm.models.layers import ACTIVATIONS, TransformerSpec, axes
+from flaxlm.models.layers import ACTIVATIONS, TransformerSpec, axes, check_experts_family
 from flaxlm.parallel import BATCH_AXES, TENSOR_AXIS
 
 
 def check_moe(cfg: ModelConfig) -> None:
-    """The expert settings that must make sense before anything is built (the family's
-    having experts at all: `layers.check_shape`)."""
+    """The expert settings that must make sense before any data is read or anything built:
+    experts exactly on the families that have them (`layers.check_experts_family`), then
+    their numbers."""
+    check_experts_family(cfg)
     moe = cfg.moe
     if moe.num_experts is None:
         return
@@ -100,6 +102,13 @@ def dispatch_backend(moe: MoeConfig, platform: str | None = None) -> str:
         return dispatch.value
     platform = platform or jax.default_backend()
     return {"tpu": "megablox", "gpu": "ragged"}.get(platform, "tiled")
+
+
+def describe_dispatch(moe: MoeConfig) -> str:
+    """How tokens reach their experts, for the run's banner."""
+    if moe.capacity_factor is not None and dispatch_backend(moe) != MoeDispatch.dense.value:
+        return f"tokens past capacity factor {moe.capacity_factor:g} dropped"
+    return f"{dispatch_backend(moe)} dispatch"
 
 
 @struct.dataclass

@@ -25,7 +25,7 @@ from flaxlm.data.tokenizer import (
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import export_adapter
 from flaxlm.generate import log_samples, settings_from_samples
-from flaxlm.models import build, hf, lora, pretrained
+from flaxlm.models import build, hf, lora, moe, pretrained
 from flaxlm.parallel import replicated
 from flaxlm.tasks import base
 from flaxlm.tasks.base import JobContext
@@ -47,6 +47,7 @@ class LanguageModelTask(Task):
         build.check_lm_family(config.model,
                               f"task={config.task.name} trains a causal language model")
         lora.check_lora(config.model)
+        moe.check_moe(config.model)
         self.check_data_settings(config)
         seq_len = config.task.max_seq_length or config.model.max_positions
         check_block_length(config, seq_len)

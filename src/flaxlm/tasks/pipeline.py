@@ -21,7 +21,7 @@ from flax import nnx
 
 from flaxlm.config import TrainConfig
 from flaxlm.data.loader import BatchSource
-from flaxlm.models import lora
+from flaxlm.models import lora, moe
 from flaxlm.models.layers import TransformerSpec
 from flaxlm.tasks import base
 from flaxlm.tasks.base import EvalMetrics, JobContext, Start, Training
@@ -171,6 +171,10 @@ def banner(run: Run, network: Network) -> str:
     network is about (`Network.about`) and what it trains on (`TaskData.trains_on`)."""
     training, model = run.training, run.config.model
     about = f", {network.about}" if network.about else ""
+    if moe.enabled(model):  # what a token meets: its top-k experts of each sparse layer
+        active = moe.num_active_params(model, training.num_params)
+        about += (f", {active / 1e6:.2f}M active: {model.moe.top_k} of "
+                  f"{model.moe.num_experts} experts per token, {moe.describe_dispatch(model.moe)}")
     if training.trainable is not None:
         about += (f", {training.num_trainable / 1e6:.3g}M of them trained "
                   f"({100 * training.num_trainable / training.num_params:.2g}%: "
