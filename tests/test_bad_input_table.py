@@ -193,6 +193,8 @@ ROWS = {
                                   ["model.moe.top_k=9", "model.moe.num_experts=8"]),
     "moe-capacity-zero": Row(["model=moe-tiny", "model.moe.capacity_factor=0"],
                              ["model.moe.capacity_factor=0"]),
+    "moe-classifier": Row([*classify("pairs.jsonl", "pairs.jsonl"), "model=moe-tiny"],
+                          ["model=moe-tiny", "task=classify"]),
     "moe-on-a-dense-family": Row(["model=llama-tiny", "model.moe.num_experts=4"],
                                  ["model.moe.num_experts=4", "model.family=llama"]),
     "lora-unknown-target": Row(["model=gpt2-tiny", "model.lora.rank=4",

@@ -30,6 +30,18 @@ def check_lm_family(model: ModelConfig,
         )
 
 
+def check_classifier_family(model: ModelConfig, purpose: str) -> None:
+    """A family with a sequence classifier, which `purpose` (what the task does) needs: the
+    Mixture-of-Experts families have none (transformers has no such class of theirs)."""
+    family = ModelFamily(model.family)
+    if hf.classifier_architecture(family) is None:
+        families = sorted({a.family.value for a in hf.ARCHITECTURES.values() if not a.is_lm})
+        raise FlaxlmError(
+            f"{purpose}, but model={model.name} (model.family={family.value}) has no sequence "
+            f"classifier. Use a model of family {', '.join(families)} (e.g. model=llama-tiny "
+            "or model=bert-tiny), or task=clm / task=sft to train this one.")
+
+
 def build_lm(spec: TransformerSpec, rngs: nnx.Rngs) -> nnx.Module:
     """A freshly initialised language model of `spec`'s family and shape."""
     check_lm_family(spec.model)

@@ -115,10 +115,11 @@ def lm_architecture(family: ModelFamily | str) -> Architecture | None:
     return next((a for a in ARCHITECTURES.values() if a.family is family and a.is_lm), None)
 
 
-def classifier_architecture(family: ModelFamily | str) -> Architecture:
-    """The sequence classifier of `family`."""
+def classifier_architecture(family: ModelFamily | str) -> Architecture | None:
+    """The sequence classifier of `family`; None for a family without (the MoE decoders)."""
     family = ModelFamily(family)
-    return next(a for a in ARCHITECTURES.values() if a.family is family and not a.is_lm)
+    return next((a for a in ARCHITECTURES.values() if a.family is family and not a.is_lm),
+                None)
 
 
 def family_of_model_type(model_type: str | None) -> ModelFamily | None:

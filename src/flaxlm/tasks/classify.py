@@ -54,6 +54,7 @@ class Classification(Task):
 
     def check_settings(self, config: TrainConfig) -> int:
         task = config.task
+        build.check_classifier_family(config.model, "task=classify fine-tunes a classifier")
         if config.model.lora.rank is not None:
             raise FlaxlmError(
                 f"model.lora.rank={config.model.lora.rank} with task=classify: flaxlm trains "

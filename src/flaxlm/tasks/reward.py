@@ -133,6 +133,7 @@ def check_scorer(model: ModelConfig) -> None:
     """A reward model reads a causal LM's last token: an encoder family has none to read."""
     build.check_lm_family(model, "task=reward scores a reply with a causal language model (its "
                                  "last token's hidden state)")
+    build.check_classifier_family(model, "task=reward trains a sequence classifier's score head")
 
 
 def trainable(model: ModelConfig):
