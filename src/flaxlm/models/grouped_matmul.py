@@ -44,22 +44,23 @@ def grouped_matmul(lhs_MxK: jax.Array, rhs_GxKxN: jax.Array, group_sizes_G: jax.
     raise ValueError(f"grouped matmul backend {backend!r}: ragged, tiled or megablox")
 
 
+# megablox's tiles (rows, contraction, output): MaxText's defaults, cut to the operands.
+MEGABLOX_TILING = (512, 1024, 1024)
+
+
 def _megablox(lhs_MxK, rhs_GxKxN, group_sizes_G):
     from jax.experimental.pallas.ops.tpu.megablox import gmm
 
     M, K = lhs_MxK.shape
     N = rhs_GxKxN.shape[2]
-    # The kernel's tiles must divide the operands; the largest of its defaults that do.
-    tiling = tuple(_largest_tile(size) for size in (M, K, N))
-    return gmm(lhs_MxK, rhs_GxKxN, group_sizes_G, preferred_element_type=lhs_MxK.dtype,
-               tiling=tiling)
-
-
-def _largest_tile(size: int, largest: int = 512) -> int:
-    tile = largest
-    while tile > 8 and size % tile:
-        tile //= 2
-    return tile if size % tile == 0 else size
+    # The row tile must divide the rows (the kernel masks a partial tile only in K and N).
+    tile_rows = MEGABLOX_TILING[0]
+    while tile_rows > 8 and M % tile_rows:
+        tile_rows //= 2
+    tiling = (tile_rows if M % tile_rows == 0 else M, min(MEGABLOX_TILING[1], K),
+              min(MEGABLOX_TILING[2], N))
+    # Positional: the kernel's custom gradient takes its static arguments by position.
+    return gmm(lhs_MxK, rhs_GxKxN, group_sizes_G, lhs_MxK.dtype, tiling)
 
 
 # ---------------------------------------------------------------- tiled, in JAX

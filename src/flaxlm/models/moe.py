@@ -212,7 +212,7 @@ def router_stats(logits_BxLxE: jax.Array, experts_BxLxK: jax.Array,
     E = logits_BxLxE.shape[-1]
     logits_TxE = logits_BxLxE.reshape(-1, E)
     T = logits_TxE.shape[0]
-    counts_E = jnp.zeros(E, jnp.float32).at[experts_BxLxK.reshape(-1)].add(1.0)
+    counts_E = expert_counts(experts_BxLxK.reshape(-1), E).astype(jnp.float32)
     mean_probs_E = jax.nn.softmax(logits_TxE, axis=-1).mean(0)
     log_z_T = jax.nn.logsumexp(logits_TxE, axis=-1)
     return RouterStats(balance_loss=E * jnp.sum(counts_E / T * mean_probs_E),
@@ -330,14 +330,50 @@ def _dropless(x_TxD, experts_TxK, weights_TxK, matrices, activation, backend):
     T, K = experts_TxK.shape
     E = gate_ExDxF.shape[0]
     expert_M = experts_TxK.reshape(T * K)
-    order_M = jnp.argsort(expert_M, stable=True)
-    x_MxD = x_TxD[order_M // K]
-    group_sizes_E = jnp.zeros(E, jnp.int32).at[expert_M].add(1)
+    order_M, inverse_M = sorting(expert_M)
+    # Copy m of the token-major list is token m // K; sorted, its rows go expert by expert.
+    x_MxD = permute(jnp.repeat(x_TxD, K, axis=0), order_M, inverse_M)
+    group_sizes_E = expert_counts(expert_M, E)
     h_MxF = (activation(grouped_matmul(x_MxD, gate_ExDxF, group_sizes_E, backend))
              * grouped_matmul(x_MxD, up_ExDxF, group_sizes_E, backend))
     y_MxD = grouped_matmul(h_MxF, down_ExFxD, group_sizes_E, backend)
-    y_TxKxD = y_MxD[jnp.argsort(order_M)].reshape(T, K, -1)
+    y_TxKxD = permute(y_MxD, inverse_M, order_M).reshape(T, K, -1)
     return jnp.einsum("tkd,tk->td", y_TxKxD, weights_TxK), jnp.zeros((), jnp.float32)
+
+
+def expert_counts(expert_M: jax.Array, num_experts: int) -> jax.Array:
+    """How many of the copies go to each expert (E,), int32: a sum of one-hot rows, which a
+    TPU computes at the speed of its vector units, where a scatter-add of T·K ones into E
+    slots collides on every slot and runs one update at a time."""
+    return jnp.sum(expert_M[:, None] == jnp.arange(num_experts), axis=0, dtype=jnp.int32)
+
+
+def sorting(keys_M: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The stable order that sorts `keys_M`, and its inverse (where each element went)."""
+    order_M = jnp.argsort(keys_M, stable=True)
+    M = keys_M.shape[0]
+    inverse_M = jnp.zeros(M, order_M.dtype).at[order_M].set(jnp.arange(M, dtype=order_M.dtype))
+    return order_M, inverse_M
+
+
+@jax.custom_vjp
+def permute(rows_MxD: jax.Array, order_M: jax.Array, inverse_M: jax.Array) -> jax.Array:
+    """`rows_MxD[order_M]` for a permutation `order_M` whose inverse is `inverse_M`. Its
+    gradient is the inverse permutation's gather: left to autodiff, a gather's gradient is a
+    scatter-add (XLA cannot know no two rows land together), slow on a TPU."""
+    return rows_MxD[order_M]
+
+
+def _permute_forward(rows_MxD, order_M, inverse_M):
+    return rows_MxD[order_M], (order_M, inverse_M)
+
+
+def _permute_backward(residuals, grad_MxD):
+    order_M, inverse_M = residuals
+    return grad_MxD[inverse_M], None, None
+
+
+permute.defvjp(_permute_forward, _permute_backward)
 
 
 def capacity(num_copies: int, num_experts: int, capacity_factor: float) -> int:
@@ -353,22 +389,23 @@ def _with_capacity(x_TxD, experts_TxK, weights_TxK, matrices, activation, capaci
     E, D = gate_ExDxF.shape[0], x_TxD.shape[1]
     C = capacity(T * K, E, capacity_factor)
     expert_M = experts_TxK.reshape(T * K)
-    order_M = jnp.argsort(expert_M, stable=True)
+    order_M, inverse_M = sorting(expert_M)
     sorted_expert_M = expert_M[order_M]
-    group_sizes_E = jnp.zeros(E, jnp.int32).at[expert_M].add(1)
+    group_sizes_E = expert_counts(expert_M, E)
     group_starts_E = jnp.cumsum(group_sizes_E) - group_sizes_E
     slot_M = jnp.arange(T * K) - group_starts_E[sorted_expert_M]
     kept_M = slot_M < C
     # A dropped copy's row goes to one spare slot past the buffer, which is then cut off.
     index_M = jnp.where(kept_M, sorted_expert_M * C + slot_M, E * C)
-    buffer_NxD = jnp.zeros((E * C + 1, D), x_TxD.dtype).at[index_M].set(x_TxD[order_M // K])
+    x_MxD = permute(jnp.repeat(x_TxD, K, axis=0), order_M, inverse_M)
+    buffer_NxD = jnp.zeros((E * C + 1, D), x_TxD.dtype).at[index_M].set(x_MxD)
     x_ExCxD = buffer_NxD[:-1].reshape(E, C, D)
     h_ExCxF = (activation(jnp.einsum("ecd,edf->ecf", x_ExCxD, gate_ExDxF))
                * jnp.einsum("ecd,edf->ecf", x_ExCxD, up_ExDxF))
     y_NxD = jnp.einsum("ecf,efd->ecd", h_ExCxF, down_ExFxD).reshape(E * C, D)
     y_NxD = jnp.concatenate([y_NxD, jnp.zeros((1, D), y_NxD.dtype)])
     y_MxD = y_NxD[index_M]  # dropped copies read the spare slot's zeros
-    y_TxKxD = y_MxD[jnp.argsort(order_M)].reshape(T, K, D)
+    y_TxKxD = permute(y_MxD, inverse_M, order_M).reshape(T, K, D)
     dropped = 1.0 - kept_M.astype(jnp.float32).mean()
     return jnp.einsum("tkd,tk->td", y_TxKxD, weights_TxK), dropped
 
