@@ -241,10 +241,12 @@ def test_lora_on_an_moe_model_trains_the_attention_adapters_only():
 
 @pytest.mark.parametrize("option,total,active", [
     ("olmoe-1b-7b", 6_919_161_856, 1_282_017_280),
+    ("qwen1.5-moe-a2.7b", 14_315_784_192, 2_689_173_504),
     ("qwen3-30b-a3b", 30_532_122_624, 3_353_032_704),
     ("mixtral-8x7b", 46_702_792_704, 12_879_925_248)])
 def test_the_presets_build_the_released_networks(option, total, active):
-    """The parameter counts of allenai/OLMoE-1B-7B-0924 (6.9B, 1.3B active), Qwen/Qwen3-30B-A3B
+    """The parameter counts of allenai/OLMoE-1B-7B-0924 (6.9B, 1.3B active),
+    Qwen/Qwen1.5-MoE-A2.7B (14.3B, 2.7B), Qwen/Qwen3-30B-A3B
     (30.5B, 3.3B) and mistralai/Mixtral-8x7B-v0.1 (46.7B, 12.9B), as transformers' classes
     count them for the HF config we export (PyTorch's meta device: no memory)."""
     from flaxlm.models import moe
@@ -257,7 +259,8 @@ def test_the_presets_build_the_released_networks(option, total, active):
 
 @pytest.mark.slow
 @pytest.mark.torch
-@pytest.mark.parametrize("option", ["olmoe-1b-7b", "qwen3-30b-a3b", "mixtral-8x7b"])
+@pytest.mark.parametrize("option", ["olmoe-1b-7b", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b",
+                                    "mixtral-8x7b"])
 def test_transformers_counts_the_presets_exported_config_as_we_do(option):
     import torch
     import transformers

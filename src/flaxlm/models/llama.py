@@ -486,9 +486,11 @@ _LLAMA3_FIELDS = {"low_freq_factor": ("low_freq_factor", float),
 
 
 def llama_to_hf(model: ModelConfig) -> dict:
-    """The HF config's values that are not one field of ours each: `rope_parameters`, and the
-    head width (transformers' attention reads `head_dim` where a config has it, else divides)."""
-    return {**_rope_to_hf(model), "head_dim": head_width(model)}
+    """The HF config's values that are not one field of ours each: `rope_parameters`, the
+    head width (transformers' attention reads `head_dim` where a config has it, else divides)
+    and the key/value heads (null is one per query head, which not every config reads so)."""
+    return {**_rope_to_hf(model), "head_dim": head_width(model),
+            "num_key_value_heads": kv_heads(model)}
 
 
 def attention_from_hf(config) -> dict:
