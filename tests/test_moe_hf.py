@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import config_node, mesh_config
+from conftest import TINY, config_node, mesh_config, trained_run
 from flax import nnx
 from numerics import assert_close, tolerance, transformer_depth
 
@@ -68,7 +68,7 @@ def torch_checkpoint(family: str, directory, fused: bool = False):
     return theirs
 
 
-def torch_logits(theirs, ids=IDS):
+def torch_logits(theirs, ids=IDS, width=WIDTH):
     """transformers' logits, after checking that no token's top-k choice is a near tie: a
     choice that float32's rounding could flip would route a token to other experts in the
     two implementations, and the logits would differ for a reason that is no error."""
@@ -84,7 +84,7 @@ def torch_logits(theirs, ids=IDS):
         margin = float((sorted_TxE[:, TOP_K - 1] - sorted_TxE[:, TOP_K]).min())
         # Each of the two probabilities may move by the rounding of every stage before the
         # router, relative to the largest probability (at most 1): apart by more, no flip.
-        assert margin > 2 * tolerance(terms=WIDTH, depth=transformer_depth(LAYERS)), margin
+        assert margin > 2 * tolerance(terms=width, depth=transformer_depth(LAYERS)), margin
     return out.logits.numpy()
 
 
@@ -272,6 +272,33 @@ def test_transformers_counts_the_presets_exported_config_as_we_do(option):
         theirs = transformers.AutoModelForCausalLM.from_config(hf_config)
     model = nnx.eval_shape(lambda: build_lm(TransformerSpec(model_config), nnx.Rngs(0)))
     assert sum(p.numel() for p in theirs.parameters()) == count_params(model)
+
+
+MOE_RUN = ["model=moe-tiny", *TINY, "model.moe.num_experts=4", "model.moe.expert_mlp_size=32",
+           "trainer.max_steps=2", "trainer.eval_before_training=false",
+           "language.max_train_docs=20", "language.max_eval_docs=4"]
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_an_moe_runs_end_of_run_export_loads_in_transformers_with_its_logits(tmp_path_factory):
+    """`flaxlm-train model=moe-tiny` (on 8 devices, the dispatch per device) ends with an HF
+    export that transformers loads, nothing missing, with the logits of the run's checkpoint."""
+    import transformers
+
+    from flaxlm.run_model import load_run_model
+
+    run_dir = trained_run(tmp_path_factory, "moe-tiny", MOE_RUN)
+    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(
+        run_dir / "model", output_loading_info=True)
+    assert type(theirs).__name__ == "Qwen3MoeForCausalLM"
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    ours = load_run_model(str(run_dir)).model()
+    ids = np.random.default_rng(0).integers(3, 512, (2, 16))
+    expected = torch_logits(theirs.eval(), ids, width=64)
+    # 2 layers of width 64, an MLP (expert) of 32, the vocabulary of 512 the widest reduction.
+    assert_close(ours(jnp.asarray(ids)), expected, terms=512,
+                 depth=transformer_depth(2) + 3 * 2, amplification=16)
 
 
 # ---------------------------------------------------------------- bad input

@@ -19,10 +19,18 @@ joining it with dots and renaming the leaf (`kernel`/`scale`/`embedding` → `we
                                             ↔ model.layers.<i>.self_attn.q_proj.weight (transposed)
         model.norm.scale                    ↔ model.norm.weight
         lm_head.kernel                      ↔ lm_head.weight  (absent when tied) (transposed)
+    Qwen3-MoE, Qwen2-MoE, OLMoE and Mixtral (`llama_moe`): Llama's, and in a sparse layer
+        model.layers.<i>.mlp.gate.kernel    ↔ model.layers.<i>.mlp.gate.weight   (transposed)
+        model.layers.<i>.mlp.experts.gate_proj (E, D, F), one stack of E experts
+                                            ↔ model.layers.<i>.mlp.experts.<e>.gate_proj.weight
+                                              (F, D) for each expert e    (`hf_pieces`)
+        Mixtral's: model.layers.<i>.block_sparse_moe.gate / experts.<e>.w1 (gate), w3 (up),
+                   w2 (down)                (`HFNames.renames`)
 
 A scanned model (`model.scan_layers`) holds each block parameter once for all layers, stacked
-(`h.attn.c_attn.kernel`, layers first): `unrolled_params` splits it into the per-layer paths
-above before any name is made, and `params_in_layout` converts either way.
+(`h.attn.c_attn.kernel`, layers first): `hf_pieces` cuts it into the per-layer tensors above
+(and an experts' stack into its experts) before any name is made, `unrolled_params` splits the
+layers of a whole dict, and `params_in_layout` converts either way.
 
 HF's `nn.Linear` stores its weight (out, in), so such a kernel is transposed both ways; GPT-2's
 Conv1D is (in, out) already. What differs between families (config field names, prefixes, which
