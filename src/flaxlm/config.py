@@ -262,6 +262,9 @@ class ModelConfig:
     tie_word_embeddings: bool = MISSING  # the LM head reuses the token embeddings (GPT-2 always)
     # llama and qwen2 only (GPT-2 and BERT ignore them):
     num_kv_heads: Optional[int] = None  # key/value heads (grouped-query); null → num_heads
+    # Each head's width, where it is not hidden_size / num_heads (Qwen3-30B-A3B: 32 heads of
+    # 128 on a width of 2048); null → hidden_size / num_heads
+    head_dim: Optional[int] = None
     rope_theta: float = MISSING  # the base wavelength of the rotary position embeddings
     # Not Optional: OmegaConf cannot merge a command-line dict into a null dataclass node.
     rope_scaling: RopeScaling = dataclasses.field(default_factory=RopeScaling)

@@ -19,10 +19,18 @@ joining it with dots and renaming the leaf (`kernel`/`scale`/`embedding` → `we
                                             ↔ model.layers.<i>.self_attn.q_proj.weight (transposed)
         model.norm.scale                    ↔ model.norm.weight
         lm_head.kernel                      ↔ lm_head.weight  (absent when tied) (transposed)
+    Qwen3-MoE, Qwen2-MoE, OLMoE and Mixtral (`llama_moe`): Llama's, and in a sparse layer
+        model.layers.<i>.mlp.gate.kernel    ↔ model.layers.<i>.mlp.gate.weight   (transposed)
+        model.layers.<i>.mlp.experts.gate_proj (E, D, F), one stack of E experts
+                                            ↔ model.layers.<i>.mlp.experts.<e>.gate_proj.weight
+                                              (F, D) for each expert e    (`hf_pieces`)
+        Mixtral's: model.layers.<i>.block_sparse_moe.gate / experts.<e>.w1 (gate), w3 (up),
+                   w2 (down)                (`HFNames.renames`)
 
 A scanned model (`model.scan_layers`) holds each block parameter once for all layers, stacked
-(`h.attn.c_attn.kernel`, layers first): `unrolled_params` splits it into the per-layer paths
-above before any name is made, and `params_in_layout` converts either way.
+(`h.attn.c_attn.kernel`, layers first): `hf_pieces` cuts it into the per-layer tensors above
+(and an experts' stack into its experts) before any name is made, `unrolled_params` splits the
+layers of a whole dict, and `params_in_layout` converts either way.
 
 HF's `nn.Linear` stores its weight (out, in), so such a kernel is transposed both ways; GPT-2's
 Conv1D is (in, out) already. What differs between families (config field names, prefixes, which
@@ -43,6 +51,7 @@ import numpy as np
 from flax import nnx
 
 from flaxlm.config import ModelConfig, ModelFamily
+from flaxlm.errors import FlaxlmError
 from flaxlm.lazy_imports import lazy_module
 from flaxlm.models import bert, gpt2, llama, llama_moe
 from flaxlm.models.layers import (
@@ -198,15 +207,65 @@ def _make_classifier_config(config, num_labels: int | None, label_names: list[st
 
 
 def hf_name(path: tuple, architecture_name: str = GPT2_LM) -> str:
-    """Our parameter path, e.g. ('h', 0, 'attn', 'c_attn', 'kernel'), as HF's key."""
+    """Our parameter path, e.g. ('h', 0, 'attn', 'c_attn', 'kernel'), as HF's key (one layer's,
+    one expert's: see `hf_pieces`)."""
     *modules, leaf = (str(part) for part in path)
-    return architecture(architecture_name).path_prefix + ".".join([*modules, _LEAF_NAMES[leaf]])
+    arch = architecture(architecture_name)
+    if leaf not in _LEAF_NAMES:
+        raise FlaxlmError(_no_hf_name(path, arch))
+    return renamed(arch.path_prefix + ".".join([*modules, _LEAF_NAMES[leaf]]), arch.names)
+
+
+def renamed(key: str, names: HFNames) -> str:
+    """A key in our modules' names as the family's checkpoints name it (`HFNames.renames`);
+    a key already in theirs stays as it is."""
+    for ours, theirs in names.renames:
+        key = key.replace(ours, theirs)
+    return key
+
+
+def _no_hf_name(path: tuple, arch: Architecture) -> str:
+    where = ".".join(str(part) for part in path)
+    if str(path[-1]) == "router_bias":
+        return (
+            f"{where} is the routing bias of model.moe.bias_update_rate (DeepSeek-V3's "
+            f"loss-free balancing): it decides which experts each token goes to, and "
+            f"transformers' {arch.name} has no such bias, so without it the exported model "
+            "would route tokens otherwise than the one trained. A model trained with "
+            "model.moe.bias_update_rate > 0 cannot be exported to transformers; use it in "
+            "flaxlm (its run directory, flaxlm-generate), or train with "
+            "model.moe.bias_update_rate=0 to export."
+        )
+    return f"{where} has no counterpart in transformers' {arch.name}."
 
 
 def is_transposed(path: tuple, architecture_name: str = GPT2_LM) -> bool:
     """True where HF stores the weight as nn.Linear (out, in) rather than our (in, out)."""
     linear = architecture(architecture_name).names.linear_modules
     return str(path[-1]) == "kernel" and str(path[0]) in linear
+
+
+def is_expert_matrix(path: tuple, names: HFNames) -> bool:
+    """Whether our leaf at `path` is a stack of experts' matrices (`moe.Experts`)."""
+    return (names.experts_module is not None and len(path) >= 2
+            and str(path[-2]) == names.experts_module)
+
+
+def hf_pieces(path: tuple, shape: tuple[int, ...], names: HFNames
+              ) -> list[tuple[tuple[int, ...], tuple]]:
+    """The tensors HF stores our leaf at `path` (of `shape`) as: (index, path) each, the
+    leaf's part `leaf[index]` being the tensor HF names after that path. A leaf outside the
+    stacks is one tensor (index ()); a scanned model's stacked leaf one per layer (the index
+    its layer); an experts' matrix one per expert (the index then ends with the expert, and the
+    path is that of the expert's own nn.Linear kernel, as HF holds one per expert)."""
+    layer_paths = per_layer_paths(path, names.layers_module, shape[0]) if shape else None
+    pieces = ([((layer,), layer_path) for layer, layer_path in enumerate(layer_paths)]
+              if layer_paths else [((), path)])
+    if not is_expert_matrix(path, names):
+        return pieces
+    num_experts = shape[len(pieces[0][0])]
+    return [((*index, expert), (*piece[:-1], expert, piece[-1], "kernel"))
+            for index, piece in pieces for expert in range(num_experts)]
 
 
 def unrolled_params(params: dict, architecture_name: str = GPT2_LM) -> dict:
@@ -242,23 +301,23 @@ def hf_tensors(params: dict, architecture_name: str = GPT2_LM
                ) -> dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]]:
     """{HF key: (shape, fetch)} of our nested parameter dict (either layout), nothing read
     yet: `fetch()` is that one tensor as a float32 host array in HF's layout, gathered from its
-    devices if it is a sharded `jax.Array`; a scanned model's layer is cut from its stack only
-    then."""
-    layers_key = architecture(architecture_name).names.layers_module
+    devices if it is a sharded `jax.Array`; a scanned model's layer, or one expert of a stack
+    of them, is cut from its stack only then (`hf_pieces`)."""
+    names = architecture(architecture_name).names
     tensors = {}
-    for stacked_path, leaf in flatten_params(params):
-        layer_paths = per_layer_paths(stacked_path, layers_key, np.shape(leaf)[0])
-        for layer, path in (enumerate(layer_paths) if layer_paths else [(None, stacked_path)]):
-            transposed = is_transposed(path, architecture_name)
-            shape = tuple(np.shape(leaf))[0 if layer is None else 1:]
-            tensors[hf_name(path, architecture_name)] = (
-                shape[::-1] if transposed else shape,
-                functools.partial(_host_float32, leaf, transposed, layer))
+    for path, leaf in flatten_params(params):
+        shape = tuple(np.shape(leaf))
+        for index, piece in hf_pieces(path, shape, names):
+            transposed = is_transposed(piece, architecture_name)
+            piece_shape = shape[len(index):]
+            tensors[hf_name(piece, architecture_name)] = (
+                piece_shape[::-1] if transposed else piece_shape,
+                functools.partial(_host_float32, leaf, transposed, index))
     return tensors
 
 
-def _host_float32(leaf, transposed: bool, layer: int | None) -> np.ndarray:
-    array = host_copy(leaf if layer is None else leaf[layer], np.float32)
+def _host_float32(leaf, transposed: bool, index: tuple[int, ...]) -> np.ndarray:
+    array = host_copy(leaf[index] if index else leaf, np.float32)
     return array.T if transposed else array
 
 

@@ -54,7 +54,7 @@ def check_shape(spec: TransformerSpec) -> None:
     """The settings every family needs to make sense: whole heads, a known activation and
     adapters (model.lora) on projections the family has."""
     cfg = spec.model
-    if cfg.hidden_size % cfg.num_heads:
+    if cfg.head_dim is None and cfg.hidden_size % cfg.num_heads:
         raise ValueError(f"model.hidden_size={cfg.hidden_size} is not divisible by "
                          f"model.num_heads={cfg.num_heads}")
     if cfg.activation not in ACTIVATIONS:
@@ -513,6 +513,12 @@ class HFNames:
     buffer_suffixes: tuple[str, ...] = ()  # checkpoint keys that are buffers, not parameters
     # (key fragment, the ModelConfig setting that sizes it), first match wins; else hidden_size.
     shape_settings: tuple[tuple[str, str], ...] = ()
+    # The module of a sparse layer's experts, whose matrices we hold stacked on an expert axis
+    # (`moe.Experts`) and HF names one nn.Linear per expert (`experts.<e>.gate_proj.weight`).
+    experts_module: str | None = None
+    # (our key's fragment, HF's) where a family's checkpoints name a module otherwise than
+    # our modules do (Mixtral's `block_sparse_moe`, `w1`), applied to whole HF keys.
+    renames: tuple[tuple[str, str], ...] = ()
     # A checkpoint variant our module does not implement: config.json → what it uses, or None.
     unsupported: Callable[[dict], str | None] = lambda raw: None
     # HF config values that are not one field each way (Llama's `rope_parameters` dict): from

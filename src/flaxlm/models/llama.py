@@ -129,6 +129,11 @@ def kv_heads(cfg: ModelConfig) -> int:
     return cfg.num_kv_heads or cfg.num_heads
 
 
+def head_width(cfg: ModelConfig) -> int:
+    """H: model.head_dim, or the width divided among the heads."""
+    return cfg.head_dim or cfg.hidden_size // cfg.num_heads
+
+
 def inverse_frequencies(head_width: int, theta: float, scaling: RopeScaling) -> np.ndarray:
     """The R = H / 2 rotation frequencies of a head, in float32, as HF's rope init functions
     compute them: theta^(-2i/H), divided by `scaling.factor` for linear scaling, or stretched
@@ -179,52 +184,51 @@ class LlamaAttention(nnx.Module):
     def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
         cfg = spec.model
         self.num_heads, self.num_kv_heads = cfg.num_heads, kv_heads(cfg)
-        self.head_width = cfg.hidden_size // cfg.num_heads
+        self.head_width = head_width(cfg)
         # A tuple: a module's static attributes must hash (jit keys on them); float32 values
         # survive the round trip through Python floats exactly.
         self.inv_freq_R = tuple(inverse_frequencies(self.head_width, cfg.rope_theta,
                                                     cfg.rope_scaling).tolist())
         self.attention_dropout = cfg.attention_dropout
         self.attention_backend = cfg.attention
-        kv_width = self.num_kv_heads * self.head_width
+        q_width, kv_width = self.num_heads * self.head_width, self.num_kv_heads * self.head_width
 
         def projection(name, width_in, width_out, logical_axes, use_bias):
             return dense(width_in, width_out, spec, rngs, cfg.initializer_range,
                          use_bias=use_bias, logical_axes=logical_axes, name=name)
 
         qkv_bias = cfg.attention_bias or cfg.qkv_bias
-        self.q_proj = projection("q_proj", cfg.hidden_size, cfg.hidden_size, ("embed", "heads"),
-                                 qkv_bias)
+        self.q_proj = projection("q_proj", cfg.hidden_size, q_width, ("embed", "heads"), qkv_bias)
         self.k_proj = projection("k_proj", cfg.hidden_size, kv_width, ("embed", "kv_heads"),
                                  qkv_bias)
         self.v_proj = projection("v_proj", cfg.hidden_size, kv_width, ("embed", "kv_heads"),
                                  qkv_bias)
-        self.o_proj = projection("o_proj", cfg.hidden_size, cfg.hidden_size, ("heads", "embed"),
+        self.o_proj = projection("o_proj", q_width, cfg.hidden_size, ("heads", "embed"),
                                  cfg.attention_bias)
         self.qk_norm = QKNorm(cfg.qk_norm)
         if self.qk_norm is QKNorm.head:  # one scale of a head's width, shared by the heads
             self.q_norm = RMSNorm(spec, self.head_width, logical_axis=None)
             self.k_norm = RMSNorm(spec, self.head_width, logical_axis=None)
         elif self.qk_norm is QKNorm.width:  # over the whole projection at once
-            self.q_norm = RMSNorm(spec, cfg.hidden_size, logical_axis="heads")
+            self.q_norm = RMSNorm(spec, q_width, logical_axis="heads")
             self.k_norm = RMSNorm(spec, kv_width, logical_axis="kv_heads")
 
     def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
                  rngs: nnx.Rngs | None, segment_ids_BxL: jax.Array | None = None) -> jax.Array:
-        B, L, D = x_BxLxD.shape
+        B, L, _ = x_BxLxD.shape
         out_BxLxNxH = attention(*self._heads(x_BxLxD, positions_BxL, rngs), is_causal=True,
                                 segment_ids_BxL=segment_ids_BxL,
                                 dropout_rate=self.attention_dropout, rngs=rngs,
                                 backend=self.attention_backend)
-        return self.o_proj(out_BxLxNxH.reshape(B, L, D), rngs)
+        return self.o_proj(out_BxLxNxH.reshape(B, L, -1), rngs)
 
     def decode(self, x_BxLxD, positions_BxL, keys_BxSxGxH, values_BxSxGxH, index, mask_BxLxS):
         """Attention of L new positions over the cache (`layers.cached_attention`)."""
-        B, L, D = x_BxLxD.shape
+        B, L, _ = x_BxLxD.shape
         out_BxLxNxH, keys_BxSxGxH, values_BxSxGxH = cached_attention(
             *self._heads(x_BxLxD, positions_BxL), keys_BxSxGxH, values_BxSxGxH, index,
             mask_BxLxS, self.attention_backend)
-        return self.o_proj(out_BxLxNxH.reshape(B, L, D)), keys_BxSxGxH, values_BxSxGxH
+        return self.o_proj(out_BxLxNxH.reshape(B, L, -1)), keys_BxSxGxH, values_BxSxGxH
 
     def _heads(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
                rngs: nnx.Rngs | None = None):
@@ -359,7 +363,7 @@ class LlamaForCausalLM(nnx.Module):
             self.lm_head = dense(cfg.hidden_size, cfg.vocab_size, spec, rngs, cfg.initializer_range,
                                  use_bias=False, logical_axes=("embed", "vocab"))
         self.context_length = cfg.max_positions
-        self.num_kv_heads, self.head_width = kv_heads(cfg), cfg.hidden_size // cfg.num_heads
+        self.num_kv_heads, self.head_width = kv_heads(cfg), head_width(cfg)
 
     @staticmethod
     def lookup_params(cfg: ModelConfig) -> int:
@@ -481,6 +485,21 @@ _LLAMA3_FIELDS = {"low_freq_factor": ("low_freq_factor", float),
                   "original_max_positions": ("original_max_position_embeddings", int)}
 
 
+def llama_to_hf(model: ModelConfig) -> dict:
+    """The HF config's values that are not one field of ours each: `rope_parameters`, the
+    head width (transformers' attention reads `head_dim` where a config has it, else divides)
+    and the key/value heads (null is one per query head, which not every config reads so)."""
+    return {**_rope_to_hf(model), "head_dim": head_width(model),
+            "num_key_value_heads": kv_heads(model)}
+
+
+def attention_from_hf(config) -> dict:
+    """Our rope settings and head width from an HF config of the llama family."""
+    head_dim = getattr(config, "head_dim", None)
+    own_width = head_dim and head_dim != config.hidden_size // config.num_attention_heads
+    return {**_rope_from_hf(config), "head_dim": head_dim if own_width else None}
+
+
 def _rope_to_hf(model: ModelConfig) -> dict:
     """The HF config's `rope_parameters` for our rope settings."""
     scaling = model.rope_scaling
@@ -505,18 +524,23 @@ def _rope_from_hf(config) -> dict:
                                         **llama3)}
 
 
+# What a dense checkpoint says of the settings only other families have: no experts and no
+# query/key norms, whatever the preset it is loaded into had.
+DENSE = {"moe": {"num_experts": None}, "qk_norm": QKNorm.none}
+
+
 def _llama_from_hf(config) -> dict:
     """LlamaConfig's biases are `attention_bias` (q/k/v/o) and `mlp_bias`: none on q/k/v only."""
-    return {**_rope_from_hf(config), "qkv_bias": False}
+    return {**attention_from_hf(config), "qkv_bias": False, **DENSE}
 
 
 def _qwen2_from_hf(config) -> dict:
     """Qwen2Config has no bias settings: Qwen2's are on q/k/v, and nowhere else."""
-    return {**_rope_from_hf(config), "qkv_bias": True, "attention_bias": False,
-            "mlp_bias": False}
+    return {**attention_from_hf(config), "qkv_bias": True, "attention_bias": False,
+            "mlp_bias": False, **DENSE}
 
 
-def _unsupported_in(config_class_name: str):
+def unsupported_in(config_class_name: str):
     """What a checkpoint of this config class uses that our module does not implement."""
 
     def unsupported(raw: dict) -> str | None:
@@ -524,9 +548,6 @@ def _unsupported_in(config_class_name: str):
         kind = (config.rope_parameters or {}).get("rope_type", "default")
         if kind not in ROPE_TYPES:
             return f"rope_type={kind!r} (flaxlm implements {', '.join(ROPE_TYPES)} RoPE)"
-        head_dim = getattr(config, "head_dim", None)
-        if head_dim and head_dim != config.hidden_size // config.num_attention_heads:
-            return f"head_dim={head_dim} other than hidden_size / num_attention_heads"
         if getattr(config, "use_sliding_window", False):
             return "sliding-window attention (use_sliding_window=true)"
         return None
@@ -562,8 +583,8 @@ HF_NAMES = HFNames(
     shape_settings=(("embed_tokens", "model.vocab_size"), ("lm_head", "model.vocab_size"),
                     ("k_proj", "model.num_kv_heads"), ("v_proj", "model.num_kv_heads"),
                     ("mlp.", "model.mlp_size")),
-    unsupported=_unsupported_in("LlamaConfig"),
-    config_to_hf=_rope_to_hf,
+    unsupported=unsupported_in("LlamaConfig"),
+    config_to_hf=llama_to_hf,
     config_from_hf=_llama_from_hf,
 )
 
@@ -574,6 +595,6 @@ QWEN2_HF_NAMES = dataclasses.replace(
     model_type="qwen2",
     config_class_name="Qwen2Config",
     shape_fields=_SHAPE_FIELDS,
-    unsupported=_unsupported_in("Qwen2Config"),
+    unsupported=unsupported_in("Qwen2Config"),
     config_from_hf=_qwen2_from_hf,
 )

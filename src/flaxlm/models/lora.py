@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flaxlm.config import LoraConfig, ModelConfig, ModelFamily
+from flaxlm.config import MOE_FAMILIES, LoraConfig, ModelConfig, ModelFamily
 from flaxlm.errors import FlaxlmError
 from flaxlm.models.dropout import Dropout
 
@@ -35,6 +35,11 @@ TARGETS = {
     ModelFamily.qwen2: ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                         "down_proj"),
     ModelFamily.gpt2: ("c_attn", "c_proj", "c_fc"),
+    # Mixture-of-Experts: the attention's projections only. The experts are stacked matrices
+    # (`moe.Experts`), not projections, and stay frozen with the router; so do a shared
+    # expert's and a first dense layer's MLP, which would share the experts' HF names
+    # (gate_proj, up_proj, down_proj) in PEFT's target_modules.
+    **{family: ("q_proj", "k_proj", "v_proj", "o_proj") for family in MOE_FAMILIES},
 }
 
 # Drawn into each adapter's init key, so that adding adapters leaves the random init of every

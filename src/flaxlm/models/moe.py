@@ -143,7 +143,9 @@ class Experts(nnx.Module):
         self.dtype = spec.compute_dtype
 
     def matrices(self):
-        return tuple(w[...].astype(self.dtype)
+        # jnp: a model filled from host arrays (a checkpoint read into an abstract model)
+        # holds numpy ones, which the grouped matmul's traced expert index cannot index.
+        return tuple(jnp.asarray(w[...], self.dtype)
                      for w in (self.gate_proj, self.up_proj, self.down_proj))
 
 

@@ -26,12 +26,10 @@ from flax import nnx
 from flaxlm.config import ModelConfig, ModelFamily
 from flaxlm.errors import FlaxlmError
 from flaxlm.lazy_imports import lazy_module
-from flaxlm.models import hf
+from flaxlm.models import hf, moe
 from flaxlm.models.layers import (
     ACTIVATIONS,
     HFNames,
-    per_layer_paths,
-    unstack_layers,
 )
 from flaxlm.storage import cached_copy, is_url
 
@@ -163,15 +161,32 @@ def pretrained_model_config(local_dir: str, base: ModelConfig) -> ModelConfig:
             f"model.init_from: the checkpoint in {local_dir} uses activation "
             f"{shape['activation']!r}; supported: {', '.join(sorted(ACTIVATIONS))}."
         )
-    return dataclasses.replace(base, name=base.init_from or base.name, family=family, **shape)
+    return _replaced(base, name=base.init_from or base.name, family=family, **shape)
 
 
-def replaced_settings(given: ModelConfig, loaded: ModelConfig) -> list[str]:
+def _replaced(config, **fields):
+    """`dataclasses.replace`, a dict given for a nested config (model.moe) replacing only the
+    fields it names: what the checkpoint does not say (dispatch, capacity) stays the run's."""
+    return dataclasses.replace(config, **{
+        name: _replaced(getattr(config, name), **value)
+        if isinstance(value, dict) and dataclasses.is_dataclass(getattr(config, name))
+        else value for name, value in fields.items()})
+
+
+def replaced_settings(given, loaded, prefix: str = "model") -> list[str]:
     """"model.<field>=<given> → <loaded>" for each setting of `given` (the preset and the
-    command line) that the checkpoint's config.json replaced in `loaded`."""
-    return [f"model.{field.name}={getattr(given, field.name)} → {getattr(loaded, field.name)}"
-            for field in dataclasses.fields(ModelConfig)
-            if field.name != "name" and getattr(given, field.name) != getattr(loaded, field.name)]
+    command line) that the checkpoint's config.json replaced in `loaded`, a nested config's
+    (model.moe) field by field."""
+    changes = []
+    for field in dataclasses.fields(given):
+        before, after = getattr(given, field.name), getattr(loaded, field.name)
+        if field.name == "name" or before == after:
+            continue
+        if dataclasses.is_dataclass(before) and type(before) is type(after):
+            changes += replaced_settings(before, after, f"{prefix}.{field.name}")
+        else:
+            changes.append(f"{prefix}.{field.name}={before} → {after}")
+    return changes
 
 
 # ---------------------------------------------------------------- weights
@@ -235,15 +250,19 @@ def load_pretrained_weights(model: nnx.Module, local_dir: str, *, source: str | 
     _check_family(local_dir, arch, setting)
     checkpoint = _canonical_keys(open_checkpoint(local_dir, setting), arch.names)
 
-    # Adapters (model.lora) are the run's own, never in a base checkpoint: they keep their init.
-    state = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+    # Adapters (model.lora) and the routing bias of loss-free balancing
+    # (model.moe.bias_update_rate) are the run's own, never in an HF checkpoint: they keep
+    # their init.
+    state = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam),
+                                     nnx.Not(moe.RouterBias)))
     own = nnx.to_pure_dict(state)
-    # The shapes in HF's layout, one entry per layer, whatever the model's (model.scan_layers):
-    # a scanned model's stacked parameters are not copied apart to be checked.
-    layers_key = arch.names.layers_module
-    params = unstack_layers(jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(
-        np.shape(leaf), leaf.dtype), own), layers_key)
-    targets = {hf.hf_name(path, arch.name): path for path, _ in hf.flatten_params(params)}
+    # Every parameter as the tensors HF stores it in (one per layer, one per expert: the
+    # pieces of `hf.hf_pieces`), whatever the model's layout (model.scan_layers): a scanned
+    # model's stacked parameters are not copied apart to be checked.
+    pieces = {path: hf.hf_pieces(path, tuple(np.shape(leaf)), arch.names)
+              for path, leaf in hf.flatten_params(own)}
+    targets = {hf.hf_name(piece, arch.name): (piece, tuple(np.shape(leaf))[len(index):])
+               for path, leaf in hf.flatten_params(own) for index, piece in pieces[path]}
     # A body module the checkpoint has none of at all (a BertModel saved without its pooler).
     absent = tuple(prefix for prefix in (f"{arch.names.body_prefix}{module}."
                                          for module in arch.names.optional_modules)
@@ -253,18 +272,17 @@ def load_pretrained_weights(model: nnx.Module, local_dir: str, *, source: str | 
         return key.startswith(_FRESH_HEAD_PREFIXES + absent)
 
     loaded, missing, reshaped, wrong_shape = [], [], {}, []
-    for key, path in targets.items():
+    for key, (piece, shape) in targets.items():
         if key not in checkpoint:
             missing.append(key)
             continue
-        stored = checkpoint[key].transposed() if hf.is_transposed(path, arch.name) \
+        stored = checkpoint[key].transposed() if hf.is_transposed(piece, arch.name) \
             else checkpoint[key]
-        target = _get(params, path)
-        if stored.shape != tuple(target.shape):
+        if stored.shape != shape:
             if is_fresh_head(key):  # e.g. an MNLI head (3 labels) fine-tuned again for 2
-                reshaped[key] = (stored.shape, tuple(target.shape))
+                reshaped[key] = (stored.shape, shape)
                 continue
-            wrong_shape.append((key, stored.shape, tuple(target.shape)))
+            wrong_shape.append((key, stored.shape, shape))
             continue
         loaded.append(key)
 
@@ -287,19 +305,12 @@ def load_pretrained_weights(model: nnx.Module, local_dir: str, *, source: str | 
             "architecture or variant than its config.json says; point model.init_from at a "
             "standard checkpoint (or load with allow_unexpected=True to ignore them)."
         )
-    stored_at = {targets[key]: checkpoint[key].transposed()
-                 if hf.is_transposed(targets[key], arch.name) else checkpoint[key]
-                 for key in loaded}
+    stored_at = {piece: checkpoint[key].transposed() if hf.is_transposed(piece, arch.name)
+                 else checkpoint[key] for key, (piece, _) in targets.items() if key in loaded}
     for path, target in hf.flatten_params(own):
-        layer_paths = per_layer_paths(path, layers_key, np.shape(target)[0])
-        if layer_paths is None:
-            stored = stored_at.get(path)
-        elif all(layer_path in stored_at for layer_path in layer_paths):
-            stored = _stacked([stored_at[layer_path] for layer_path in layer_paths])
-        else:
-            stored = None
-        if stored is None:
-            continue
+        if not all(piece in stored_at for _, piece in pieces[path]):
+            continue  # a fresh head: it keeps its initialisation
+        stored = _assembled([(index, stored_at[piece]) for index, piece in pieces[path]])
         _set(own, path, place(stored, target))
         if isinstance(target, jax.Array):  # its memory back now, not when the model is
             target.delete()                # updated: one tensor's extra at a time
@@ -319,9 +330,20 @@ def place(stored: StoredTensor, target) -> jax.Array | np.ndarray:
         tuple(target.shape), sharding, lambda index: stored.read(index).astype(target.dtype))
 
 
+def _assembled(parts: list[tuple[tuple[int, ...], StoredTensor]]) -> StoredTensor:
+    """The tensor of one parameter from its pieces (`hf.hf_pieces`: (index, tensor) in index
+    order): stacked on a leading axis for each place of the index (layers, then experts)."""
+    if parts[0][0] == ():
+        return parts[0][1]
+    groups: dict[int, list] = {}
+    for index, tensor in parts:
+        groups.setdefault(index[0], []).append((index[1:], tensor))
+    return _stacked([_assembled(group) for group in groups.values()])
+
+
 def _stacked(layers: list[StoredTensor]) -> StoredTensor:
-    """Per-layer tensors as one stacked on a leading layer axis (the scanned layout), each part
-    read from the layers it spans."""
+    """Tensors as one stacked on a leading axis (the scanned layout's layers, or a layer's
+    experts), each part read from the tensors it spans."""
     return StoredTensor(
         (len(layers), *layers[0].shape),
         lambda index: np.stack([layers[layer].read(index[1:])
@@ -342,10 +364,12 @@ def _check_family(local_dir: str, arch: hf.Architecture, setting: str) -> None:
 
 def _canonical_keys(checkpoint: dict, names: HFNames) -> dict:
     """The checkpoint under our model's HF names: buffers and tied copies dropped, old
-    LayerNorm names (gamma/beta) renamed, and a bare base model's keys (BertModel, GPT2Model)
-    prefixed."""
+    LayerNorm names (gamma/beta) renamed, a bare base model's keys (BertModel, GPT2Model)
+    prefixed, and experts held fused (transformers 5's layout in memory) split one per expert,
+    under the family's names (Mixtral's `block_sparse_moe.experts.<e>.w1`)."""
     renamed = {}
-    for key, array in checkpoint.items():
+    for key, array in _unfused_experts(checkpoint, names).items():
+        key = hf.renamed(key, names)
         if key.endswith(names.buffer_suffixes) or key in names.tied_keys:
             continue
         if key.endswith(".gamma"):
@@ -356,6 +380,46 @@ def _canonical_keys(checkpoint: dict, names: HFNames) -> dict:
             key = names.body_prefix + key
         renamed[key] = array
     return renamed
+
+
+def _unfused_experts(checkpoint: dict, names: HFNames) -> dict:
+    """`checkpoint` with each layer's fused experts (`experts.gate_up_proj` (E, 2F, D), gate
+    rows first, and `experts.down_proj` (E, D, F), as transformers 5 holds them and may save
+    them) as the per-expert nn.Linear weights that HF's original checkpoints hold
+    (`experts.<e>.gate_proj.weight` (F, D), ...): views, nothing read."""
+    if names.experts_module is None:
+        return checkpoint
+    fused_gate_up, fused_down = (f".{names.experts_module}.gate_up_proj",
+                                 f".{names.experts_module}.down_proj")
+    unfused = {}
+    for key, tensor in checkpoint.items():
+        if key.endswith(fused_gate_up):
+            stem, width = key.removesuffix("gate_up_proj"), tensor.shape[1] // 2
+            for expert in range(tensor.shape[0]):
+                unfused[f"{stem}{expert}.gate_proj.weight"] = _expert_rows(tensor, expert, 0,
+                                                                           width)
+                unfused[f"{stem}{expert}.up_proj.weight"] = _expert_rows(tensor, expert, width,
+                                                                         2 * width)
+        elif key.endswith(fused_down):
+            stem = key.removesuffix("down_proj")
+            for expert in range(tensor.shape[0]):
+                unfused[f"{stem}{expert}.down_proj.weight"] = _expert_rows(
+                    tensor, expert, 0, tensor.shape[1])
+        else:
+            unfused[key] = tensor
+    return unfused
+
+
+def _expert_rows(fused: StoredTensor, expert: int, start: int, stop: int) -> StoredTensor:
+    """Rows start:stop of expert `expert`'s matrix in a fused (E, R, C) tensor, as a tensor
+    of its own, read from the file only when asked."""
+
+    def read_part(index: tuple) -> np.ndarray:
+        rows = range(start, stop)[index[0]]
+        return fused.read_part((slice(expert, expert + 1),
+                                slice(rows.start, rows.stop, rows.step), *index[1:]))[0]
+
+    return StoredTensor((stop - start, *fused.shape[2:]), read_part)
 
 
 def _shape_message(setting: str, local_dir: str, wrong_shape: list,
@@ -386,12 +450,6 @@ def _shape_message(setting: str, local_dir: str, wrong_shape: list,
 def _some(keys: list[str], limit: int = 10) -> str:
     shown = ", ".join(keys[:limit])
     return shown + (f" (and {len(keys) - limit} more)" if len(keys) > limit else "")
-
-
-def _get(params: dict, path: tuple):
-    for key in path:
-        params = params[key]
-    return params
 
 
 def _set(params: dict, path: tuple, value) -> None:
