@@ -2,7 +2,7 @@
 dispatch of `model.moe.dispatch` on this machine's default device, beside the dense dispatch
 (every token through every expert), measured in the same run. Nothing is asserted.
 
-    python benchmarks/moe_dispatch.py                                  # the CPU: tiled, ragged, dense
+    python benchmarks/moe_dispatch.py                  # the CPU: tiled, ragged, dense
     python benchmarks/moe_dispatch.py --tokens 16384 --width 768 --expert-width 2048 \\
         --experts 8 --top-k 2 --dtype bfloat16 --dispatch megablox,ragged,dense   # a TPU
 

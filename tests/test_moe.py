@@ -321,3 +321,34 @@ def test_scanned_layers_with_leading_dense_ones_are_refused():
     cfg = dataclasses.replace(moe_model_config(first_dense_layers=1), scan_layers=True)
     with pytest.raises(FlaxlmError, match="model.scan_layers=false"):
         routed_model(cfg)
+
+
+# ---------------------------------------------------------------- a run
+
+
+@pytest.mark.slow
+def test_moe_tiny_trains_offline_with_its_router_signals_logged(train_cli, tmp_path):
+    """model=moe-tiny (cut to the suite's tiny shape) trains on the offline corpus: the eval
+    loss falls, every logged step carries the router's signals with loads that are shares
+    (busiest ≥ 1 ≥ idlest, as multiples of the even share), and with the loss-free bias on the
+    run ends without a transformers export, saying why, its checkpoint holding the bias."""
+    from conftest import TINY, metrics_of
+
+    run_dir = tmp_path / "run"
+    done = train_cli(*TINY, "model=moe-tiny", "model.moe.bias_update_rate=0.01",
+                     "trainer.max_steps=12", "trainer.log_every_steps=4",
+                     "trainer.eval_every_steps=12", "samples.prompts=[]",
+                     f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "no transformers export" in done.stdout and "model.moe.bias_update_rate" in done.stdout
+    records = metrics_of(run_dir)
+    evals = [r["eval/loss"] for r in records if "eval/loss" in r]
+    assert evals[-1] < evals[0]
+    logged = [r for r in records if "train/loss" in r]
+    assert logged
+    for record in logged:
+        assert record["train/moe/load_max"] >= 1.0 >= record["train/moe/load_min"] >= 0.0
+        assert record["train/moe/balance_loss"] >= 1.0  # ≥ K·(min share) … K at the even load
+        assert record["train/moe/dropped"] == 0.0
+        assert "train/moe/load" not in record
+    assert not (run_dir / "model" / "model.safetensors").exists()

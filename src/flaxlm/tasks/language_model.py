@@ -88,8 +88,18 @@ class LanguageModelTask(Task):
     def export(self, run: Run, params: dict, final: dict) -> None:
         config, tokenizer = run.config, run.data.tokenizer
         settings, own = settings_from_samples(config.samples), own_conventions(config)
-        model, params = export_lm(run.job, config.model, params, tokenizer, final,
-                                  generation=settings, own_conventions=own)
+        if config.model.moe.bias_update_rate:
+            # Known from the start, and no reason to fail a finished run: the checkpoints
+            # hold the model, routing bias and all.
+            print(f"flaxlm: no transformers export in {layout.MODEL_SUBDIR}/: "
+                  f"model.moe.bias_update_rate={config.model.moe.bias_update_rate} "
+                  "trained a routing bias that transformers' MoE classes do not have, "
+                  "so an export would route tokens otherwise than the model trained; "
+                  "the run's checkpoints hold it whole.")
+            model = config.model
+        else:
+            model, params = export_lm(run.job, config.model, params, tokenizer, final,
+                                      generation=settings, own_conventions=own)
         log_samples(build.lm_from_params(model, params), tokenizer, config.samples.prompts,
                     settings, run.job.tracker, step=final["steps"], own_conventions=own,
                     chat=self.chat)
