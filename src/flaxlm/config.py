@@ -348,6 +348,11 @@ class MeshConfig:
     data: int = MISSING  # the batch only; parameters replicated along it
     fsdp: int = MISSING  # the batch, and parameters + optimizer state split along it (ZeRO-3)
     tensor: int = MISSING  # attention heads and MLP width split along it (Megatron style)
+    # The batch, and a Mixture-of-Experts layer's experts split along it (E/expert per device,
+    # tokens moved to them by all-to-all); model.moe.num_experts must divide by it. For every
+    # other parameter (and a dense model's) it is data parallelism. 1 when a saved config
+    # predates it.
+    expert: int = 1
 
 
 @dataclasses.dataclass
