@@ -5,15 +5,19 @@ its tokens sent to them by all-to-all) equals the step on one device, and each d
 
 import dataclasses
 import functools
+import importlib.util
 
 import jax
 import numpy as np
 import pytest
-from conftest import TINY, assert_names, config_node, mesh_config, model_config
+from conftest import TINY, assert_names, compose, config_node, mesh_config, model_config
 from flax import nnx
 from jax.sharding import PartitionSpec
 from numerics import assert_close, magnitude, tolerance, transformer_depth
+from omegaconf import OmegaConf
 
+from flaxlm import aot
+from flaxlm.cli import plan as plan_cli
 from flaxlm.models import moe
 from flaxlm.models.build import build_lm
 from flaxlm.models.gpt2 import GPT2LMHeadModel
@@ -38,6 +42,7 @@ ROWS, LENGTH = 16, 16
 TOKENS = ROWS * (LENGTH - 1)  # a step's targets: the longest sum in its loss and gradients
 MESHES = {"expert=8": mesh_config(data=1, expert=8),
           "expert=4 fsdp=2": mesh_config(data=1, fsdp=2, expert=4),
+          "data=2 expert=2 tensor=2": mesh_config(data=2, expert=2, tensor=2),
           "data=8": mesh_config(data=8)}
 
 
@@ -114,7 +119,7 @@ def test_the_router_s_choices_are_far_from_ties():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["expert=8", "expert=4 fsdp=2"])
+@pytest.mark.parametrize("name", ["expert=8", "expert=4 fsdp=2", "data=2 expert=2 tensor=2"])
 def test_a_step_with_experts_split_over_the_expert_axis_equals_one_device(name):
     mesh = make_mesh(8, MESHES[name])
     assert_same_step(one_step(mesh, MODEL), reference(), MODEL)
@@ -177,3 +182,83 @@ def test_experts_that_do_not_divide_by_the_expert_axis_are_refused_before_compil
     assert "Traceback" not in result.stderr
     # Refused before the run began (only Hydra's own record is there): nothing compiled.
     assert [p.name for p in (tmp_path / "run").iterdir()] == [".hydra"]
+
+
+# ---------------------------------------------------------------- flaxlm-plan
+
+# moe-tiny cut to one layer and short rows: what the plan's tests compile.
+PLANNED = ["model=moe-tiny", "model.num_layers=1", "task.max_seq_length=64",
+           "hardware.per_device_batch_size=2", "logger=none"]
+
+
+def expert_bytes(state) -> int:
+    """Per-device bytes of the experts' matrices in an abstract train state: the parameters
+    and every optimizer moment of them."""
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    return aot.per_device_bytes([leaf for path, leaf in leaves
+                                 if any(getattr(key, "key", None) in moe.EXPERT_MATRICES
+                                        for key in path)])
+
+
+def abstract_state(overrides):
+    return aot.abstract_run(OmegaConf.to_object(compose(overrides))).state
+
+
+def test_fit_tries_the_expert_axis_first_for_an_mixture_of_experts():
+    """The memory ladder of an MoE on 8 devices, all data-parallel, starts with the experts
+    split over all 8 (no cost in quality): its state per chip is the run's less 7/8 of the
+    experts' matrices and their optimizer moments; a dense model has no such rung."""
+    overrides = [*TINY, *PLANNED]
+    config = OmegaConf.to_object(compose(overrides))
+    ladder = aot.recipe_ladder(config, 8, lambda extra: compose(aot.override(overrides, extra)))
+    assert ladder[0].added == ("hardware.mesh.expert=8",)
+    whole = abstract_state(overrides)
+    state_bytes = aot.per_device_bytes(whole.params) + aot.per_device_bytes(
+        (whole.step, whole.opt_state))
+    assert expert_bytes(whole) > 0
+    assert ladder[0].state_bytes == state_bytes - expert_bytes(whole) * 7 // 8
+    assert expert_bytes(abstract_state([*overrides, *ladder[0].added])) * 8 == \
+        expert_bytes(whole)
+    dense = OmegaConf.to_object(compose(TINY))
+    assert aot.expert_axis_overrides(dense, 8) == ((), None)
+
+
+def test_the_expert_axis_suggested_keeps_the_mesh_valid():
+    config = OmegaConf.to_object(compose([*TINY, *PLANNED, "hardware.mesh.data=2",
+                                          "hardware.mesh.fsdp=4"]))
+    overrides, mesh = aot.expert_axis_overrides(config, 8)
+    assert overrides == ("hardware.mesh.expert=8", "hardware.mesh.data=-1",
+                         "hardware.mesh.fsdp=1")
+    assert (mesh.data, mesh.fsdp, mesh.expert) == (-1, 1, 8)
+    # With a tensor axis of 2, 4 devices are left for the experts; 8 experts split over 4.
+    config = OmegaConf.to_object(compose([*TINY, *PLANNED, "hardware.mesh.tensor=2"]))
+    assert aot.expert_axis_overrides(config, 8)[0] == ("hardware.mesh.expert=4",)
+
+
+def test_a_plan_that_does_not_fit_names_the_expert_axis_with_its_figure():
+    """On the CPU's devices, with a chip memory set below the step's need: the paragraph
+    names the expert axis first, with the per-chip state it leaves."""
+    run = aot.plan(compose([*TINY, *PLANNED, "hardware.hbm_gib_per_device=0.0001"]))
+    assert run.mesh["expert"] == 1 and run.expert_overrides == ("hardware.mesh.expert=8",)
+    split = abstract_state([*TINY, *PLANNED, "hardware.mesh.expert=8"])
+    assert run.expert_state_bytes == aot.per_device_bytes(split.params) + aot.per_device_bytes(
+        (split.step, split.opt_state))
+    paragraph = aot.verdict(run)
+    assert_names(paragraph, "hardware.mesh.expert=8",
+                 f"{aot.gib(run.state_bytes)} → {aot.gib(run.expert_state_bytes)} per chip")
+
+
+@pytest.mark.slow
+@pytest.mark.libtpu
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed (the `tpu` extra): no TPU compiler")
+def test_an_mixture_of_experts_with_an_expert_axis_is_planned_for_a_tpu_slice(capsys):
+    """`flaxlm-plan model=moe-tiny hardware=tpu-v5e-8 hardware.mesh.expert=4`: the train and
+    eval steps, their all-to-alls and the megablox kernel, compile for the slice's 8 chips,
+    each holding a quarter of the experts."""
+    overrides = [*PLANNED, "hardware=tpu-v5e-8", "hardware.mesh.expert=4"]
+    plan_cli.main(overrides)
+    out = capsys.readouterr().out
+    assert "mesh data=2 fsdp=1 expert=4 tensor=1" in out and "flaxlm: fits" in out
+    split, whole = abstract_state(overrides), abstract_state(PLANNED + ["hardware=tpu-v5e-8"])
+    assert expert_bytes(split) * 4 == expert_bytes(whole)
