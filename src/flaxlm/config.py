@@ -350,8 +350,9 @@ class MeshConfig:
     tensor: int = MISSING  # attention heads and MLP width split along it (Megatron style)
     # The batch, and a Mixture-of-Experts layer's experts split along it (E/expert per device,
     # tokens moved to them by all-to-all); model.moe.num_experts must divide by it. For every
-    # other parameter (and a dense model's) it is data parallelism. 1 when a saved config
-    # predates it.
+    # other parameter (and a dense model's) it is data parallelism. 1 by default here too, so
+    # that code building a mesh of the other three axes (MeshConfig(data=1, fsdp=-1, tensor=1))
+    # has none.
     expert: int = 1
 
 
@@ -728,6 +729,7 @@ ADDED = {
     "model.attention": "xla",  # jax.nn.dot_product_attention's default, XLA's
     "model.scan_layers": False,  # one module per layer
     "hardware.dropout_rng": "threefry",  # JAX's default key
+    "hardware.mesh.expert": 1,  # no expert axis
 }
 
 
