@@ -262,3 +262,11 @@ def test_an_mixture_of_experts_with_an_expert_axis_is_planned_for_a_tpu_slice(ca
     assert "mesh data=2 fsdp=1 expert=4 tensor=1" in out and "flaxlm: fits" in out
     split, whole = abstract_state(overrides), abstract_state(PLANNED + ["hardware=tpu-v5e-8"])
     assert expert_bytes(split) * 4 == expert_bytes(whole)
+
+
+def test_a_config_saved_before_the_expert_axis_reads_as_none():
+    from flaxlm.config import upgrade_saved_config
+
+    saved = {"hardware": {"mesh": {"data": 1, "fsdp": -1, "tensor": 1}}}
+    assert upgrade_saved_config(saved)["hardware"]["mesh"] == {
+        "data": 1, "fsdp": -1, "tensor": 1, "expert": 1}

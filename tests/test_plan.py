@@ -221,7 +221,7 @@ def test_the_abstract_state_has_the_shardings_training_gives_the_real_one():
     """create_state on an abstract model: ShapeDtypeStructs laid out as place_state lays out
     the arrays."""
     model = aot.abstract_model(OmegaConf.to_object(compose(TINY)))
-    mesh = make_mesh(None, MeshConfig(data=2, fsdp=4, tensor=1))
+    mesh = make_mesh(None, MeshConfig(data=2, fsdp=4, tensor=1, expert=1))
     _, abstract = create_state(model, optax.adamw(1e-3), mesh)
     assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(abstract))
     real = place_state(jax.tree.map(lambda leaf: jax.numpy.zeros(leaf.shape, leaf.dtype),
@@ -232,7 +232,7 @@ def test_the_abstract_state_has_the_shardings_training_gives_the_real_one():
 
 def test_make_mesh_lays_out_the_devices_it_is_given():
     devices = jax.devices()[4:]
-    mesh = make_mesh(None, MeshConfig(data=-1, fsdp=2, tensor=1), devices)
+    mesh = make_mesh(None, MeshConfig(data=-1, fsdp=2, tensor=1, expert=1), devices)
     assert list(mesh.devices.flat) == devices and dict(mesh.shape)["data"] == 2
     with pytest.raises(FlaxlmError, match="there are 4 device"):
         make_mesh(8, None, devices)

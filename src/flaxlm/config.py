@@ -350,10 +350,8 @@ class MeshConfig:
     tensor: int = MISSING  # attention heads and MLP width split along it (Megatron style)
     # The batch, and a Mixture-of-Experts layer's experts split along it (E/expert per device,
     # tokens moved to them by all-to-all); model.moe.num_experts must divide by it. For every
-    # other parameter (and a dense model's) it is data parallelism. 1 by default here too, so
-    # that code building a mesh of the other three axes (MeshConfig(data=1, fsdp=-1, tensor=1))
-    # has none.
-    expert: int = 1
+    # other parameter (and a dense model's) it is data parallelism.
+    expert: int = MISSING
 
 
 @dataclasses.dataclass
