@@ -42,8 +42,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESETS = ("gpt2-tiny", "distilgpt2", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-MESHES = {"data=8": {"data": 8, "fsdp": 1, "tensor": 1},
-          "fsdp=8": {"data": 1, "fsdp": 8, "tensor": 1}}
+MESHES = {"data=8": {"data": 8, "fsdp": 1, "expert": 1, "tensor": 1},
+          "fsdp=8": {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1}}
 NUM_DEVICES = 8
 
 

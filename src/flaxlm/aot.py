@@ -47,10 +47,15 @@ from flaxlm.models import build, lora
 from flaxlm.models.attention import kernel_compile_error
 from flaxlm.models.layers import count_params
 from flaxlm.parallel import (
+    EXPERT_AXIS,
+    FSDP_AXIS,
+    MESH_AXES,
+    TENSOR_AXIS,
     batch_spec,
     compiles_for_topology,
     configure_platform,
     make_mesh,
+    mesh_shape,
     replicated,
     target_devices,
 )
@@ -116,6 +121,10 @@ class RunPlan:
     hbm_bandwidth: float | None  # bytes/s, one chip's
     # Per-chip parameter and optimizer bytes with fsdp over all devices, when that differs.
     fsdp_state_bytes: int | None = None
+    # A Mixture-of-Experts model's: the overrides that split its experts over more devices
+    # (`expert_axis_overrides`), and the per-chip parameter and optimizer bytes they leave.
+    expert_overrides: tuple[str, ...] = ()
+    expert_state_bytes: int | None = None
     attention: str = ""  # the backend and why, as the run's banner says it
     # Where hbm_bytes comes from: the preset's hardware.hbm_gib_per_device (what a program can
     # use, not the chip's nominal memory) or the attached chip's bytes_limit.
@@ -259,6 +268,8 @@ class _Layout:
     param_bytes: int
     opt_state_bytes: int
     fsdp_state_bytes: int | None
+    expert_overrides: tuple[str, ...] = ()
+    expert_state_bytes: int | None = None
 
     @property
     def state_bytes(self) -> int:
@@ -275,13 +286,18 @@ def plan(cfg: DictConfig | TrainConfig, save_to: str | None = None) -> RunPlan:
     config, hardware, mesh, state = run.config, run.config.hardware, run.mesh, run.state
     batch = run.train_args[1]
     rows, accum = batch.shape[0], config.trainer.grad_accum_steps
+    trainable = lora.trainable(config.model)
+    expert_overrides, expert_mesh = expert_axis_overrides(config, mesh.size)
     layout = _Layout(
         num_devices=mesh.size, remat=Remat(config.model.remat).value,
         per_device_batch=rows // accum // mesh.size, grad_accum_steps=accum,
         param_bytes=per_device_bytes(state.params),
         opt_state_bytes=per_device_bytes((state.step, state.opt_state)),
-        fsdp_state_bytes=_fsdp_state_bytes(mesh, run.model, run.tx,
-                                           lora.trainable(config.model)))
+        fsdp_state_bytes=_fsdp_state_bytes(mesh, run.model, run.tx, trainable),
+        expert_overrides=expert_overrides,
+        expert_state_bytes=None if expert_mesh is None else _state_bytes(
+            make_mesh(None, expert_mesh, list(mesh.devices.flat)), run.model, run.tx,
+            trainable))
     # A run calls the jitted train step with the optimizer's numbers after the train step's
     # own arguments (`TrainStep`): the program a run looks up is keyed by all four.
     train = _compile_or_refuse(run, layout, "train", run.steps.train, run.train_args,
@@ -309,6 +325,7 @@ def plan(cfg: DictConfig | TrainConfig, save_to: str | None = None) -> RunPlan:
         hbm_bandwidth=None if hardware.hbm_gbps_per_device is None
         else hardware.hbm_gbps_per_device * 1e9,
         fsdp_state_bytes=layout.fsdp_state_bytes,
+        expert_overrides=layout.expert_overrides, expert_state_bytes=layout.expert_state_bytes,
         attention=base.attention_choice(config, config.model, CausalLM.pads_rows).describe(),
         scan_layers=config.model.scan_layers,
     )
@@ -437,16 +454,51 @@ def _trained_params(state: TrainState, model: ModelConfig) -> int | None:
 
 
 def _fsdp_state_bytes(mesh: Mesh, model, tx, trainable=None) -> int | None:
-    """Per-chip parameter and optimizer bytes with every device on `fsdp` (the tensor axis
-    kept), computed from the shardings alone; None when that is the mesh already. `trainable`:
-    what has optimizer state (model.lora: the adapters; None: every parameter)."""
-    tensor = mesh.shape["tensor"]
-    if mesh.shape["fsdp"] * tensor == mesh.size:
+    """Per-chip parameter and optimizer bytes with every device on `fsdp` (the tensor and
+    expert axes kept), computed from the shardings alone; None when that is the mesh already.
+    `trainable`: what has optimizer state (model.lora: the adapters; None: every parameter)."""
+    tensor, expert = mesh.shape[TENSOR_AXIS], mesh.shape[EXPERT_AXIS]
+    if mesh.shape[FSDP_AXIS] * tensor * expert == mesh.size:
         return None
-    fsdp_mesh = make_mesh(None, MeshConfig(data=1, fsdp=-1, tensor=tensor),
+    fsdp_mesh = make_mesh(None, MeshConfig(data=1, fsdp=-1, tensor=tensor, expert=expert),
                           list(mesh.devices.flat))
-    _, state = create_state(model, tx, fsdp_mesh, trainable)
+    return _state_bytes(fsdp_mesh, model, tx, trainable)
+
+
+def _state_bytes(mesh: Mesh, model, tx, trainable=None) -> int:
+    """Per-chip parameter and optimizer bytes of `model`'s train state laid out on `mesh`."""
+    _, state = create_state(model, tx, mesh, trainable)
     return per_device_bytes(state.params) + per_device_bytes((state.step, state.opt_state))
+
+
+def expert_axis_overrides(config: TrainConfig, num_devices: int
+                          ) -> tuple[tuple[str, ...], MeshConfig | None]:
+    """For a Mixture-of-Experts model whose experts could be split over more devices: the
+    overrides that split them over the most (the largest expert axis dividing both the
+    experts and the devices the tensor axis leaves), and the mesh they make; the rest of the
+    mesh is kept where it still fits the devices, else the batch axes take what is left
+    (`data`). ((), None) for a dense model or an expert axis already that large.
+
+    It costs no quality: each chip keeps 1/expert of every sparse layer's experts and their
+    optimizer state, and the tokens travel to them by all-to-all (communication time)."""
+    experts = config.model.moe.num_experts
+    if experts is None:
+        return (), None
+    mesh = config.hardware.mesh
+    sizes = dict(zip(MESH_AXES, mesh_shape(mesh, num_devices)))
+    room = num_devices // sizes[TENSOR_AXIS]
+    largest = max(size for size in range(1, room + 1)
+                  if room % size == 0 and experts % size == 0)
+    if largest <= sizes[EXPERT_AXIS]:
+        return (), None
+    overrides = (f"hardware.mesh.expert={largest}",)
+    wider = dataclasses.replace(mesh, expert=largest)
+    try:
+        mesh_shape(wider, num_devices)
+    except FlaxlmError:  # the other axes were fixed sizes that no longer multiply out
+        overrides += ("hardware.mesh.data=-1", "hardware.mesh.fsdp=1")
+        wider = dataclasses.replace(wider, data=-1, fsdp=1)
+    return overrides, wider
 
 
 # ------------------------------------------------------------------------ memory recipes
@@ -469,6 +521,12 @@ def recipe_ladder(config: TrainConfig, num_devices: int,
     device; each rung with the per-chip state it leaves (its abstract state laid out: nothing
     compiled). `compose(extra)`: the run's config with the `extra` overrides."""
     recipes = [r for r in MEMORY_RECIPES if not r.in_effect(config)]
+    # The expert axis first: it costs no quality, only the all-to-all's time.
+    experts, _ = expert_axis_overrides(config, num_devices)
+    if experts:
+        recipes.insert(0, MemoryRecipe(experts, "the experts split over more chips, the "
+                                       "tokens sent to them by all-to-all: the same loss",
+                                       lambda c: False))
     rows = global_batch_size(config, num_devices) // num_devices
     accum = config.trainer.grad_accum_steps
     while rows // accum > 1 and (rows // accum) % 2 == 0:
@@ -598,6 +656,11 @@ def _changes(run: RunPlan | _Layout, temporaries: str) -> str:
     """What to change so that the run needs less memory per chip, with the figure that can
     be had without compiling again."""
     advice = []
+    if run.expert_state_bytes is not None:
+        advice.append(
+            f"{' '.join(run.expert_overrides)} (the experts and their optimizer state split "
+            f"over more chips, the tokens sent to them: {gib(run.state_bytes)} → "
+            f"{gib(run.expert_state_bytes)} per chip, the same loss)")
     if run.fsdp_state_bytes is not None:
         advice.append(
             f"hardware.mesh.data=1 hardware.mesh.fsdp=-1 (parameters and optimizer state "

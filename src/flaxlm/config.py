@@ -351,6 +351,10 @@ class MeshConfig:
     data: int = MISSING  # the batch only; parameters replicated along it
     fsdp: int = MISSING  # the batch, and parameters + optimizer state split along it (ZeRO-3)
     tensor: int = MISSING  # attention heads and MLP width split along it (Megatron style)
+    # The batch, and a Mixture-of-Experts layer's experts split along it (E/expert per device,
+    # tokens moved to them by all-to-all); model.moe.num_experts must divide by it. For every
+    # other parameter (and a dense model's) it is data parallelism.
+    expert: int = MISSING
 
 
 @dataclasses.dataclass
@@ -726,6 +730,7 @@ ADDED = {
     "model.attention": "xla",  # jax.nn.dot_product_attention's default, XLA's
     "model.scan_layers": False,  # one module per layer
     "hardware.dropout_rng": "threefry",  # JAX's default key
+    "hardware.mesh.expert": 1,  # no expert axis
 }
 
 

@@ -1,10 +1,13 @@
 """Devices, the device mesh and shardings.
 
-The mesh has three named axes: `data` (the batch only), `fsdp` (the batch, and parameters plus
+The mesh has four named axes: `data` (the batch only), `fsdp` (the batch, and parameters plus
 optimizer state split ZeRO-3 style: each device keeps 1/n and the step gathers them as it needs
-them) and `tensor` (attention heads and MLP width split Megatron style; the batch is replicated
-along it). Everything is written with `jax.jit` over the mesh: the batch is one global
-`jax.Array` sharded on `data` × `fsdp`, and each parameter's layout follows from the logical
+them), `expert` (the batch, and a Mixture-of-Experts layer's experts: each device holds
+E/expert of them, and the tokens travel to their experts' devices and back by all-to-all,
+`flaxlm.models.moe`; for every other parameter it is data parallelism) and `tensor` (attention
+heads and MLP width split Megatron style; the batch is replicated along it). Everything is
+written with `jax.jit` over the mesh: the batch is one global `jax.Array` sharded on `data` ×
+`fsdp` × `expert` (`BATCH_AXES`), and each parameter's layout follows from the logical
 axis names it carries (`logical_axes` metadata, e.g. ("embed", "mlp")) through one table of
 rules, `LOGICAL_AXIS_RULES`, so a new model family or mesh shape needs no per-parameter code.
 With the default mesh (all devices on `data`) every parameter is replicated: plain data
@@ -28,11 +31,16 @@ from jax._src import xla_bridge
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flaxlm import distributed
-from flaxlm.config import HardwareConfig, MeshConfig, Remat
+from flaxlm.config import HardwareConfig, MeshConfig, ModelConfig, Remat
 from flaxlm.errors import FlaxlmError
 
-DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = (DATA_AXIS, FSDP_AXIS)  # the batch's rows are split over both
+# In this order the devices are laid out: the innermost axes get the nearest devices, for the
+# collectives of every layer (tensor's) and of every sparse layer (expert's all-to-all).
+DATA_AXIS, FSDP_AXIS, EXPERT_AXIS, TENSOR_AXIS = MESH_AXES = ("data", "fsdp", "expert", "tensor")
+# The batch's rows are split over all three (expert parallelism borrows the data dimension, as
+# in MaxText and torchtitan: the expert axis's devices hold different experts and different
+# tokens); in mesh order, so that a host's devices hold a contiguous run of rows.
+BATCH_AXES = (DATA_AXIS, FSDP_AXIS, EXPERT_AXIS)
 
 # Logical axis name (what a parameter dimension means) → the mesh axes that may split it, in
 # order of preference; () never. A dimension takes the first of them that has more than one
@@ -45,7 +53,7 @@ LOGICAL_AXIS_RULES: dict[str, tuple[str, ...]] = {
     "heads": (TENSOR_AXIS, FSDP_AXIS),  # attention projections' per-head columns / rows
     "kv_heads": (TENSOR_AXIS, FSDP_AXIS),  # grouped-query attention's key/value projections
     "mlp": (TENSOR_AXIS, FSDP_AXIS),  # the MLP's hidden width
-    "experts": (),  # an MoE layer's experts: each device holds all of them, split as the rest
+    "experts": (EXPERT_AXIS,),  # an MoE layer's experts: E/expert per device
     "positions": (),  # position and segment tables: small, looked up by every row
     "classes": (),  # a classifier's outputs: a handful
     "layers": (),  # a scanned model's stacked blocks: each step of the scan reads one whole
@@ -202,7 +210,7 @@ def run_accelerator(hardware: HardwareConfig) -> Accelerator:
 
 def make_mesh(num_devices: int | None, mesh: MeshConfig | None = None,
               devices: Sequence | None = None) -> Mesh:
-    """The (data, fsdp, tensor) mesh over the first `num_devices` of `devices` (default: the
+    """The (data, fsdp, expert, tensor) mesh over the first `num_devices` of `devices` (default: the
     devices JAX runs on; all when `num_devices` is None), with `mesh`'s axis sizes (default:
     every device on `data`)."""
     devices = list(jax.devices() if devices is None else devices)
@@ -219,7 +227,7 @@ def make_mesh(num_devices: int | None, mesh: MeshConfig | None = None,
             )
         devices = devices[:num_devices]
     # No mesh settings (tests, benchmarks): plain data parallelism over every device.
-    shape = mesh_shape(mesh or MeshConfig(data=-1, fsdp=1, tensor=1), len(devices))
+    shape = mesh_shape(mesh or MeshConfig(data=-1, fsdp=1, tensor=1, expert=1), len(devices))
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
 
 
@@ -227,9 +235,9 @@ def _process_count(devices: Sequence) -> int:
     return len({device.process_index for device in devices})
 
 
-def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int]:
-    """hardware.mesh's (data, fsdp, tensor) sizes for `num_devices` devices; one -1 takes the
-    devices the other axes leave."""
+def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int, int]:
+    """hardware.mesh's (data, fsdp, expert, tensor) sizes for `num_devices` devices; one -1
+    takes the devices the other axes leave."""
     sizes = {axis: getattr(mesh, axis) for axis in MESH_AXES}
     settings = ", ".join(f"hardware.mesh.{axis}={size}" for axis, size in sizes.items())
     wildcards = [axis for axis, size in sizes.items() if size == -1]
@@ -242,10 +250,29 @@ def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int]:
             f"{settings} does not fit {num_devices} device(s): the axis sizes must be positive "
             f"and multiply to the device count, with at most one -1 (the devices the others "
             f"leave). For {num_devices} devices, e.g. hardware.mesh.data=-1 "
-            f"hardware.mesh.fsdp={num_devices} hardware.mesh.tensor=1 (all of them on fsdp); "
-            "or change hardware.num_devices."
+            f"hardware.mesh.fsdp={num_devices} hardware.mesh.expert=1 hardware.mesh.tensor=1 "
+            "(all of them on fsdp); or change hardware.num_devices."
         )
-    return sizes[DATA_AXIS], sizes[FSDP_AXIS], sizes[TENSOR_AXIS]
+    return tuple(sizes[axis] for axis in MESH_AXES)
+
+
+def check_expert_axis(model: ModelConfig, mesh: MeshConfig, num_devices: int) -> None:
+    """A Mixture-of-Experts model's experts must split evenly over `hardware.mesh.expert`:
+    each device of the axis holds the same number of them. (A dense model takes any expert
+    axis: it splits the batch, as `data` does.)"""
+    experts = model.moe.num_experts
+    expert = dict(zip(MESH_AXES, mesh_shape(mesh, num_devices)))[EXPERT_AXIS]
+    if experts is None or experts % expert == 0:
+        return
+    fitting = [size for size in range(1, expert) if experts % size == 0 and expert % size == 0]
+    raise FlaxlmError(
+        f"model.moe.num_experts={experts} does not divide by hardware.mesh.expert={expert}: "
+        f"expert parallelism gives each of the expert axis's {expert} devices the same number "
+        f"of experts. Set hardware.mesh.expert to a divisor of {experts} that divides the "
+        f"{num_devices} device(s), e.g. hardware.mesh.expert={max(fitting)} with "
+        "hardware.mesh.data=-1 taking the devices it leaves, or model.moe.num_experts to a "
+        f"multiple of {expert}."
+    )
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -253,8 +280,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharded(mesh: Mesh) -> NamedSharding:
-    """Leading (batch) axis split over `data` × `fsdp` (replicated over `tensor`), the rest
-    whole."""
+    """Leading (batch) axis split over `data` × `fsdp` × `expert` (replicated over `tensor`),
+    the rest whole."""
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
 
 
@@ -366,7 +393,7 @@ def traced_on(mesh: Mesh, fn, name: str | None = None):
 
 def constrain_batch(x_BxE: jax.Array, *, last_over_tensor: bool = False) -> jax.Array:
     """Inside a step traced on a mesh (`traced_on`): `x_BxE`'s leading (batch) axis split over
-    `data` × `fsdp` as the batch is, the rest whole (or, with `last_over_tensor`, the last axis
+    `BATCH_AXES` as the batch is, the rest whole (or, with `last_over_tensor`, the last axis
     split over `tensor`: an MLP's hidden units under tensor parallelism); outside one, `x_BxE`
     unchanged.
 
@@ -392,9 +419,9 @@ def constrain_state(tree, mesh: Mesh):
 def process_rows(global_rows: int, mesh: Mesh) -> tuple[int, int]:
     """(first, count) of the global batch rows this process feeds, for a batch of `global_rows`.
 
-    Rows are split evenly over the `data` × `fsdp` positions in mesh order (each part held by
-    every `tensor` device of its position), so a process owns the contiguous rows of its own
-    devices' parts.
+    Rows are split evenly over the `data` × `fsdp` × `expert` positions in mesh order (each
+    part held by every `tensor` device of its position), so a process owns the contiguous rows
+    of its own devices' parts.
     """
     parts = batch_sharded(mesh).addressable_devices_indices_map((global_rows,)).values()
     starts = sorted({part[0].indices(global_rows)[0] for part in parts})
@@ -402,18 +429,18 @@ def process_rows(global_rows: int, mesh: Mesh) -> tuple[int, int]:
     if any(stop != start for stop, start in zip(stops, starts[1:])):
         raise FlaxlmError(
             f"This process's devices hold rows {list(zip(starts, stops))} of the batch, which "
-            "are not contiguous; the mesh must give each host a contiguous run of the data and "
-            "fsdp axes (hardware.mesh)."
+            "are not contiguous; the mesh must give each host a contiguous run of the data, "
+            "fsdp and expert axes (hardware.mesh)."
         )
     return starts[0], stops[-1] - starts[0]
 
 
 def batch_spec(shape: Sequence[int], dtype, mesh: Mesh) -> jax.ShapeDtypeStruct:
-    """The shape, dtype and layout of a global batch (rows split over `data` × `fsdp`), as
+    """The shape, dtype and layout of a global batch (rows split over `BATCH_AXES`), as
     `global_batch` makes one: what a plan compiles the steps for, with no data."""
     return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=batch_sharded(mesh))
 
 
 def global_batch(local_rows: np.ndarray, mesh: Mesh) -> jax.Array:
-    """This process's rows as its part of one global array sharded on `data` × `fsdp`."""
+    """This process's rows as its part of one global array sharded on `BATCH_AXES`."""
     return jax.make_array_from_process_local_data(batch_sharded(mesh), local_rows)

@@ -21,7 +21,11 @@ tested against.
 
 Within a step on a device mesh the dispatch runs per device on its own rows
 (`jax.shard_map` over the batch axes): a sort over the whole global batch would move every
-token between devices. The router and its statistics stay global.
+token between devices. The router and its statistics stay global. With an `expert` mesh axis
+(`hardware.mesh.expert`, expert parallelism) each of its P devices holds E/P of the experts:
+a device sorts its own copies by expert as above, sends each device the ones for its experts
+(`jax.lax.all_to_all`), runs what it receives through its experts and sends the outputs back
+(`_expert_exchange`; with a capacity, `_capacity_exchange`).
 
 Statistics (`RouterStats`, per sparse layer, over the whole batch): Switch's load-balancing
 loss E · Σ_e f_e · P̄_e (f_e the tokens sent to expert e per token, P̄_e its mean probability;
@@ -34,6 +38,8 @@ expert's width, M = T·K token copies, C an expert's capacity.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
@@ -45,7 +51,7 @@ from flaxlm.config import ModelConfig, MoeConfig, MoeDispatch
 from flaxlm.errors import FlaxlmError
 from flaxlm.models.grouped_matmul import grouped_matmul
 from flaxlm.models.layers import ACTIVATIONS, TransformerSpec, axes, check_experts_family
-from flaxlm.parallel import BATCH_AXES, TENSOR_AXIS
+from flaxlm.parallel import BATCH_AXES, EXPERT_AXIS, TENSOR_AXIS
 
 
 def check_moe(cfg: ModelConfig) -> None:
@@ -283,16 +289,22 @@ def dispatch(x_BxLxD: jax.Array, experts_BxLxK: jax.Array, weights_BxLxK: jax.Ar
     """The experts' weighted outputs (B, L, D) and the share of token copies dropped: on a
     mesh, each device its own rows (`jax.shard_map` over the batch axes; the experts'
     matrices whole on every device, or split over `tensor` on their width, the partial
-    outputs then summed over it); off one, directly."""
+    outputs then summed over it; with an `expert` axis, each device holds E/expert of the
+    experts and its token copies travel to their experts' devices and back by all-to-all,
+    `_expert_exchange`); off one, directly."""
     matrices = experts.matrices()
-    local = lambda x, e, w, *m: _local_dispatch(x, e, w, m, experts.activation, moe)  # noqa: E731
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or any(axis not in mesh.axis_names for axis in BATCH_AXES):
-        return local(x_BxLxD, experts_BxLxK, weights_BxLxK, *matrices)
+        return _local_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, matrices,
+                               experts.activation, moe)
     tensor = TENSOR_AXIS if mesh.shape.get(TENSOR_AXIS, 1) > 1 else None
+    # The dense reference runs every token through every expert: it gathers them all.
+    expert = (EXPERT_AXIS if mesh.shape.get(EXPERT_AXIS, 1) > 1
+              and dispatch_backend(moe) != MoeDispatch.dense.value else None)
+    exchange = None if expert is None else _Exchange(expert, mesh.shape[expert])
 
     def per_device(x, e, w, *m):
-        out_BxLxD, dropped = local(x, e, w, *m)
+        out_BxLxD, dropped = _local_dispatch(x, e, w, m, experts.activation, moe, exchange)
         if tensor:  # each device holds 1/tensor of every expert's width: partial sums
             out_BxLxD = jax.lax.psum(out_BxLxD, tensor)
         return out_BxLxD, jax.lax.pmean(dropped, BATCH_AXES)
@@ -300,45 +312,65 @@ def dispatch(x_BxLxD: jax.Array, experts_BxLxK: jax.Array, weights_BxLxK: jax.Ar
     rows = PartitionSpec(BATCH_AXES)
     return jax.shard_map(
         per_device, mesh=mesh,
-        in_specs=(rows, rows, rows, PartitionSpec(None, None, tensor),
-                  PartitionSpec(None, None, tensor), PartitionSpec(None, tensor, None)),
+        in_specs=(rows, rows, rows, PartitionSpec(expert, None, tensor),
+                  PartitionSpec(expert, None, tensor), PartitionSpec(expert, tensor, None)),
         out_specs=(rows, PartitionSpec()), check_vma=False,
     )(x_BxLxD, experts_BxLxK, weights_BxLxK, *matrices)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Exchange:
+    """The mesh axis a device's token copies cross to reach their experts: `devices` of
+    them, device i holding experts i·E/devices to (i + 1)·E/devices - 1."""
+
+    axis: str
+    devices: int
+
+
 def _local_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, matrices, activation,
-                    moe: MoeConfig):
+                    moe: MoeConfig, exchange: _Exchange | None = None):
     B, L, D = x_BxLxD.shape
     K = experts_BxLxK.shape[-1]
     x_TxD = x_BxLxD.reshape(B * L, D)
     experts_TxK = experts_BxLxK.reshape(B * L, K)
     weights_TxK = weights_BxLxK.reshape(B * L, K)
     backend = dispatch_backend(moe)
+    E = moe.num_experts  # the matrices hold E/devices of them under an exchange
+
+    def grouped(x_MxD, group_sizes):
+        return _grouped_mlp(x_MxD, group_sizes, matrices, activation, backend)
+
+    def batched(x_GxCxD):
+        return _batched_mlp(x_GxCxD, matrices, activation)
+
     if backend == MoeDispatch.dense.value:
         out_TxD, dropped = _dense(x_TxD, experts_TxK, weights_TxK, matrices, activation)
     elif moe.capacity_factor is not None:
-        out_TxD, dropped = _with_capacity(x_TxD, experts_TxK, weights_TxK, matrices, activation,
+        through = batched if exchange is None else functools.partial(
+            _capacity_exchange, batched, exchange=exchange)
+        out_TxD, dropped = _with_capacity(x_TxD, experts_TxK, weights_TxK, E, through,
                                           moe.capacity_factor)
     else:
-        out_TxD, dropped = _dropless(x_TxD, experts_TxK, weights_TxK, matrices, activation,
-                                     backend)
+        # A token's K experts are distinct, so at most min(K, E/devices) of its copies go to
+        # one device: the most one device can be sent by another, nothing dropped.
+        through = grouped if exchange is None else functools.partial(
+            _expert_exchange, grouped, exchange=exchange,
+            rows=B * L * min(K, E // exchange.devices))
+        out_TxD, dropped = _dropless(x_TxD, experts_TxK, weights_TxK, E, through)
     return out_TxD.reshape(B, L, D), dropped
 
 
-def _dropless(x_TxD, experts_TxK, weights_TxK, matrices, activation, backend):
+def _dropless(x_TxD, experts_TxK, weights_TxK, num_experts, through_experts):
     """Token copies sorted by expert (stably: within an expert, in token order), through the
-    grouped matmuls, then back in token order and summed with their weights."""
-    gate_ExDxF, up_ExDxF, down_ExFxD = matrices
+    experts (`through_experts(x_MxD, group_sizes_E)`: each expert's run of rows by its MLP),
+    then back in token order and summed with their weights."""
     T, K = experts_TxK.shape
-    E = gate_ExDxF.shape[0]
     expert_M = experts_TxK.reshape(T * K)
     order_M, inverse_M = sorting(expert_M)
     # Copy m of the token-major list is token m // K; sorted, its rows go expert by expert.
     x_MxD = permute(jnp.repeat(x_TxD, K, axis=0), order_M, inverse_M)
-    group_sizes_E = expert_counts(expert_M, E)
-    h_MxF = (activation(grouped_matmul(x_MxD, gate_ExDxF, group_sizes_E, backend))
-             * grouped_matmul(x_MxD, up_ExDxF, group_sizes_E, backend))
-    y_MxD = grouped_matmul(h_MxF, down_ExFxD, group_sizes_E, backend)
+    group_sizes_E = expert_counts(expert_M, num_experts)
+    y_MxD = through_experts(x_MxD, group_sizes_E)
     y_TxKxD = permute(y_MxD, inverse_M, order_M).reshape(T, K, -1)
     return jnp.einsum("tkd,tk->td", y_TxKxD, weights_TxK), jnp.zeros((), jnp.float32)
 
@@ -378,17 +410,88 @@ def _permute_backward(residuals, grad_MxD):
 permute.defvjp(_permute_forward, _permute_backward)
 
 
+def _grouped_mlp(x_MxD, group_sizes_G, matrices, activation, backend):
+    """Rows grouped by expert (`group_sizes_G` of them each, the rest zero) through their
+    experts' SwiGLU MLPs, one grouped matmul per matrix."""
+    gate_GxDxF, up_GxDxF, down_GxFxD = matrices
+    h_MxF = (activation(grouped_matmul(x_MxD, gate_GxDxF, group_sizes_G, backend))
+             * grouped_matmul(x_MxD, up_GxDxF, group_sizes_G, backend))
+    return grouped_matmul(h_MxF, down_GxFxD, group_sizes_G, backend)
+
+
+def _batched_mlp(x_GxCxD, matrices, activation):
+    """Each expert's buffer of rows through its SwiGLU MLP, as batched matmuls."""
+    gate_GxDxF, up_GxDxF, down_GxFxD = matrices
+    h_GxCxF = (activation(jnp.einsum("gcd,gdf->gcf", x_GxCxD, gate_GxDxF))
+               * jnp.einsum("gcd,gdf->gcf", x_GxCxD, up_GxDxF))
+    return jnp.einsum("gcf,gfd->gcd", h_GxCxF, down_GxFxD)
+
+
+def _expert_exchange(grouped, x_MxD, group_sizes_E, *, exchange: _Exchange, rows: int):
+    """Dropless expert parallelism, inside the shard_map: this device's copies (sorted by
+    expert, `group_sizes_E` of each) sent to the devices holding their experts, the copies
+    received from every device run through this device's experts (`grouped`), the outputs
+    sent back; returns this device's copies' outputs, in their order.
+
+    `jax.lax.all_to_all` moves fixed-size blocks: each device sends every other a block of
+    `rows` rows (P devices, Q = E/P experts each: T·min(K, Q), all that one device's T tokens
+    can send to one device's experts), its copies first, zeros after. So nothing is dropped,
+    whatever the routing, at a memory cost: the send and receive buffers, and the grouped
+    matmul over the received rows, hold P·rows rows where the dropless path without an
+    expert axis holds T·K: P·min(K, Q)/K times as many (8× for P = 8, Q ≥ K), the busiest
+    case the routing could make. (`jax.lax.ragged_all_to_all` sends only the real rows but
+    needs the same worst-case receive buffer, and XLA's CPU does not run it.)"""
+    M, D = x_MxD.shape
+    E, P = group_sizes_E.shape[0], exchange.devices
+    Q = E // P
+    # Each sorted copy's expert, its device, and its slot in that device's block.
+    expert_M = jnp.searchsorted(jnp.cumsum(group_sizes_E), jnp.arange(M), side="right")
+    device_M = expert_M // Q
+    sent_P = group_sizes_E.reshape(P, Q).sum(1)
+    slot_M = jnp.arange(M) - (jnp.cumsum(sent_P) - sent_P)[device_M]
+    index_M = device_M * rows + slot_M
+    send_PxRxD = jnp.zeros((P * rows, D), x_MxD.dtype).at[index_M].set(x_MxD).reshape(
+        P, rows, D)
+    # Block p of what arrives came from device p: its copies for each of this device's
+    # experts in turn (counts_PxQ[p]), then zeros.
+    counts_PxQ = jax.lax.all_to_all(group_sizes_E.reshape(P, Q), exchange.axis, 0, 0)
+    received_PxRxD = jax.lax.all_to_all(send_PxRxD, exchange.axis, 0, 0)
+    local_PxR = jax.vmap(lambda ends, slots: jnp.searchsorted(ends, slots, side="right"),
+                         in_axes=(0, None))(jnp.cumsum(counts_PxQ, axis=1), jnp.arange(rows))
+    order_N = jnp.argsort(local_PxR.reshape(P * rows), stable=True)  # the zeros (Q) last
+    y_NxD = grouped(received_PxRxD.reshape(P * rows, D)[order_N], counts_PxQ.sum(0))
+    y_PxRxD = y_NxD[jnp.argsort(order_N)].reshape(P, rows, -1)
+    returned_PxRxD = jax.lax.all_to_all(y_PxRxD, exchange.axis, 0, 0)
+    return returned_PxRxD.reshape(P * rows, -1)[index_M]
+
+
+def _capacity_exchange(batched, x_ExCxD, *, exchange: _Exchange):
+    """Expert parallelism with a capacity: this device's (E, C) buffer, expert by expert, is
+    already in blocks by the device holding each expert; each device's block goes to it, the
+    P blocks received run through this device's Q experts as Q buffers of P·C rows, and the
+    outputs go back. The same memory as without an expert axis, and the same copies dropped
+    (each device keeps each expert's first C of its own copies)."""
+    E, C, D = x_ExCxD.shape
+    P = exchange.devices
+    Q = E // P
+    received_PxQxCxD = jax.lax.all_to_all(x_ExCxD.reshape(P, Q, C, D), exchange.axis, 0, 0)
+    y_QxNxD = batched(received_PxQxCxD.transpose(1, 0, 2, 3).reshape(Q, P * C, D))
+    y_PxQxCxD = y_QxNxD.reshape(Q, P, C, -1).transpose(1, 0, 2, 3)
+    return jax.lax.all_to_all(y_PxQxCxD, exchange.axis, 0, 0).reshape(E, C, -1)
+
+
 def capacity(num_copies: int, num_experts: int, capacity_factor: float) -> int:
     """Token copies an expert takes: capacity_factor × the even share, rounded up."""
     return max(1, math.ceil(capacity_factor * num_copies / num_experts))
 
 
-def _with_capacity(x_TxD, experts_TxK, weights_TxK, matrices, activation, capacity_factor):
+def _with_capacity(x_TxD, experts_TxK, weights_TxK, num_experts, through_experts,
+                   capacity_factor):
     """Switch/GShard's token dropping: each expert's first C copies (in token order) go into
-    its row of an (E, C) buffer, multiplied as one batched matmul; the rest are dropped."""
-    gate_ExDxF, up_ExDxF, down_ExFxD = matrices
+    its row of an (E, C) buffer, through the experts (`through_experts(x_ExCxD)`: each row of
+    the buffer by its expert's MLP); the rest are dropped."""
     T, K = experts_TxK.shape
-    E, D = gate_ExDxF.shape[0], x_TxD.shape[1]
+    E, D = num_experts, x_TxD.shape[1]
     C = capacity(T * K, E, capacity_factor)
     expert_M = experts_TxK.reshape(T * K)
     order_M, inverse_M = sorting(expert_M)
@@ -402,9 +505,7 @@ def _with_capacity(x_TxD, experts_TxK, weights_TxK, matrices, activation, capaci
     x_MxD = permute(jnp.repeat(x_TxD, K, axis=0), order_M, inverse_M)
     buffer_NxD = jnp.zeros((E * C + 1, D), x_TxD.dtype).at[index_M].set(x_MxD)
     x_ExCxD = buffer_NxD[:-1].reshape(E, C, D)
-    h_ExCxF = (activation(jnp.einsum("ecd,edf->ecf", x_ExCxD, gate_ExDxF))
-               * jnp.einsum("ecd,edf->ecf", x_ExCxD, up_ExDxF))
-    y_NxD = jnp.einsum("ecf,efd->ecd", h_ExCxF, down_ExFxD).reshape(E * C, D)
+    y_NxD = through_experts(x_ExCxD).reshape(E * C, D)
     y_NxD = jnp.concatenate([y_NxD, jnp.zeros((1, D), y_NxD.dtype)])
     y_MxD = y_NxD[index_M]  # dropped copies read the spare slot's zeros
     y_TxKxD = permute(y_MxD, inverse_M, order_M).reshape(T, K, D)

@@ -1,10 +1,10 @@
 """The training and evaluation steps: pure functions of arrays, jitted with explicit shardings.
 
-The batch is sharded over the mesh's `data` × `fsdp` axes and the state is laid out by its
-parameters' logical axes (`flaxlm.parallel`): replicated on the default all-`data` mesh, so the
-gradient of the mean loss is the mean over all devices (pmap + `lax.pmean`'s data parallelism,
-as one program); split over `fsdp` / `tensor` otherwise, the compiler gathering each weight
-where it is used and reduce-scattering its gradient.
+The batch is sharded over the mesh's `data` × `fsdp` × `expert` axes and the state is laid out
+by its parameters' logical axes (`flaxlm.parallel`): replicated on the default all-`data` mesh,
+so the gradient of the mean loss is the mean over all devices (pmap + `lax.pmean`'s data
+parallelism, as one program); split over `fsdp` / `expert` / `tensor` otherwise, the compiler
+gathering each weight where it is used and reduce-scattering its gradient.
 With gradient accumulation one train step takes `grad_accum_steps` micro-batches and makes one
 optimizer update from their mean gradient.
 """
@@ -455,9 +455,10 @@ def compile_train_step(mesh: Mesh, graphdef, optimizer: Optimizer,
                        ) -> TrainStep:
     """`train(state, batch, dropout_key) -> (state, metrics)`, jitted: the batch (an array or
     a pytree of arrays with `grad_accum_steps` micro-batches' rows) sharded over `data` ×
-    `fsdp`, the state donated (updated in place), the optimizer's numbers (`make_optimizer`)
-    replicated arguments. The state comes in as `create_state` laid it out on the mesh (its
-    sharding is the argument's own) and goes out the same way, by its logical axes.
+    `fsdp` × `expert`, the state donated (updated in place), the optimizer's numbers
+    (`make_optimizer`) replicated arguments. The state comes in as `create_state` laid it out
+    on the mesh (its sharding is the argument's own) and goes out the same way, by its logical
+    axes.
     `loss_fn(model, micro_batch, rngs) -> (loss, metrics)`; `trainable`: as `train_step`."""
     rep, data = replicated(mesh), batch_sharded(mesh)
     micro_batches = NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))
