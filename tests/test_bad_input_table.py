@@ -193,6 +193,7 @@ ROWS = {
                                   ["model.moe.top_k=9", "model.moe.num_experts=8"]),
     "moe-capacity-zero": Row(["model=moe-tiny", "model.moe.capacity_factor=0"],
                              ["model.moe.capacity_factor=0"]),
+    "head-dim-odd": Row(["model=llama-tiny", "model.head_dim=7"], ["model.head_dim=7"]),
     "moe-classifier": Row([*classify("pairs.jsonl", "pairs.jsonl"), "model=moe-tiny"],
                           ["model=moe-tiny", "task=classify"]),
     "moe-on-a-dense-family": Row(["model=llama-tiny", "model.moe.num_experts=4"],

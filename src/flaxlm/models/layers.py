@@ -57,6 +57,7 @@ def check_shape(spec: TransformerSpec) -> None:
     if cfg.head_dim is None and cfg.hidden_size % cfg.num_heads:
         raise ValueError(f"model.hidden_size={cfg.hidden_size} is not divisible by "
                          f"model.num_heads={cfg.num_heads}")
+    check_head_width(cfg)
     if cfg.activation not in ACTIVATIONS:
         raise ValueError(
             f"model.activation={cfg.activation!r} is not one of "
@@ -64,6 +65,14 @@ def check_shape(spec: TransformerSpec) -> None:
         )
     lora.check_lora(cfg)
     check_experts_family(cfg)
+
+
+def check_head_width(cfg: ModelConfig) -> None:
+    """model.head_dim, where set: rotary positions turn a head's values in pairs."""
+    if cfg.head_dim is not None and (cfg.head_dim < 2 or cfg.head_dim % 2):
+        raise FlaxlmError(
+            f"model.head_dim={cfg.head_dim} must be a positive even number: rotary positions "
+            "turn each head's values in pairs (null: model.hidden_size / model.num_heads).")
 
 
 def check_experts_family(cfg: ModelConfig) -> None:
@@ -483,8 +492,10 @@ def count_params(model: nnx.Module) -> int:
 def training_flops_per_token(model: ModelConfig, matmul_params: int, seq_len: int) -> float:
     """Training FLOPs per token: 6 per weight that multiplies (each family's `lookup_params`,
     tables that are only looked up, are not among them) plus attention's
-    12·layers·width·length (PaLM, appendix B)."""
-    return 6 * matmul_params + 12 * model.num_layers * model.hidden_size * seq_len
+    12·layers·width·length (PaLM, appendix B), its width the heads' (num_heads × head_dim,
+    wider than the model for Qwen3-30B-A3B's 32 heads of 128 on 2048)."""
+    head_width = model.head_dim or model.hidden_size // model.num_heads
+    return 6 * matmul_params + 12 * model.num_layers * model.num_heads * head_width * seq_len
 
 
 @dataclasses.dataclass(frozen=True)

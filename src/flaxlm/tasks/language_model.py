@@ -26,6 +26,7 @@ from flaxlm.errors import FlaxlmError
 from flaxlm.export import export_adapter
 from flaxlm.generate import log_samples, settings_from_samples
 from flaxlm.models import build, hf, lora, moe, pretrained
+from flaxlm.models.layers import check_head_width
 from flaxlm.parallel import replicated
 from flaxlm.tasks import base
 from flaxlm.tasks.base import JobContext
@@ -48,6 +49,7 @@ class LanguageModelTask(Task):
                               f"task={config.task.name} trains a causal language model")
         lora.check_lora(config.model)
         moe.check_moe(config.model)
+        check_head_width(config.model)
         self.check_data_settings(config)
         seq_len = config.task.max_seq_length or config.model.max_positions
         check_block_length(config, seq_len)
