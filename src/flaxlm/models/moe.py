@@ -189,7 +189,6 @@ class MoeMLP(nnx.Module):
 
     def __call__(self, x_BxLxD: jax.Array, rngs: nnx.Rngs | None = None
                  ) -> tuple[jax.Array, RouterStats]:
-        B, L, D = x_BxLxD.shape
         logits_BxLxE = self.gate(x_BxLxD.astype(jnp.float32))
         weights_BxLxK, experts_BxLxK = self.route(logits_BxLxE)
         out_BxLxD, dropped = dispatch(x_BxLxD, experts_BxLxK,
