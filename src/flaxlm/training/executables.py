@@ -43,6 +43,7 @@ from jax.experimental import serialize_executable
 from flaxlm import distributed
 from flaxlm.config import TrainConfig
 from flaxlm.errors import FlaxlmError
+from flaxlm.parallel import MESH_AXES
 
 STORE_DIR = "executables"  # under cache_dir
 KEY_FILE = "key.json"
@@ -447,6 +448,9 @@ def differences(saved: dict, current: dict) -> list[str]:
 def _devices(devices: dict | None) -> str:
     if not devices:
         return "unrecorded"
-    mesh = " ".join(f"{axis}={size}" for axis, size in devices.get("mesh", {}).items())
+    # In the mesh's own axis order: a record read back from JSON has its keys sorted.
+    axes = sorted(devices.get("mesh", {}).items(),
+                  key=lambda item: MESH_AXES.index(item[0]) if item[0] in MESH_AXES else 99)
+    mesh = " ".join(f"{axis}={size}" for axis, size in axes)
     return (f"{len(devices.get('ids', []))} × {devices.get('kind')} ({devices.get('platform')}, "
             f"mesh {mesh})")
