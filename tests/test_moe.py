@@ -96,6 +96,7 @@ def test_tiled_grouped_matmul_and_its_gradients_are_each_groups_own_product(size
     assert_trees_close((out, grad_lhs, grad_rhs), ragged, terms=max(M, K))
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(sizes=st.lists(st.integers(0, 40), min_size=1, max_size=7), tile=st.sampled_from([1, 4, 8]))
 def test_visits_cover_every_row_of_every_group_once(sizes, tile):

@@ -93,6 +93,7 @@ def assert_same_step(result, expected, model):
     assert max(moved) > 1e-4  # the step did update the parameters
 
 
+@pytest.mark.slow
 def test_the_router_s_choices_are_far_from_ties():
     """What makes the comparisons below rounding comparisons: each token's K-th and K+1-th
     routing probabilities differ by far more than two layouts' roundings can move them."""
