@@ -657,6 +657,37 @@ def bumped(state, by: float):
     return moved.replace(step=jnp.asarray(int(by), jnp.int32))
 
 
+@functools.cache
+def _jitted_forward():
+    from flax import nnx
+
+    return nnx.jit(lambda model, ids_BxL: model(ids_BxL))
+
+
+def full_forward(model, ids_BxL):
+    """A language model's logits of `ids_BxL`, the whole forward pass as one program."""
+    return _jitted_forward()(model, ids_BxL)
+
+
+def greedy_by_recomputing(model, prompt: list[int], new_tokens: int, context: int,
+                          eos: int | None = None) -> list[int]:
+    """The reference of cached generation: the full forward pass over the whole prefix for
+    every new token, the argmax of its last position; stops before `eos`. The prefix is
+    right-padded to `context` tokens (one compiled shape); causal attention means the padding
+    after it changes nothing."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    ids = list(prompt)
+    for _ in range(new_tokens):
+        padded = np.zeros((1, context), np.int32)
+        padded[0, : len(ids)] = ids
+        ids.append(int(jnp.argmax(full_forward(model, jnp.asarray(padded))[0, len(ids) - 1])))
+        if ids[-1] == eos:
+            return ids[len(prompt):-1]
+    return ids[len(prompt):]
+
+
 def leaves_equal(a, b) -> bool:
     import jax
     import numpy as np

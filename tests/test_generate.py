@@ -5,7 +5,7 @@ sampling settings behave as documented."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_tokenizer, model_config
+from conftest import full_forward, greedy_by_recomputing, make_tokenizer, model_config
 from flax import nnx
 from numerics import assert_close, transformer
 
@@ -32,29 +32,10 @@ def prompts():
     return [np.random.default_rng(n).integers(0, 97, n).tolist() for n in PROMPT_LENGTHS]
 
 
-@nnx.jit
-def _full_forward(model, ids_1xL):
-    return model(ids_1xL)
-
-
-def greedy_by_recomputing(model, prompt: list[int], new_tokens: int, eos=None) -> list[int]:
-    """The reference: the full forward pass over the whole prefix for every new token. The
-    prefix is right-padded to the context length (one compiled shape); causal attention means
-    the padding after it changes nothing."""
-    ids = list(prompt)
-    for _ in range(new_tokens):
-        padded = np.zeros((1, CONFIG.max_positions), np.int32)
-        padded[0, : len(ids)] = ids
-        ids.append(int(jnp.argmax(_full_forward(model, jnp.asarray(padded))[0, len(ids) - 1])))
-        if ids[-1] == eos:
-            return ids[len(prompt):-1]
-    return ids[len(prompt):]
-
-
 @pytest.mark.slow
 def test_cached_decode_matches_the_full_forward_pass_with_left_padding(model):
     ids_BxL = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 10)))
-    full_BxLxV = _full_forward(model, ids_BxL)
+    full_BxLxV = full_forward(model, ids_BxL)
     padded_BxP, mask_BxP = left_pad([ids_BxL[0, :6].tolist(), ids_BxL[1, :4].tolist()], 0)
     cache = model.init_cache(2, padded_BxP.shape[1] + 1)
     decode = nnx.jit(lambda m, *args: m.decode(*args))  # eager op by op compiles for seconds
@@ -75,7 +56,7 @@ def test_cached_decode_matches_the_full_forward_pass_with_left_padding(model):
 def test_greedy_with_the_cache_equals_recomputing_the_prefix(model, prompts):
     settings = GenerationSettings(max_new_tokens=16, greedy=True)
     batched = generate_ids(model, prompts, settings, eos_token_id=None)
-    expected = [greedy_by_recomputing(model, p, 16) for p in prompts]
+    expected = [greedy_by_recomputing(model, p, 16, CONFIG.max_positions) for p in prompts]
     assert batched == expected
     assert len({tuple(row) for row in batched}) == len(prompts)  # the rows really differ
     alone = [generate_ids(model, [p], settings, eos_token_id=None)[0] for p in prompts[:2]]
@@ -91,7 +72,8 @@ def test_each_row_stops_at_its_own_eos(model, prompts):
     assert stopped[0] == free[0][: free[0].index(eos)]
     for row_free, row_stopped in zip(free, stopped):
         assert row_stopped == (row_free[: row_free.index(eos)] if eos in row_free else row_free)
-    assert stopped == [greedy_by_recomputing(model, p, 16, eos=eos) for p in prompts]
+    assert stopped == [greedy_by_recomputing(model, p, 16, CONFIG.max_positions, eos=eos)
+                       for p in prompts]
 
 
 @pytest.mark.slow

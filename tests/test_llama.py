@@ -17,6 +17,7 @@ from conftest import (
     compose,
     config_node,
     files_overrides,
+    greedy_by_recomputing,
     mesh_config,
     metrics_of,
     stop_at,
@@ -313,22 +314,6 @@ PROMPTS = [np.random.default_rng(n).integers(3, 97, n).tolist() for n in (3, 9, 
 NEW_TOKENS = 8
 
 
-@nnx.jit
-def _full_forward(model, ids_1xL):
-    return model(ids_1xL)
-
-
-def greedy_by_recomputing(model, prompt, new_tokens):
-    ids = list(prompt)
-    for _ in range(new_tokens):
-        padded = np.zeros((1, CONFIG.max_positions), np.int32)
-        padded[0, : len(ids)] = ids
-        ids.append(int(jnp.argmax(_full_forward(model, jnp.asarray(padded))[0, len(ids) - 1])))
-        if ids[-1] == EOS:
-            return ids[len(prompt):-1]
-    return ids[len(prompt):]
-
-
 @pytest.mark.slow
 @pytest.mark.torch
 def test_greedy_kv_cache_generation_equals_recomputation_and_transformers(tmp_path):
@@ -339,7 +324,8 @@ def test_greedy_kv_cache_generation_equals_recomputation_and_transformers(tmp_pa
     model = make_model(config)
     settings = GenerationSettings(max_new_tokens=NEW_TOKENS, greedy=True)
     ours = generate_ids(model, PROMPTS, settings, eos_token_id=EOS, pad_token_id=PAD)
-    assert ours == [greedy_by_recomputing(model, prompt, NEW_TOKENS) for prompt in PROMPTS]
+    assert ours == [greedy_by_recomputing(model, prompt, NEW_TOKENS, CONFIG.max_positions, EOS)
+                    for prompt in PROMPTS]
     assert len({tuple(row) for row in ours}) > 1  # the prompts lead to different paths
 
     theirs = transformers.AutoModelForCausalLM.from_pretrained(

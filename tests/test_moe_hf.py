@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY, config_node, mesh_config, trained_run
+from conftest import TINY, config_node, greedy_by_recomputing, mesh_config, trained_run
 from flax import nnx
 from numerics import assert_close, tolerance, transformer_depth
 
@@ -184,29 +184,13 @@ def moe_model(option="moe-tiny", **changes):
 PROMPTS = [np.random.default_rng(n).integers(3, VOCAB, n).tolist() for n in (3, 9, 1, 14)]
 
 
-@nnx.jit
-def _full_forward(model, ids_1xL):
-    return model(ids_1xL)
-
-
-def greedy_by_recomputing(model, prompt, new_tokens):
-    ids = list(prompt)
-    for _ in range(new_tokens):
-        padded = np.zeros((1, 32), np.int32)
-        padded[0, : len(ids)] = ids
-        ids.append(int(jnp.argmax(_full_forward(model, jnp.asarray(padded))[0, len(ids) - 1])))
-        if ids[-1] == EOS:
-            return ids[len(prompt):-1]
-    return ids[len(prompt):]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("scan", [False, True])
 def test_cached_greedy_generation_equals_recomputing_the_whole_sequence(scan):
     model = build_lm(TransformerSpec(moe_model(scan_layers=scan)), nnx.Rngs(0))
     settings = GenerationSettings(max_new_tokens=6, greedy=True)
     ours = generate_ids(model, PROMPTS, settings, eos_token_id=EOS, pad_token_id=PAD)
-    assert ours == [greedy_by_recomputing(model, prompt, 6) for prompt in PROMPTS]
+    assert ours == [greedy_by_recomputing(model, prompt, 6, 32, EOS) for prompt in PROMPTS]
     assert len({tuple(row) for row in ours}) > 1  # the prompts lead to different paths
 
 
