@@ -19,10 +19,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import config_node
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flaxlm.config import CorpusSource, LanguageConfig, TextSplitting
 from flaxlm.data import corpus
-from flaxlm.data.corpus import CorpusSplits, builtin_documents, load_corpus
+from flaxlm.data.corpus import (
+    CorpusSplits,
+    builtin_documents,
+    load_corpus,
+    read_without_datasets,
+)
+from flaxlm.data.texts import Texts, read_json_lines
 from flaxlm.errors import FlaxlmError
 
 
@@ -40,7 +48,10 @@ def texts(splits: CorpusSplits) -> list[str]:
     """All documents in corpus order: validation first, as it was cut from the front."""
     for split in (splits.train, splits.validation):
         assert split.column_names == ["text"]
-        assert split.features["text"] == datasets.Value("string")
+        if isinstance(split, Texts):  # flaxlm's own reading: plain Python strings
+            assert all(isinstance(text, str) for text in split["text"])
+        else:
+            assert split.features["text"] == datasets.Value("string")
     return list(splits.validation["text"]) + list(splits.train["text"])
 
 
@@ -473,3 +484,47 @@ def test_a_source_file_is_parsed_with_the_collector_paused_and_a_spurious_depth_
     text = corpus._docstrings(path)
     assert "What the module is." in text and "What f does." in text
     assert collector_on == [False, False] and gc.isenabled()
+
+
+_ROWS = st.lists(st.one_of(
+    st.fixed_dictionaries({"text": st.one_of(st.none(), st.text(max_size=30))},
+                          optional={"id": st.integers(-5, 5)}),
+    st.fixed_dictionaries({"id": st.integers(-5, 5)})), min_size=1, max_size=12).filter(
+        lambda rows: any("text" in row for row in rows))
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=_ROWS, blank_lines=st.booleans())
+def test_flaxlms_json_lines_reader_reads_what_datasets_reads(tmp_path_factory, rows,
+                                                            blank_lines):
+    """`read_json_lines` (a run on a .jsonl corpus imports no `datasets`) gives the text column
+    `datasets`' JSON reader gives: the same rows, None where a row lacks it or holds null."""
+    path = tmp_path_factory.mktemp("jsonl") / "rows.jsonl"
+    separator = "\n\n" if blank_lines else "\n"
+    path.write_text(separator.join(json.dumps(row) for row in rows) + "\n", encoding="utf-8")
+    ours = read_json_lines(path, "text", "language.files")
+    theirs = datasets.load_dataset("json", data_files=[str(path)], split="train")
+    assert ours["text"] == theirs["text"]
+
+
+def test_a_json_lines_row_that_is_not_an_object_names_the_file_and_line(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "one"}\n["two"]\n', encoding="utf-8")
+    raises(files_config(path), "language.files", "rows.jsonl", "line 2", "not an object")
+
+
+def test_the_corpora_flaxlm_reads_itself_are_texts_and_the_others_datasets(tmp_path):
+    """`read_without_datasets` says which corpora a run reads without importing `datasets`
+    (the libraries it imports ahead follow it); `load_corpus` agrees with it."""
+    write_jsonl(tmp_path / "a.jsonl", [{"text": f"doc {i}"} for i in range(4)])
+    (tmp_path / "b.txt").write_text("one\n\ntwo\n\nthree\n", encoding="utf-8")
+    pq.write_table(pa.table({"text": ["x", "y", "z"]}), tmp_path / "c.parquet")
+    for files, flaxlms in [(["a.jsonl"], True), (["a.jsonl", "b.txt"], True),
+                           (["c.parquet"], False), (["b.txt", "c.parquet"], False)]:
+        language = files_config(*(tmp_path / name for name in files))
+        assert read_without_datasets(language) is flaxlms
+        splits = load_corpus(language)
+        assert isinstance(splits.train, Texts) is flaxlms, files
+        assert isinstance(splits.validation, Texts) is flaxlms, files
+    builtin = config_node("language", name="t", source=CorpusSource.builtin)
+    assert read_without_datasets(builtin)

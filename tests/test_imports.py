@@ -92,3 +92,48 @@ def test_hydra_repository_copies_share_the_config_store(monkeypatch):
     assert all(a is not b for a, b in zip(copied.sources, repository.sources))
     assert copied.get_schema_source().store is ConfigStore.instance()
     assert copied.load_config("train") is not None  # still a working repository
+
+
+# Runs flaxlm-train with the arguments given until its training loop is about to start (state
+# made, steps compiled or loaded), then prints which of the watched libraries are loaded.
+LOADED_AT_THE_LOOP = """
+import json, os, sys
+from flaxlm.cli import train
+from flaxlm.tasks import base
+watched = sys.argv[1].split(",")
+
+def report(*args, **kwargs):
+    print("\\nloaded:", json.dumps(sorted(name for name in watched if name in sys.modules)),
+          flush=True)
+    os._exit(0)
+
+base.run_loop, sys.argv = report, ["flaxlm-train", *sys.argv[2:]]
+train.main()
+"""
+
+# What a run on the builtin corpus, a .txt or a .jsonl file never needs: the corpus is read by
+# flaxlm itself, and config.json written without transformers' config classes (which import
+# PyTorch). The tokenizer is transformers' (`PreTrainedTokenizerFast`), its tokenization only.
+NOT_BEFORE_THE_FIRST_STEP = ("datasets", "pandas", "pyarrow", "torch",
+                             "transformers.configuration_utils", "transformers.modeling_utils")
+
+
+@pytest.mark.slow  # a run up to its first step
+@pytest.mark.parametrize("corpus", ["builtin", "jsonl"])
+def test_a_run_reaches_its_first_step_without_datasets_or_transformers_models(tmp_path, corpus):
+    from conftest import TINY
+
+    source = []
+    if corpus == "jsonl":
+        rows = [{"text": f"document {i}: " + "some words of text " * (i % 7 + 1)}
+                for i in range(400)]
+        (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        source = ["language.source=files", f"language.files=[{tmp_path / 'corpus.jsonl'}]"]
+    arguments = [*TINY, "hardware=cpu", "trainer.max_steps=1", *source,
+                 f"hydra.run.dir={tmp_path / 'run'}"]
+    done = subprocess.run([sys.executable, "-c", LOADED_AT_THE_LOOP,
+                           ",".join(NOT_BEFORE_THE_FIRST_STEP), *arguments],
+                          capture_output=True, text=True, timeout=600)
+    last = done.stdout.splitlines()[-1] if done.stdout else ""
+    assert last.startswith("loaded: "), (done.stdout[-2000:], done.stderr[-3000:])
+    assert json.loads(last.removeprefix("loaded: ")) == []

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from flaxlm import distributed
 from flaxlm.config import ObjectiveMode, TrainConfig
 from flaxlm.errors import FlaxlmError, writable_dir
+from flaxlm.lazy_imports import import_in_background
 from flaxlm.models.attention import kernel_compile_error
 from flaxlm.parallel import check_expert_axis, configure_platform, make_mesh
 from flaxlm.run_mirror import upload_exports, upload_run_files
@@ -60,6 +61,9 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     """
     config: TrainConfig = OmegaConf.to_object(cfg)
     started = time.perf_counter()
+    task = task_named(config.task.name)
+    # Seconds of imports (more on a TPU VM) that overlap the runtime's start below.
+    import_in_background(task.libraries(config))
     # Joins the other hosts (hardware.distributed); on a CPU, remat needs its own scheduler.
     configure_platform(config.hardware, config.model.remat)
     writable_dir(config.cache_dir, "cache_dir", "Set cache_dir (or the FLAXLM_CACHE environment "
@@ -67,7 +71,6 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
                  "compiled steps are kept there.")
     enable_compilation_cache(config.cache_dir)
     mesh = make_mesh(config.hardware.num_devices, config.hardware.mesh)
-    task = task_named(config.task.name)
     seq_len = check_settings(config, mesh.size)  # before claiming run_dir: a retry can reuse it
     attention = attention_choice(config, config.model, task.pads_rows)
     objective = choose_objective(config)

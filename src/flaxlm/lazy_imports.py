@@ -16,6 +16,7 @@ importing the train path loads.
 from __future__ import annotations
 
 import importlib
+import threading
 import types
 from typing import Any
 
@@ -34,3 +35,24 @@ class LazyModule(types.ModuleType):
 def lazy_module(name: str) -> Any:
     """The module `name`, imported at its first use (typed Any: it stands for any module)."""
     return LazyModule(name)
+
+
+def import_in_background(names: list[str]) -> None:
+    """Import the modules `names` (a dotted name may end in an attribute of a lazy package:
+    "transformers.PreTrainedTokenizerFast") in a daemon thread, while the caller goes on with
+    work that leaves Python's lock free: starting a TPU's runtime holds it for little of its
+    5-10 s. Whatever fails here is left to the first use, which imports the module again and
+    raises where it would have without this."""
+
+    def run() -> None:
+        for name in names:
+            try:
+                module_name, _, attribute = name.rpartition(".")
+                try:
+                    importlib.import_module(name)
+                except ImportError:  # "package.Attribute": the package, then the attribute
+                    getattr(importlib.import_module(module_name), attribute)
+            except Exception:  # noqa: BLE001, S110 — the first use reports it
+                pass
+
+    threading.Thread(target=run, name="imports", daemon=True).start()

@@ -1,6 +1,8 @@
 """Load the text corpus named by a `LanguageConfig` and split it into train and validation.
 
-Three sources, all ending as a `datasets.Dataset` with one column, "text":
+Three sources, all ending as a table with one column, "text": flaxlm's own `Texts` for the
+builtin corpus, plain-text and JSON Lines files (no `datasets` imported, seconds saved at every
+start), a `datasets.Dataset` for the rest:
 
 * `builtin`: the interpreter's own documentation (pydoc topics and the docstrings of the pure-Python
   standard library), so that every machine with Python can train something offline;
@@ -36,6 +38,7 @@ import numpy as np
 from flaxlm.config import CorpusSource, LanguageConfig, TextSplitting
 from flaxlm.data.files import check_file_type, expand_patterns, quiet_datasets_logs, root_cause
 from flaxlm.data.tables import text_dataset
+from flaxlm.data.texts import Texts, concatenate, read_json_lines
 from flaxlm.errors import FlaxlmError
 from flaxlm.lazy_imports import lazy_module
 
@@ -74,10 +77,11 @@ _FORMAT_HINTS = {
 
 @dataclasses.dataclass(frozen=True)
 class CorpusSplits:
-    """Train and validation documents: each a Dataset with one non-blank str column, "text"."""
+    """Train and validation documents: each a table (`Texts` or a Dataset) with one non-blank
+    str column, "text"."""
 
-    train: datasets.Dataset
-    validation: datasets.Dataset
+    train: datasets.Dataset | Texts
+    validation: datasets.Dataset | Texts
 
 
 def load_corpus(language: LanguageConfig, cache_dir: str | None = None) -> CorpusSplits:
@@ -85,7 +89,7 @@ def load_corpus(language: LanguageConfig, cache_dir: str | None = None) -> Corpu
     corpus, and copies of files in a bucket, are kept under `cache_dir`)."""
     _check_split_settings(language)
     if language.source == CorpusSource.builtin:
-        corpus = text_dataset(builtin_documents(cache_dir))
+        corpus = Texts(builtin_documents(cache_dir))
         origin = "the builtin corpus (language.source=builtin)"
     elif language.source == CorpusSource.files:
         corpus = _load_files(language, cache_dir)
@@ -98,6 +102,17 @@ def load_corpus(language: LanguageConfig, cache_dir: str | None = None) -> Corpu
             f"Unknown language.source={language.source!r}; use builtin, files or hub."
         )
     return _split(_drop_blank(corpus), language, origin)
+
+
+def read_without_datasets(language: LanguageConfig) -> bool:
+    """Whether `load_corpus` reads `language` itself (`Texts`), without `datasets`: the
+    builtin corpus, and files that are all plain text or JSON Lines, not streamed."""
+    if language.streaming:
+        return False
+    if language.source == CorpusSource.builtin:
+        return True
+    return language.source == CorpusSource.files and all(
+        pattern.lower().endswith((".txt", ".jsonl")) for pattern in language.files)
 
 
 def builtin_documents(cache_dir: str | None = None) -> list[str]:
@@ -230,12 +245,17 @@ def _docstrings(path: Path) -> str:
 # --- files ---------------------------------------------------------------------------------------
 
 
-def _load_files(language: LanguageConfig, cache_dir: str | None) -> datasets.Dataset:
+def _load_files(language: LanguageConfig, cache_dir: str | None) -> datasets.Dataset | Texts:
     paths = _expand(language.files, cache_dir)
     for path in paths:
         _check_file(path)
     parts = [_load_file(path, language) for path in paths]
-    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    if len(parts) == 1:
+        return parts[0]
+    if all(isinstance(part, Texts) for part in parts):
+        return concatenate(parts)
+    return datasets.concatenate_datasets(
+        [part.as_dataset() if isinstance(part, Texts) else part for part in parts])
 
 
 def _expand(patterns: list[str], cache_dir: str | None) -> list[Path]:
@@ -276,11 +296,15 @@ def _check_utf8(path: Path) -> None:
             offset += len(chunk)
 
 
-def _load_file(path: Path, language: LanguageConfig) -> datasets.Dataset:
+def _load_file(path: Path, language: LanguageConfig) -> datasets.Dataset | Texts:
     builder = _BUILDERS[path.suffix.lower()]
     if builder is None:
         documents = _split_text(path.read_text(encoding="utf-8"), language.text_splitting)
-        table = text_dataset(documents)
+        table = Texts(documents)
+    elif path.suffix.lower() == ".jsonl":  # read here: `datasets` would cost seconds to import
+        table = read_json_lines(path, language.text_column, "language.files")
+        _check_some_text(table.documents.count(None), len(table), language.text_column,
+                         repr(str(path)))
     else:
         try:
             with quiet_datasets_logs():
@@ -365,12 +389,7 @@ def _text_column(table: datasets.Dataset, column: str, where: str) -> datasets.D
             f"{table.column_names}. Set language.text_column to the one that holds the text."
         )
     missing = table.with_format("arrow")[column].null_count  # a row without the field: null
-    if missing and missing == len(table):
-        raise FlaxlmError(
-            f"language.text_column={column!r} is missing or null in every one of the "
-            f"{len(table)} rows of {where}. Set language.text_column to the field that holds the "
-            "text, or fix the data."
-        )
+    _check_some_text(missing, len(table), column, where)
     feature = table.features[column]
     if not isinstance(feature, datasets.Value) or feature.dtype not in ("string", "large_string"):
         raise FlaxlmError(
@@ -386,26 +405,46 @@ def _text_column(table: datasets.Dataset, column: str, where: str) -> datasets.D
     )
 
 
+def _check_some_text(missing: int, rows: int, column: str, where: str) -> None:
+    if missing and missing == rows:
+        raise FlaxlmError(
+            f"language.text_column={column!r} is missing or null in every one of the "
+            f"{rows} rows of {where}. Set language.text_column to the field that holds the "
+            "text, or fix the data."
+        )
+
+
 def _warn(message: str) -> None:
     """One line on stderr about input that is used, but not all of it."""
     print(f"flaxlm: warning: {message}", file=sys.stderr, flush=True)
 
 
-def _drop_blank(table: datasets.Dataset, source: str | None = None) -> datasets.Dataset:
+def _drop_blank(table: datasets.Dataset | Texts,
+                source: str | None = None) -> datasets.Dataset | Texts:
     """The documents that are neither null nor blank. Rows of a structured `source` (its text
     column, named) whose text is null, i.e. missing, are counted in a one-line warning: unlike
     blank text, that is a surprise in the data. If no document is left, the caller says so."""
+    if isinstance(table, Texts):
+        kept = [text for text in table.documents if text is not None and text.strip()]
+        if len(kept) == len(table):
+            return table
+        nulls = table.documents.count(None)
+        if source is not None and nulls and kept:
+            _warn_missing(source, nulls, len(table))
+        return Texts(kept)
     text = table.with_format("arrow")["text"]
     keep = pc.fill_null(pc.not_equal(pc.utf8_trim_whitespace(text), ""), False)
     if pc.all(keep).as_py():
         return table  # the usual case; select() would add an index mapping for nothing
     kept = np.flatnonzero(keep.to_numpy(zero_copy_only=False))
     if source is not None and text.null_count and kept.size:
-        _warn(
-            f"{source} is missing or null in {text.null_count} of the {len(table)} rows "
-            f"({text.null_count / len(table):.0%}); those rows are skipped."
-        )
+        _warn_missing(source, text.null_count, len(table))
     return table.select(kept)
+
+
+def _warn_missing(source: str, nulls: int, rows: int) -> None:
+    _warn(f"{source} is missing or null in {nulls} of the {rows} rows ({nulls / rows:.0%}); "
+          "those rows are skipped.")
 
 
 def _check_split_settings(language: LanguageConfig) -> None:
@@ -420,7 +459,7 @@ def _check_split_settings(language: LanguageConfig) -> None:
             raise FlaxlmError(f"language.{name}={cap} must be at least 1, or null for no cap.")
 
 
-def _split(corpus: datasets.Dataset, language: LanguageConfig, origin: str) -> CorpusSplits:
+def _split(corpus: datasets.Dataset | Texts, language: LanguageConfig, origin: str) -> CorpusSplits:
     n = len(corpus)
     if n < 2:
         raise FlaxlmError(

@@ -22,7 +22,11 @@ def text_fingerprint(texts: datasets.Dataset) -> str:
     """sha256 over every document of a {"text"} dataset, lengths included so that splitting a
     document in two changes the hash. The tokenizer and the block cache both key on the
     training text, so each dataset is hashed once per process (datasets gives every version of
-    a dataset its own `_fingerprint`), not once per cache."""
+    a dataset its own `_fingerprint`), not once per cache. flaxlm's own `data.texts.Texts`
+    (which this module cannot name: it hashes with this module) keep their hash."""
+    content = getattr(texts, "content_hash", None)
+    if content is not None:
+        return content
     if texts._fingerprint not in _TEXT_HASHES:
         _TEXT_HASHES[texts._fingerprint] = _hash_documents(texts)
     return _TEXT_HASHES[texts._fingerprint]

@@ -146,6 +146,31 @@ def to_hf_config(arch: Architecture, model: ModelConfig, *, bos_token_id: int | 
     """The HF config of `arch` with `model`'s shape and dropout, the special token ids its
     family carries and, for a classifier, the labels."""
     names = arch.names
+    values = _config_values(names, model, bos_token_id, eos_token_id, pad_token_id)
+    config = names.config_class(**values, **names.config_extras)
+    config.architectures = [arch.name]
+    if not arch.is_lm:
+        _make_classifier_config(config, num_labels, label_names)
+    return config
+
+
+def lm_config_json(model: ModelConfig, *, bos_token_id: int, eos_token_id: int,
+                   pad_token_id: int) -> dict:
+    """What `to_lm_config` holds, as the values of a config.json, made without transformers:
+    its config classes import PyTorch where it is installed (seconds), and a run writes its
+    config.json before the first step (`start_model_dir`). transformers reads it with its
+    class's defaults for what it leaves out, the defaults `to_lm_config` gets too."""
+    arch = lm_architecture(model.family)
+    if arch is None:
+        raise ValueError(f"model.family={ModelFamily(model.family).value} has no language model")
+    names = arch.names
+    values = _config_values(names, model, bos_token_id, eos_token_id, pad_token_id)
+    return {"architectures": [arch.name], "model_type": names.model_type, **values,
+            **names.config_extras}
+
+
+def _config_values(names: HFNames, model: ModelConfig, bos_token_id: int | None,
+                   eos_token_id: int | None, pad_token_id: int | None) -> dict:
     values = {hf: getattr(model, ours)
               for hf, ours in {**names.shape_fields, **names.dropout_fields}.items()}
     if names.mlp_width_required:
@@ -154,11 +179,7 @@ def to_hf_config(arch: Architecture, model: ModelConfig, *, bos_token_id: int | 
     ids = dict(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     values.update({key: ids[key] for key in names.special_tokens})
     values.update(names.config_to_hf(model))
-    config = names.config_class(**values, **names.config_extras)
-    config.architectures = [arch.name]
-    if not arch.is_lm:
-        _make_classifier_config(config, num_labels, label_names)
-    return config
+    return values
 
 
 def to_lm_config(model: ModelConfig, *, bos_token_id: int, eos_token_id: int,

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 
 from flaxlm.config import CorpusSource, LanguageConfig, TrainConfig
-from flaxlm.data.corpus import load_corpus, load_corpus_stream
+from flaxlm.data.corpus import load_corpus, load_corpus_stream, read_without_datasets
 from flaxlm.data.fingerprint import documents_fingerprint, text_fingerprint
 from flaxlm.data.loader import block_loader
 from flaxlm.data.mixture import (
@@ -31,6 +31,7 @@ from flaxlm.data.mixture_loader import MixtureLoader, PackedSource, StreamedSour
 from flaxlm.data.packing import PackedBlocks, pack_blocks
 from flaxlm.data.streaming import StreamingLoader, process_shard
 from flaxlm.data.tables import text_dataset
+from flaxlm.data.texts import Texts
 from flaxlm.data.tokenizer import document_prefix, prepare_tokenizer
 from flaxlm.errors import FlaxlmError
 from flaxlm.lazy_imports import lazy_module
@@ -64,6 +65,11 @@ class CausalLM(LanguageModelTask):
     (per source, for a mixture); the rest is `LanguageModelTask`'s."""
 
     chat = False
+
+    def libraries(self, config: TrainConfig) -> list[str]:
+        reads_itself = (not is_mixture(config) and config.language is not None
+                        and read_without_datasets(config.language))
+        return ["transformers.PreTrainedTokenizerFast", *([] if reads_itself else ["datasets"])]
 
     def check_data_settings(self, config: TrainConfig) -> None:
         if config.language is None:
@@ -219,7 +225,10 @@ def _read_source(name: str, language: LanguageConfig, config: TrainConfig) -> _S
     try:
         if not language.streaming:
             corpus = load_corpus(language, config.cache_dir)
-            return _Source(language, corpus.validation, corpus.train, corpus.train)
+            # A mixture weighs and samples its sources with Arrow's string kernels.
+            train, validation = (split.as_dataset() if isinstance(split, Texts) else split
+                                 for split in (corpus.train, corpus.validation))
+            return _Source(language, validation, train, train)
         validation, train = load_corpus_stream(language, config.cache_dir)
         head = text_dataset([row["text"] for row in train.take(config.tokenizer.train_docs)])
         if not len(head):

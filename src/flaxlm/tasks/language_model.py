@@ -75,9 +75,9 @@ class LanguageModelTask(Task):
                 config.model, training.num_params, seq_len,
                 training.num_trainable if training.trainable is not None else None)
 
-        hf_config = hf.to_lm_config(config.model, bos_token_id=tokenizer.bos_token_id,
-                                    eos_token_id=tokenizer.eos_token_id,
-                                    pad_token_id=tokenizer.pad_token_id)
+        hf_config = hf.lm_config_json(config.model, bos_token_id=tokenizer.bos_token_id,
+                                      eos_token_id=tokenizer.eos_token_id,
+                                      pad_token_id=tokenizer.pad_token_id)
         return Network(build=build.build_lm, compile_steps=self.steps_compiler(run),
                        flops_per_token=flops_per_token, hf_config=hf_config,
                        tokenizer=prompt_tokenizer(tokenizer, own_conventions(config)),

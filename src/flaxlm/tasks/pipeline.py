@@ -50,7 +50,10 @@ class Network:
     build: Callable[[TransformerSpec, nnx.Rngs], nnx.Module]
     compile_steps: Callable[..., CompiledSteps]  # (mesh, graphdef, optimizer)
     flops_per_token: Callable[[Training], float]  # for MFU, of the model as built
-    hf_config: Any  # model/config.json, written at the start (flaxlm-export reads it)
+    # model/config.json, written at the start (flaxlm-export reads it): a classifier's
+    # transformers config, which its export writes again; an LM's values (`hf.lm_config_json`),
+    # since its export makes its own config and the class would import PyTorch at the start.
+    hf_config: Any
     tokenizer: Any  # the tokenizer model/ keeps
     # The nnx filter of what trains (None: every parameter); with model.lora the adapters
     # (`lora.trainable`), and whatever else a task trains beside them (a fresh head).
@@ -89,6 +92,12 @@ class Task(abc.ABC):
     # (not so for DPO, whose rows get the reference model's log-probs then): the train step is
     # then compiled from the first batch's shapes while the model is initialised.
     batches_before_state: bool = True
+
+    def libraries(self, config: TrainConfig) -> list[str]:
+        """The slow-to-import libraries a run of `config` will use (imported while the runtime
+        starts, `lazy_imports.import_in_background`): the tokenizer's class, and `datasets`
+        for the examples of every task but the language model's own corpora."""
+        return ["transformers.PreTrainedTokenizerFast", "datasets"]
 
     @abc.abstractmethod
     def check_settings(self, config: TrainConfig) -> int:
