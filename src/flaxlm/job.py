@@ -62,15 +62,18 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     config: TrainConfig = OmegaConf.to_object(cfg)
     started = time.perf_counter()
     task = task_named(config.task.name)
-    # Seconds of imports (more on a TPU VM) that overlap the runtime's start below.
-    import_in_background(task.libraries(config))
     # Joins the other hosts (hardware.distributed); on a CPU, remat needs its own scheduler.
+    # It may fork (`distributed.supervise`): no thread of ours may run before it.
     configure_platform(config.hardware, config.model.remat)
+    # Seconds of imports (more on a TPU VM) that overlap the runtime's start (the mesh's
+    # devices), and end with it: nothing after may fork while an import holds its lock.
+    imports = import_in_background(task.libraries(config))
     writable_dir(config.cache_dir, "cache_dir", "Set cache_dir (or the FLAXLM_CACHE environment "
                  "variable) to a directory you can write to: tokenizers, packed data and "
                  "compiled steps are kept there.")
     enable_compilation_cache(config.cache_dir)
     mesh = make_mesh(config.hardware.num_devices, config.hardware.mesh)
+    imports.join()
     seq_len = check_settings(config, mesh.size)  # before claiming run_dir: a retry can reuse it
     attention = attention_choice(config, config.model, task.pads_rows)
     objective = choose_objective(config)

@@ -37,12 +37,15 @@ def lazy_module(name: str) -> Any:
     return LazyModule(name)
 
 
-def import_in_background(names: list[str]) -> None:
+def import_in_background(names: list[str]) -> threading.Thread:
     """Import the modules `names` (a dotted name may end in an attribute of a lazy package:
     "transformers.PreTrainedTokenizerFast") in a daemon thread, while the caller goes on with
     work that leaves Python's lock free: starting a TPU's runtime holds it for little of its
     5-10 s. Whatever fails here is left to the first use, which imports the module again and
-    raises where it would have without this."""
+    raises where it would have without this.
+
+    The caller joins the thread before anything may fork: a process forked while the thread
+    holds an import's lock would wait for that lock forever (the thread is not in the child)."""
 
     def run() -> None:
         for name in names:
@@ -55,4 +58,6 @@ def import_in_background(names: list[str]) -> None:
             except Exception:  # noqa: BLE001, S110 — the first use reports it
                 pass
 
-    threading.Thread(target=run, name="imports", daemon=True).start()
+    thread = threading.Thread(target=run, name="imports", daemon=True)
+    thread.start()
+    return thread
