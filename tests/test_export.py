@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tokenizers
 import transformers
-from conftest import TINY, compose, make_tokenizer, model_config
+from conftest import TINY, compose, config_node, make_tokenizer, model_config
 from conftest import TOKENIZER_TEXT as TEXT
 from flax import nnx
 from numerics import assert_close, transformer
@@ -397,3 +397,20 @@ def test_transformers_generates_what_flaxlm_generate_does_from_the_plain_prompt(
     pipe = transformers.pipeline("text-generation", model=out)
     assert [pipe(p, do_sample=False, max_new_tokens=8, return_full_text=False)[0]
             ["generated_text"] for p in prompts] == ours
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny", "qwen2.5-0.5b", "smollm-135m",
+                                    "moe-tiny", "qwen1.5-moe-a2.7b", "mixtral-8x7b",
+                                    "olmoe-1b-7b"])
+def test_the_config_json_written_without_transformers_is_its_config(preset):
+    """A run writes config.json from the values of its transformers config (its class would
+    import PyTorch): transformers reads it back as the config its class makes, field for field
+    (its defaults filled in for what the file leaves out)."""
+    from transformers import AutoConfig
+
+    model = config_node("model", [f"model={preset}"], init_from=None)
+    ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    values = hf.lm_config_json(model, **ids)
+    read = AutoConfig.for_model(**values).to_dict()
+    made = hf.to_lm_config(model, **ids).to_dict()
+    assert read == made

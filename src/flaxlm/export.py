@@ -3,7 +3,8 @@
 `export_hf` writes what `transformers.AutoModelForCausalLM.from_pretrained(out)` and
 `AutoTokenizer.from_pretrained(out)` load (PyTorch, no missing or unused weights):
 
-    config.json             the LM's HF config (`hf.to_lm_config`), or the HF config passed in
+    config.json             the LM's config (`hf.lm_config_json`: what transformers' class holds,
+                            its defaults left to it), or the HF config passed in
     model.safetensors       float32 weights under HF's PyTorch names (`hf.save_pretrained`)
     tokenizer files         tokenizer.json, tokenizer_config.json, ...
     generation_config.json  bos / eos / pad ids and the sampling defaults (LM only)
@@ -91,14 +92,14 @@ def export_hf(out_dir: str, params: dict, model_config: ModelConfig, tokenizer, 
     """
     out_dir = os.path.abspath(os.path.expanduser(out_dir))
     check_destination(out_dir, overwrite, run_dir)
-    if hf_config is None:
-        hf_config = hf.to_lm_config(
+    if hf_config is None:  # its values: transformers' config classes import PyTorch
+        hf_config = hf.lm_config_json(
             model_config,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
-    architecture = hf_config.architectures[0]
+    architecture = hf.architecture_name(hf_config)
     if hf.architecture(architecture).is_lm:
         tokenizer = prompt_tokenizer(tokenizer, own_conventions)
     staging = _staging_dir(out_dir)

@@ -342,16 +342,33 @@ def _host_float32(leaf, transposed: bool, index: tuple[int, ...]) -> np.ndarray:
     return array.T if transposed else array
 
 
-def save_pretrained(directory: str, params: dict, config: transformers.PretrainedConfig) -> None:
+def save_pretrained(directory: str, params: dict,
+                    config: transformers.PretrainedConfig | dict) -> None:
     """Write config.json and model.safetensors (float32, under HF's names) into `directory`:
-    what `AutoModelFor...from_pretrained(directory)` loads. `config.architectures[0]` picks
-    the mapping. The weights go to the file one tensor at a time (`write_safetensors`), so
-    a sharded model is gathered to the host tensor by tensor. Writing a whole directory safely
-    is the caller's (`flaxlm.export`)."""
+    what `AutoModelFor...from_pretrained(directory)` loads. `config`: a transformers config, or
+    the values of a config.json (`lm_config_json`); its first architecture picks the mapping.
+    The weights go to the file one tensor at a time (`write_safetensors`), so a sharded model
+    is gathered to the host tensor by tensor. Writing a whole directory safely is the caller's
+    (`flaxlm.export`)."""
     os.makedirs(directory, exist_ok=True)
-    config.save_pretrained(directory)
+    if isinstance(config, dict):
+        write_config_json(directory, config)
+    else:
+        config.save_pretrained(directory)
     write_safetensors(os.path.join(directory, "model.safetensors"),
-                      hf_tensors(params, config.architectures[0]), metadata={"format": "pt"})
+                      hf_tensors(params, architecture_name(config)), metadata={"format": "pt"})
+
+
+def architecture_name(config: transformers.PretrainedConfig | dict) -> str:
+    """The (first) architecture a transformers config, or a config.json's values, names."""
+    return (config["architectures"] if isinstance(config, dict) else config.architectures)[0]
+
+
+def write_config_json(directory: str, values: dict) -> None:
+    """`directory`/config.json holding `values`, laid out as transformers writes it."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as file:
+        file.write(json.dumps(values, indent=2, sort_keys=True) + "\n")
 
 
 def write_safetensors(path: str, tensors: dict[str, tuple[tuple[int, ...],

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,7 +24,7 @@ from flaxlm.config import HardwareConfig, ModelConfig, TrainConfig
 from flaxlm.data.loader import RowLoader
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import export_hf
-from flaxlm.models import pretrained
+from flaxlm.models import hf, pretrained
 from flaxlm.models.attention import Choice, choose_backend
 from flaxlm.models.layers import TransformerSpec, count_params
 from flaxlm.parallel import init_on_mesh, run_accelerator
@@ -364,16 +362,10 @@ def start_model_dir(job: JobContext, model: ModelConfig, tokenizer, hf_config) -
     it); model_config.yaml records the shape the run trains, whatever model.init_from gave."""
     job.write(tokenizer.save_pretrained, job.path(layout.MODEL_SUBDIR))
     if isinstance(hf_config, dict):  # an LM's (`Network.hf_config`)
-        job.write(_write_config_json, job.path(layout.MODEL_SUBDIR), hf_config)
+        job.write(hf.write_config_json, job.path(layout.MODEL_SUBDIR), hf_config)
     else:
         job.write(hf_config.save_pretrained, job.path(layout.MODEL_SUBDIR))
     job.write(OmegaConf.save, OmegaConf.structured(model), job.path(layout.MODEL_CONFIG_FILE))
-
-
-def _write_config_json(directory: str, values: dict) -> None:
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as file:
-        file.write(json.dumps(values, indent=2, sort_keys=True) + "\n")
 
 
 def throughput(job: JobContext, tokens_per_step: int, flops_per_token: float) -> Throughput:
