@@ -347,9 +347,34 @@ def test_moe_tiny_trains_offline_with_its_router_signals_logged(train_cli, tmp_p
     assert evals[-1] < evals[0]
     logged = [r for r in records if "train/loss" in r]
     assert logged
+    sparse_layers = range(2)  # the tiny shape's two layers, both sparse
     for record in logged:
         assert record["train/moe/load_max"] >= 1.0 >= record["train/moe/load_min"] >= 0.0
+        # Each layer's own: in a step the whole model's are their extremes, and a record
+        # averages its steps, so its model-wide busiest load is at least each layer's mean.
+        layers_max = [record[f"train/moe/layer_{i}/load_max"] for i in sparse_layers]
+        layers_min = [record[f"train/moe/layer_{i}/load_min"] for i in sparse_layers]
+        assert record["train/moe/load_max"] >= max(layers_max) >= min(layers_max) >= 1.0
+        assert record["train/moe/load_min"] <= min(layers_min) <= max(layers_min) <= 1.0
+        assert "train/moe/layer_2/load_max" not in record
         assert record["train/moe/balance_loss"] >= 1.0  # ≥ K·(min share) … K at the even load
         assert record["train/moe/dropped"] == 0.0
         assert "train/moe/load" not in record
     assert not (run_dir / "model" / "model.safetensors").exists()
+
+
+def test_each_sparse_layers_load_is_logged_under_its_decoder_layers_index():
+    """With `first_dense_layers` dense layers first, the sparse layers' loads (S, E) are named
+    by their place in the decoder; the model-wide busiest and idlest are their extremes."""
+    load_SxE = jnp.array([[0.5, 0.25, 0.25, 0.0], [0.25, 0.25, 0.25, 0.25],
+                          [0.125, 0.375, 0.25, 0.25]])
+    stats = moe.RouterStats(balance_loss=jnp.ones(3), z_loss=jnp.ones(3), load_E=load_SxE,
+                            dropped=jnp.zeros(3))
+    settings = config_node("model", ["model=moe-tiny"]).moe
+    _, metrics = moe.aux_losses(stats, dataclasses.replace(settings, first_dense_layers=2))
+    per_layer = {name: float(value) for name, value in metrics.items() if "/layer_" in name}
+    assert per_layer == {"moe/layer_2/load_max": 2.0, "moe/layer_2/load_min": 0.0,
+                         "moe/layer_3/load_max": 1.0, "moe/layer_3/load_min": 1.0,
+                         "moe/layer_4/load_max": 1.5, "moe/layer_4/load_min": 0.5}
+    assert (float(metrics["moe/load_max"]), float(metrics["moe/load_min"])) == (2.0, 0.0)
+    assert float(metrics["moe/dead_experts"]) == 1.0

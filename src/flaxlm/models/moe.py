@@ -239,7 +239,8 @@ def aux_losses(stats: RouterStats, moe: MoeConfig) -> AuxLosses:
     z_loss_coef × its z-loss, each the mean over the sparse layers), and the metrics beside
     it: both losses unscaled, the busiest and idlest expert's load as a multiple of the even
     share (1 is even; 0 an expert that got nothing, `dead_experts` of them over all layers),
-    the share of token copies dropped, and `LOAD_METRIC`."""
+    over all sparse layers and each on its own (`moe/layer_<i>/load_max`, `load_min`: i the
+    decoder layer's index), the share of token copies dropped, and `LOAD_METRIC`."""
     balance, z_loss = stats.balance_loss.mean(), stats.z_loss.mean()
     load_SxE = stats.load_E
     E = load_SxE.shape[-1]
@@ -252,6 +253,10 @@ def aux_losses(stats: RouterStats, moe: MoeConfig) -> AuxLosses:
         "moe/dropped": stats.dropped.mean(),
         LOAD_METRIC: load_SxE,
     }
+    for sparse, layer in enumerate(range(moe.first_dense_layers,
+                                         moe.first_dense_layers + load_SxE.shape[0])):
+        metrics[f"moe/layer_{layer}/load_max"] = load_SxE[sparse].max() * E
+        metrics[f"moe/layer_{layer}/load_min"] = load_SxE[sparse].min() * E
     return moe.aux_loss_coef * balance + moe.z_loss_coef * z_loss, metrics
 
 
