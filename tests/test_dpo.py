@@ -295,3 +295,31 @@ def test_a_stopped_run_resumes_on_the_same_reference(tmp_path, monkeypatch, caps
                  "trainer.eval_every_steps=3", "optimizer.warmup_steps=0", "samples.prompts=[]",
                  f"model.lora.rank={lora_rank or 'null'}"]
     assert_resumes_as_never_stopped(overrides, tmp_path, monkeypatch, capsys, stop_step=3)
+
+
+def test_a_mixture_of_experts_policy_adds_its_routers_losses_and_logs_its_loads(tokenizer):
+    """DPO on an MoE (moe-tiny's family, cut small) adds the router's balancing and z-losses
+    × their coefficients to the DPO loss, as pre-training does, and logs the router's
+    signals (the per-layer loads the loss-free bias moves by among them)."""
+    beta = 0.3
+    rows = encode_pairs(tokenizer, PAIRS, L, LongConversations.truncate, "t", 1)
+    batch = {key: jnp.asarray(value) for key, value in rows.arrays.items()}
+    batch[REFERENCE_LOGPS] = jnp.zeros(rows.arrays[INPUT_IDS].shape[:2], jnp.float32)
+
+    def objective(**coefficients):
+        model = config_node("model", ["model=moe-tiny"], num_layers=2, hidden_size=32,
+                            num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=320,
+                            max_positions=L, mlp_size=64)
+        model = dataclasses.replace(model, moe=dataclasses.replace(model.moe, **coefficients))
+        policy = build_lm(TransformerSpec(model), nnx.Rngs(params=0))
+        return dpo_objective(policy, batch, nnx.Rngs(dropout=0), beta=beta)
+
+    plain, plain_metrics = objective(aux_loss_coef=0.0, z_loss_coef=0.0)
+    loss, metrics = objective(aux_loss_coef=0.5, z_loss_coef=0.25)
+    router = 0.5 * metrics["moe/balance_loss"] + 0.25 * metrics["moe/router_z_loss"]
+    # The same forward pass (the coefficients weigh the loss only): exact to float32's
+    # rounding of one addition.
+    assert_close(float(loss), float(plain + router), terms=2, depth=1)
+    assert float(router) > 0
+    assert {"moe/load_max", "moe/layer_0/load_max", "moe/load"} <= set(metrics)
+    assert {"rewards/margins", "logps/chosen"} <= set(plain_metrics)

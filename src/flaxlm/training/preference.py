@@ -27,6 +27,7 @@ from flaxlm.data.documents import INPUT_IDS
 from flaxlm.data.loader import eval_batches, num_eval_batches
 from flaxlm.data.preferences import REFERENCE_LOGPS
 from flaxlm.models import lora
+from flaxlm.models.moe import AuxLosses
 from flaxlm.parallel import batch_sharded, replicated, traced_on
 from flaxlm.training.evaluation import predict_rows
 from flaxlm.training.inflight import ready_in_order
@@ -47,10 +48,17 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
 def sequence_logps(model, batch, rngs: nnx.Rngs | None = None,
                    chunk_size: int | None = None) -> jax.Array:
     """The summed log-probs of each sequence's target tokens (B, 2), in float32."""
+    return sequence_logps_and_aux(model, batch, rngs, chunk_size)[0]
+
+
+def sequence_logps_and_aux(model, batch, rngs: nnx.Rngs | None = None,
+                           chunk_size: int | None = None) -> tuple[jax.Array, AuxLosses | None]:
+    """`sequence_logps`, and what the model adds to its training loss itself (a
+    Mixture-of-Experts router's, `moe.aux_losses`; None for most)."""
     B, P, L = batch[INPUT_IDS].shape
     rows = {key: batch[key].reshape(B * P, L) for key in CHAT_KEYS}
-    losses_NxL, _, _, _ = lm_token_losses(model, rows, rngs, chunk_size)
-    return -(losses_NxL * target_weights(rows)).sum(axis=-1).reshape(B, P)
+    losses_NxL, _, _, aux = lm_token_losses(model, rows, rngs, chunk_size)
+    return -(losses_NxL * target_weights(rows)).sum(axis=-1).reshape(B, P), aux
 
 
 def dpo_terms(policy_Bx2: jax.Array, reference_Bx2: jax.Array, beta: float
@@ -71,11 +79,17 @@ def dpo_terms(policy_Bx2: jax.Array, reference_Bx2: jax.Array, beta: float
 
 def dpo_objective(model, batch, rngs: nnx.Rngs, *, beta: float,
                   chunk_size: int | None = None) -> tuple[jax.Array, dict]:
-    """The mean DPO loss of a batch of pairs, and the means of its metrics."""
-    policy_Bx2 = sequence_logps(model, batch, rngs, chunk_size)
+    """The mean DPO loss of a batch of pairs, plus what the policy adds itself (a
+    Mixture-of-Experts router's balancing losses, as in pre-training), and the means of its
+    metrics (the router's among them)."""
+    policy_Bx2, aux = sequence_logps_and_aux(model, batch, rngs, chunk_size)
     terms = dpo_terms(policy_Bx2, batch[REFERENCE_LOGPS], beta)
     means = {name: values_B.mean() for name, values_B in terms.items()}
-    return means.pop("loss"), means
+    loss = means.pop("loss")
+    if aux is None:
+        return loss, means
+    aux_loss, router_metrics = aux
+    return loss + aux_loss, {**means, **router_metrics}
 
 
 def dpo_eval_step(params, batch, row_mask_B: jax.Array, *, graphdef, beta: float,
