@@ -140,8 +140,8 @@ def test_remat_gives_the_same_gradients():
 def test_bad_kv_heads_and_unsupported_rope_scaling_are_clear_errors():
     with pytest.raises(FlaxlmError, match=r"model\.num_kv_heads=3 must divide model\.num_heads=8"):
         make_model(dataclasses.replace(CONFIG, num_kv_heads=3))
-    with pytest.raises(FlaxlmError, match=r"model\.rope_scaling=\{type: yarn"):
-        make_model(dataclasses.replace(CONFIG, rope_scaling=RopeScaling("yarn", 4.0)))
+    with pytest.raises(FlaxlmError, match=r"model\.rope_scaling=\{type: longrope"):
+        make_model(dataclasses.replace(CONFIG, rope_scaling=RopeScaling("longrope", 4.0)))
     for override, message in (("model.num_kv_heads=3", r"model\.num_kv_heads=3"),
                               ("model.rope_scaling={type: dynamic, factor: 2}",
                                r"model\.rope_scaling=\{type: dynamic")):

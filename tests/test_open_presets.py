@@ -225,6 +225,132 @@ def test_llama3_scaling_is_set_from_the_command_line():
     assert model.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 256)
 
 
+# ---------------------------------------------------------------- YaRN
+
+
+def hf_yarn(theta, scaling: RopeScaling) -> dict:
+    """HF's `rope_parameters` for a yarn setting, written by hand (export writes its own)."""
+    rope = {"rope_type": "yarn", "rope_theta": theta, "factor": scaling.factor,
+            "original_max_position_embeddings": scaling.original_max_positions,
+            "beta_fast": scaling.beta_fast, "beta_slow": scaling.beta_slow,
+            "truncate": scaling.truncate}
+    rope.update({name: getattr(scaling, name) for name in
+                 ("attention_factor", "mscale", "mscale_all_dim")
+                 if getattr(scaling, name) is not None})
+    return rope
+
+
+# Head width 8 at theta 10000 over an original context of 16 tokens: the four dimension pairs
+# turn 2.5, 0.25, 0.025 and 0.0025 times, so with beta 2 and 0.05 the ramp crosses them.
+YARN = RopeScaling("yarn", 4.0, original_max_positions=16, beta_fast=2.0, beta_slow=0.05)
+
+
+@pytest.mark.torch
+@settings(max_examples=40, deadline=None)
+@given(head_width=st.integers(1, 64).map(lambda half: 2 * half),
+       theta=st.floats(100.0, 1e7), factor=st.floats(1.0, 64.0),
+       beta_slow=st.floats(0.01, 4.0), gap=st.floats(0.5, 64.0),
+       original=st.integers(16, 65536), truncate=st.booleans(),
+       mscales=st.one_of(st.none(), st.tuples(st.floats(0.1, 2.0), st.floats(0.1, 2.0))))
+@example(head_width=8, theta=10000.0, factor=4.0, beta_slow=0.05, gap=1.95, original=16,
+         truncate=True, mscales=None)
+def test_yarn_frequencies_and_attention_scale_equal_transformers_for_any_setting(
+        head_width, theta, factor, beta_slow, gap, original, truncate, mscales):
+    pytest.importorskip("torch")
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from flaxlm.models.llama import rope_attention_scale
+
+    mscale, mscale_all_dim = mscales or (None, None)
+    scaling = RopeScaling("yarn", factor, original_max_positions=original, beta_slow=beta_slow,
+                          beta_fast=beta_slow + gap, truncate=truncate, mscale=mscale,
+                          mscale_all_dim=mscale_all_dim)
+    config = LlamaConfig(hidden_size=head_width * 2, num_attention_heads=2,
+                         max_position_embeddings=int(factor * original),
+                         rope_parameters=hf_yarn(theta, scaling))
+    theirs, their_scale = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    # Each frequency blends the kept and the stretched one: float32 rounding of θ^(-2i/H)
+    # (its exponent up to log θ) and of the blend, as fractions of the unscaled frequency.
+    unscaled = inverse_frequencies(head_width, theta, RopeScaling("default", 1.0))
+    assert_close(inverse_frequencies(head_width, theta, scaling) / unscaled,
+                 theirs.numpy() / unscaled, depth=4, scale=1.0, amplification=np.log(theta))
+    assert rope_attention_scale(scaling) == approx(their_scale, depth=2)
+
+
+@pytest.mark.torch
+def test_a_yarn_qwen2_checkpoint_imports_and_exports_with_equal_logits_past_its_window(
+        tmp_path):
+    """A Qwen2 checkpoint with YaRN (transformers' PyTorch model, saved by it) imports with its
+    scaling and gives transformers' logits at positions three times its original window; the
+    export of it writes the same `rope_parameters` back, and transformers' logits again."""
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    torch.manual_seed(0)
+    hf_config = transformers.Qwen2Config(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
+        rope_parameters=hf_yarn(10000.0, YARN), tie_word_embeddings=True,
+        rms_norm_eps=1e-6, initializer_range=0.1)
+    theirs = perturbed_torch(transformers.Qwen2ForCausalLM(hf_config))
+    theirs.save_pretrained(tmp_path / "hf")
+
+    config, model = import_checkpoint(tmp_path / "hf", "qwen2")
+    assert (config.rope_theta, config.rope_scaling) == (10000.0, YARN)
+    ids = token_ids((2, 48))  # 3 × the original 16 positions
+    expected = torch_logits(theirs, ids)
+    assert_close(model(jnp.asarray(ids)), expected, **rotary(ids.shape[1]))
+    # Neither part of YaRN is idle here: plain linear scaling is another function.
+    linear = dataclasses.replace(config, rope_scaling=RopeScaling("linear", YARN.factor))
+    other = nnx.merge(nnx.graphdef(build_lm(TransformerSpec(linear), nnx.Rngs(0))),
+                      nnx.state(model))
+    assert np.abs(np.asarray(other(jnp.asarray(ids))) - expected).max() > 1e-3
+
+    values = hf.lm_config_json(config, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
+    hf.save_pretrained(str(tmp_path / "out"), nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+                       values)
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["rope_parameters"] == hf_yarn(10000.0, YARN)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert_close(model(jnp.asarray(ids)), torch_logits(again, ids), **rotary(ids.shape[1]))
+
+
+def test_deepseeks_yarn_without_a_factor_takes_the_contexts_growth():
+    """DeepSeek's checkpoints give YaRN's mscales and leave the factor to max_position_embeddings
+    / original_max_position_embeddings, as transformers reads them."""
+    from types import SimpleNamespace
+
+    from flaxlm.models.llama import _rope_from_hf, rope_attention_scale
+
+    config = SimpleNamespace(max_position_embeddings=163840, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "original_max_position_embeddings": 4096,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})
+    scaling = _rope_from_hf(config)["rope_scaling"]
+    assert (scaling.factor, scaling.mscale, scaling.mscale_all_dim) == (40.0, 1.0, 1.0)
+    assert rope_attention_scale(scaling) == 1.0  # equal mscales: no sharpening
+
+
+@pytest.mark.parametrize(("changes", "setting"), [
+    (dict(beta_fast=1.0, beta_slow=2.0), r"model\.rope_scaling\.beta_slow=2\.0"),
+    (dict(beta_slow=0.0), r"model\.rope_scaling\.beta_slow=0\.0"),
+    (dict(original_max_positions=0), r"model\.rope_scaling\.original_max_positions=0"),
+    (dict(attention_factor=-1.0), r"model\.rope_scaling\.attention_factor=-1\.0"),
+    (dict(factor=0.0), r"model\.rope_scaling=\{type: yarn, factor: 0\.0\}"),
+])
+def test_bad_yarn_scaling_is_a_clear_error_naming_the_setting(changes, setting):
+    config = dataclasses.replace(QWEN2_CONFIG, rope_scaling=dataclasses.replace(YARN, **changes))
+    with pytest.raises(FlaxlmError, match=setting):
+        build_lm(TransformerSpec(config), nnx.Rngs(0))
+
+
+def test_yarn_is_set_from_the_command_line():
+    overrides = ["model=qwen2.5-0.5b", "model.rope_scaling.type=yarn",
+                 "model.rope_scaling.factor=4", "model.rope_scaling.original_max_positions=32768"]
+    model = OmegaConf.to_object(compose(overrides)).model
+    assert model.rope_scaling == RopeScaling("yarn", 4.0, original_max_positions=32768)
+
+
 # ---------------------------------------------------------------- Qwen2
 
 

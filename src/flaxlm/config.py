@@ -163,7 +163,8 @@ class RopeScaling:
     model.rope_scaling.factor=4, or model.rope_scaling={type: linear, factor: 4}."""
 
     # default: positions as they are; linear: divided by `factor`; llama3: Llama 3.1's, the
-    # long wavelengths divided by `factor`, the short kept, those between interpolated
+    # long wavelengths divided by `factor`, the short kept, those between interpolated; yarn:
+    # YaRN's (Qwen's and DeepSeek's long context), the same by rotations, and a sharper softmax
     type: str = MISSING
     factor: float = MISSING
     # llama3 only (Llama 3.1's values): wavelengths above original_max_positions /
@@ -171,6 +172,18 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_positions: int = 8192  # the context the model was first trained at
+    # yarn only (transformers' defaults): a frequency that turns fewer than beta_slow times in
+    # original_max_positions tokens is divided by `factor`, one that turns more than beta_fast
+    # times is kept, those between are interpolated (a linear ramp over the head's dimensions,
+    # its ends rounded outwards unless truncate=false); cos and sin are scaled by
+    # attention_factor, null: 0.1·ln(factor) + 1, or with DeepSeek's mscale and mscale_all_dim
+    # the ratio of that formula at each
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: Optional[float] = None
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
+    truncate: bool = True
 
 
 @dataclasses.dataclass

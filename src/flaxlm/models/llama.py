@@ -57,7 +57,7 @@ from flaxlm.parallel import constrain_batch
 
 transformers = lazy_module("transformers")
 
-ROPE_TYPES = ("default", "linear", "llama3")  # HF's rope_type names
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # HF's rope_type names
 
 
 def check_llama(spec: TransformerSpec) -> None:
@@ -104,9 +104,11 @@ def check_rope_scaling(scaling: RopeScaling) -> None:
         raise FlaxlmError(
             f"model.rope_scaling={{type: {scaling.type}, factor: {scaling.factor}}} is not "
             "supported: flaxlm's Llama implements model.rope_scaling.type default (no scaling), "
-            "linear (positions divided by model.rope_scaling.factor) and llama3 (Llama 3.1's), "
-            "with a factor > 0."
+            "linear (positions divided by model.rope_scaling.factor), llama3 (Llama 3.1's) "
+            "and yarn (YaRN: Qwen's, DeepSeek's), with a factor > 0."
         )
+    if scaling.type == "yarn":
+        return check_yarn(scaling)
     if scaling.type != "llama3":
         return
     low, high = scaling.low_freq_factor, scaling.high_freq_factor
@@ -123,6 +125,26 @@ def check_rope_scaling(scaling: RopeScaling) -> None:
             "the context the model was first trained at, a positive number of tokens (Llama "
             "3.1's: 8192)."
         )
+
+
+def check_yarn(scaling: RopeScaling) -> None:
+    if not 0 < scaling.beta_slow < scaling.beta_fast:
+        raise FlaxlmError(
+            f"model.rope_scaling.beta_slow={scaling.beta_slow} and model.rope_scaling.beta_fast="
+            f"{scaling.beta_fast}: yarn scaling needs 0 < beta_slow < beta_fast (YaRN's are 1 "
+            "and 32): they are the rotations over the original context below which a frequency "
+            "is stretched and above which it is kept.")
+    if scaling.original_max_positions < 1:
+        raise FlaxlmError(
+            f"model.rope_scaling.original_max_positions={scaling.original_max_positions} must be "
+            "the context the model was first trained at, a positive number of tokens (Qwen2.5's "
+            "yarn: 32768).")
+    for name in ("attention_factor", "mscale", "mscale_all_dim"):
+        value = getattr(scaling, name)
+        if value is not None and not value > 0:
+            raise FlaxlmError(
+                f"model.rope_scaling.{name}={value} must be positive, or null for YaRN's "
+                "default (0.1·ln(factor) + 1).")
 
 
 def kv_heads(cfg: ModelConfig) -> int:
@@ -144,6 +166,8 @@ def inverse_frequencies(head_width: int, theta: float, scaling: RopeScaling) -> 
         return (inv_freq_R / np.float32(scaling.factor)).astype(np.float32)
     if scaling.type == "llama3":
         return llama3_frequencies(inv_freq_R, scaling)
+    if scaling.type == "yarn":
+        return yarn_frequencies(head_width, theta, scaling)
     return inv_freq_R
 
 
@@ -164,12 +188,67 @@ def llama3_frequencies(inv_freq_R: np.ndarray, scaling: RopeScaling) -> np.ndarr
     return np.where(between_R, smoothed_R, stretched_R).astype(np.float32)
 
 
-def rotary(positions_BxL: jax.Array, inv_freq_R: np.ndarray) -> tuple[jax.Array, jax.Array]:
+def yarn_frequencies(head_width: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+    """YaRN's frequencies (Peng et al. 2023), as transformers computes them: dimension pair i
+    turns theta^(-2i/H) radians a token; the pairs that turn fewer than beta_slow times over
+    original_max_positions are interpolated (divided by `factor`, as linear scaling), those
+    that turn more than beta_fast times extrapolated (kept), with a linear ramp between the
+    dimensions where the two counts fall (`yarn_ramp_ends`). Float32, as transformers."""
+    R = head_width // 2
+    base_R = (np.float32(theta) ** (np.arange(0, head_width, 2, dtype=np.float32)
+                                    / np.float32(head_width))).astype(np.float32)
+    kept_R = (np.float32(1.0) / base_R).astype(np.float32)
+    stretched_R = (np.float32(1.0) / (np.float32(scaling.factor) * base_R)).astype(np.float32)
+    low, high = yarn_ramp_ends(head_width, theta, scaling)
+    if low == high:
+        high += 0.001  # transformers' guard against a ramp of no width
+    ramp_R = np.clip((np.arange(R, dtype=np.float32) - np.float32(low)) / np.float32(high - low),
+                     0, 1).astype(np.float32)
+    keep_R = np.float32(1.0) - ramp_R
+    return (stretched_R * (np.float32(1.0) - keep_R) + kept_R * keep_R).astype(np.float32)
+
+
+def yarn_ramp_ends(head_width: int, theta: float, scaling: RopeScaling) -> tuple[float, float]:
+    """The dimensions (of H) where a frequency turns beta_fast and beta_slow times over the
+    original context, rounded outwards unless `truncate` is off, within [0, H - 1]."""
+
+    def dimension(rotations: float) -> float:
+        turns = scaling.original_max_positions / (rotations * 2 * math.pi)
+        return head_width * math.log(turns) / (2 * math.log(theta))
+
+    low, high = dimension(scaling.beta_fast), dimension(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, head_width - 1)
+
+
+def rope_attention_scale(scaling: RopeScaling) -> float:
+    """What cos and sin are multiplied by: 1, except YaRN's attention factor (given, or
+    0.1·m·ln(factor) + 1 at m = mscale over the same at m = mscale_all_dim, where a
+    DeepSeek checkpoint gives both, else at m = 1; 1 at a factor ≤ 1)."""
+    if scaling.type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return float(scaling.attention_factor)
+
+    def mscale(m: float) -> float:
+        return 1.0 if scaling.factor <= 1 else 0.1 * m * math.log(scaling.factor) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return float(mscale(scaling.mscale) / mscale(scaling.mscale_all_dim))
+    return mscale(1.0)
+
+
+def rotary(positions_BxL: jax.Array, inv_freq_R: np.ndarray,
+           scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """cos and sin of every position's rotation angles, (B, L, 1, H), in float32: position ×
-    each inverse frequency (`inverse_frequencies`), each used for both halves of the head."""
+    each inverse frequency (`inverse_frequencies`), each used for both halves of the head;
+    both × `scale` (`rope_attention_scale`: YaRN's sharper attention)."""
     angles_BxLxR = positions_BxL.astype(jnp.float32)[..., None] * inv_freq_R
     angles_BxLx1xH = jnp.concatenate([angles_BxLxR, angles_BxLxR], axis=-1)[:, :, None, :]
-    return jnp.cos(angles_BxLx1xH), jnp.sin(angles_BxLx1xH)
+    if scale == 1.0:
+        return jnp.cos(angles_BxLx1xH), jnp.sin(angles_BxLx1xH)
+    return jnp.cos(angles_BxLx1xH) * scale, jnp.sin(angles_BxLx1xH) * scale
 
 
 def apply_rotary(x_BxLxNxH: jax.Array, cos_BxLx1xH: jax.Array, sin_BxLx1xH: jax.Array):
@@ -189,6 +268,7 @@ class LlamaAttention(nnx.Module):
         # survive the round trip through Python floats exactly.
         self.inv_freq_R = tuple(inverse_frequencies(self.head_width, cfg.rope_theta,
                                                     cfg.rope_scaling).tolist())
+        self.rope_scale = rope_attention_scale(cfg.rope_scaling)
         self.attention_dropout = cfg.attention_dropout
         self.attention_backend = cfg.attention
         q_width, kv_width = self.num_heads * self.head_width, self.num_kv_heads * self.head_width
@@ -242,7 +322,8 @@ class LlamaAttention(nnx.Module):
         v_BxLxGxH = self.v_proj(x_BxLxD, rngs).reshape(B, L, self.num_kv_heads, H)
         if self.qk_norm is QKNorm.head:
             q_BxLxNxH, k_BxLxGxH = self.q_norm(q_BxLxNxH), self.k_norm(k_BxLxGxH)
-        cos_BxLx1xH, sin_BxLx1xH = rotary(positions_BxL, np.asarray(self.inv_freq_R, np.float32))
+        cos_BxLx1xH, sin_BxLx1xH = rotary(positions_BxL, np.asarray(self.inv_freq_R, np.float32),
+                                          self.rope_scale)
         return (apply_rotary(q_BxLxNxH, cos_BxLx1xH, sin_BxLx1xH),
                 apply_rotary(k_BxLxGxH, cos_BxLx1xH, sin_BxLx1xH), v_BxLxGxH)
 
@@ -500,15 +581,22 @@ def attention_from_hf(config) -> dict:
     return {**_rope_from_hf(config), "head_dim": head_dim if own_width else None}
 
 
+# HF's yarn rope parameters by our RopeScaling field (an optional one only when set).
+_YARN_FIELDS = {"original_max_positions": ("original_max_position_embeddings", int),
+                "beta_fast": ("beta_fast", float), "beta_slow": ("beta_slow", float),
+                "attention_factor": ("attention_factor", float), "mscale": ("mscale", float),
+                "mscale_all_dim": ("mscale_all_dim", float), "truncate": ("truncate", bool)}
+
+
 def _rope_to_hf(model: ModelConfig) -> dict:
     """The HF config's `rope_parameters` for our rope settings."""
     scaling = model.rope_scaling
     rope = {"rope_type": scaling.type, "rope_theta": model.rope_theta}
     if scaling.type != "default":
         rope["factor"] = scaling.factor
-    if scaling.type == "llama3":
-        rope.update({theirs: getattr(scaling, ours)
-                     for ours, (theirs, _) in _LLAMA3_FIELDS.items()})
+    fields = {"llama3": _LLAMA3_FIELDS, "yarn": _YARN_FIELDS}.get(scaling.type, {})
+    rope.update({theirs: getattr(scaling, ours) for ours, (theirs, _) in fields.items()
+                 if getattr(scaling, ours) is not None})
     return {"rope_parameters": rope}
 
 
@@ -517,11 +605,14 @@ def _rope_from_hf(config) -> dict:
     what a llama3 checkpoint leaves out is RopeScaling's default."""
     rope = config.rope_parameters or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
-    llama3 = {ours: convert(rope[theirs]) for ours, (theirs, convert) in _LLAMA3_FIELDS.items()
-              if kind == "llama3" and theirs in rope}
+    fields = {"llama3": _LLAMA3_FIELDS, "yarn": _YARN_FIELDS}.get(kind, {})
+    given = {ours: convert(rope[theirs]) for ours, (theirs, convert) in fields.items()
+             if rope.get(theirs) is not None}
+    factor = rope.get("factor")
+    if factor is None and kind == "yarn":  # DeepSeek's: the context's growth is the factor
+        factor = config.max_position_embeddings / rope["original_max_position_embeddings"]
     return {"rope_theta": float(rope.get("rope_theta", 10000.0)),
-            "rope_scaling": RopeScaling(type=kind, factor=float(rope.get("factor", 1.0)),
-                                        **llama3)}
+            "rope_scaling": RopeScaling(type=kind, factor=float(factor or 1.0), **given)}
 
 
 # What a dense checkpoint says of the settings only other families have: no experts and no
