@@ -174,6 +174,7 @@ def s3_run(s3, tmp_path, train_cli):
     return run_dir, url
 
 
+@pytest.mark.slow  # several seconds: make test runs it
 def test_an_s3_run_exports_to_s3_and_is_reported_from_the_bucket(s3_run, s3, tmp_path, capsys):
     from flaxlm.cli import export as export_cli
     from flaxlm.cli.report import main as report

@@ -264,6 +264,7 @@ def test_the_bucket_gets_the_small_files_after_each_evaluation_and_checkpoint(
     assert gcs.fs.exists(f"{gcs.name}/runs/e/model/flaxlm_export.json")  # the final model/
 
 
+@pytest.mark.slow  # several seconds: make test runs it
 def test_a_start_without_checkpoint_in_the_bucket_is_kept_not_copied_over(gcs, tmp_path,
                                                                         train_cli):
     old = '{"step": 2, "train/loss": 6.0}\n'

@@ -232,6 +232,7 @@ def test_the_task_index_is_built_once_per_folder(flaxlm_lm, task_dir, monkeypatc
     assert built == [{"include_path": str(task_dir)}, {"include_path": None}]
 
 
+@pytest.mark.slow  # several seconds: make test runs it
 def test_a_task_whose_data_is_unreachable_says_how_to_use_local_data(flaxlm_lm, tmp_path,
                                                                       monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

@@ -411,6 +411,7 @@ LLAMA3_8B_ON_V5P_8 = ["model=llama3-8b", "hardware=tpu-v5p-8", "task.max_seq_len
                       "model.scan_layers=true"]
 
 
+@pytest.mark.slow  # several seconds: make test runs it
 @needs_libtpu
 def test_llama3_8b_without_fsdp_does_not_fit_a_v5p_8_and_the_plan_names_fsdp(capsys):
     """Llama 3 8B's float32 parameters and AdamW moments (89.75 GiB) do not leave a v5p chip
