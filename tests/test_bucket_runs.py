@@ -236,6 +236,7 @@ def test_a_preempted_run_leaves_every_metrics_line_and_its_status_in_the_bucket(
     assert gcs.fs.exists(f"{gcs.name}/runs/p/config.yaml")
 
 
+@pytest.mark.slow  # several seconds: make test runs it
 def test_the_bucket_gets_the_small_files_after_each_evaluation_and_checkpoint(
         bucket, tmp_path, train_cli, monkeypatch):
     """What metrics.jsonl held at each copy: the start's (empty), the evaluation before

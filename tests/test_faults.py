@@ -265,6 +265,7 @@ def test_a_run_whose_last_checkpoint_is_damaged_sets_it_aside_and_finishes_from_
     assert_same_run(run_dir, reference)
 
 
+@pytest.mark.slow  # several seconds: make test runs it
 @orbax_closed_loop
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_a_damaged_checkpoint_is_set_aside_and_its_step_can_be_saved_again(

@@ -236,6 +236,7 @@ def test_the_expert_axis_suggested_keeps_the_mesh_valid():
     assert aot.expert_axis_overrides(config, 8)[0] == ("hardware.mesh.expert=4",)
 
 
+@pytest.mark.slow  # several seconds: make test runs it
 def test_a_plan_that_does_not_fit_names_the_expert_axis_with_its_figure():
     """On the CPU's devices, with a chip memory set below the step's need: the paragraph
     names the expert axis first, with the per-chip state it leaves."""

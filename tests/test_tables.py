@@ -84,6 +84,7 @@ def test_a_text_dataset_is_named_by_its_content_and_hashed_once(monkeypatch):
     assert text_fingerprint(table.select(range(2))) == "read again"
 
 
+@pytest.mark.slow  # several seconds: make test runs it
 def test_every_kind_of_dataset_with_pyarrow_outside_the_interpreters_prefix(tmp_path):
     """The same datasets in a process whose pyarrow lies outside the interpreter's prefix, as
     on a machine whose packages are installed with `pip install --target` and PYTHONPATH (the
