@@ -56,6 +56,7 @@ def bucket(request):
     return request.getfixturevalue(request.param)
 
 
+@pytest.mark.slow  # several seconds: make test runs it
 def test_checkpoints_in_a_bucket_restore_and_a_damaged_newest_is_set_aside(bucket, train_state,
                                                                            capsys, tmp_path):
     gcs = bucket
@@ -114,6 +115,7 @@ for step in (4, 8):
 """
 
 
+@pytest.mark.slow  # several seconds: make test runs it
 def test_a_save_killed_before_its_commit_file_leaves_no_visible_checkpoint(gcs):
     directory = f"{gcs.url}/run/checkpoints"
     killed = subprocess.run([sys.executable, "-c", KILLED_SAVE, directory],

@@ -59,6 +59,7 @@ def test_a_weight_decay_of_0_from_the_command_line_is_a_float():
     assert all(value.weak_type for value in arguments.values())
 
 
+@pytest.mark.slow  # several seconds: make test runs it
 def test_runs_that_differ_only_in_optimizer_numbers_lower_to_one_program():
     """lr, weight decay, warmup, b2, eps, end_lr and clipping's norm are the step's arguments:
     two runs that differ in all of them give the jitted train step the same HLO, which JAX's
