@@ -350,11 +350,7 @@ def save_pretrained(directory: str, params: dict,
     The weights go to the file one tensor at a time (`write_safetensors`), so a sharded model
     is gathered to the host tensor by tensor. Writing a whole directory safely is the caller's
     (`flaxlm.export`)."""
-    os.makedirs(directory, exist_ok=True)
-    if isinstance(config, dict):
-        write_config_json(directory, config)
-    else:
-        config.save_pretrained(directory)
+    write_config(directory, config)
     write_safetensors(os.path.join(directory, "model.safetensors"),
                       hf_tensors(params, architecture_name(config)), metadata={"format": "pt"})
 
@@ -364,11 +360,15 @@ def architecture_name(config: transformers.PretrainedConfig | dict) -> str:
     return (config["architectures"] if isinstance(config, dict) else config.architectures)[0]
 
 
-def write_config_json(directory: str, values: dict) -> None:
-    """`directory`/config.json holding `values`, laid out as transformers writes it."""
+def write_config(directory: str, config: transformers.PretrainedConfig | dict) -> None:
+    """`directory`/config.json: a transformers config as it saves itself, or the values of
+    one (`lm_config_json`) laid out as transformers writes them."""
     os.makedirs(directory, exist_ok=True)
+    if not isinstance(config, dict):
+        config.save_pretrained(directory)
+        return
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as file:
-        file.write(json.dumps(values, indent=2, sort_keys=True) + "\n")
+        file.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def write_safetensors(path: str, tensors: dict[str, tuple[tuple[int, ...],

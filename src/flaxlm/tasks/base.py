@@ -361,10 +361,7 @@ def start_model_dir(job: JobContext, model: ModelConfig, tokenizer, hf_config) -
     checkpoint of the run into an HF directory while it trains (the end of the run completes
     it); model_config.yaml records the shape the run trains, whatever model.init_from gave."""
     job.write(tokenizer.save_pretrained, job.path(layout.MODEL_SUBDIR))
-    if isinstance(hf_config, dict):  # an LM's (`Network.hf_config`)
-        job.write(hf.write_config_json, job.path(layout.MODEL_SUBDIR), hf_config)
-    else:
-        job.write(hf_config.save_pretrained, job.path(layout.MODEL_SUBDIR))
+    job.write(hf.write_config, job.path(layout.MODEL_SUBDIR), hf_config)
     job.write(OmegaConf.save, OmegaConf.structured(model), job.path(layout.MODEL_CONFIG_FILE))
 
 
