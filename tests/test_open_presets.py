@@ -34,6 +34,9 @@ LLAMA3 = RopeScaling("llama3", 8.0, low_freq_factor=1.0, high_freq_factor=4.0,
 LLAMA_CONFIG = family_config("llama", **SHAPE, rope_theta=500000.0, rope_scaling=LLAMA3,
                              tie_word_embeddings=False)
 QWEN2_CONFIG = family_config("qwen2", **SHAPE, rope_theta=1000000.0)
+# Head width 8 at theta 10000 over an original context of 16 tokens: the four dimension pairs
+# turn 2.5, 0.25, 0.025 and 0.0025 times, so with beta 2 and 0.05 the ramp crosses them.
+YARN = RopeScaling("yarn", 4.0, original_max_positions=16, beta_fast=2.0, beta_slow=0.05)
 BASE = {"llama": family_config("llama", name="x"), "qwen2": family_config("qwen2", name="x")}
 
 
@@ -206,14 +209,21 @@ def test_llama_3_2s_published_config_json_reads_as_llama_1b(tmp_path):
                                                            for key in same}
 
 
-@pytest.mark.parametrize(("changes", "setting"), [
-    (dict(low_freq_factor=4.0, high_freq_factor=1.0), r"model\.rope_scaling\.low_freq_factor"),
-    (dict(low_freq_factor=0.0), r"model\.rope_scaling\.low_freq_factor"),
-    (dict(original_max_positions=0), r"model\.rope_scaling\.original_max_positions=0"),
-    (dict(factor=-2.0), r"model\.rope_scaling=\{type: llama3, factor: -2\.0\}"),
+@pytest.mark.parametrize(("scaling", "changes", "setting"), [
+    ("llama3", dict(low_freq_factor=4.0, high_freq_factor=1.0),
+     r"model\.rope_scaling\.low_freq_factor"),
+    ("llama3", dict(low_freq_factor=0.0), r"model\.rope_scaling\.low_freq_factor"),
+    ("llama3", dict(original_max_positions=0), r"model\.rope_scaling\.original_max_positions=0"),
+    ("llama3", dict(factor=-2.0), r"model\.rope_scaling=\{type: llama3, factor: -2\.0\}"),
+    ("yarn", dict(beta_fast=1.0, beta_slow=2.0), r"model\.rope_scaling\.beta_slow=2\.0"),
+    ("yarn", dict(beta_slow=0.0), r"model\.rope_scaling\.beta_slow=0\.0"),
+    ("yarn", dict(original_max_positions=0), r"model\.rope_scaling\.original_max_positions=0"),
+    ("yarn", dict(attention_factor=-1.0), r"model\.rope_scaling\.attention_factor=-1\.0"),
+    ("yarn", dict(factor=0.0), r"model\.rope_scaling=\{type: yarn, factor: 0\.0\}"),
 ])
-def test_bad_llama3_scaling_is_a_clear_error_naming_the_setting(changes, setting):
-    config = dataclasses.replace(LLAMA_CONFIG, rope_scaling=dataclasses.replace(LLAMA3, **changes))
+def test_bad_rope_scaling_is_a_clear_error_naming_the_setting(scaling, changes, setting):
+    base = {"llama3": (LLAMA_CONFIG, LLAMA3), "yarn": (QWEN2_CONFIG, YARN)}[scaling]
+    config = dataclasses.replace(base[0], rope_scaling=dataclasses.replace(base[1], **changes))
     with pytest.raises(FlaxlmError, match=setting):
         build_lm(TransformerSpec(config), nnx.Rngs(0))
 
@@ -238,11 +248,6 @@ def hf_yarn(theta, scaling: RopeScaling) -> dict:
                  ("attention_factor", "mscale", "mscale_all_dim")
                  if getattr(scaling, name) is not None})
     return rope
-
-
-# Head width 8 at theta 10000 over an original context of 16 tokens: the four dimension pairs
-# turn 2.5, 0.25, 0.025 and 0.0025 times, so with beta 2 and 0.05 the ramp crosses them.
-YARN = RopeScaling("yarn", 4.0, original_max_positions=16, beta_fast=2.0, beta_slow=0.05)
 
 
 @pytest.mark.torch
@@ -329,19 +334,6 @@ def test_deepseeks_yarn_without_a_factor_takes_the_contexts_growth():
     scaling = _rope_from_hf(config)["rope_scaling"]
     assert (scaling.factor, scaling.mscale, scaling.mscale_all_dim) == (40.0, 1.0, 1.0)
     assert rope_attention_scale(scaling) == 1.0  # equal mscales: no sharpening
-
-
-@pytest.mark.parametrize(("changes", "setting"), [
-    (dict(beta_fast=1.0, beta_slow=2.0), r"model\.rope_scaling\.beta_slow=2\.0"),
-    (dict(beta_slow=0.0), r"model\.rope_scaling\.beta_slow=0\.0"),
-    (dict(original_max_positions=0), r"model\.rope_scaling\.original_max_positions=0"),
-    (dict(attention_factor=-1.0), r"model\.rope_scaling\.attention_factor=-1\.0"),
-    (dict(factor=0.0), r"model\.rope_scaling=\{type: yarn, factor: 0\.0\}"),
-])
-def test_bad_yarn_scaling_is_a_clear_error_naming_the_setting(changes, setting):
-    config = dataclasses.replace(QWEN2_CONFIG, rope_scaling=dataclasses.replace(YARN, **changes))
-    with pytest.raises(FlaxlmError, match=setting):
-        build_lm(TransformerSpec(config), nnx.Rngs(0))
 
 
 def test_yarn_is_set_from_the_command_line():

@@ -34,9 +34,7 @@ class Texts:
     def __getitem__(self, key):
         if key == "text":
             return self.documents
-        if isinstance(key, slice):
-            return {"text": self.documents[key]}
-        if isinstance(key, int):
+        if isinstance(key, (slice, int)):  # rows: as a Dataset gives them, by column
             return {"text": self.documents[key]}
         raise KeyError(f"{key!r}: a Texts table has one column, 'text'")
 

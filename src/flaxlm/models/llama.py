@@ -107,44 +107,35 @@ def check_rope_scaling(scaling: RopeScaling) -> None:
             "linear (positions divided by model.rope_scaling.factor), llama3 (Llama 3.1's) "
             "and yarn (YaRN: Qwen's, DeepSeek's), with a factor > 0."
         )
-    if scaling.type == "yarn":
-        return check_yarn(scaling)
-    if scaling.type != "llama3":
-        return
-    low, high = scaling.low_freq_factor, scaling.high_freq_factor
-    if not 0 < low < high:
-        raise FlaxlmError(
-            f"model.rope_scaling.low_freq_factor={low} and model.rope_scaling.high_freq_factor="
-            f"{high}: llama3 scaling needs 0 < low_freq_factor < high_freq_factor (Llama 3.1's "
-            "are 1 and 4), as it interpolates between the wavelengths original_max_positions / "
-            "high_freq_factor and original_max_positions / low_freq_factor."
-        )
-    if scaling.original_max_positions < 1:
+    if scaling.type in ("llama3", "yarn") and scaling.original_max_positions < 1:
         raise FlaxlmError(
             f"model.rope_scaling.original_max_positions={scaling.original_max_positions} must be "
             "the context the model was first trained at, a positive number of tokens (Llama "
-            "3.1's: 8192)."
+            "3.1's: 8192; Qwen2.5's with yarn: 32768)."
         )
-
-
-def check_yarn(scaling: RopeScaling) -> None:
-    if not 0 < scaling.beta_slow < scaling.beta_fast:
-        raise FlaxlmError(
-            f"model.rope_scaling.beta_slow={scaling.beta_slow} and model.rope_scaling.beta_fast="
-            f"{scaling.beta_fast}: yarn scaling needs 0 < beta_slow < beta_fast (YaRN's are 1 "
-            "and 32): they are the rotations over the original context below which a frequency "
-            "is stretched and above which it is kept.")
-    if scaling.original_max_positions < 1:
-        raise FlaxlmError(
-            f"model.rope_scaling.original_max_positions={scaling.original_max_positions} must be "
-            "the context the model was first trained at, a positive number of tokens (Qwen2.5's "
-            "yarn: 32768).")
-    for name in ("attention_factor", "mscale", "mscale_all_dim"):
-        value = getattr(scaling, name)
-        if value is not None and not value > 0:
+    if scaling.type == "llama3":
+        low, high = scaling.low_freq_factor, scaling.high_freq_factor
+        if not 0 < low < high:
             raise FlaxlmError(
-                f"model.rope_scaling.{name}={value} must be positive, or null for YaRN's "
-                "default (0.1·ln(factor) + 1).")
+                f"model.rope_scaling.low_freq_factor={low} and model.rope_scaling."
+                f"high_freq_factor={high}: llama3 scaling needs 0 < low_freq_factor < "
+                "high_freq_factor (Llama 3.1's are 1 and 4), as it interpolates between the "
+                "wavelengths original_max_positions / high_freq_factor and "
+                "original_max_positions / low_freq_factor."
+            )
+    if scaling.type == "yarn":
+        if not 0 < scaling.beta_slow < scaling.beta_fast:
+            raise FlaxlmError(
+                f"model.rope_scaling.beta_slow={scaling.beta_slow} and model.rope_scaling."
+                f"beta_fast={scaling.beta_fast}: yarn scaling needs 0 < beta_slow < beta_fast "
+                "(YaRN's are 1 and 32): they are the rotations over the original context below "
+                "which a frequency is stretched and above which it is kept.")
+        for name in ("attention_factor", "mscale", "mscale_all_dim"):
+            value = getattr(scaling, name)
+            if value is not None and not value > 0:
+                raise FlaxlmError(
+                    f"model.rope_scaling.{name}={value} must be positive, or null for YaRN's "
+                    "default attention factor (0.1·ln(factor) + 1).")
 
 
 def kv_heads(cfg: ModelConfig) -> int:
@@ -161,13 +152,14 @@ def inverse_frequencies(head_width: int, theta: float, scaling: RopeScaling) -> 
     compute them: theta^(-2i/H), divided by `scaling.factor` for linear scaling, or stretched
     by wavelength for llama3 (`llama3_frequencies`)."""
     exponents_R = np.arange(0, head_width, 2, dtype=np.float32) / head_width
-    inv_freq_R = (1.0 / np.float32(theta) ** exponents_R).astype(np.float32)
+    base_R = (np.float32(theta) ** exponents_R).astype(np.float32)
+    inv_freq_R = (1.0 / base_R).astype(np.float32)
     if scaling.type == "linear":
         return (inv_freq_R / np.float32(scaling.factor)).astype(np.float32)
     if scaling.type == "llama3":
         return llama3_frequencies(inv_freq_R, scaling)
     if scaling.type == "yarn":
-        return yarn_frequencies(head_width, theta, scaling)
+        return yarn_frequencies(base_R, theta, scaling)
     return inv_freq_R
 
 
@@ -188,18 +180,17 @@ def llama3_frequencies(inv_freq_R: np.ndarray, scaling: RopeScaling) -> np.ndarr
     return np.where(between_R, smoothed_R, stretched_R).astype(np.float32)
 
 
-def yarn_frequencies(head_width: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+def yarn_frequencies(base_R: np.ndarray, theta: float, scaling: RopeScaling) -> np.ndarray:
     """YaRN's frequencies (Peng et al. 2023), as transformers computes them: dimension pair i
-    turns theta^(-2i/H) radians a token; the pairs that turn fewer than beta_slow times over
-    original_max_positions are interpolated (divided by `factor`, as linear scaling), those
-    that turn more than beta_fast times extrapolated (kept), with a linear ramp between the
-    dimensions where the two counts fall (`yarn_ramp_ends`). Float32, as transformers."""
-    R = head_width // 2
-    base_R = (np.float32(theta) ** (np.arange(0, head_width, 2, dtype=np.float32)
-                                    / np.float32(head_width))).astype(np.float32)
+    turns 1 / base_i = theta^(-2i/H) radians a token; the pairs that turn fewer than beta_slow
+    times over original_max_positions are interpolated (divided by `factor`, as linear
+    scaling), those that turn more than beta_fast times extrapolated (kept), with a linear ramp
+    between the dimensions where the two counts fall (`yarn_ramp_ends`). Float32, as
+    transformers."""
+    R = base_R.shape[0]
     kept_R = (np.float32(1.0) / base_R).astype(np.float32)
     stretched_R = (np.float32(1.0) / (np.float32(scaling.factor) * base_R)).astype(np.float32)
-    low, high = yarn_ramp_ends(head_width, theta, scaling)
+    low, high = yarn_ramp_ends(2 * R, theta, scaling)
     if low == high:
         high += 0.001  # transformers' guard against a ramp of no width
     ramp_R = np.clip((np.arange(R, dtype=np.float32) - np.float32(low)) / np.float32(high - low),
