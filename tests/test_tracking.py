@@ -316,3 +316,31 @@ def test_logger_options_compose_into_flags(option, wandb, tensorboard):
     config = OmegaConf.to_object(compose([option]))
     assert isinstance(config, TrainConfig)
     assert (config.logger.wandb, config.logger.tensorboard) == (wandb, tensorboard)
+
+
+def test_a_transaction_log_read_while_its_tail_is_written_is_read_again(tmp_path):
+    """`run.finish()` can return while wandb's service still writes the log's tail: a read
+    that meets a chunk cut short (or not yet matching its checksum) is taken again, not
+    failed, and only a log still torn after the wait is an error (a suite run under load
+    once read such a tail and failed on its checksum)."""
+    import struct
+    import threading
+    import zlib
+
+    from wandb.proto import wandb_internal_pb2
+
+    def chunk(record) -> bytes:
+        data = record.SerializeToString()
+        return struct.pack("<IHB", zlib.crc32(data, zlib.crc32(bytes([1]))), len(data), 1) + data
+
+    history, finished = wandb_internal_pb2.Record(), wandb_internal_pb2.Record()
+    history.history.item.add(key="train/loss", value_json="1.5")
+    finished.exit.exit_code = 0
+    whole = struct.pack("<4sHB", b":W&B", 0xBEE1, 0) + chunk(history) + chunk(finished)
+    log = tmp_path / "run-x.wandb"
+    log.write_bytes(whole[:-3])  # the exit record's last bytes not written yet
+    with pytest.raises(AssertionError, match="fails its length or checksum"):
+        read_wandb_records(log, wait_s=0)
+    threading.Timer(0.5, log.write_bytes, [whole]).start()  # the service finishes writing
+    records = read_wandb_records(log, wait_s=30)
+    assert [r.WhichOneof("record_type") for r in records] == ["history", "exit"]

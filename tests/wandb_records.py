@@ -22,19 +22,24 @@ def offline_wandb_env(run_dir: Path, monkeypatch) -> None:
 
 def read_wandb_records(path: Path, wait_s: float = 30.0) -> list:
     """The records of a finished run's transaction log, once its exit record is on disk:
-    `run.finish()` can return while wandb's service is still writing the file's tail."""
+    `run.finish()` can return while wandb's service is still writing the file's tail, so a
+    read may end in a chunk written in part (short, or not yet matching its checksum). Such a
+    read is taken again; past `wait_s`, every chunk read must be whole."""
     deadline = time.monotonic() + wait_s
     while True:
-        records = _read_records(path)
-        if of_type(records, "exit") or time.monotonic() > deadline:
+        records, torn = _read_records(path)
+        if (of_type(records, "exit") and not torn) or time.monotonic() > deadline:
+            assert not torn, f"{path}: a chunk at byte {torn} fails its length or checksum"
             return records
         time.sleep(0.2)
 
 
-def _read_records(path: Path) -> list:
+def _read_records(path: Path) -> tuple[list, int | None]:
     """The records of a W&B transaction log (`run-*.wandb`): LevelDB log framing, i.e. a 7-byte
     file header, then 32 KiB blocks of chunks (crc32 4, length 2, type 1, data), each
-    record one FULL chunk or FIRST, MIDDLE..., LAST, the block's tail zero-padded."""
+    record one FULL chunk or FIRST, MIDDLE..., LAST, the block's tail zero-padded. Also the
+    offset of the first chunk that is cut short or fails its checksum, where the read
+    stopped (None: every chunk was whole)."""
     # Imported here: wandb is hundreds of files, and every pytest-xdist worker imports the
     # test modules that use this one when it collects the suite.
     from wandb.proto import wandb_internal_pb2
@@ -51,7 +56,8 @@ def _read_records(path: Path) -> list:
             pos += block - pos % block
             continue
         chunk = data[pos + 7 : pos + 7 + length]
-        assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) == checksum
+        if len(chunk) < length or zlib.crc32(chunk, zlib.crc32(bytes([kind]))) != checksum:
+            return records, pos
         pending += chunk
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST
@@ -59,7 +65,7 @@ def _read_records(path: Path) -> list:
             record.ParseFromString(pending)
             records.append(record)
             pending = b""
-    return records
+    return records, None
 
 
 def of_type(records, kind: str) -> list:
