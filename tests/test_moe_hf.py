@@ -247,8 +247,8 @@ def test_the_presets_build_the_released_networks(option, total, active):
 
 @pytest.mark.slow
 @pytest.mark.torch
-@pytest.mark.parametrize("option", ["olmoe-1b-7b", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b",
-                                    "mixtral-8x7b"])
+@pytest.mark.parametrize("option", ["moe-small", "olmoe-1b-7b", "qwen1.5-moe-a2.7b",
+                                    "qwen3-30b-a3b", "mixtral-8x7b"])
 def test_transformers_counts_the_presets_exported_config_as_we_do(option):
     import torch
     import transformers

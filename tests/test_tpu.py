@@ -167,10 +167,12 @@ def test_remat_block_keeps_the_kernels_residuals_and_gives_the_gradients_of_no_r
 
 def test_megablox_and_ragged_dispatch_on_the_chip_compute_the_dense_reference():
     """The MoE MLP's grouped matmul compiled for the chip (megablox's Pallas kernel, and
-    ragged_dot as the TPU runs it), forward and gradients in float32, against every token
-    through every expert. Both are sums of D or F products per element, as the reference's:
-    at the chip's default float32 matmul precision (bfloat16 passes) they differ from it by
-    rounding of about 2⁻⁸ of their size, a dropped or misrouted copy by order one."""
+    ragged_dot as the TPU runs it), forward and gradients (the tokens', the routing
+    weights' and the experts' matrices') in float32, against every token through every
+    expert. Both are sums of D or F products per element (the matrices' gradients of a
+    group's rows), as the reference's: at the chip's default float32 matmul precision
+    (bfloat16 passes) they differ from it by rounding of about 2⁻⁸ of their size, a dropped
+    or misrouted copy, or a wrongly transposed matrix, by order one."""
     import dataclasses
 
     from flaxlm.config import MoeDispatch
@@ -182,23 +184,37 @@ def test_megablox_and_ragged_dispatch_on_the_chip_compute_the_dense_reference():
     x = jax.random.normal(jax.random.key(1), (1, T, cfg.hidden_size), jnp.float32)
     logits = jax.random.normal(jax.random.key(2), (1, T, cfg.moe.num_experts))
     weights, experts = jax.lax.top_k(jax.nn.softmax(logits), K)
+    matrices = layer.experts.matrices()
+
+    class Experts:  # the layer's experts, their matrices an argument to differentiate
+        activation = staticmethod(layer.experts.activation)
+
+        def __init__(self, matrices):
+            self.held = matrices
+
+        def matrices(self):
+            return self.held
 
     def value_and_grads(dispatch):
         settings = dataclasses.replace(cfg.moe, dispatch=MoeDispatch(dispatch))
 
         @jax.jit
-        def run(x, weights):
-            def loss(x, weights):
-                out, _ = moe.dispatch(x, experts, weights, layer.experts, settings)
+        def run(x, weights, matrices):
+            def loss(x, weights, matrices):
+                out, _ = moe.dispatch(x, experts, weights, Experts(matrices), settings)
                 return jnp.sum(out ** 2), out
-            (_, out), grads = jax.value_and_grad(loss, (0, 1), has_aux=True)(x, weights)
+            (_, out), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(
+                x, weights, matrices)
             return out, grads
 
-        return run(x, weights)
+        return run(x, weights, matrices)
 
     exact = value_and_grads("dense")
     for dispatch in ("megablox", "ragged"):
-        out, (grad_x, grad_weights) = value_and_grads(dispatch)
+        out, (grad_x, grad_weights, grad_matrices) = value_and_grads(dispatch)
         assert relative_error(out, exact[0]) < 2**-6, dispatch
         assert relative_error(grad_x, exact[1][0]) < 2**-6, dispatch
         assert relative_error(grad_weights, exact[1][1]) < 2**-6, dispatch
+        for name, grad, reference in zip(moe.EXPERT_MATRICES, grad_matrices, exact[1][2],
+                                         strict=True):
+            assert relative_error(grad, reference) < 2**-6, (dispatch, name)

@@ -203,12 +203,16 @@ class MoeMLP(nnx.Module):
     def route(self, logits_BxLxE: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Each token's K routing weights and experts (B, L, K)."""
         probs_BxLxE = jax.nn.softmax(logits_BxLxE, axis=-1)
+        choice_BxLxE = jax.lax.stop_gradient(probs_BxLxE)
         if self.moe.bias_update_rate:
-            choice_BxLxE = probs_BxLxE + jax.lax.stop_gradient(self.router_bias[...])
-            _, experts_BxLxK = jax.lax.top_k(choice_BxLxE, self.moe.top_k)
-            weights_BxLxK = jnp.take_along_axis(probs_BxLxE, experts_BxLxK, axis=-1)
-        else:
-            weights_BxLxK, experts_BxLxK = jax.lax.top_k(probs_BxLxE, self.moe.top_k)
+            choice_BxLxE = choice_BxLxE + jax.lax.stop_gradient(self.router_bias[...])
+        _, experts_BxLxK = jax.lax.top_k(choice_BxLxE, self.moe.top_k)
+        # The chosen probabilities by one-hot sums, not top_k's values or a gather: their
+        # gradient is then elementwise, where top_k's is a scatter into (tokens, E) that ran
+        # one update at a time on a TPU.
+        chosen_BxLxKxE = experts_BxLxK[..., None] == jnp.arange(probs_BxLxE.shape[-1])
+        weights_BxLxK = jnp.sum(jnp.where(chosen_BxLxKxE, probs_BxLxE[..., None, :], 0.0),
+                                axis=-1)
         if self.moe.normalize_top_k:
             weights_BxLxK = weights_BxLxK / weights_BxLxK.sum(-1, keepdims=True)
         return weights_BxLxK, experts_BxLxK
@@ -367,16 +371,83 @@ def _local_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, matrices, activation,
 def _dropless(x_TxD, experts_TxK, weights_TxK, num_experts, through_experts):
     """Token copies sorted by expert (stably: within an expert, in token order), through the
     experts (`through_experts(x_MxD, group_sizes_E)`: each expert's run of rows by its MLP),
-    then back in token order and summed with their weights."""
+    then each token's K outputs summed with their weights."""
     T, K = experts_TxK.shape
     expert_M = experts_TxK.reshape(T * K)
-    order_M, inverse_M = sorting(expert_M)
-    # Copy m of the token-major list is token m // K; sorted, its rows go expert by expert.
-    x_MxD = permute(jnp.repeat(x_TxD, K, axis=0), order_M, inverse_M)
+    order_M, inverse_M, weight_M = sorting(expert_M,
+                                           jax.lax.stop_gradient(weights_TxK).reshape(-1))
+    # Copy m of the token-major list is token m // K: sorted copy j is token order_M[j] // K,
+    # and token t's k-th copy went to sorted row inverse_M[t·K + k].
+    token_M, inverse_TxK = order_M // K, inverse_M.reshape(T, K)
+    x_MxD = to_experts(x_TxD, token_M, inverse_TxK)
     group_sizes_E = expert_counts(expert_M, num_experts)
     y_MxD = through_experts(x_MxD, group_sizes_E)
-    y_TxKxD = permute(y_MxD, inverse_M, order_M).reshape(T, K, -1)
-    return jnp.einsum("tkd,tk->td", y_TxKxD, weights_TxK), jnp.zeros((), jnp.float32)
+    return (combine(y_MxD, token_M, inverse_TxK, weights_TxK, weight_M),
+            jnp.zeros((), jnp.float32))
+
+
+# The two moves of the dropless dispatch, each a gather both ways. Written as the repeat of
+# every token K times then permuted (and the reverse), XLA builds (T, K, D) arrays between
+# them, which a TPU lays out with K padded to 8 sublanes, and differentiated a gather becomes
+# a scatter-add, slow on a TPU: together a tenth of moe-small's step on a v5e.
+
+
+@jax.custom_vjp
+def to_experts(x_TxD: jax.Array, token_M: jax.Array, inverse_TxK: jax.Array) -> jax.Array:
+    """The sorted copies' rows, `x_TxD[token_M]`. Its gradient sums each token's K copies'
+    gradients, found where `inverse_TxK` says they went: a gather per copy."""
+    return x_TxD[token_M]
+
+
+def _to_experts_forward(x_TxD, token_M, inverse_TxK):
+    return x_TxD[token_M], inverse_TxK
+
+
+def _to_experts_backward(inverse_TxK, grad_MxD):
+    grad_TxD = sum(grad_MxD[inverse_TxK[:, k]].astype(jnp.float32)
+                   for k in range(inverse_TxK.shape[1]))
+    return grad_TxD.astype(grad_MxD.dtype), None, None
+
+
+to_experts.defvjp(_to_experts_forward, _to_experts_backward)
+
+
+@jax.custom_vjp
+def combine(y_MxD: jax.Array, token_M: jax.Array, inverse_TxK: jax.Array,
+            weights_TxK: jax.Array, weight_M: jax.Array) -> jax.Array:
+    """Each token's output (T, D): its K copies' rows of the sorted outputs `y_MxD` (at
+    `inverse_TxK`), weighted by `weights_TxK`, summed in float32. `token_M` is each sorted
+    row's token and `weight_M` its weight (`weights_TxK`'s values in sorted order, for the
+    gradient; they are not differentiated through)."""
+    return _combine(y_MxD, inverse_TxK, weights_TxK)
+
+
+def _combine(y_MxD, inverse_TxK, weights_TxK):
+    out_TxD = sum(weights_TxK[:, k, None].astype(jnp.float32)
+                  * y_MxD[inverse_TxK[:, k]].astype(jnp.float32)
+                  for k in range(inverse_TxK.shape[1]))
+    return out_TxD.astype(y_MxD.dtype)
+
+
+def _combine_forward(y_MxD, token_M, inverse_TxK, weights_TxK, weight_M):
+    return (_combine(y_MxD, inverse_TxK, weights_TxK),
+            (y_MxD, token_M, inverse_TxK, weight_M))
+
+
+def _combine_backward(residuals, grad_TxD):
+    """d y: a sorted row's gradient is its token's times its weight (a gather); d weights:
+    each copy's row against its token's gradient."""
+    y_MxD, token_M, inverse_TxK, weight_M = residuals
+    grad_y_MxD = (grad_TxD[token_M].astype(jnp.float32)
+                  * weight_M[:, None].astype(jnp.float32)).astype(y_MxD.dtype)
+    grad_f32_TxD = grad_TxD.astype(jnp.float32)
+    grad_weights_TxK = jnp.stack(
+        [jnp.sum(grad_f32_TxD * y_MxD[inverse_TxK[:, k]].astype(jnp.float32), axis=-1)
+         for k in range(inverse_TxK.shape[1])], axis=1)
+    return grad_y_MxD, None, None, grad_weights_TxK.astype(weight_M.dtype), None
+
+
+combine.defvjp(_combine_forward, _combine_backward)
 
 
 def expert_counts(expert_M: jax.Array, num_experts: int) -> jax.Array:
@@ -386,38 +457,25 @@ def expert_counts(expert_M: jax.Array, num_experts: int) -> jax.Array:
     return jnp.sum(expert_M[:, None] == jnp.arange(num_experts), axis=0, dtype=jnp.int32)
 
 
-def sorting(keys_M: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The stable order that sorts `keys_M`, and its inverse (where each element went)."""
-    order_M = jnp.argsort(keys_M, stable=True)
+def sorting(keys_M: jax.Array, *payloads_M: jax.Array) -> tuple[jax.Array, ...]:
+    """The stable order that sorts `keys_M`, its inverse (where each element went), and each
+    payload in that order. All by sorts: a TPU sorts T·K keys in microseconds, where the
+    inverse written by a scatter, or a payload read by a gather, took it ten times as long."""
     M = keys_M.shape[0]
-    inverse_M = jnp.zeros(M, order_M.dtype).at[order_M].set(jnp.arange(M, dtype=order_M.dtype))
-    return order_M, inverse_M
-
-
-@jax.custom_vjp
-def permute(rows_MxD: jax.Array, order_M: jax.Array, inverse_M: jax.Array) -> jax.Array:
-    """`rows_MxD[order_M]` for a permutation `order_M` whose inverse is `inverse_M`. Its
-    gradient is the inverse permutation's gather: left to autodiff, a gather's gradient is a
-    scatter-add (XLA cannot know no two rows land together), slow on a TPU."""
-    return rows_MxD[order_M]
-
-
-def _permute_forward(rows_MxD, order_M, inverse_M):
-    return rows_MxD[order_M], (order_M, inverse_M)
-
-
-def _permute_backward(residuals, grad_MxD):
-    order_M, inverse_M = residuals
-    return grad_MxD[inverse_M], None, None
-
-
-permute.defvjp(_permute_forward, _permute_backward)
+    iota_M = jnp.arange(M, dtype=jnp.int32)
+    _, order_M, *sorted_payloads = jax.lax.sort((keys_M, iota_M, *payloads_M), num_keys=1,
+                                                is_stable=True)
+    _, inverse_M = jax.lax.sort((order_M, iota_M), num_keys=1)
+    return (order_M, inverse_M, *sorted_payloads)
 
 
 def _grouped_mlp(x_MxD, group_sizes_G, matrices, activation, backend):
     """Rows grouped by expert (`group_sizes_G` of them each, the rest zero) through their
     experts' SwiGLU MLPs, one grouped matmul per matrix."""
     gate_GxDxF, up_GxDxF, down_GxFxD = matrices
+    # Gate and up stay two products: as one of twice the width (the matrices concatenated),
+    # the gradient's two halves were concatenated too, which cost a v5e more than the one
+    # product saved.
     h_MxF = (activation(grouped_matmul(x_MxD, gate_GxDxF, group_sizes_G, backend))
              * grouped_matmul(x_MxD, up_GxDxF, group_sizes_G, backend))
     return grouped_matmul(h_MxF, down_GxFxD, group_sizes_G, backend)
@@ -498,23 +556,23 @@ def _with_capacity(x_TxD, experts_TxK, weights_TxK, num_experts, through_experts
     E, D = num_experts, x_TxD.shape[1]
     C = capacity(T * K, E, capacity_factor)
     expert_M = experts_TxK.reshape(T * K)
-    order_M, inverse_M = sorting(expert_M)
-    sorted_expert_M = expert_M[order_M]
+    order_M, inverse_M, weight_M, sorted_expert_M = sorting(
+        expert_M, jax.lax.stop_gradient(weights_TxK).reshape(-1), expert_M)
     group_sizes_E = expert_counts(expert_M, E)
     group_starts_E = jnp.cumsum(group_sizes_E) - group_sizes_E
     slot_M = jnp.arange(T * K) - group_starts_E[sorted_expert_M]
     kept_M = slot_M < C
     # A dropped copy's row goes to one spare slot past the buffer, which is then cut off.
     index_M = jnp.where(kept_M, sorted_expert_M * C + slot_M, E * C)
-    x_MxD = permute(jnp.repeat(x_TxD, K, axis=0), order_M, inverse_M)
+    token_M, inverse_TxK = order_M // K, inverse_M.reshape(T, K)
+    x_MxD = to_experts(x_TxD, token_M, inverse_TxK)
     buffer_NxD = jnp.zeros((E * C + 1, D), x_TxD.dtype).at[index_M].set(x_MxD)
     x_ExCxD = buffer_NxD[:-1].reshape(E, C, D)
     y_NxD = through_experts(x_ExCxD).reshape(E * C, D)
     y_NxD = jnp.concatenate([y_NxD, jnp.zeros((1, D), y_NxD.dtype)])
     y_MxD = y_NxD[index_M]  # dropped copies read the spare slot's zeros
-    y_TxKxD = permute(y_MxD, inverse_M, order_M).reshape(T, K, D)
     dropped = 1.0 - kept_M.astype(jnp.float32).mean()
-    return jnp.einsum("tkd,tk->td", y_TxKxD, weights_TxK), dropped
+    return combine(y_MxD, token_M, inverse_TxK, weights_TxK, weight_M), dropped
 
 
 def _dense(x_TxD, experts_TxK, weights_TxK, matrices, activation):
