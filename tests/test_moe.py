@@ -135,6 +135,48 @@ def loss_and_grads(model, ids):
     return value, metrics, nnx.state(grads, nnx.Param)
 
 
+@settings(max_examples=20, deadline=None)
+@given(tokens=st.integers(1, 24), top_k=st.integers(1, 4), num_experts=st.integers(1, 6),
+       seed=st.integers(0, 2**16))
+def test_the_dispatchs_moves_and_their_gradients_are_the_repeat_and_permutations_they_replace(
+        tokens, top_k, num_experts, seed):
+    """`sorting` is the stable argsort of the copies' experts, its inverse, and the weights in
+    sorted order; `to_experts` and `combine` (each a gather both ways, with their own
+    gradients) compute what repeating every token K times, permuting, unpermuting and
+    summing with the weights computes, values and gradients, for any routing. Each output
+    is a sum of K products (terms=K)."""
+    rng = np.random.default_rng(seed)
+    T, K, E, D = tokens, min(top_k, num_experts), num_experts, 5
+    experts_TxK = np.stack([rng.choice(E, K, replace=False) for _ in range(T)])
+    order_M, inverse_M, weight_M = moe.sorting(jnp.asarray(experts_TxK.reshape(-1)),
+                                               jnp.arange(T * K, dtype=jnp.float32))
+    np.testing.assert_array_equal(order_M, np.argsort(experts_TxK.reshape(-1), kind="stable"))
+    np.testing.assert_array_equal(np.asarray(order_M)[np.asarray(inverse_M)], np.arange(T * K))
+    np.testing.assert_array_equal(weight_M, order_M)  # the payload arange, sorted: the order
+    x_TxD = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
+    weights_TxK = jnp.asarray(rng.random((T, K)), jnp.float32)
+    # What the experts would do to each sorted row: a different scale per row.
+    scale_M = jnp.asarray(rng.standard_normal(T * K), jnp.float32)[:, None]
+    token_M, inverse_TxK = order_M // K, inverse_M.reshape(T, K)
+
+    def ours(x_TxD, weights_TxK):
+        sorted_weight_M = jax.lax.stop_gradient(weights_TxK).reshape(-1)[order_M]
+        y_MxD = moe.to_experts(x_TxD, token_M, inverse_TxK) * scale_M
+        return moe.combine(y_MxD, token_M, inverse_TxK, weights_TxK, sorted_weight_M)
+
+    def reference(x_TxD, weights_TxK):
+        y_MxD = jnp.repeat(x_TxD, K, axis=0)[order_M] * scale_M
+        return jnp.einsum("tkd,tk->td", y_MxD[inverse_M].reshape(T, K, D), weights_TxK)
+
+    probe_TxD = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
+    for function in (lambda f: f(x_TxD, weights_TxK),
+                     lambda f: jax.grad(lambda x, w: jnp.sum(f(x, w) * probe_TxD), (0, 1))(
+                         x_TxD, weights_TxK)):
+        for actual, expected in zip(jax.tree.leaves(function(ours)),
+                                    jax.tree.leaves(function(reference)), strict=True):
+            assert_close(actual, expected, terms=K * D)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dispatch", ["tiled", "ragged"])
 def test_dropless_dispatch_equals_every_token_through_every_expert(dispatch):
