@@ -661,6 +661,11 @@ class EvalConfig:
     """Evaluation beyond the task's own held-out loss: `eval.harness`."""
 
     harness: HarnessConfig = dataclasses.field(default_factory=HarnessConfig)
+    # Where the held-out loss of a causal LM is also reported by position bucket: each
+    # predicted token counted by how many tokens of its document (its row, without document
+    # masking) the model saw, `eval/position/<from>-<to>/{loss,perplexity}`. Only the
+    # boundaries below the block length split it: a run of 2048-token blocks reports none.
+    position_buckets: list[int] = MISSING
 
 
 @dataclasses.dataclass

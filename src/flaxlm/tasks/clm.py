@@ -45,6 +45,7 @@ from flaxlm.training.evaluation import (
     MixtureEvaluator,
     source_metrics,
 )
+from flaxlm.training.step import position_bucket_name, position_ranges
 
 datasets = lazy_module("datasets")
 
@@ -52,6 +53,16 @@ datasets = lazy_module("datasets")
 STREAM_CHECKED_DOCS = 1000
 # What its evaluation (the LM `Evaluator`) logs: every one of them is better lower.
 EVAL_METRICS = ("eval/loss", "eval/perplexity", "eval/bits_per_byte")
+
+
+def position_metrics(config: TrainConfig) -> tuple[str, ...]:
+    """The loss and perplexity by position bucket (`eval.position_buckets`) that a run of
+    `task.max_seq_length` blocks (null: the model's context) logs; a bucket no token
+    reaches logs nothing."""
+    block_length = config.task.max_seq_length or config.model.max_positions
+    return tuple(f"eval/{position_bucket_name(*bucket)}/{metric}"
+                 for bucket in position_ranges(config.eval.position_buckets, block_length)
+                 for metric in ("loss", "perplexity"))
 # What the banner says of the blocks, by task.document_masking.
 _DOCUMENTS = {True: ", each document attending to itself only",
               False: ", documents attending across their boundaries"}
@@ -88,7 +99,8 @@ class CausalLM(LanguageModelTask):
             check_streaming_settings(config)
 
     def eval_metrics(self, config: TrainConfig) -> base.EvalMetrics:
-        logged = EVAL_METRICS + (source_metrics(corpora(config)) if is_mixture(config) else ())
+        logged = (EVAL_METRICS + position_metrics(config)
+                  + (source_metrics(corpora(config)) if is_mixture(config) else ()))
         return base.EvalMetrics(logged, "eval/loss", lower_is_better=logged)
 
     def sequence_length(self, config: TrainConfig, seq_len: int) -> int:

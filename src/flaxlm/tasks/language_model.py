@@ -168,7 +168,8 @@ def lm_steps_compiler(config: TrainConfig) -> Callable[..., CompiledSteps]:
                              skip_nonfinite=config.trainer.skip_nonfinite,
                              loss=LossSettings(z_loss=config.trainer.z_loss,
                                                chunk_size=config.trainer.loss_chunk_size),
-                             trainable=lora.trainable(config.model))
+                             trainable=lora.trainable(config.model),
+                             position_buckets=tuple(config.eval.position_buckets))
 
     return compile_lm_steps
 

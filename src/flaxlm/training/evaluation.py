@@ -14,6 +14,7 @@ computed once, on exactly the N real examples, by scikit-learn and scipy.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -115,23 +116,33 @@ def lm_sums(steps: CompiledSteps, params, num_rows: int, gather: RowGather,
     batches = eval_batches(num_rows, global_batch_size, mesh, gather)
     dispatched = (steps.eval(params, inputs, mask, token_bytes) for inputs, mask in batches)
     total = num_eval_batches(num_rows, global_batch_size)
-    totals = dict.fromkeys(("loss_sum", "tokens", "bytes"), 0.0)
+    totals = collections.defaultdict(float, dict.fromkeys(("loss_sum", "tokens", "bytes"), 0.0))
     for sums in tqdm(unless_stopped(ready_in_order(dispatched), stop, total), total=total,
                      desc="eval", leave=False, file=progress_file()):
         for key, value in jax.device_get(sums).items():
             totals[key] += float(value)
-    return totals
+    return dict(totals)
 
 
 def lm_metrics(totals: dict[str, float], prefix: str = "eval/",
                perplexity: bool = True) -> dict[str, float]:
-    """Loss (nats per token), perplexity and bits per byte from `LMEvaluator.sums`."""
+    """Loss (nats per token), perplexity and bits per byte from `LMEvaluator.sums`; and the
+    loss and perplexity of each bucket of positions the sums hold (`step.position_sums`),
+    `<prefix>position/<from>-<to>/...`, where it held any token."""
     loss = totals["loss_sum"] / totals["tokens"]
-    return {
+    metrics = {
         f"{prefix}loss": loss,
         **({f"{prefix}perplexity": math.exp(min(loss, 700.0))} if perplexity else {}),
         f"{prefix}bits_per_byte": totals["loss_sum"] / (math.log(2) * totals["bytes"]),
     }
+    for key, tokens in totals.items():
+        if key.startswith("position/") and key.endswith("/tokens") and tokens > 0:
+            bucket = key[:-len("/tokens")]
+            bucket_loss = totals[f"{bucket}/loss_sum"] / tokens
+            metrics[f"{prefix}{bucket}/loss"] = bucket_loss
+            if perplexity:
+                metrics[f"{prefix}{bucket}/perplexity"] = math.exp(min(bucket_loss, 700.0))
+    return metrics
 
 
 @dataclasses.dataclass
@@ -146,8 +157,8 @@ class MixtureEvaluator:
 
     def __call__(self, params, stop: StopRequest | None = None) -> dict[str, float]:
         each = {name: evaluator.sums(params, stop) for name, evaluator in self.sources.items()}
-        overall = {key: sum(totals[key] for totals in each.values())
-                   for key in ("loss_sum", "tokens", "bytes")}
+        overall = {key: sum(totals.get(key, 0.0) for totals in each.values())
+                   for key in set().union(*each.values())}
         results = lm_metrics(overall)
         for name, totals in each.items():
             results.update(lm_metrics(totals, f"eval/{name}/", perplexity=False))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -410,11 +410,13 @@ def split_micro_batches(batch_N, num_micro: int, sharding: NamedSharding):
 
 
 def eval_step(params, batch, row_mask_B: jax.Array, token_bytes_V: jax.Array,
-              *, graphdef, chunk_size: int | None = None) -> dict[str, jax.Array]:
+              *, graphdef, chunk_size: int | None = None,
+              position_buckets: tuple[int, ...] = ()) -> dict[str, jax.Array]:
     """Sums, not means: loss summed over real tokens (a batch's targets, when it has a target
     mask), their count and their UTF-8 bytes, so batches (and padding) combine exactly.
     `batch`: as `lm_logits` reads it; the loss is training's cross-entropy (`lm_token_losses`,
-    chunked as training chunks it), without the z-loss."""
+    chunked as training chunks it), without the z-loss. With `position_buckets`, the loss and
+    the count of each bucket of positions too (`position_sums`)."""
     model = nnx.merge(graphdef, params)
     losses_BxL, _, inputs_BxL, _ = lm_token_losses(model, batch, chunk_size=chunk_size)
     mask_BxL = jnp.broadcast_to(row_mask_B[:, None], losses_BxL.shape).astype(jnp.float32)
@@ -425,7 +427,46 @@ def eval_step(params, batch, row_mask_B: jax.Array, token_bytes_V: jax.Array,
         "loss_sum": (losses_BxL * mask_BxL).sum(),
         "tokens": mask_BxL.sum(),
         "bytes": (token_bytes_V[targets_BxL] * mask_BxL).sum(),
+        **position_sums(losses_BxL * mask_BxL, mask_BxL, batch, inputs_BxL.shape[1],
+                        position_buckets),
     }
+
+
+def position_ranges(boundaries: Sequence[int], block_length: int) -> list[tuple[int, int]]:
+    """The buckets [from, to) of positions that `boundaries` cut a block of `block_length`
+    tokens into (those at or past the block's length cut nothing); none when they cut it
+    into one."""
+    cuts = sorted({b for b in boundaries if 0 < b < block_length})
+    if not cuts:
+        return []
+    edges = [0, *cuts, block_length]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def position_bucket_name(start: int, stop: int) -> str:
+    return f"position/{start}-{stop}"
+
+
+def position_sums(loss_BxL, mask_BxL, batch, block_length: int,
+                  boundaries: Sequence[int]) -> dict[str, jax.Array]:
+    """Per bucket of `position_ranges`, the masked loss and its count, as
+    `position/<from>-<to>/loss_sum` and `.../tokens`. A prediction's position is that of the
+    token it is made from in its document (the batch's positions, which count from each
+    document's start), or in its row for a plain batch: position p predicts from p + 1 tokens."""
+    ranges = position_ranges(boundaries, block_length)
+    if not ranges:
+        return {}
+    if isinstance(batch, dict):
+        positions_BxL = batch[POSITIONS][:, :-1]
+    else:
+        positions_BxL = jnp.broadcast_to(jnp.arange(block_length - 1), loss_BxL.shape)
+    sums = {}
+    for start, stop in ranges:
+        inside_BxL = (positions_BxL >= start) & (positions_BxL < stop)
+        name = position_bucket_name(start, stop)
+        sums[f"{name}/loss_sum"] = jnp.where(inside_BxL, loss_BxL, 0.0).sum()
+        sums[f"{name}/tokens"] = jnp.where(inside_BxL, mask_BxL, 0.0).sum()
+    return sums
 
 
 @dataclasses.dataclass(frozen=True)
@@ -479,16 +520,18 @@ def compile_train_step(mesh: Mesh, graphdef, optimizer: Optimizer,
 def compile_steps(mesh: Mesh, graphdef, optimizer: Optimizer, grad_accum_steps: int = 1,
                   skip_nonfinite: bool = False,
                   loss: LossSettings = LossSettings(),
-                  trainable: Filter | None = None) -> CompiledSteps:
+                  trainable: Filter | None = None,
+                  position_buckets: tuple[int, ...] = ()) -> CompiledSteps:
     """The causal-LM train and eval steps, jitted with explicit shardings; `trainable`: what
-    trains (`train_step`)."""
+    trains (`train_step`); `position_buckets`: `eval_step`'s."""
     rep, data = replicated(mesh), batch_sharded(mesh)
     train = compile_train_step(mesh, graphdef, optimizer,
                                functools.partial(lm_objective, settings=loss),
                                grad_accum_steps, skip_nonfinite, trainable)
     evaluate = jax.jit(
         traced_on(mesh, lambda params, inputs, mask, token_bytes: eval_step(
-            params, inputs, mask, token_bytes, graphdef=graphdef, chunk_size=loss.chunk_size
+            params, inputs, mask, token_bytes, graphdef=graphdef, chunk_size=loss.chunk_size,
+            position_buckets=position_buckets,
         ), name="eval_step"),
         in_shardings=(None, data, data, rep),  # the parameters as the train state holds them
         out_shardings=rep,
