@@ -173,6 +173,16 @@ ROWS = {
                           ["hardware.per_device_batch_size=-2"]),
     "global-batch-not-a-multiple": Row(["trainer.global_batch_size=12"],
                                        ["trainer.global_batch_size=12"]),
+    "context-not-dividing-the-rows": Row(
+        ["hardware.mesh.data=1", "hardware.mesh.context=8", "task.max_seq_length=60"],
+        ["hardware.mesh.context=8", "60 positions", "task.max_seq_length"]),
+    "context-with-a-kernel": Row(
+        ["hardware.mesh.data=1", "hardware.mesh.context=8", "model.attention=splash"],
+        ["model.attention=splash", "hardware.mesh.context"]),
+    "context-on-a-classifier": Row(
+        [*classify("pairs.jsonl", "pairs.jsonl"), "model=bert-tiny",
+         "hardware.mesh.data=1", "hardware.mesh.context=8"],
+        ["hardware.mesh.context=8", "padding"]),
     "block-longer-than-model": Row(["task.max_seq_length=65"],
                                    ["task.max_seq_length=65", "model.max_positions=64"]),
     "more-devices-than-exist": Row(["hardware.num_devices=16"], ["hardware.num_devices=16"]),

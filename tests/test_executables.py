@@ -129,8 +129,9 @@ def test_a_plan_saved_for_other_devices_is_refused_naming_them(tmp_path, monkeyp
         train(compose([*RUN, f"compiled_steps={saved}"], run_dir=tmp_path / "run"))
     message = str(refused.value)
     assert f"compiled_steps={saved} was compiled for another run" in message
-    assert ("its devices are 4 × cpu (cpu, mesh data=4 fsdp=1 expert=1 tensor=1), this run's "
-            "8 × cpu (cpu, mesh data=8 fsdp=1 expert=1 tensor=1)") in message
+    assert ("its devices are 4 × cpu (cpu, mesh data=4 fsdp=1 expert=1 context=1 tensor=1), "
+            "this run's 8 × cpu (cpu, mesh data=8 fsdp=1 expert=1 context=1 tensor=1)"
+            ) in message
     assert "config keys differ: hardware.num_devices=4 there, 8 here." in message
     assert "flaxlm-plan <overrides>" in message and "Traceback" not in message
 

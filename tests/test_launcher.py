@@ -46,8 +46,8 @@ def test_the_default_launcher_is_hydras_basic_one_and_needs_no_submitit():
 
 
 @pytest.mark.parametrize(("preset", "devices", "mesh"), [
-    ("tpu-v4-32", 16, (1, 16, 1, 1)),  # 4 hosts x 4 chips, fsdp over the slice
-    ("gpu-slurm", 4 * 8, (4, 8, 1, 1)),  # 4 nodes x 8 GPUs, fsdp within a node
+    ("tpu-v4-32", 16, (1, 16, 1, 1, 1)),  # 4 hosts x 4 chips, fsdp over the slice
+    ("gpu-slurm", 4 * 8, (4, 8, 1, 1, 1)),  # 4 nodes x 8 GPUs, fsdp within a node
 ])
 def test_the_cluster_presets_join_their_hosts_and_fit_their_meshes(preset, devices, mesh):
     hardware = OmegaConf.to_object(compose([f"hardware={preset}"])).hardware

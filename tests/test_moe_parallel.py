@@ -126,6 +126,14 @@ def test_a_step_with_experts_split_over_the_expert_axis_equals_one_device(name):
     assert_same_step(one_step(mesh, MODEL), reference(), MODEL)
 
 
+@pytest.mark.slow
+def test_an_moe_step_with_rows_split_over_the_context_axis_equals_one_device():
+    """Under a context axis each device routes and dispatches the tokens of its slice of the
+    rows (the dispatch's shard_map splits positions too): the same step, the same routing."""
+    mesh = make_mesh(8, mesh_config(data=2, context=4))
+    assert_same_step(one_step(mesh, MODEL), reference(), MODEL)
+
+
 def test_each_device_holds_its_share_of_the_experts():
     for name, share in [("expert=8", 8), ("expert=4 fsdp=2", 8)]:
         mesh = make_mesh(8, MESHES[name])
@@ -261,14 +269,14 @@ def test_an_mixture_of_experts_with_an_expert_axis_is_planned_for_a_tpu_slice(ca
     overrides = [*PLANNED, "hardware=tpu-v5e-8", "hardware.mesh.expert=4"]
     plan_cli.main(overrides)
     out = capsys.readouterr().out
-    assert "mesh data=2 fsdp=1 expert=4 tensor=1" in out and "flaxlm: fits" in out
+    assert "mesh data=2 fsdp=1 expert=4 context=1 tensor=1" in out and "flaxlm: fits" in out
     split, whole = abstract_state(overrides), abstract_state(PLANNED + ["hardware=tpu-v5e-8"])
     assert expert_bytes(split) * 4 == expert_bytes(whole)
 
 
-def test_a_config_saved_before_the_expert_axis_reads_as_none():
+def test_a_config_saved_before_the_expert_and_context_axes_reads_as_none():
     from flaxlm.config import upgrade_saved_config
 
     saved = {"hardware": {"mesh": {"data": 1, "fsdp": -1, "tensor": 1}}}
     assert upgrade_saved_config(saved)["hardware"]["mesh"] == {
-        "data": 1, "fsdp": -1, "tensor": 1, "expert": 1}
+        "data": 1, "fsdp": -1, "tensor": 1, "expert": 1, "context": 1}

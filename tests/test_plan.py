@@ -81,7 +81,7 @@ def test_the_real_steps_compile_for_a_tpu_slice_with_the_state_donated(plans, fa
     run = plans[family, mesh]
     assert (run.device_kind, run.num_devices, run.topology) == ("TPU v4", 4, "v4:2x2x1")
     assert run.mesh == {"data": {"data": 4, "fsdp": 1, "tensor": 2}[mesh],
-                        "fsdp": 4 if mesh == "fsdp" else 1, "expert": 1,
+                        "fsdp": 4 if mesh == "fsdp" else 1, "expert": 1, "context": 1,
                         "tensor": 2 if mesh == "tensor" else 1}
     # The compiler's arguments are the plan's state and batch (and the dropout key), laid out
     # in the TPU's tiles (padded: more than their logical bytes at these small shapes); the new
@@ -208,7 +208,7 @@ def test_under_fsdp_each_device_holds_the_activations_of_its_own_rows(cpu_plan):
     those of data=8 plus at most one gathered copy of the weights, not the whole global
     batch's activations (which made them grow with the number of devices)."""
     _, data = cpu_plan
-    assert data["mesh"] == {"data": 8, "fsdp": 1, "expert": 1, "tensor": 1}
+    assert data["mesh"] == {"data": 8, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
     fsdp = aot.plan(compose([*TINY, "task.max_seq_length=32", "hardware.mesh.data=1",
                              "hardware.mesh.fsdp=8"]))
     assert fsdp.param_bytes * 8 == data["param_bytes"]
@@ -221,7 +221,7 @@ def test_the_abstract_state_has_the_shardings_training_gives_the_real_one():
     """create_state on an abstract model: ShapeDtypeStructs laid out as place_state lays out
     the arrays."""
     model = aot.abstract_model(OmegaConf.to_object(compose(TINY)))
-    mesh = make_mesh(None, MeshConfig(data=2, fsdp=4, tensor=1, expert=1))
+    mesh = make_mesh(None, MeshConfig(data=2, fsdp=4, tensor=1, expert=1, context=1))
     _, abstract = create_state(model, optax.adamw(1e-3), mesh)
     assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(abstract))
     real = place_state(jax.tree.map(lambda leaf: jax.numpy.zeros(leaf.shape, leaf.dtype),
@@ -232,7 +232,7 @@ def test_the_abstract_state_has_the_shardings_training_gives_the_real_one():
 
 def test_make_mesh_lays_out_the_devices_it_is_given():
     devices = jax.devices()[4:]
-    mesh = make_mesh(None, MeshConfig(data=-1, fsdp=2, tensor=1, expert=1), devices)
+    mesh = make_mesh(None, MeshConfig(data=-1, fsdp=2, tensor=1, expert=1, context=1), devices)
     assert list(mesh.devices.flat) == devices and dict(mesh.shape)["data"] == 2
     with pytest.raises(FlaxlmError, match="there are 4 device"):
         make_mesh(8, None, devices)

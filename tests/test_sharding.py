@@ -105,13 +105,16 @@ def data_parallel():
 
 
 def test_hardware_mesh_names_the_axis_sizes():
-    assert dict(make_mesh(8).shape) == {"data": 8, "fsdp": 1, "expert": 1, "tensor": 1}
+    assert dict(make_mesh(8).shape) == {"data": 8, "fsdp": 1, "expert": 1, "context": 1,
+                                        "tensor": 1}
     assert dict(make_mesh(8, mesh_config(data=2, fsdp=-1)).shape) == {
-        "data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
+        "data": 2, "fsdp": 4, "expert": 1, "context": 1, "tensor": 1}
     assert dict(make_mesh(4, mesh_config(data=-1, tensor=2)).shape) == {
-        "data": 2, "fsdp": 1, "expert": 1, "tensor": 2}
+        "data": 2, "fsdp": 1, "expert": 1, "context": 1, "tensor": 2}
     assert dict(make_mesh(8, mesh_config(data=-1, expert=4)).shape) == {
-        "data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
+        "data": 2, "fsdp": 1, "expert": 4, "context": 1, "tensor": 1}
+    assert dict(make_mesh(8, mesh_config(data=-1, context=4)).shape) == {
+        "data": 2, "fsdp": 1, "expert": 1, "context": 4, "tensor": 1}
 
 
 @pytest.mark.parametrize("mesh_config, named", [

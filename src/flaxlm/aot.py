@@ -47,6 +47,7 @@ from flaxlm.models import build, lora
 from flaxlm.models.attention import kernel_compile_error
 from flaxlm.models.layers import count_params
 from flaxlm.parallel import (
+    CONTEXT_AXIS,
     EXPERT_AXIS,
     FSDP_AXIS,
     MESH_AXES,
@@ -458,10 +459,11 @@ def _fsdp_state_bytes(mesh: Mesh, model, tx, trainable=None) -> int | None:
     expert axes kept), computed from the shardings alone; None when that is the mesh already.
     `trainable`: what has optimizer state (model.lora: the adapters; None: every parameter)."""
     tensor, expert = mesh.shape[TENSOR_AXIS], mesh.shape[EXPERT_AXIS]
-    if mesh.shape[FSDP_AXIS] * tensor * expert == mesh.size:
+    context = mesh.shape.get(CONTEXT_AXIS, 1)
+    if mesh.shape[FSDP_AXIS] * tensor * expert * context == mesh.size:
         return None
-    fsdp_mesh = make_mesh(None, MeshConfig(data=1, fsdp=-1, tensor=tensor, expert=expert),
-                          list(mesh.devices.flat))
+    fsdp_mesh = make_mesh(None, MeshConfig(data=1, fsdp=-1, tensor=tensor, expert=expert,
+                                           context=context), list(mesh.devices.flat))
     return _state_bytes(fsdp_mesh, model, tx, trainable)
 
 

@@ -368,6 +368,10 @@ class MeshConfig:
     # tokens moved to them by all-to-all); model.moe.num_experts must divide by it. For every
     # other parameter (and a dense model's) it is data parallelism.
     expert: int = MISSING
+    # Each row's positions split over it (context parallelism): every device of the axis holds
+    # a contiguous 1/context of every row's activations, and attention gathers the row's keys
+    # and values; the batch's rows are replicated along it, as along tensor.
+    context: int = MISSING
 
 
 @dataclasses.dataclass
@@ -749,6 +753,7 @@ ADDED = {
     "model.scan_layers": False,  # one module per layer
     "hardware.dropout_rng": "threefry",  # JAX's default key
     "hardware.mesh.expert": 1,  # no expert axis
+    "hardware.mesh.context": 1,  # no context axis
 }
 
 

@@ -29,7 +29,12 @@ from flaxlm.config import ObjectiveMode, TrainConfig
 from flaxlm.errors import FlaxlmError, writable_dir
 from flaxlm.lazy_imports import import_in_background
 from flaxlm.models.attention import kernel_compile_error
-from flaxlm.parallel import check_expert_axis, configure_platform, make_mesh
+from flaxlm.parallel import (
+    check_context_axis,
+    check_expert_axis,
+    configure_platform,
+    make_mesh,
+)
 from flaxlm.run_mirror import upload_exports, upload_run_files
 from flaxlm.run_records import FAILED, FINISHED, PREEMPTED, RUNNING, write_status
 from flaxlm.runs import open_shared_run_dir, output_url_of
@@ -197,7 +202,9 @@ def check_settings(config: TrainConfig, num_devices: int) -> int:
                           "coefficient of the z-loss (e.g. 1e-4), or 0 for none.")
     global_batch_size(config, num_devices)
     check_expert_axis(config.model, config.hardware.mesh, num_devices)
-    attention_choice(config, config.model, task_named(config.task.name).pads_rows)
+    pads_rows = task_named(config.task.name).pads_rows
+    check_context_axis(config.hardware.mesh, num_devices, seq_len, pads_rows)
+    attention_choice(config, config.model, pads_rows)
     check_optimizer_settings(config.optimizer)
     choose_objective(config)
     return seq_len

@@ -1,15 +1,18 @@
 """Devices, the device mesh and shardings.
 
-The mesh has four named axes: `data` (the batch only), `fsdp` (the batch, and parameters plus
+The mesh has five named axes: `data` (the batch only), `fsdp` (the batch, and parameters plus
 optimizer state split ZeRO-3 style: each device keeps 1/n and the step gathers them as it needs
 them), `expert` (the batch, and a Mixture-of-Experts layer's experts: each device holds
 E/expert of them, and the tokens travel to their experts' devices and back by all-to-all,
-`flaxlm.models.moe`; for every other parameter it is data parallelism) and `tensor` (attention
-heads and MLP width split Megatron style; the batch is replicated along it). Everything is
-written with `jax.jit` over the mesh: the batch is one global `jax.Array` sharded on `data` ×
-`fsdp` × `expert` (`BATCH_AXES`), and each parameter's layout follows from the logical
-axis names it carries (`logical_axes` metadata, e.g. ("embed", "mlp")) through one table of
-rules, `LOGICAL_AXIS_RULES`, so a new model family or mesh shape needs no per-parameter code.
+`flaxlm.models.moe`; for every other parameter it is data parallelism), `context` (each row's
+positions: every device of the axis holds a contiguous slice of each row's activations, and
+attention gathers the keys and values of the whole row, `flaxlm.models.attention`) and
+`tensor` (attention heads and MLP width split Megatron style; the batch is replicated along
+it and along `context`). Everything is written with `jax.jit` over the mesh: the batch is one
+global `jax.Array` sharded on `data` × `fsdp` × `expert` (`BATCH_AXES`), and each parameter's
+layout follows from the logical axis names it carries (`logical_axes` metadata, e.g.
+("embed", "mlp")) through one table of rules, `LOGICAL_AXIS_RULES`, so a new model family or
+mesh shape needs no per-parameter code.
 With the default mesh (all devices on `data`) every parameter is replicated: plain data
 parallelism, `jax.jit` inserting the cross-device mean of the gradients. Multi-host: every
 process loads only its own rows and `jax.make_array_from_process_local_data` stitches them into
@@ -36,7 +39,8 @@ from flaxlm.errors import FlaxlmError
 
 # In this order the devices are laid out: the innermost axes get the nearest devices, for the
 # collectives of every layer (tensor's) and of every sparse layer (expert's all-to-all).
-DATA_AXIS, FSDP_AXIS, EXPERT_AXIS, TENSOR_AXIS = MESH_AXES = ("data", "fsdp", "expert", "tensor")
+DATA_AXIS, FSDP_AXIS, EXPERT_AXIS, CONTEXT_AXIS, TENSOR_AXIS = MESH_AXES = (
+    "data", "fsdp", "expert", "context", "tensor")
 # The batch's rows are split over all three (expert parallelism borrows the data dimension, as
 # in MaxText and torchtitan: the expert axis's devices hold different experts and different
 # tokens); in mesh order, so that a host's devices hold a contiguous run of rows.
@@ -227,7 +231,8 @@ def make_mesh(num_devices: int | None, mesh: MeshConfig | None = None,
             )
         devices = devices[:num_devices]
     # No mesh settings (tests, benchmarks): plain data parallelism over every device.
-    shape = mesh_shape(mesh or MeshConfig(data=-1, fsdp=1, tensor=1, expert=1), len(devices))
+    shape = mesh_shape(mesh or MeshConfig(data=-1, fsdp=1, tensor=1, expert=1, context=1),
+                       len(devices))
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
 
 
@@ -235,9 +240,9 @@ def _process_count(devices: Sequence) -> int:
     return len({device.process_index for device in devices})
 
 
-def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int, int]:
-    """hardware.mesh's (data, fsdp, expert, tensor) sizes for `num_devices` devices; one -1
-    takes the devices the other axes leave."""
+def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, ...]:
+    """hardware.mesh's (data, fsdp, expert, context, tensor) sizes for `num_devices` devices;
+    one -1 takes the devices the other axes leave."""
     sizes = {axis: getattr(mesh, axis) for axis in MESH_AXES}
     settings = ", ".join(f"hardware.mesh.{axis}={size}" for axis, size in sizes.items())
     wildcards = [axis for axis, size in sizes.items() if size == -1]
@@ -250,10 +255,35 @@ def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int, int]:
             f"{settings} does not fit {num_devices} device(s): the axis sizes must be positive "
             f"and multiply to the device count, with at most one -1 (the devices the others "
             f"leave). For {num_devices} devices, e.g. hardware.mesh.data=-1 "
-            f"hardware.mesh.fsdp={num_devices} hardware.mesh.expert=1 hardware.mesh.tensor=1 "
-            "(all of them on fsdp); or change hardware.num_devices."
+            f"hardware.mesh.fsdp={num_devices} hardware.mesh.expert=1 hardware.mesh.context=1 "
+            "hardware.mesh.tensor=1 (all of them on fsdp); or change hardware.num_devices."
         )
     return tuple(sizes[axis] for axis in MESH_AXES)
+
+
+def check_context_axis(mesh: MeshConfig, num_devices: int, seq_len: int | None,
+                       pads_rows: bool) -> None:
+    """A `context` axis splits each row's positions into equal contiguous slices, so it must
+    divide the row's length; and it serves causal language models, whose attention masks
+    nothing but the causal order and documents (an encoder's or classifier's padding masks
+    do not travel with the slices)."""
+    context = dict(zip(MESH_AXES, mesh_shape(mesh, num_devices)))[CONTEXT_AXIS]
+    if context == 1:
+        return
+    if pads_rows:
+        raise FlaxlmError(
+            f"hardware.mesh.context={context} splits each row's positions over {context} "
+            "devices, for causal language models (task=clm, sft, dpo); this task's model "
+            "masks padding, which the slices do not carry. Set hardware.mesh.context=1.")
+    if seq_len is not None and seq_len % context:
+        fitting = [size for size in range(1, context) if seq_len % size == 0
+                   and num_devices % size == 0]
+        raise FlaxlmError(
+            f"hardware.mesh.context={context} does not divide the rows' {seq_len} positions "
+            f"into equal slices. Set task.max_seq_length to a multiple of {context} (e.g. "
+            f"{-(-seq_len // context) * context}), or hardware.mesh.context to a divisor of "
+            f"{seq_len} that divides the {num_devices} device(s), e.g. "
+            f"hardware.mesh.context={max(fitting)}.")
 
 
 def check_expert_axis(model: ModelConfig, mesh: MeshConfig, num_devices: int) -> None:
@@ -404,11 +434,23 @@ def constrain_batch(x_BxE: jax.Array, *, last_over_tensor: bool = False) -> jax.
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or any(axis not in mesh.axis_names for axis in BATCH_AXES):
         return x_BxE
+    # A (B, L, ...) activation's positions over `context` (`sequence_axis`).
+    positions = [sequence_axis(x_BxE.shape[1])] if x_BxE.ndim >= 3 else []
+    middle = [None] * (x_BxE.ndim - 1 - len(positions) - 1)
     if last_over_tensor and TENSOR_AXIS in mesh.axis_names:
-        spec = PartitionSpec(BATCH_AXES, *[None] * (x_BxE.ndim - 2), TENSOR_AXIS)
+        spec = PartitionSpec(BATCH_AXES, *positions, *middle, TENSOR_AXIS)
     else:
-        spec = PartitionSpec(BATCH_AXES)
+        spec = PartitionSpec(BATCH_AXES, *positions)
     return jax.lax.with_sharding_constraint(x_BxE, spec)
+
+
+def sequence_axis(length: int) -> str | None:
+    """Inside a step traced on a mesh: `context` where the mesh splits rows' positions over it
+    (more than one device) and it divides `length` evenly, else None (generation's one new
+    token a step, and everything on a mesh without it, keeps its positions whole)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    size = 1 if mesh.empty else dict(mesh.shape).get(CONTEXT_AXIS, 1)
+    return CONTEXT_AXIS if size > 1 and length % size == 0 else None
 
 
 def constrain_state(tree, mesh: Mesh):

@@ -273,7 +273,7 @@ def local_mesh() -> Mesh:
     split over all of them. JAX starts here, on the platform it finds (never probing for a
     TPU that is not attached: `skip_absent_tpu`)."""
     skip_absent_tpu()
-    return make_mesh(None, MeshConfig(data=1, fsdp=-1, tensor=1, expert=1))
+    return make_mesh(None, MeshConfig(data=1, fsdp=-1, tensor=1, expert=1, context=1))
 
 
 def _is_classifier_run(run_config: dict, model_dir: str) -> bool:

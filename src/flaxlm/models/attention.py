@@ -21,6 +21,11 @@ attention (keys and values with G heads, G dividing N; query head n reads key he
 - `auto`: `choose_backend` picks by the devices (platform and chip generation), dtype and
   shape: only a kernel that compiles there.
 
+With a `context` mesh axis (`hardware.mesh.context`, context parallelism) each device holds a
+contiguous slice of every row's queries, keys and values; `context_attention` gathers the
+row's keys and values onto each device of the axis (MaxText's all-gather variant) and masks
+by the slices' places in the row, with the reference or XLA path.
+
 Shapes are in the names: B batch, L query length, K key length, N query heads, G key/value
 heads, H head width.
 """
@@ -40,7 +45,14 @@ from jax.sharding import PartitionSpec
 from flaxlm.config import AttentionBackend
 from flaxlm.errors import FlaxlmError, causes
 from flaxlm.models.dropout import dropout
-from flaxlm.parallel import BATCH_AXES, TENSOR_AXIS, Accelerator, accelerator_of
+from flaxlm.parallel import (
+    BATCH_AXES,
+    CONTEXT_AXIS,
+    TENSOR_AXIS,
+    Accelerator,
+    accelerator_of,
+    sequence_axis,
+)
 
 # What cuDNN's flash attention runs: its dtypes, and head widths up to 128 in multiples of 8
 # (jax's `check_is_flash_attention`; Hopper allows 256, older GPUs 128).
@@ -86,7 +98,7 @@ class Choice:
 
 def choose_backend(requested: AttentionBackend | str, accelerator: Accelerator, compute_dtype,
                    seq_len: int, head_width: int, *, causal_lm: bool = True,
-                   attention_dropout: float = 0.0) -> Choice:
+                   attention_dropout: float = 0.0, context_parallel: bool = False) -> Choice:
     """The backend `model.attention=requested` means for a run on `accelerator` (the platform,
     "cpu", "gpu" or "tpu", and the chip: `flaxlm.parallel.run_accelerator`) in
     `compute_dtype` over blocks of `seq_len` tokens: `auto` picks cuDNN on an Ampere-or-newer
@@ -94,9 +106,19 @@ def choose_backend(requested: AttentionBackend | str, accelerator: Accelerator, 
     in half precision, the TPU is a v4 or newer), else XLA. A backend named explicitly that
     cannot run there is a FlaxlmError, raised before anything compiles. `causal_lm` is False
     for the classifiers, whose padding masks only the reference and XLA paths (and cuDNN)
-    take."""
+    take. With `context_parallel` (a `context` mesh axis) the attention is
+    `context_attention`'s, on the XLA path: no kernel is built for it yet."""
     backend = _backend(requested)
     reason = ""
+    if context_parallel and backend in (AttentionBackend.splash, AttentionBackend.cudnn):
+        raise FlaxlmError(
+            f"model.attention={backend.value} with hardware.mesh.context > 1: under a context "
+            "axis each device gathers its rows' keys and values and attends with XLA's "
+            "attention; the fused kernels are not wired for slices of a row yet. Set "
+            "model.attention=auto (xla under a context axis) or xla.")
+    if context_parallel and backend is AttentionBackend.auto:
+        return Choice(AttentionBackend.xla, "auto under a context axis",
+                      attention_dropout > 0)
     if backend is AttentionBackend.auto:
         backend = _auto(accelerator, compute_dtype, seq_len, head_width, causal_lm)
         reason = f"auto on {accelerator.name}"
@@ -243,6 +265,12 @@ def attention(q_BxLxNxH: jax.Array, k_BxKxGxH: jax.Array, v_BxKxGxH: jax.Array, 
                                    segment_ids_BxL, dropout_rate, rngs.dropout())
     if backend is AttentionBackend.auto:
         backend = _traced_auto(q_BxLxNxH, mask)
+    if sequence_axis(q_BxLxNxH.shape[1]) and mask is None:
+        if backend not in (AttentionBackend.reference, AttentionBackend.xla):
+            raise ValueError(f"{backend.value} attention under a context axis: reference or "
+                             "xla (choose_backend refuses the kernels there)")
+        return context_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal, segment_ids_BxL,
+                                 backend)
     if backend is AttentionBackend.reference:
         return reference_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, mask, is_causal,
                                    segment_ids_BxL)
@@ -253,6 +281,45 @@ def attention(q_BxLxNxH: jax.Array, k_BxKxGxH: jax.Array, v_BxKxGxH: jax.Array, 
     mask = _with_segments(mask, segment_ids_BxL)
     return jax.nn.dot_product_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, mask=mask,
                                         is_causal=is_causal, implementation=backend.value)
+
+
+def context_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal: bool,
+                      segment_ids_BxL: jax.Array | None,
+                      backend: AttentionBackend) -> jax.Array:
+    """Self-attention with each row's positions split over the mesh's `context` axis: under
+    `jax.shard_map`, each device of the axis holds a contiguous slice of the row's queries,
+    keys and values (its rows, and its heads when `tensor` splits them); it gathers the whole
+    row's keys and values (an all-gather, which XLA overlaps with what it can) and attends
+    from its queries to them. The causal mask compares the queries' places in the row
+    (slice c holds places c·L/C …) with the keys'; segment ids (whole rows on every device)
+    keep each query to its own document, also across slices. The reference path or XLA's
+    (`backend`; no kernel: splash is refused with a context axis before anything compiles)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    heads = _head_axis(mesh, q_BxLxNxH.shape[2], k_BxKxGxH.shape[2])
+    slices = PartitionSpec(BATCH_AXES, CONTEXT_AXIS, heads)
+    rows = None if segment_ids_BxL is None else PartitionSpec(BATCH_AXES)
+
+    def per_device(q_BxSxNxH, k_BxSxGxH, v_BxSxGxH, segment_ids_BxL):
+        S = q_BxSxNxH.shape[1]
+        k_BxLxGxH = jax.lax.all_gather(k_BxSxGxH, CONTEXT_AXIS, axis=1, tiled=True)
+        v_BxLxGxH = jax.lax.all_gather(v_BxSxGxH, CONTEXT_AXIS, axis=1, tiled=True)
+        start = jax.lax.axis_index(CONTEXT_AXIS) * S
+        mask = None
+        if is_causal:
+            places_S = start + jnp.arange(S)
+            mask = (places_S[:, None] >= jnp.arange(k_BxLxGxH.shape[1])[None, :])[None, None]
+        if segment_ids_BxL is not None:
+            queries_BxS = jax.lax.dynamic_slice_in_dim(segment_ids_BxL, start, S, axis=1)
+            same_Bx1xSxL = queries_BxS[:, None, :, None] == segment_ids_BxL[:, None, None, :]
+            mask = same_Bx1xSxL if mask is None else mask & same_Bx1xSxL
+        if backend is AttentionBackend.reference:
+            return reference_attention(q_BxSxNxH, k_BxLxGxH, v_BxLxGxH, mask)
+        return jax.nn.dot_product_attention(q_BxSxNxH, k_BxLxGxH, v_BxLxGxH, mask=mask,
+                                            implementation=backend.value)
+
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(slices, slices, slices, rows),
+                         out_specs=slices, check_vma=False)(
+        q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, segment_ids_BxL)
 
 
 def _traced_auto(q_BxLxNxH: jax.Array, mask) -> AttentionBackend:

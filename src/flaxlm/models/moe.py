@@ -51,7 +51,7 @@ from flaxlm.config import ModelConfig, MoeConfig, MoeDispatch
 from flaxlm.errors import FlaxlmError
 from flaxlm.models.grouped_matmul import grouped_matmul
 from flaxlm.models.layers import ACTIVATIONS, TransformerSpec, axes, check_experts_family
-from flaxlm.parallel import BATCH_AXES, EXPERT_AXIS, TENSOR_AXIS
+from flaxlm.parallel import BATCH_AXES, EXPERT_AXIS, TENSOR_AXIS, sequence_axis
 
 
 def check_moe(cfg: ModelConfig) -> None:
@@ -310,14 +310,16 @@ def dispatch(x_BxLxD: jax.Array, experts_BxLxK: jax.Array, weights_BxLxK: jax.Ar
     expert = (EXPERT_AXIS if mesh.shape.get(EXPERT_AXIS, 1) > 1
               and dispatch_backend(moe) != MoeDispatch.dense.value else None)
     exchange = None if expert is None else _Exchange(expert, mesh.shape[expert])
+    # Under a context axis each device holds a slice of its rows' positions: its tokens.
+    positions = [axis] if (axis := sequence_axis(x_BxLxD.shape[1])) else []
 
     def per_device(x, e, w, *m):
         out_BxLxD, dropped = _local_dispatch(x, e, w, m, experts.activation, moe, exchange)
         if tensor:  # each device holds 1/tensor of every expert's width: partial sums
             out_BxLxD = jax.lax.psum(out_BxLxD, tensor)
-        return out_BxLxD, jax.lax.pmean(dropped, BATCH_AXES)
+        return out_BxLxD, jax.lax.pmean(dropped, (*BATCH_AXES, *positions))
 
-    rows = PartitionSpec(BATCH_AXES)
+    rows = PartitionSpec(BATCH_AXES, *positions)
     return jax.shard_map(
         per_device, mesh=mesh,
         in_specs=(rows, rows, rows, PartitionSpec(expert, None, tensor),

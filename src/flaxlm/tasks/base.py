@@ -328,7 +328,8 @@ def attention_choice(config: TrainConfig, model: ModelConfig, pads_rows: bool) -
                           config.task.max_seq_length or model.max_positions,
                           model.hidden_size // model.num_heads,
                           causal_lm=not pads_rows,
-                          attention_dropout=model.attention_dropout)
+                          attention_dropout=model.attention_dropout,
+                          context_parallel=config.hardware.mesh.context != 1)
 
 
 def announce_new_length(config: TrainConfig, saved_config: dict, plan: Plan, schedule,
