@@ -63,6 +63,8 @@ def position_metrics(config: TrainConfig) -> tuple[str, ...]:
     return tuple(f"eval/{position_bucket_name(*bucket)}/{metric}"
                  for bucket in position_ranges(config.eval.position_buckets, block_length)
                  for metric in ("loss", "perplexity"))
+
+
 # What the banner says of the blocks, by task.document_masking.
 _DOCUMENTS = {True: ", each document attending to itself only",
               False: ", documents attending across their boundaries"}

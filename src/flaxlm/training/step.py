@@ -423,12 +423,12 @@ def eval_step(params, batch, row_mask_B: jax.Array, token_bytes_V: jax.Array,
     if (weights_BxL := target_weights(batch)) is not None:
         mask_BxL = mask_BxL * weights_BxL
     targets_BxL = inputs_BxL[:, 1:]
+    masked_BxL = losses_BxL * mask_BxL
     return {
-        "loss_sum": (losses_BxL * mask_BxL).sum(),
+        "loss_sum": masked_BxL.sum(),
         "tokens": mask_BxL.sum(),
         "bytes": (token_bytes_V[targets_BxL] * mask_BxL).sum(),
-        **position_sums(losses_BxL * mask_BxL, mask_BxL, batch, inputs_BxL.shape[1],
-                        position_buckets),
+        **position_sums(masked_BxL, mask_BxL, batch, inputs_BxL.shape[1], position_buckets),
     }
 
 
