@@ -110,7 +110,8 @@ def flax_worker(config, tokens_np, args) -> None:
                  step_bytes=footprint and (footprint.argument_size_in_bytes
                                            + footprint.output_size_in_bytes
                                            - footprint.alias_size_in_bytes
-                                           + footprint.temp_size_in_bytes))
+                                           + footprint.temp_size_in_bytes),
+                 temp_bytes=footprint and footprint.temp_size_in_bytes)
 
 
 def torch_worker(config, tokens_np, args, compiled: bool) -> None:
@@ -264,8 +265,8 @@ def main() -> None:
     if ours and not mfu:
         print(f"no MFU: the peak FLOP/s of {ours['devices']} is not known")
     for name, result in info.items():  # what the table leaves out: compile time, memory
-        extras = {key: result[key] for key in ("first_step_s", "step_bytes", "compute_dtype")
-                  if result.get(key) is not None}
+        keys = ("first_step_s", "step_bytes", "temp_bytes", "compute_dtype")
+        extras = {key: result[key] for key in keys if result.get(key) is not None}
         if extras:
             print(f"{name}: " + ", ".join(f"{key} {value:,.1f}" if isinstance(value, float)
                                           else f"{key} {value}" for key, value in extras.items()))

@@ -132,6 +132,23 @@ def test_the_train_step_with_splash_attention_compiles_for_a_tpu_slice():
     assert "tpu_custom_call" in run.steps.train.lower(*run.train_args).as_text()
 
 
+def test_the_roofline_takes_the_model_s_flops_where_kernels_hide_them_from_the_compiler():
+    """A Pallas kernel's FLOPs are missing from the compiled count (megablox's expert matmuls,
+    most of an MoE step's): the step still does the model's, so no MFU exceeds 100%."""
+    hidden = aot.CompiledStep(compile_s=1.0, argument_bytes=0, output_bytes=0, alias_bytes=0,
+                              temp_bytes=0, code_bytes=0, flops=1e9, bytes_accessed=0.0)
+    run = aot.RunPlan(model="m", hardware="h", device_kind="TPU v5 lite", num_devices=1,
+                      mesh={"data": 1}, topology="v5e:1x1", remat="none", per_device_batch=1,
+                      grad_accum_steps=1, global_batch=1, seq_len=1000, num_params=10**6,
+                      param_bytes=0, opt_state_bytes=0, batch_bytes=0, train=hidden,
+                      eval=hidden, flops_per_token=1e7, hbm_bytes=None, peak_flops=1e14,
+                      hbm_bandwidth=None)
+    assert run.model_flops == 1e10 > run.step_flops
+    assert run.compute_s == pytest.approx(1e-4) and run.mfu == pytest.approx(1.0)
+    counted = dataclasses.replace(run, train=dataclasses.replace(hidden, flops=2e10))
+    assert counted.compute_s == pytest.approx(2e-4) and counted.mfu == pytest.approx(0.5)
+
+
 @pytest.mark.slow
 def test_gradient_accumulation_counts_its_loop_in_full(plans):
     """cost_analysis counts a loop's body once; the plan multiplies by the micro-batches."""

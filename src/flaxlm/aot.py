@@ -15,8 +15,10 @@ What the compiler reports, and how far to trust it:
   once, so the step's figures are multiplied by its micro-batches (the optimizer update,
   outside the loop, is then over-counted, by a little); a kernel the compiler cannot see
   into counts nothing: with `model.attention=splash` (a Pallas kernel, what `auto` takes on
-  a TPU v4 or newer) attention's FLOPs and bytes are missing from both, and the roofline is
-  low;
+  a TPU v4 or newer) attention's FLOPs and bytes are missing from both, and with megablox's
+  grouped matmul a Mixture-of-Experts model's expert matmuls; the roofline's compute then
+  takes the model's analytic FLOPs where they are more than the compiled count, and is low
+  by the kernels' share beyond them;
 - the time is a roofline, not a measurement: the larger of FLOPs over the chip's peak and
   bytes over its HBM bandwidth; communication between chips and imperfect overlap are not in
   it, and cost analysis's bytes can exceed the chip's real traffic (a real chip can run the
@@ -43,7 +45,7 @@ from flaxlm import hardware_peak
 from flaxlm.config import MeshConfig, ModelConfig, Remat, TrainConfig
 from flaxlm.errors import FlaxlmError
 from flaxlm.job import check_settings
-from flaxlm.models import build, lora
+from flaxlm.models import build, lora, moe
 from flaxlm.models.attention import kernel_compile_error
 from flaxlm.models.layers import count_params
 from flaxlm.parallel import (
@@ -58,6 +60,7 @@ from flaxlm.parallel import (
     make_mesh,
     mesh_shape,
     replicated,
+    run_accelerator,
     target_devices,
 )
 from flaxlm.tasks import base
@@ -127,6 +130,7 @@ class RunPlan:
     expert_overrides: tuple[str, ...] = ()
     expert_state_bytes: int | None = None
     attention: str = ""  # the backend and why, as the run's banner says it
+    dispatch: str = ""  # a Mixture-of-Experts model's: how tokens reach their experts there
     # Where hbm_bytes comes from: the preset's hardware.hbm_gib_per_device (what a program can
     # use, not the chip's nominal memory) or the attached chip's bytes_limit.
     hbm_source: str = ""
@@ -171,7 +175,12 @@ class RunPlan:
 
     @property
     def compute_s(self) -> float | None:
-        return None if self.peak_flops is None else self.step_flops / self.peak_flops
+        """The step's FLOPs at the chip's peak: the compiled count, or the model's analytic
+        FLOPs where kernels hide more than recomputation adds (megablox's expert matmuls, a
+        Mixture-of-Experts step's most, count nothing), so that no MFU exceeds 100%."""
+        if self.peak_flops is None:
+            return None
+        return max(self.step_flops, self.model_flops) / self.peak_flops
 
     @property
     def memory_s(self) -> float | None:
@@ -328,6 +337,8 @@ def plan(cfg: DictConfig | TrainConfig, save_to: str | None = None) -> RunPlan:
         fsdp_state_bytes=layout.fsdp_state_bytes,
         expert_overrides=layout.expert_overrides, expert_state_bytes=layout.expert_state_bytes,
         attention=base.attention_choice(config, config.model, CausalLM.pads_rows).describe(),
+        dispatch=moe.describe_dispatch(config.model.moe, run_accelerator(hardware).platform)
+        if moe.enabled(config.model) else "",
         scan_layers=config.model.scan_layers,
     )
 
@@ -589,7 +600,8 @@ def report(run: RunPlan) -> str:
     lines = [
         f"flaxlm: plan of model={run.model} ({run.num_params / 1e6:,.1f}M params) on "
         f"hardware={run.hardware}: {run.num_devices} × {run.device_kind} ({where}), mesh "
-        f"{mesh}, remat {run.remat}" + (f", {run.attention}" if run.attention else ""),
+        f"{mesh}, remat {run.remat}" + "".join(f", {part}" for part in (run.attention,
+                                                                       run.dispatch) if part),
         f"  batch: {run.global_batch} rows × {run.seq_len} tokens = {run.tokens_per_step:,} "
         f"tokens per step ({run.per_device_batch} rows per device × {run.num_devices} devices "
         f"× {run.grad_accum_steps} micro-batch(es))",

@@ -48,8 +48,9 @@ def grouped_matmul(lhs_MxK: jax.Array, rhs_GxKxN: jax.Array, group_sizes_G: jax.
 MEGABLOX_TILING = (512, 1024, 1024)
 
 
-def megablox_tiling(M: int, K: int, N: int) -> tuple[int, int, int]:
-    """The kernel's tiles for M rows of width K times (K, N) matrices: each the largest at most
+def megablox_tiling(M: int, K: int, N: int, kernel: str = "gmm") -> tuple[int, int, int]:
+    """The tiles of megablox's `kernel` (gmm: M rows of width K times (K, N) matrices; tgmm:
+    their (K, N) gradients from the M rows' (K, M) and (M, N)): each the largest at most
     `MEGABLOX_TILING`'s that divides its dimension (a tile that does not divide its dimension
     is masked at the edge, and one wider than the dimension is padded: both slow), the whole
     dimension where it is no larger or where no tile divides it."""
@@ -91,7 +92,7 @@ def _megablox_backward(residuals, grad_MxN):
     grad_lhs_MxK = gmm(grad_MxN, rhs_GxKxN.swapaxes(1, 2), group_sizes_G, lhs_MxK.dtype,
                        megablox_tiling(M, N, K))
     grad_rhs_GxKxN = tgmm(lhs_MxK.swapaxes(0, 1), grad_MxN, group_sizes_G, rhs_GxKxN.dtype,
-                          megablox_tiling(M, K, N), None, G)
+                          megablox_tiling(M, K, N, "tgmm"), None, G)
     return grad_lhs_MxK, grad_rhs_GxKxN, None
 
 

@@ -110,11 +110,19 @@ def dispatch_backend(moe: MoeConfig, platform: str | None = None) -> str:
     return {"tpu": "megablox", "gpu": "ragged"}.get(platform, "tiled")
 
 
-def describe_dispatch(moe: MoeConfig) -> str:
-    """How tokens reach their experts, for the run's banner."""
-    if moe.capacity_factor is not None and dispatch_backend(moe) != MoeDispatch.dense.value:
+def resolved(moe: MoeConfig, platform: str) -> MoeConfig:
+    """`moe` with its dispatch as it runs on `platform`: auto made concrete before the model is
+    traced, so that a plan compiled on this CPU for a TPU traces the TPU's kernel, not the
+    CPU's."""
+    return dataclasses.replace(moe, dispatch=MoeDispatch(dispatch_backend(moe, platform)))
+
+
+def describe_dispatch(moe: MoeConfig, platform: str | None = None) -> str:
+    """How tokens reach their experts on `platform`, for the run's banner."""
+    backend = dispatch_backend(moe, platform)
+    if moe.capacity_factor is not None and backend != MoeDispatch.dense.value:
         return f"tokens past capacity factor {moe.capacity_factor:g} dropped"
-    return f"{dispatch_backend(moe)} dispatch"
+    return f"{backend} dispatch"
 
 
 @struct.dataclass

@@ -24,7 +24,7 @@ from flaxlm.config import HardwareConfig, ModelConfig, TrainConfig
 from flaxlm.data.loader import RowLoader
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import export_hf
-from flaxlm.models import hf, pretrained
+from flaxlm.models import hf, moe, pretrained
 from flaxlm.models.attention import Choice, choose_backend
 from flaxlm.models.layers import TransformerSpec, count_params
 from flaxlm.parallel import init_on_mesh, run_accelerator
@@ -311,9 +311,11 @@ def run_dropout_impl(hardware: HardwareConfig) -> str:
 
 def model_spec(config: TrainConfig, model: ModelConfig, pads_rows: bool) -> TransformerSpec:
     """`model`'s shape with the hardware's compute and parameter dtypes, and the attention
-    backend `model.attention` comes to on the run's hardware (`attention_choice`)."""
-    model = dataclasses.replace(model,
-                                attention=attention_choice(config, model, pads_rows).backend)
+    backend `model.attention` and the expert dispatch `model.moe.dispatch` come to on the run's
+    hardware (`attention_choice`, `moe.resolved`), which a plan compiles for from another."""
+    model = dataclasses.replace(
+        model, attention=attention_choice(config, model, pads_rows).backend,
+        moe=moe.resolved(model.moe, run_accelerator(config.hardware).platform))
     return TransformerSpec(model, compute_dtype=jnp.dtype(config.hardware.compute_dtype),
                            param_dtype=jnp.dtype(config.hardware.param_dtype))
 

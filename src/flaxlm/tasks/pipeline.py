@@ -23,6 +23,7 @@ from flaxlm.config import TrainConfig
 from flaxlm.data.loader import BatchSource
 from flaxlm.models import lora, moe
 from flaxlm.models.layers import TransformerSpec
+from flaxlm.parallel import run_accelerator
 from flaxlm.tasks import base
 from flaxlm.tasks.base import EvalMetrics, JobContext, Start, Training
 from flaxlm.training.evaluation import Evaluate
@@ -182,8 +183,9 @@ def banner(run: Run, network: Network) -> str:
     about = f", {network.about}" if network.about else ""
     if moe.enabled(model):  # what a token meets: its top-k experts of each sparse layer
         active = moe.num_active_params(model, training.num_params)
+        dispatch = moe.describe_dispatch(model.moe, run_accelerator(run.config.hardware).platform)
         about += (f", {active / 1e6:.2f}M active: {model.moe.top_k} of "
-                  f"{model.moe.num_experts} experts per token, {moe.describe_dispatch(model.moe)}")
+                  f"{model.moe.num_experts} experts per token, {dispatch}")
     if training.trainable is not None:
         about += (f", {training.num_trainable / 1e6:.3g}M of them trained "
                   f"({100 * training.num_trainable / training.num_params:.2g}%: "
