@@ -192,3 +192,12 @@ def test_a_connection_failure_deep_in_the_chain_is_unreachable():
         assert classify(err) is Fault.UNREACHABLE
     assert classify(socket.gaierror(-2, "Name or service not known")) is Fault.UNREACHABLE
     assert classify(ValueError("something else")) is None
+
+
+@pytest.mark.parametrize(("status", "fault"), [(401, Fault.CREDENTIALS_REFUSED),
+                                               (429, Fault.THROTTLED), (503, Fault.THROTTLED),
+                                               (500, None)])
+def test_gcsfs_http_errors_are_classified_by_their_status(status, fault):
+    from gcsfs.retry import HttpError
+
+    assert classify(HttpError({"code": status, "message": "from GCS"})) is fault
