@@ -150,6 +150,28 @@ def test_a_bucket_run_that_is_not_there_is_one_paragraph(gcs, capsys, where, fra
     assert_names(err, *(fragment.format(bucket=gcs.url) for fragment in fragments))
 
 
+@pytest.mark.parametrize(("objects", "found"), [
+    ([], "no object is stored under it"),
+    (["notes.txt", "metrics.jsonl"], "it holds metrics.jsonl, notes.txt, but no config.yaml "
+                                     "and no model/"),
+])
+def test_an_s3_folder_without_a_run_says_what_it_holds_in_its_own_scheme(s3, capsys, objects,
+                                                                         found):
+    """Failed before: "holds no flaxlm run (nothing)", and a gs:// example for an s3:// URL."""
+    from flaxlm.cli import generate as generate_cli
+
+    for name in objects:
+        s3.put(f"runs/none/{name}", "x")
+    with pytest.raises(SystemExit) as stop:
+        generate_cli.main([f"{s3.url}/runs/none", "--prompt", "a"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert_names(err, f"{s3.url}/runs/none holds no flaxlm run: {found}.",
+                 "e.g. s3://<bucket>/runs/<name>", "output_url")
+    assert "gs://" not in err
+
+
 def test_flaxlm_eval_on_a_bucket_run_puts_its_results_beside_the_checkpoints(gcs, tmp_path):
     import json
 

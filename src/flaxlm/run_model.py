@@ -130,11 +130,10 @@ def bucket_run_copy(url: str) -> str:
     if layout.CONFIG_FILE not in names or MODEL_SUBDIR not in names:
         storage.check_bucket(url, setting)
         raise FlaxlmError(
-            f"{url} holds no flaxlm run ({'no ' + layout.CONFIG_FILE if names else 'nothing'}"
-            f"{'' if MODEL_SUBDIR in names or not names else ', no model/ with its tokenizer'})"
-            ". Give a run's output_url, e.g. gs://bucket/runs/<name>; a run copies its "
-            "config.yaml there at its start and its model/ (with the tokenizer) by its first "
-            "evaluation or checkpoint."
+            f"{url} holds no flaxlm run: {_found_instead(names)}. Give a run's output_url, "
+            f"e.g. {url.partition('://')[0]}://<bucket>/runs/<name>; a run copies its "
+            f"{layout.CONFIG_FILE} there at its start and its {MODEL_SUBDIR}/ (with the "
+            "tokenizer) by its first evaluation or checkpoint."
         )
     local = tempfile.mkdtemp(prefix="flaxlm-bucket-run-")
     atexit.register(shutil.rmtree, local, True)
@@ -144,6 +143,18 @@ def bucket_run_copy(url: str) -> str:
             storage.download(f"{url}/{name}", run_path(local, name), setting)
     storage.download_folder(f"{url}/{MODEL_SUBDIR}", run_path(local, MODEL_SUBDIR), setting)
     return local
+
+
+def _found_instead(names: list[str]) -> str:
+    """What a bucket folder that is not a run holds, for the message: its names (the first
+    few) and which of a run's it lacks."""
+    if not names:
+        return "no object is stored under it"
+    missing = [f"no {name}" for name in (layout.CONFIG_FILE, f"{MODEL_SUBDIR}/")
+               if name.rstrip("/") not in names]
+    shown = ", ".join(sorted(names)[:6]) + (f" and {len(names) - 6} more" if len(names) > 6
+                                            else "")
+    return f"it holds {shown}, but {' and '.join(missing)}"
 
 
 def _merged_onto_base(trained: dict, model_config: ModelConfig, run_config: dict,

@@ -17,6 +17,7 @@ import shutil
 import socket
 import tempfile
 
+from flaxlm.bucket_faults import Fault, classify
 from flaxlm.errors import FlaxlmError
 
 # The fsspec packages of the common stores, all installed by flaxlm's `cloud` extra.
@@ -273,9 +274,10 @@ _NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError", "DefaultCred
 
 
 def probe_write(url: str, setting: str) -> None:
-    """Write and delete a small object under `url`, so that a bucket that does not exist, a
-    missing credential or a denied write is found before a run trains, not at its first
-    checkpoint. Every host probes: each has its own credentials."""
+    """Write and delete a small object under `url`, so that an endpoint that does not answer, a
+    bucket that does not exist, a missing or refused credential, a denied write or a throttled
+    store is found before a run trains, not at its first checkpoint, each named for what it
+    is. Every host probes: each has its own credentials."""
     fs = filesystem(url, setting)
     fs.invalidate_cache()
     rest = url.partition("://")[2].rstrip("/")
@@ -284,18 +286,18 @@ def probe_write(url: str, setting: str) -> None:
         fs.pipe_file(key, b"flaxlm checks that it may write here; delete me if left behind\n")
         fs.rm_file(key)
     except Exception as err:
-        if _denied(err):
-            # S3 and GCS answer a write to a bucket that does not exist with "no such
-            # bucket"; access denied means it exists, though these credentials may not even
-            # see it (a bucket check would then call it missing).
-            raise storage_error(err, url, setting, action="write") from None
-        scheme, bucket = url.partition("://")[0], rest.split("/", 1)[0]
-        try:
-            bucket_exists = fs.exists(bucket)
-        except Exception:  # noqa: BLE001 — the write's own error says more
-            bucket_exists = True
-        if not bucket_exists:
-            raise _no_bucket(url, f"{scheme}://{bucket}", setting) from None
+        if classify(err) is None and not _denied(err):
+            # A failure with no code that names it (gcsfs answers a write to a missing bucket
+            # with a bare 404): ask whether the bucket is there. Not for an unreachable
+            # endpoint, which s3fs's exists() answers with False, nor a denied write (the
+            # bucket exists, though these credentials may not even see it).
+            scheme, bucket = url.partition("://")[0], rest.split("/", 1)[0]
+            try:
+                bucket_exists = _bucket_exists(fs, bucket)
+            except Exception:  # noqa: BLE001 — the write's own error says more
+                bucket_exists = True
+            if not bucket_exists:
+                raise _no_bucket(url, f"{scheme}://{bucket}", setting) from None
         raise storage_error(err, url, setting, action="write") from None
 
 
@@ -305,12 +307,35 @@ def storage_error(err: BaseException, url: str, setting: str,
     `action` ("read" or "write") is what was denied or failed."""
     scheme = url.partition("://")[0].lower()
     bucket = f"{scheme}://{url.partition('://')[2].split('/', 1)[0]}"
-    cause = f"{type(err).__name__}: {err}".strip()
+    cause = _cause(err)
     verb = "read" if action == "read" else "write to"
     if type(err).__name__ in _NO_CREDENTIALS:
         return FlaxlmError(f"{setting}: no credentials to {verb} {url!r} ({cause}). "
                            f"{_credentials_fix(scheme)}")
-    if _denied(err):
+    fault = classify(err)
+    if fault is Fault.UNREACHABLE:
+        return FlaxlmError(
+            f"{setting}: could not reach the store that holds {url!r} ({cause}): the "
+            "connection was refused, timed out or its host name did not resolve, so nothing is "
+            f"known yet of the bucket or the credentials. Fix: {_endpoint_fix(scheme)}, and "
+            "check this machine's network; then start again."
+        )
+    if fault is Fault.CREDENTIALS_REFUSED:
+        return FlaxlmError(
+            f"{setting}: the store refused the credentials used for {url!r} ({cause}): it does "
+            "not know the access key, the secret does not match it, or the token has expired. "
+            f"Fix: give a valid key. {_credentials_fix(scheme)}"
+        )
+    if fault is Fault.NO_BUCKET:
+        return _no_bucket(url, bucket, setting)
+    if fault is Fault.THROTTLED:
+        return FlaxlmError(
+            f"{setting}: the store is throttling requests to {url!r} ({cause}): too many "
+            "requests at once, or it is briefly unavailable; the URL and the credentials are "
+            "not at fault. Fix: start again in a minute; if it persists, write from fewer hosts "
+            "at once or ask the store's operator for a higher request rate."
+        )
+    if fault is Fault.DENIED or _denied(err):
         return FlaxlmError(
             f"{setting}: access to {url!r} was denied ({cause}). The credentials found may not "
             f"{verb} {bucket}: grant them {action} access, or use others. "
@@ -326,6 +351,44 @@ def storage_error(err: BaseException, url: str, setting: str,
     )
 
 
+def _cause(err: BaseException) -> str:
+    """What the client raised, for the message: s3fs's translation of an S3 error keeps only
+    the text, so the code it came from (InvalidAccessKeyId, SlowDown) is added."""
+    text = f"{type(err).__name__}: {err}".strip()
+    response = getattr(err.__cause__, "response", None)
+    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+    return f"{text} [{code}]" if code and code not in text else text
+
+
+def _endpoint_fix(scheme: str) -> str:
+    """Where this machine's client was told to find the store, for an unreachable one."""
+    if scheme in ("s3", "s3a"):
+        names = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+        default = "AWS's own endpoint for the bucket's region"
+    elif scheme in ("gs", "gcs"):
+        names = ("STORAGE_EMULATOR_HOST",)
+        default = "Google Cloud Storage's own endpoint"
+    else:
+        return "check that the store's endpoint is up and reachable from this machine"
+    given = [f"{name}={os.environ[name]}" for name in names if os.environ.get(name)]
+    where = given[0] if given else f"no {' or '.join(names)} set: {default}"
+    return (f"check that the store is running and reachable at the endpoint this machine uses "
+            f"({where}), or set {names[0]} to the one it should use")
+
+
+def _bucket_exists(fs, bucket: str) -> bool:
+    """Whether `bucket` exists, an error raised as the client raises it: s3fs's exists()
+    answers False for a bucket on any error, a refused connection included, so S3 is asked
+    with HeadBucket itself (404: missing)."""
+    if hasattr(fs, "call_s3"):
+        try:
+            fs.call_s3("head_bucket", Bucket=bucket)
+        except FileNotFoundError:
+            return False
+        return True
+    return fs.exists(bucket)
+
+
 def _denied(err: BaseException) -> bool:
     """Whether a store's client said access was denied: s3fs raises PermissionError for S3's
     AccessDenied; gcsfs an OSError("Forbidden: ...")."""
@@ -338,7 +401,7 @@ def check_bucket(url: str, setting: str) -> None:
     scheme, rest = url.partition("://")[0], url.partition("://")[2]
     bucket = rest.split("/", 1)[0]
     try:
-        bucket_exists = fs.exists(bucket)
+        bucket_exists = _bucket_exists(fs, bucket)
     except Exception as err:
         raise storage_error(err, f"{scheme}://{bucket}", setting) from None
     if not bucket_exists:

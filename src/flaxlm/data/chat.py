@@ -16,6 +16,7 @@ import dataclasses
 import math
 
 from flaxlm.config import TaskConfig
+from flaxlm.data.datasets_cache import keep_datasets_cache_under
 from flaxlm.data.drills import drill_conversations
 from flaxlm.data.examples import read_data_file
 from flaxlm.data.files import expand_patterns, root_cause
@@ -37,7 +38,8 @@ class Conversations:
 
 def load_conversations(task: TaskConfig, cache_dir: str | None = None) -> Conversations:
     """Both splits of the conversations `task` names, every turn checked (`check_turns`);
-    copies of files in a bucket are kept in `cache_dir`."""
+    copies of files in a bucket are kept in `cache_dir`, and what `datasets` builds."""
+    keep_datasets_cache_under(cache_dir)
     if task.drills > 0:
         rows = drill_conversations(task.drills, seed=0)
         train, evaluation = hold_out(rows, task.eval_fraction, "task.eval_fraction")
@@ -151,7 +153,9 @@ def turns_reader(task: TaskConfig, columns: list[str], where: str):
 
 def open_conversation_stream(task: TaskConfig, cache_dir: str | None = None):
     """task.streaming: the held-out conversations (task.eval_files or task.hub_eval_split,
-    read whole), the training split as a stream, and its rows' `turns_of`."""
+    read whole), the training split as a stream, and its rows' `turns_of`; what `datasets`
+    keeps, under `cache_dir`."""
+    keep_datasets_cache_under(cache_dir)
     if not (task.eval_files or (task.hub_path and task.hub_eval_split)):
         raise FlaxlmError(
             "task.streaming=true reads the held-out conversations from task.eval_files or "

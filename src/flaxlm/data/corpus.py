@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from flaxlm.config import CorpusSource, LanguageConfig, TextSplitting
+from flaxlm.data.datasets_cache import keep_datasets_cache_under
 from flaxlm.data.files import check_file_type, expand_patterns, quiet_datasets_logs, root_cause
 from flaxlm.data.tables import text_dataset
 from flaxlm.data.texts import Texts, concatenate, read_json_lines
@@ -86,8 +87,10 @@ class CorpusSplits:
 
 def load_corpus(language: LanguageConfig, cache_dir: str | None = None) -> CorpusSplits:
     """Load the corpus `language` names, drop blank documents, and split it (the builtin
-    corpus, and copies of files in a bucket, are kept under `cache_dir`)."""
+    corpus, copies of files in a bucket, and what `datasets` builds, are kept under
+    `cache_dir`)."""
     _check_split_settings(language)
+    keep_datasets_cache_under(cache_dir)
     if language.source == CorpusSource.builtin:
         corpus = Texts(builtin_documents(cache_dir))
         origin = "the builtin corpus (language.source=builtin)"
@@ -494,8 +497,10 @@ def load_corpus_stream(
     """(validation, train) for language.streaming: validation is the first `max_eval_docs`
     non-blank documents of the stream, materialised (small); train is the rest of the stream,
     never materialised. Train skips the validation head, so no document is in both. Files in
-    a bucket are streamed from their copies in `cache_dir`."""
+    a bucket are streamed from their copies in `cache_dir`, where `datasets` keeps its own
+    files too."""
     _check_split_settings(language)
+    keep_datasets_cache_under(cache_dir)
     stream = _drop_blank_stream(_open_stream(language, cache_dir))
     n_validation = language.max_eval_docs or STREAMING_EVAL_DOCS
     validation = text_dataset([row["text"] for row in stream.take(n_validation)])

@@ -13,6 +13,7 @@ import dataclasses
 from pathlib import Path
 
 from flaxlm.config import TaskConfig
+from flaxlm.data.datasets_cache import keep_datasets_cache_under
 from flaxlm.data.files import check_file_type, expand_patterns, quiet_datasets_logs, root_cause
 from flaxlm.data.labels import resolve_labels, with_labels
 from flaxlm.data.tables import derived_fingerprint, named_dataset
@@ -52,8 +53,9 @@ def load_examples(task: TaskConfig, cache_dir: str | None = None) -> Examples:
 
     Local files win when `task.files` is set (so a Hub preset can be pointed at local
     copies by adding files); otherwise `task.hub_path` is loaded. Copies of files in a
-    bucket are kept in `cache_dir`.
+    bucket are kept in `cache_dir`, and what `datasets` builds from the files.
     """
+    keep_datasets_cache_under(cache_dir)
     if task.files or task.eval_files:
         _check_both_files(task)
         train = _load_files(task.files, "task.files", task, cache_dir)

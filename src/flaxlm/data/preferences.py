@@ -26,6 +26,7 @@ from flaxlm.config import LongConversations, TaskConfig
 from flaxlm.data.chat import check_turns, hold_out, hub_table, rows_from_files
 from flaxlm.data.chat_packing import layout_rows
 from flaxlm.data.chat_template import encode_chat
+from flaxlm.data.datasets_cache import keep_datasets_cache_under
 from flaxlm.data.preference_drills import preference_drills
 from flaxlm.errors import FlaxlmError
 from flaxlm.lazy_imports import lazy_module
@@ -52,7 +53,8 @@ class Preferences:
 
 def load_preferences(task: TaskConfig, cache_dir: str | None = None) -> Preferences:
     """Both splits of the pairs `task` names, every one checked; copies of files in a bucket
-    are kept in `cache_dir`."""
+    are kept in `cache_dir`, and what `datasets` builds."""
+    keep_datasets_cache_under(cache_dir)
     if task.drills > 0:
         drills = [Pair([{"role": "user", "content": prompt}],
                        [{"role": "assistant", "content": chosen}],
