@@ -23,7 +23,7 @@ from s3fs.errors import translate_boto_error
 
 from flaxlm import storage_retry
 from flaxlm.errors import FlaxlmError
-from flaxlm.storage_retry import RetryPolicy, RetryingFilesystem, call, is_transient
+from flaxlm.storage_retry import RetryingFilesystem, RetryPolicy, call, is_transient
 
 
 def client_error(code: str, status: int) -> ClientError:

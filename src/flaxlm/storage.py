@@ -27,7 +27,7 @@ _PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
 # flaxlm's bucket calls: botocore's (5 tries with waits up to 8 s in its default "legacy" mode,
 # or AWS_MAX_ATTEMPTS) and s3fs's around it would otherwise multiply flaxlm's tries. gcsfs's
 # (6 tries, not configurable) still come inside each of flaxlm's.
-_S3_ONE_TRY = {"config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}}}
+_S3_ONE_TRY = {"config_kwargs": {"retries": {"total_max_attempts": 1, "mode": "standard"}}}
 _CLIENT_RETRIES_OFF = {"s3": _S3_ONE_TRY, "s3a": _S3_ONE_TRY}
 
 # Fields of fsspec's `info()` that change when an object is rewritten: S3's ETag and time,
