@@ -178,6 +178,8 @@ def test_a_call_that_never_recovers_tries_attempts_times_and_waits_at_most_longe
     ({"attempts": -3}, "storage_retries.attempts=-3"),
     ({"first_wait_s": -1.0}, "storage_retries.first_wait_s=-1.0"),
     ({"first_wait_s": 60.0}, "storage_retries.first_wait_s=60.0"),
+    ({"max_wait_s": float("inf")}, "storage_retries.max_wait_s=inf"),
+    ({"max_wait_s": float("nan")}, "storage_retries.max_wait_s=nan"),
 ])
 def test_a_bad_policy_is_one_paragraph_naming_the_setting(values, named):
     with pytest.raises(FlaxlmError) as raised:
@@ -227,3 +229,31 @@ def test_a_delete_retried_after_a_lost_answer_finds_the_object_gone_and_is_done(
     fs = RetryingFilesystem(FakeFilesystem(FileNotFoundError("bkt/x")))
     with pytest.raises(FileNotFoundError):
         fs.rm_file("bkt/x")
+
+
+def kvstores(spec, driver: str) -> list[dict]:
+    """Every kvstore of `driver` in a tensorstore spec, at any depth."""
+    if isinstance(spec, dict):
+        found = [spec] if spec.get("driver") == driver else []
+        return found + [k for value in spec.values() for k in kvstores(value, driver)]
+    if isinstance(spec, list):
+        return [k for item in spec for k in kvstores(item, driver)]
+    return []
+
+
+@pytest.mark.parametrize("scheme, driver", [("s3", "s3"), ("gs", "gcs")])
+def test_checkpoint_requests_retry_as_the_policy_says(scheme, driver):
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    from flaxlm.training.checkpoint import s3
+
+    s3.install()
+    previous = storage_retry.use(RetryPolicy(attempts=4, first_wait_s=0.25, max_wait_s=8))
+    try:
+        spec = tensorstore_utils.build_kvstore_tspec(f"{scheme}://bucket-name/run/checkpoints/4",
+                                                     "params")
+    finally:
+        storage_retry.use(previous)
+    [kvstore] = kvstores(spec, driver)
+    assert kvstore[f"{driver}_request_retries"] == {
+        "max_retries": 3, "initial_delay": "0.250000s", "max_delay": "8.000000s"}

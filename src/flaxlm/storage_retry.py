@@ -49,13 +49,13 @@ class RetryPolicy:
                 f"(the tries of a bucket call in all; 1: no retry). Fix: "
                 f"{SETTING}.attempts=10, the default."
             )
-        if not 0 <= self.first_wait_s <= self.max_wait_s:
+        if not 0 <= self.first_wait_s <= self.max_wait_s < math.inf:
             raise FlaxlmError(
                 f"{SETTING}.first_wait_s={self.first_wait_s!r} and "
                 f"{SETTING}.max_wait_s={self.max_wait_s!r}: the waits between a bucket call's "
                 "tries start at first_wait_s and double up to max_wait_s, so they need "
-                f"0 <= first_wait_s <= max_wait_s. Fix: e.g. {SETTING}.first_wait_s=0.5 "
-                f"{SETTING}.max_wait_s=30, the defaults."
+                "0 <= first_wait_s <= max_wait_s, a number of seconds. Fix: e.g. "
+                f"{SETTING}.first_wait_s=0.5 {SETTING}.max_wait_s=30, the defaults."
             )
 
     def wait_s(self, retry: int, fraction: float) -> float:
@@ -112,7 +112,7 @@ _TRANSIENT_CLASSES = frozenset({
     "ProtocolError",  # urllib3: connection aborted mid-response
 })
 # What retrying cannot mend: denied, missing, no credentials, a bad argument. Checked first,
-# so that a FileNotFoundError whose cause happens to be a timeout is not retried forever.
+# so that a FileNotFoundError whose cause happens to be a timeout is not retried.
 _PERMANENT_CLASSES = (PermissionError, FileNotFoundError, FileExistsError, IsADirectoryError,
                       NotADirectoryError, ValueError, TypeError, KeyError)
 _PERMANENT_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError",
@@ -177,7 +177,7 @@ def call(operation: Callable[[], T], what: str, policy: RetryPolicy | None = Non
 
 # fsspec methods that delete: one retried after a transient fault may find the object already
 # gone (the first try deleted it, and only its answer was lost), which is what it was for.
-_DELETIONS = frozenset({"rm", "rm_file", "_rm", "_rm_file"})
+_DELETIONS = frozenset({"rm", "rm_file"})
 
 
 class RetryingFilesystem:

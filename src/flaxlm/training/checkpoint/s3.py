@@ -22,6 +22,10 @@ the endpoint AWS's tools read (AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL: anoth
 S3-compatible store, an emulator) and the region (AWS_REGION, else AWS_DEFAULT_REGION) when
 they are set, as s3fs and the aws CLI take them; credentials are AWS's default chain
 (variables, profile files, the instance's role).
+
+Retries: tensorstore retries a failed request itself (32 tries by default); every s3 and gcs
+kvstore in orbax's specs is given the process's storage_retries instead
+(`flaxlm.storage_retry`), the one policy of flaxlm's bucket calls.
 """
 
 from __future__ import annotations
