@@ -157,3 +157,38 @@ def test_a_permanent_fault_is_not_retried(s3, through_proxy, quick_retries, tmp_
     with pytest.raises(FlaxlmError, match="does not exist"):
         storage.download(f"{s3.url}/no-such-key", str(tmp_path / "x"), SETTING)
     assert proxy.requests <= 2 and "trying again" not in capsys.readouterr().err
+
+
+@pytest.mark.slow  # two short runs: about 25 s
+def test_a_run_through_bursts_of_faults_ends_as_a_run_without(s3, through_proxy, tmp_path,
+                                                              train_cli):
+    """A run with output_url (its checkpoints, small files and final model/ in the bucket)
+    through the same bursts of faults as above: every metric the same as a calm run's."""
+    from conftest import metrics_of
+    from test_faults import RUN
+
+    previous = storage_retry.current()
+    # Saves in the loop's thread, so that the order of requests (and which meet a fault) is
+    # the same every time.
+    command = [*RUN, "trainer.max_steps=6", "checkpoint.async_save=false",
+               "storage_retries.first_wait_s=0.001", "storage_retries.max_wait_s=0.01"]
+    try:
+        through_proxy(lambda n: None)
+        calm = train_cli(*command, f"output_url={s3.url}/runs/calm",
+                         f"hydra.run.dir={tmp_path / 'calm'}", cwd=tmp_path)
+        assert calm.returncode == 0, calm.stderr[-3000:]
+        proxy = through_proxy(bursts)
+        stormy = train_cli(*command, f"output_url={s3.url}/runs/stormy",
+                           f"hydra.run.dir={tmp_path / 'stormy'}", cwd=tmp_path)
+    finally:
+        storage_retry.use(previous)
+    assert stormy.returncode == 0, stormy.stderr[-3000:]
+    assert len(proxy.faults) >= 3 * len(BURST)
+    assert "trying again" in stormy.stderr and "warning" not in stormy.stderr
+    calm_metrics, stormy_metrics = metrics_of(tmp_path / "calm"), metrics_of(tmp_path / "stormy")
+    assert [m for m in calm_metrics if "eval/loss" in m][-1]["step"] == 6
+    assert stormy_metrics == calm_metrics
+    # The final weights in the bucket, bitwise (its README and marker name each run's URL).
+    weights = [s3.fs.cat_file(f"{s3.name}/runs/{run}/model/model.safetensors")
+               for run in ("calm", "stormy")]
+    assert weights[0] == weights[1]
