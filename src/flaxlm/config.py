@@ -673,6 +673,18 @@ class EvalConfig:
 
 
 @dataclasses.dataclass
+class StorageRetriesConfig:
+    """How a bucket call (data, checkpoints, the run's small files) that failed in a way worth
+    retrying (a connection cut or refused, a timeout, throttling, a 5xx) is tried again: at
+    most `attempts` tries in all, waits doubling from `first_wait_s` to `max_wait_s`, each
+    drawn from the upper half of its bound (flaxlm.storage_retry)."""
+
+    attempts: int = MISSING  # 1: no retry
+    first_wait_s: float = MISSING
+    max_wait_s: float = MISSING
+
+
+@dataclasses.dataclass
 class TrainConfig:
     """The whole composed config of `flaxlm-train`."""
 
@@ -702,6 +714,9 @@ class TrainConfig:
     # rest); the same command with the same output_url, on any host, continues the run
     # (flaxlm.run_mirror).
     output_url: Optional[str] = None
+    # Retries of every bucket call (output_url, resume_from, data and models in a bucket).
+    storage_retries: StorageRetriesConfig = dataclasses.field(
+        default_factory=StorageRetriesConfig)
     # Tokenizers and packed token blocks, shared by runs (FLAXLM_CACHE).
     cache_dir: str = MISSING
     # Keep the compiled train and eval steps in <cache_dir>/executables and load them in a

@@ -16,6 +16,7 @@ its W&B run alone; a stop signal is acted on at one agreed step by every process
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -24,7 +25,7 @@ import time
 import jax
 from omegaconf import DictConfig, OmegaConf
 
-from flaxlm import distributed
+from flaxlm import distributed, storage_retry
 from flaxlm.config import ObjectiveMode, TrainConfig
 from flaxlm.errors import FlaxlmError, writable_dir
 from flaxlm.lazy_imports import import_in_background
@@ -66,6 +67,8 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     """
     config: TrainConfig = OmegaConf.to_object(cfg)
     started = time.perf_counter()
+    # Every bucket call of this process from here on (checked first: a bad value is exit 2).
+    storage_retry.use(storage_retry.RetryPolicy(**dataclasses.asdict(config.storage_retries)))
     task = task_named(config.task.name)
     # Joins the other hosts (hardware.distributed); on a CPU, remat needs its own scheduler.
     # It may fork (`distributed.supervise`): no thread of ours may run before it.

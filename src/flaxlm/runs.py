@@ -83,7 +83,8 @@ def _failed_start(run_dir: str) -> bool:
 # same function (a run may move between slice sizes, and between GPUs and TPUs).
 # Anything else (model, tokenizer, data, optimizer, seed, ...) would make it another run.
 RESUMABLE_CHANGES = (
-    "run_dir", "resume_from", "output_url", "cache_dir", "logger.", "checkpoint.", "samples.",
+    "run_dir", "resume_from", "output_url", "storage_retries.", "cache_dir", "logger.",
+    "checkpoint.", "samples.",
     "trainer.log_every_steps", "trainer.eval_every_steps", "trainer.max_steps",
     "trainer.num_epochs", "trainer.eval_before_training", "trainer.resume",
     "trainer.resume_on_changed_data", "trainer.skip_nonfinite",

@@ -19,9 +19,17 @@ import tempfile
 
 from flaxlm.bucket_faults import Fault, classify
 from flaxlm.errors import FlaxlmError
+from flaxlm.storage_retry import retrying
 
 # The fsspec packages of the common stores, all installed by flaxlm's `cloud` extra.
 _PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
+
+# Clients whose own retries are switched off, so that storage_retries is the one policy of
+# flaxlm's bucket calls: botocore's (5 tries with waits up to 8 s in its default "legacy" mode,
+# or AWS_MAX_ATTEMPTS) and s3fs's around it would otherwise multiply flaxlm's tries. gcsfs's
+# (6 tries, not configurable) still come inside each of flaxlm's.
+_S3_ONE_TRY = {"config_kwargs": {"retries": {"total_max_attempts": 1, "mode": "standard"}}}
+_CLIENT_RETRIES_OFF = {"s3": _S3_ONE_TRY, "s3a": _S3_ONE_TRY}
 
 # Fields of fsspec's `info()` that change when an object is rewritten: S3's ETag and time,
 # GCS's generation and hashes, a file's mtime. Any present, with the size, identify a version.
@@ -36,13 +44,19 @@ def is_url(path: str) -> bool:
 
 
 def filesystem(url: str, setting: str):
-    """The fsspec filesystem for `url`'s scheme; a scheme without its package installed, or
-    one fsspec does not know, is one paragraph naming the package or extra."""
+    """The fsspec filesystem for `url`'s scheme, its calls retried on transient faults as the
+    config's storage_retries says (`flaxlm.storage_retry`); a scheme without its package
+    installed, or one fsspec does not know, is one paragraph naming the package or extra."""
     import fsspec
 
     scheme = url.partition("://")[0].lower()
     try:
-        return fsspec.filesystem(scheme)
+        if scheme in _CLIENT_RETRIES_OFF:
+            fs = fsspec.filesystem(scheme, **_CLIENT_RETRIES_OFF[scheme])
+            fs.retries = 1  # s3fs's own loop (SlowDown, timeouts) around botocore's
+        else:
+            fs = fsspec.filesystem(scheme)
+        return retrying(fs)
     except ImportError as err:
         package = _PACKAGES.get(scheme)
         fix = (f"pip install 'flaxlm[cloud]', which installs {package} (in a checkout: "

@@ -54,7 +54,7 @@ KEY_FILE = "key.json"
 # The steps' length (trainer.max_steps, num_epochs) is in the key as the schedule's length.
 # Everything else is in the key: a key added to the config misses until it is listed here.
 NOT_IN_PROGRAM = (
-    "run_dir", "resume_from", "output_url", "cache_dir", "compiled_steps",
+    "run_dir", "resume_from", "output_url", "storage_retries", "cache_dir", "compiled_steps",
     "keep_compiled_steps", "logger", "checkpoint", "samples", "eval.harness",
     "trainer.num_epochs", "trainer.max_steps", "trainer.log_every_steps",
     "trainer.eval_every_steps", "trainer.eval_before_training", "trainer.resume",

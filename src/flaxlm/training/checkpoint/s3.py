@@ -22,6 +22,10 @@ the endpoint AWS's tools read (AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL: anoth
 S3-compatible store, an emulator) and the region (AWS_REGION, else AWS_DEFAULT_REGION) when
 they are set, as s3fs and the aws CLI take them; credentials are AWS's default chain
 (variables, profile files, the instance's role).
+
+Retries: tensorstore retries a failed request itself (32 tries by default); every s3 and gcs
+kvstore in orbax's specs is given the process's storage_retries instead
+(`flaxlm.storage_retry`), the one policy of flaxlm's bucket calls.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import os
 
 import orbax.checkpoint as ocp
 from orbax.checkpoint._src.serialization import tensorstore_utils
+
+from flaxlm import storage_retry
 
 # A step in a bucket is complete once its commit_success.txt is written (orbax's gs:// rule).
 ATOMICITY = ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
@@ -58,13 +64,34 @@ def kvstore_endpoint() -> dict:
     return spec
 
 
+def request_retries() -> dict:
+    """tensorstore's retries of a bucket request (its `s3_request_retries` and
+    `gcs_request_retries`) as the process's storage_retries says: the same tries, first wait
+    and longest wait as every other bucket call of flaxlm (tensorstore's own default: 32
+    tries)."""
+    policy = storage_retry.current()
+    return {"max_retries": policy.attempts - 1, "initial_delay": f"{policy.first_wait_s:.6f}s",
+            "max_delay": f"{policy.max_wait_s:.6f}s"}
+
+
+def _with_gcs_retries(spec):
+    """`spec` with `request_retries()` in each gcs kvstore in it, at any depth."""
+    if isinstance(spec, dict):
+        if spec.get("driver") == "gcs":
+            return {**spec, "gcs_request_retries": request_retries()}
+        return {key: _with_gcs_retries(value) for key, value in spec.items()}
+    if isinstance(spec, list):
+        return [_with_gcs_retries(item) for item in spec]
+    return spec
+
+
 def _as_s3(spec):
     """`spec` with each gcs (or gcs_grpc) kvstore in it, at any depth, made the s3 one of the
     same bucket and key."""
     if isinstance(spec, dict):
         if spec.get("driver") in ("gcs", "gcs_grpc"):
             return {"driver": "s3", "bucket": spec["bucket"], "path": spec.get("path", ""),
-                    **kvstore_endpoint()}
+                    **kvstore_endpoint(), "s3_request_retries": request_retries()}
         return {key: _as_s3(value) for key, value in spec.items()}
     if isinstance(spec, list):
         return [_as_s3(item) for item in spec]
@@ -75,15 +102,16 @@ def _as_s3(spec):
 
 @functools.cache
 def install() -> None:
-    """Have orbax's kvstore specs for s3:// directories use tensorstore's s3 driver. orbax
-    calls the builder through its module, so replacing it there reaches every caller (array
-    writes and reads, OCDBT's merge)."""
+    """Have orbax's kvstore specs for s3:// directories use tensorstore's s3 driver, and those
+    of gs:// and s3:// ones retry as storage_retries says. orbax calls the builder through its
+    module, so replacing it there reaches every caller (array writes and reads, OCDBT's
+    merge)."""
     build = tensorstore_utils.build_kvstore_tspec
 
     @functools.wraps(build)
     def build_kvstore_tspec(directory, name=None, **kwargs):
         if not is_s3(directory):
-            return build(directory, name, **kwargs)
+            return _with_gcs_retries(build(directory, name, **kwargs))
         key = str(directory).partition("://")[2]
         return _as_s3(build(f"gs://{key}", name, **kwargs))
 
