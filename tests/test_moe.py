@@ -22,7 +22,12 @@ from flaxlm.config import MoeDispatch
 from flaxlm.errors import FlaxlmError
 from flaxlm.models import moe
 from flaxlm.models.build import build_lm
-from flaxlm.models.grouped_matmul import grouped_matmul, visits
+from flaxlm.models.grouped_matmul import (
+    MEGABLOX_VMEM_BYTES,
+    grouped_matmul,
+    megablox_tiling,
+    visits,
+)
 from flaxlm.models.layers import TransformerSpec
 
 
@@ -133,6 +138,33 @@ def loss_and_grads(model, ids):
 
     (value, metrics), grads = nnx.value_and_grad(loss, has_aux=True)(model)
     return value, metrics, nnx.state(grads, nnx.Param)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 2**17), widths=st.lists(
+    st.one_of(st.integers(1, 8).map(lambda n: 128 * n), st.sampled_from([96, 1408, 4096, 7168]),
+              st.integers(8, 20000)), min_size=2, max_size=2),
+       kernel=st.sampled_from(["gmm", "tgmm"]))
+def test_megablox_tiles_divide_their_dimensions_and_fit_the_kernels_vmem(rows, widths, kernel):
+    """Each tile is its whole dimension or a multiple of a TPU's (8, 128) that divides it (a
+    tile that does not divide is masked or padded, both slow), and the tiles fit megablox's
+    VMEM unless neither width has a dividing tile of half its own or less."""
+    K, N = widths
+    tiles = megablox_tiling(rows, K, N, kernel)
+    for tile, size, unit in zip(tiles, (rows, K, N), (8, 128, 128), strict=True):
+        assert tile == size or (size % tile == 0 and tile % unit == 0), (tiles, rows, K, N)
+    tm, tk, tn = tiles
+    accumulator = tm * tn if kernel == "gmm" else tk * tn
+    if 4 * (tm * tk + tk * tn + tm * tn) + 4 * accumulator > MEGABLOX_VMEM_BYTES:
+        for tile, size in ((tk, K), (tn, N)):
+            assert all(size % t for t in range(128, tile // 2 + 1, 128)), (tiles, K, N)
+
+
+def test_megablox_tiles_are_the_fastest_measured_at_moe_smalls_shapes():
+    """docs/benchmarks.md: whole widths, 256 rows, for each product of moe-small's layer."""
+    for kernel in ("gmm", "tgmm"):
+        assert megablox_tiling(16384, 768, 2048, kernel) == (256, 768, 2048)
+        assert megablox_tiling(16384, 2048, 768, kernel) == (256, 2048, 768)
 
 
 @settings(max_examples=20, deadline=None)
