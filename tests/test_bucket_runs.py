@@ -13,6 +13,8 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -28,8 +30,9 @@ from conftest import (
     trained_run,
 )
 
+import flaxlm.run_mirror
 from flaxlm.errors import FlaxlmError
-from flaxlm.run_mirror import upload_run_files
+from flaxlm.run_mirror import RunMirror
 from flaxlm.storage import probe_write
 from flaxlm.training.checkpoint.manager import (
     COMMIT_FILE,
@@ -243,19 +246,18 @@ def test_the_bucket_gets_the_small_files_after_each_evaluation_and_checkpoint(
         bucket, tmp_path, train_cli, monkeypatch):
     """What metrics.jsonl held at each copy: the start's (empty), the evaluation before
     training, the checkpoint's, the end's."""
-    import flaxlm.job
-
     gcs = bucket
 
     copied = []
+    request = RunMirror.request
 
-    def record_and_upload(run_dir, output_url):
-        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    def record_and_request(mirror):
+        lines = (Path(mirror.run_dir) / "metrics.jsonl").read_text().splitlines()
         copied.append([sorted(k for k in json.loads(line) if k.startswith(("eval/", "train/")))[0]
                        for line in lines])
-        upload_run_files(run_dir, output_url)
+        request(mirror)
 
-    monkeypatch.setattr(flaxlm.job, "upload_run_files", record_and_upload)
+    monkeypatch.setattr(RunMirror, "request", record_and_request)
     result = train_cli(*RUN, "trainer.max_steps=2", f"output_url={gcs.url}/runs/e",
                        f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -265,6 +267,81 @@ def test_the_bucket_gets_the_small_files_after_each_evaluation_and_checkpoint(
     assert bucket_metrics(gcs, "runs/e/metrics.jsonl") == metrics_of(tmp_path / "run")
     gcs.fs.invalidate_cache()
     assert gcs.fs.exists(f"{gcs.name}/runs/e/model/flaxlm_export.json")  # the final model/
+
+
+@pytest.mark.slow  # several seconds: make test runs it
+def test_a_slow_store_gets_the_small_files_in_the_background_each_checkpoint_after_its_lines(
+        s3, tmp_path, train_cli, monkeypatch):
+    """Every copy of a small file held back 0.2 s (a slow endpoint): the copies are made by
+    the mirror's thread, never the training thread; each checkpoint is committed once the
+    bucket holds its metrics lines; and the end's flush leaves the bucket's metrics.jsonl and
+    status.json equal to the local ones."""
+    upload = flaxlm.run_mirror.upload
+    threads, at_commits = set(), []
+
+    def slow_upload(local, url, setting):
+        threads.add(threading.current_thread().name)
+        time.sleep(0.2)
+        upload(local, url, setting)
+
+    def record_bucket_at_commit(mirror):
+        request_and_wait(mirror)  # before orbax writes the step's commit file
+        steps = [line["step"] for line in bucket_metrics(s3, "runs/slow/metrics.jsonl")]
+        at_commits.append((max(steps), finalised_steps(f"{s3.url}/runs/slow/checkpoints")))
+
+    request_and_wait = RunMirror.request_and_wait
+    monkeypatch.setattr(flaxlm.run_mirror, "upload", slow_upload)
+    monkeypatch.setattr(RunMirror, "request_and_wait", record_bucket_at_commit)
+    run_dir = tmp_path / "run"
+    result = train_cli(*RUN, "trainer.max_steps=6", f"output_url={s3.url}/runs/slow",
+                       f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert threads == {"flaxlm-run-mirror"}
+    assert finalised_steps(f"{s3.url}/runs/slow/checkpoints") == [4, 6]
+    # at each commit: the checkpoints before it complete, its own not yet, and the bucket
+    # holding its lines (and maybe later ones, which a resume drops)
+    assert [complete for _, complete in at_commits] == [[], [4]], at_commits
+    assert [top >= step for (top, _), step in zip(at_commits, [4, 6])] == [True, True]
+    assert bucket_metrics(s3, "runs/slow/metrics.jsonl") == metrics_of(run_dir)
+    s3.fs.invalidate_cache()
+    assert (s3.fs.cat_file(f"{s3.name}/runs/slow/status.json")
+            == (run_dir / "status.json").read_bytes())
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
+
+
+@pytest.mark.slow  # several seconds: make test runs it
+def test_a_sigterm_flushes_the_copies_still_pending_to_a_slow_store(s3, tmp_path, train_cli,
+                                                                     monkeypatch):
+    """SIGTERM raised as the save of step 4 starts, every copy held back 0.2 s: the run saves
+    its preemption checkpoint and exits 75 with the bucket's metrics.jsonl and status.json
+    equal to the local ones."""
+    import flaxlm.job
+
+    upload, make_checkpointer = flaxlm.run_mirror.upload, flaxlm.job.make_checkpointer
+
+    def slow_upload(local, url, setting):
+        time.sleep(0.2)
+        upload(local, url, setting)
+
+    def make_then_stop(*args, after_save, **kwargs):
+        def after(step):
+            after_save(step)
+            if step == 4:
+                signal.raise_signal(signal.SIGTERM)  # to the run's handler (main thread)
+        return make_checkpointer(*args, after_save=after, **kwargs)
+
+    monkeypatch.setattr(flaxlm.run_mirror, "upload", slow_upload)
+    monkeypatch.setattr(flaxlm.job, "make_checkpointer", make_then_stop)
+    run_dir = tmp_path / "run"
+    result = train_cli(*RUN, f"output_url={s3.url}/runs/t", f"hydra.run.dir={run_dir}",
+                       cwd=tmp_path)
+    assert result.returncode == PREEMPTED_EXIT_CODE, result.stderr[-3000:]
+    assert "not yet copied" not in result.stderr
+    assert bucket_metrics(s3, "runs/t/metrics.jsonl") == metrics_of(run_dir)
+    s3.fs.invalidate_cache()
+    assert (s3.fs.cat_file(f"{s3.name}/runs/t/status.json")
+            == (run_dir / "status.json").read_bytes())
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "preempted"
 
 
 @pytest.mark.slow  # several seconds: make test runs it

@@ -22,6 +22,7 @@ from flaxlm.parallel import make_mesh, replicated
 from flaxlm.training.checkpoint.manager import (
     REPLICA_PARALLEL_MIN_BYTES,
     Checkpointer,
+    finalised_steps,
     key_from_json,
     key_to_json,
     restore_params,
@@ -94,6 +95,23 @@ def test_an_async_save_is_not_changed_by_the_steps_that_donate_the_state_after_i
     checkpointer.close()
     restored = restore_latest(tmp_path / "ckpt", train_state)
     assert leaves_equal(restored.state, expected)
+
+
+def test_an_async_save_calls_before_commit_once_its_files_are_written_before_it_counts(
+        tmp_path, train_state):
+    """What a bucket run's metrics copy hangs on (flaxlm.run_mirror): when before_commit runs,
+    the step's items are written but the step is not yet one a resume would pick."""
+    directory = str(tmp_path / "ckpt")
+    seen = []
+    checkpointer = Checkpointer(directory, async_save=True, before_commit=lambda: seen.append(
+        (finalised_steps(directory), sorted(os.listdir(directory)))))
+    checkpointer.save(1, train_state, LOADER, {})
+    checkpointer.close()
+    assert len(seen) == 1
+    steps_then, names_then = seen[0]
+    assert steps_then == []  # not yet complete
+    assert any(name.startswith("1.orbax-checkpoint-tmp") for name in names_then)  # but written
+    assert finalised_steps(directory) == [1]
 
 
 def test_keeps_the_last_k_and_the_best_by_eval_loss(tmp_path, train_state):

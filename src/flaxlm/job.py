@@ -36,7 +36,7 @@ from flaxlm.parallel import (
     configure_platform,
     make_mesh,
 )
-from flaxlm.run_mirror import upload_exports, upload_run_files
+from flaxlm.run_mirror import RunMirror, upload_exports
 from flaxlm.run_records import FAILED, FINISHED, PREEMPTED, RUNNING, write_status
 from flaxlm.runs import open_shared_run_dir, output_url_of
 from flaxlm.storage import probe_write
@@ -95,17 +95,18 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
                     else "output_url")
     run = open_shared_run_dir(config, resolved)
     tracker_config = {**resolved, "choices": choices or {}}
+    mirror = _mirror(run.path, output_url)
     checkpointer = tracker = None
     try:
-        _record_status(run.path, RUNNING, output_url=output_url)
+        _record_status(run.path, RUNNING, mirror=mirror)
         tracker = start_tracker(config.logger, run.path, tracker_config, name=run_name,
                                 group=run_group, run_id=run.wandb_run_id,
                                 objective=objective.name,
                                 maximize=objective.mode == ObjectiveMode.max)
-        mirror = _mirror(run.path, output_url)
-        tracker.after_evaluation = mirror
+        tracker.after_evaluation = mirror and mirror.request
         checkpointer = make_checkpointer(run.path, config.checkpoint, output_url,
-                                         after_save=mirror and (lambda step: mirror()))
+                                         after_save=mirror and (lambda step: mirror.request()),
+                                         before_commit=mirror and mirror.request_and_wait)
         stop = AgreedStopRequest()
         job = JobContext(config, resolved, run, mesh, tracker, checkpointer, stop)
         with stop.catching_signals():
@@ -123,11 +124,11 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         result = objective_result(objective, run.path, final)
         tracker.summary({**final, OBJECTIVE_SUMMARY: result})
         _print_summary(final, run.path)
-        _record_status(run.path, FINISHED, f"{objective.name} {result:.4f}", output_url)
+        _record_status(run.path, FINISHED, f"{objective.name} {result:.4f}", mirror)
     except Preempted as stopped:
         stopped.run_dir = run.path
         close_quietly(checkpointer)
-        _record_status(run.path, PREEMPTED, str(stopped), output_url)
+        _record_status(run.path, PREEMPTED, str(stopped), mirror)
         how = (f"run the same command (output_url={output_url} continues it, on any host)"
                if output_url else f"run the same overrides plus resume_from={run.path} (or the "
                "same command, if it set run_dir or hydra.run.dir)")
@@ -143,7 +144,7 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
                  or distributed.lost_peer_error(err, run.path)
                  or kernel_compile_error(err, attention)
                  or out_of_memory_error(err, config))
-        _record_status(run.path, FAILED, _failure_reason(known or err), output_url)
+        _record_status(run.path, FAILED, _failure_reason(known or err), mirror)
         if known is not None:
             raise known from err
         raise
@@ -154,23 +155,28 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None,
 
 
 def _record_status(run_dir: str, status: str, reason: str = "",
-                   output_url: str | None = None) -> None:
+                   mirror: RunMirror | None = None) -> None:
     """The run's state in its own directory (for flaxlm-report), written by process 0, and
-    with output_url the run's small files copied to the bucket: at the start and at its end
-    (a preempted run's last checkpoint is written by then)."""
+    with output_url the run's small files copied to the bucket: in the background at the
+    start; at its end (a preempted run's last checkpoint is written by then) with everything
+    still pending, waited for (bounded) before the run reports."""
     if distributed.is_primary():
         write_status(run_dir, status, reason)
-        if output_url:
-            upload_run_files(run_dir, output_url)
+        if mirror is not None:
+            if status == RUNNING:
+                mirror.request()
+            else:
+                mirror.finish()
 
 
-def _mirror(run_dir: str, output_url: str | None):
-    """What process 0 calls after each evaluation is logged and as each checkpoint save
-    starts: the run's small files copied to the bucket, which so holds every metrics line up
-    to the checkpoint a resume goes back to, and each evaluation as it comes."""
+def _mirror(run_dir: str, output_url: str | None) -> RunMirror | None:
+    """Process 0's copies of the run's small files to the bucket, asked for after each
+    evaluation is logged and as each checkpoint save starts, made in the background; a
+    checkpoint is committed once they are up, so the bucket holds every metrics line up to the
+    checkpoint a resume goes back to, and each evaluation as it comes."""
     if not (output_url and distributed.is_primary()):
         return None
-    return lambda: upload_run_files(run_dir, output_url)
+    return RunMirror(run_dir, output_url)
 
 
 def _failure_reason(err: BaseException) -> str:

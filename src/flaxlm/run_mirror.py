@@ -4,20 +4,30 @@ its bucket folder (output_url), beside the checkpoints, for a run whose hosts sh
 An object store has no append: each copy rewrites the whole object, which a reader sees old or
 new, never half-written. Process 0 keeps appending to its local files as always and copies them
 whole at the moments a resume or a reader depends on: at the start, after each evaluation is
-logged, when each checkpoint save starts (so the bucket holds every line up to the checkpoint a
-resume goes back to), and when the run ends, is preempted (after its last checkpoint is
-written) or fails. A run killed outright
-loses from the bucket only the lines after its last checkpoint, which a resume drops anyway.
+logged, when each checkpoint save starts, and when the run ends, is preempted (after its last
+checkpoint is written) or fails.
+
+The copies are made by one background thread (`RunMirror`, `flaxlm.background_upload`), so a
+slow store never stalls training; a file asked for again before its copy went up is copied
+once, newest. Two moments wait for them, each for a bounded time (a warning names what was not
+copied): an asynchronous checkpoint is committed (its commit file written, orbax's own thread)
+only once the bucket has the copies made for it, so the bucket holds every line up to the
+checkpoint a resume goes back to; and the run's end (finished, preempted or failed) flushes
+what is pending before it reports. A run killed outright loses from the bucket only the lines
+after its last checkpoint, which a resume drops anyway.
 A run resumed on a host without its local files starts from the bucket's metrics.jsonl and
 continues its W&B run.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
+from collections.abc import Callable
 
+from flaxlm.background_upload import BackgroundUploader
 from flaxlm.errors import FlaxlmError
 from flaxlm.layout import (
     ADAPTER_SUBDIR,
@@ -38,27 +48,78 @@ MIRRORED_FILES = (METRICS_FILE, STATUS_FILE, CONFIG_FILE, MODEL_CONFIG_FILE, WAN
 RESUMED_FILES = (METRICS_FILE, WANDB_ID_FILE)
 SETTING = "output_url"
 TOKENIZER_FILE = "tokenizer.json"
+# How long a checkpoint's commit, and the run's end, wait for the copies asked for before them:
+# long enough for a slow store's few requests, short enough for a preemption's grace period.
+FLUSH_TIMEOUT_S = 60.0
+
+
+class RunMirror:
+    """Process 0's copies of the run's small files to `output_url`, made in the background: the
+    caller's `request` returns at once. A failed copy is a warning, as a synchronous one was."""
+
+    def __init__(self, run_dir: str, output_url: str, flush_timeout_s: float = FLUSH_TIMEOUT_S):
+        self.run_dir, self.output_url = run_dir, output_url
+        self.flush_timeout_s = flush_timeout_s
+        self._uploader = BackgroundUploader(_warn_not_copied, thread_name="flaxlm-run-mirror")
+
+    def request(self) -> None:
+        """Queue a copy of model/ as the run starts it (`upload_run_files`) and of each small
+        file the run has, read when it goes up: the newest."""
+        for name, copy in _copies(self.run_dir, self.output_url):
+            self._uploader.request(name, copy)
+
+    def request_and_wait(self) -> None:
+        """Copy every small file now and wait for the copies (bounded): what an asynchronous
+        checkpoint's commit calls, on orbax's thread, so that the bucket holds every metrics
+        line up to a checkpoint before the checkpoint counts as complete."""
+        self.request()
+        self._warn_unfinished(self._uploader.flush(self.flush_timeout_s))
+
+    def finish(self) -> None:
+        """The run's last copy (its final status.json and metrics lines), waited for (bounded),
+        and the thread let go."""
+        self.request()
+        self._warn_unfinished(self._uploader.close(self.flush_timeout_s))
+
+    def _warn_unfinished(self, names: list[str]) -> None:
+        if names:
+            print(f"flaxlm: warning: {', '.join(names)} not yet copied to {self.output_url} "
+                  f"after {self.flush_timeout_s:.0f}s (a slow or unreachable store); the bucket "
+                  f"may hold older copies, the local ones in {self.run_dir} are whole",
+                  file=sys.stderr, flush=True)
+
+
+def _upload_file(local: str, url: str) -> None:
+    upload(local, url, SETTING)  # looked up at each call: tests slow it down
+
+
+def _warn_not_copied(name: str, err: Exception) -> None:
+    cause = err if isinstance(err, FlaxlmError) else f"{type(err).__name__}: {err}"
+    print(f"flaxlm: warning: could not copy {name} to the bucket ({cause}); the next "
+          "checkpoint copies it again", file=sys.stderr, flush=True)
 
 
 def upload_run_files(run_dir: str, output_url: str) -> None:
     """Copy the run's small files to `output_url`, each whole, and, once, the model/ folder the
     run starts with (its tokenizer and config, which the tools that read the run's checkpoints
-    from the bucket need). A failed copy is a warning: the next one rewrites every file, and
-    training goes on (the checkpoints are what a resume needs, and they fail loudly)."""
-    try:
-        _upload_start_model(run_dir, output_url)
-    except FlaxlmError as err:
-        print(f"flaxlm: warning: could not copy model/ to the bucket ({err}); the next "
-              "checkpoint copies it again", file=sys.stderr, flush=True)
+    from the bucket need), here and now: what `RunMirror` does in the background. A failed
+    copy is a warning: the next one rewrites every file, and training goes on (the checkpoints
+    are what a resume needs, and they fail loudly)."""
+    for name, copy in _copies(run_dir, output_url):
+        try:
+            copy()
+        except FlaxlmError as err:
+            _warn_not_copied(name, err)
+
+
+def _copies(run_dir: str, output_url: str) -> list[tuple[str, Callable[[], None]]]:
+    """(name, copy) of model/ as the run starts it and of each small file the run has."""
+    copies = [(f"{MODEL_SUBDIR}/", functools.partial(_upload_start_model, run_dir, output_url))]
     for name in MIRRORED_FILES:
         local = run_path(run_dir, name)
-        if not os.path.exists(local):
-            continue
-        try:
-            upload(local, f"{output_url}/{name}", SETTING)
-        except FlaxlmError as err:
-            print(f"flaxlm: warning: could not copy {name} to the bucket ({err}); the next "
-                  "checkpoint copies it again", file=sys.stderr, flush=True)
+        if os.path.exists(local):
+            copies.append((name, functools.partial(_upload_file, local, f"{output_url}/{name}")))
+    return copies
 
 
 def upload_exports(run_dir: str, output_url: str) -> None:

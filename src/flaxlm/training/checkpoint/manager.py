@@ -87,7 +87,8 @@ class Checkpointer:
 
     def __init__(self, directory: str, *, keep_last: int = 3, keep_best: int = 1,
                  async_save: bool = True, read_only: bool = False,
-                 after_save: Callable[[int], None] | None = None):
+                 after_save: Callable[[int], None] | None = None,
+                 before_commit: Callable[[], None] | None = None):
         if keep_last < 1 or keep_best < 0:
             raise FlaxlmError(
                 f"checkpoint.keep_last={keep_last} must be at least 1 (the checkpoint a resume "
@@ -97,6 +98,12 @@ class Checkpointer:
         # shards); s3:// through flaxlm.training.checkpoint.s3.
         self.directory = directory if is_url(directory) else os.path.abspath(directory)
         self.after_save = after_save  # called with the step once each save has started
+        # An asynchronous save calls `before_commit` on process 0, in orbax's thread, once its
+        # files are written and before the step counts as complete (orbax's post-finalization
+        # callback precedes the commit): what must be in place before a resume can pick the
+        # step. A synchronous save is complete when `save` returns; orbax takes no callback.
+        async_options = (ocp.AsyncOptions(post_finalization_callback=before_commit)
+                         if async_save and before_commit is not None else None)
         keep = [policies.LatestN(n=keep_last)]
         if keep_best:
             keep.append(policies.BestN(
@@ -108,6 +115,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             preservation_policy=policies.AnyPreservationPolicy(keep),
             enable_async_checkpointing=async_save,
+            async_options=async_options,
             cleanup_tmp_directories=not read_only,  # leftovers of a save that was killed
             read_only=read_only,
             create=not read_only,
@@ -455,13 +463,14 @@ def _quiet_closed_loop_callbacks() -> None:
 
 def make_checkpointer(run_dir: str, settings: CheckpointConfig,
                       output_url: str | None = None,
-                      after_save: Callable[[int], None] | None = None) -> Checkpointer:
+                      after_save: Callable[[int], None] | None = None,
+                      before_commit: Callable[[], None] | None = None) -> Checkpointer:
     if settings.every_steps is not None and settings.every_steps < 1:
         raise FlaxlmError(f"checkpoint.every_steps={settings.every_steps} must be at least 1 "
                           "(or null: only at epoch ends, the last step and on SIGTERM).")
     return Checkpointer(checkpoint_dir(run_dir, output_url), keep_last=settings.keep_last,
                         keep_best=settings.keep_best, async_save=settings.async_save,
-                        after_save=after_save)
+                        after_save=after_save, before_commit=before_commit)
 
 
 def close_quietly(checkpointer: Checkpointer | None) -> None:
