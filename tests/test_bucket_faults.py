@@ -13,9 +13,11 @@ import pytest
 from buckets import _forget_filesystems
 from conftest import SHORT, assert_names
 
+from flaxlm import storage_retry
 from flaxlm.bucket_faults import Fault, classify
 from flaxlm.errors import FlaxlmError
 from flaxlm.storage import check_bucket, probe_write, storage_error
+from flaxlm.storage_retry import RetryPolicy
 
 # moto names the permissions by S3's operations (HeadBucket, ListObjectsV2, GetObject), where
 # AWS has s3:ListBucket and s3:GetObject: the wildcards cover both.
@@ -23,7 +25,7 @@ READ_ONLY = ["s3:Get*", "s3:List*", "s3:Head*"]
 
 
 @pytest.fixture
-def stopped_endpoint(s3_env, monkeypatch) -> str:
+def stopped_endpoint(s3_env, monkeypatch):
     """AWS's variables pointed at a port on localhost that nothing listens on (as a stopped S3
     server's), with one attempt per request: botocore and s3fs would otherwise retry a refused
     connection for seconds before the error the test reads."""
@@ -34,8 +36,11 @@ def stopped_endpoint(s3_env, monkeypatch) -> str:
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", endpoint)
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     monkeypatch.setattr("s3fs.S3FileSystem.retries", 1)
+    # flaxlm's own tries too (storage_retries), which wait a minute or two by default.
+    previous = storage_retry.use(RetryPolicy(attempts=1, first_wait_s=0, max_wait_s=0))
     _forget_filesystems()
-    return endpoint
+    yield endpoint
+    storage_retry.use(previous)
 
 
 @pytest.fixture
@@ -84,7 +89,7 @@ def test_a_stopped_s3_server_is_named_unreachable_not_a_missing_bucket(stopped_e
     """The issue's trial: a stopped server made flaxlm-train say the bucket does not exist."""
     url = "s3://bkt/runs/a"
     result = train_cli(*SHORT, f"output_url={url}", f"hydra.run.dir={tmp_path / 'run'}",
-                       cwd=tmp_path)
+                       "storage_retries.attempts=1", cwd=tmp_path)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr + result.stdout, result.stderr[-3000:]
     [line] = [line for line in result.stderr.splitlines() if line.startswith("flaxlm: error:")]

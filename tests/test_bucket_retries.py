@@ -137,7 +137,14 @@ def test_bucket_calls_through_bursts_of_faults_end_as_without_faults(
         *(f"mirror/{n}" for n in (CONFIG_FILE, METRICS_FILE, STATUS_FILE))])
 
 
-@pytest.mark.parametrize("fault", ["503", "slowdown", "500", "drop"])
+# What each fault is named once the tries run out (flaxlm.bucket_faults): a 500 is not one of
+# the faults a user can act on, and keeps the generic paragraph.
+NAMED = {"503": "the store is throttling requests to", "slowdown": "the store is throttling "
+         "requests to", "500": "could not write to", "drop": "could not reach the store that "
+         "holds"}
+
+
+@pytest.mark.parametrize("fault", sorted(NAMED))
 def test_without_retries_one_fault_fails_the_call_with_its_paragraph(fault, s3, through_proxy,
                                                                       tmp_path):
     run = local_files(tmp_path)
@@ -149,7 +156,7 @@ def test_without_retries_one_fault_fails_the_call_with_its_paragraph(fault, s3, 
             storage.upload(str(run / METRICS_FILE), f"{s3.url}/{METRICS_FILE}", SETTING)
     finally:
         storage_retry.use(previous)
-    assert str(raised.value).startswith(f"{SETTING}: could not write to '{s3.url}/{METRICS_FILE}'")
+    assert str(raised.value).startswith(f"{SETTING}: {NAMED[fault]} '{s3.url}/{METRICS_FILE}'")
 
 
 def test_a_permanent_fault_is_not_retried(s3, through_proxy, quick_retries, tmp_path, capsys):
