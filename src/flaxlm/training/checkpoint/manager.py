@@ -178,7 +178,9 @@ class Checkpointer:
                 force=True,  # the caller decides when to save
             )
         except Exception as err:
-            raise self._not_written(err) from err
+            if (not_written := self._not_written(err)) is None:
+                raise
+            raise not_written from err
         if not self._manager.is_saving_in_progress():  # a synchronous save: complete now
             self._settle()
         if self.after_save is not None:
@@ -258,18 +260,20 @@ class Checkpointer:
         except Exception as err:
             if self._failed:  # reported once already; the run is stopping
                 return
-            raise self._not_written(err) from err
+            if (not_written := self._not_written(err)) is None:
+                raise
+            raise not_written from err
         if self._writing is not None:
             self._last_complete, self._writing = self._writing, None
 
-    def _not_written(self, err: Exception) -> Exception:
-        """What a failed save raises: on a disk, orbax's error as it came (a full disk has its
-        own report, `disk_full_error`); in a bucket, a paragraph naming the last complete
+    def _not_written(self, err: Exception) -> CheckpointNotWritten | None:
+        """What a failed save raises: on a disk, None: orbax's error as it came (a full disk
+        has its own report, `disk_full_error`); in a bucket, a paragraph naming the last complete
         checkpoint, which a resume goes back to. orbax commits a step in a bucket only once
         all of it is written, so the failed one never counts as complete."""
         failed, self._writing = self._writing, None
         if not is_url(self.directory):
-            return err
+            return None
         self._failed = True
         _release_waiting_save_threads()
         fault = bucket_faults.classify(err)
