@@ -3,7 +3,7 @@ request to an S3 server (moto's, tests/buckets.py) and answers some of them itse
 throttled or failing store does: `fault(n)` of the n-th request (from 0) says "503" (S3's
 ServiceUnavailable), "slowdown" (503 SlowDown), "500" (InternalError), "drop" (the connection
 closed without an answer) or None (forwarded). Deterministic: the same requests meet the same
-faults."""
+faults. `Outage` is such a `fault`: the store gone from a chosen request on, until it is back."""
 
 from __future__ import annotations
 
@@ -16,6 +16,26 @@ _ANSWERS = {"503": (503, "ServiceUnavailable"), "slowdown": (503, "SlowDown"),
             "500": (500, "InternalError")}
 # Hop-by-hop headers, and the length, which the proxy sets itself for the body it read whole.
 _NOT_FORWARDED = {"transfer-encoding", "connection", "keep-alive", "content-length"}
+
+
+class Outage:
+    """A fault pattern for `FaultyProxy`: every request from the first one whose path holds
+    `starts_at` (a PUT: a write under way) on is dropped, as by a store that went away in the
+    middle of that write, until `end()` (the store back)."""
+
+    def __init__(self, starts_at: str, how: str = "drop"):
+        self.starts_at, self.how = starts_at, how
+        self.down = self.over = False
+
+    def watch(self, method: str, path: str) -> None:
+        if method == "PUT" and self.starts_at in path and not self.over:
+            self.down = True
+
+    def end(self) -> None:
+        self.over = True
+
+    def __call__(self, n: int) -> str | None:
+        return self.how if self.down and not self.over else None
 
 
 class FaultyProxy:
@@ -45,6 +65,9 @@ class FaultyProxy:
     def _next(self, method: str, path: str) -> str | None:
         with self._lock:
             n, self.requests = self.requests, self.requests + 1
+            watch = getattr(self.fault, "watch", None)  # a fault that waits for a request
+            if watch is not None:
+                watch(method, path)
             fault = self.fault(n)
             if fault:
                 self.faults.append((n, fault, method, path))

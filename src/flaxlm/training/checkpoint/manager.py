@@ -49,6 +49,7 @@ import logging
 import operator
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -59,13 +60,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
+from orbax.checkpoint._src.futures import future as orbax_futures
 from orbax.checkpoint._src.metadata import array_metadata_store
 
+from flaxlm import bucket_faults, storage_retry
 from flaxlm.config import CheckpointConfig
 from flaxlm.errors import FlaxlmError, causes, first_line
 from flaxlm.layout import CHECKPOINT_SUBDIR, checkpoint_dir
 from flaxlm.storage import exists, forget_listings, is_url, list_names, move_objects
 from flaxlm.training.checkpoint import s3
+from flaxlm.training.stop import PREEMPTED_EXIT_CODE
 
 BEST_METRIC = "eval/loss"  # lower is better
 SET_ASIDE_TIMEOUT_S = 300  # how long other processes wait for process 0 to set a step aside
@@ -80,6 +84,14 @@ class Restored(NamedTuple):
     loader_state: dict
     metadata: dict
     step: int
+
+
+class CheckpointNotWritten(FlaxlmError):
+    """A checkpoint could not be written to a bucket once storage_retries' tries were spent
+    (the store gone, or refusing): the run stops there, resumable from its last complete
+    checkpoint, as a preempted run is (the same exit code)."""
+
+    exit_code = PREEMPTED_EXIT_CODE
 
 
 class Checkpointer:
@@ -130,6 +142,12 @@ class Checkpointer:
         # waits for: a run that stops at once (an input error) would end with that thread's
         # traceback ("cannot schedule new futures after interpreter shutdown"). Wait for it.
         self._manager._maybe_await_cleanup_tmp_directory()
+        # The newest step known complete, and the one an asynchronous save is writing: a save
+        # that fails in the bucket is reported with the step a resume goes back to, which the
+        # bucket itself cannot be asked for then.
+        self._last_complete: int | None = max(self.steps(), default=None)
+        self._writing: int | None = None
+        self._failed = False  # a failed save was reported: the run is stopping
         _quiet_disk_full_logs()
         _quiet_closed_loop_callbacks()
         _split_only_large_replicated_arrays()
@@ -146,16 +164,25 @@ class Checkpointer:
         best = None
         if metrics and BEST_METRIC in metrics:
             best = {BEST_METRIC: float(metrics[BEST_METRIC])}
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                loader=ocp.args.JsonSave(loader_state),
-                meta=ocp.args.JsonSave({**metadata, "step": step}),
-            ),
-            metrics=best,
-            force=True,  # the caller decides when to save
-        )
+        self._settle()  # the previous save's failure, if any, first (orbax would raise it here)
+        self._writing = step
+        try:
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    loader=ocp.args.JsonSave(loader_state),
+                    meta=ocp.args.JsonSave({**metadata, "step": step}),
+                ),
+                metrics=best,
+                force=True,  # the caller decides when to save
+            )
+        except Exception as err:
+            if (not_written := self._not_written(err)) is None:
+                raise
+            raise not_written from err
+        if not self._manager.is_saving_in_progress():  # a synchronous save: complete now
+            self._settle()
         if self.after_save is not None:
             self.after_save(step)
 
@@ -194,6 +221,7 @@ class Checkpointer:
                 )
                 continue
             self._set_aside_newer_than(step)
+            self._last_complete = step
             return restored
         return None
 
@@ -210,19 +238,70 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until every started save is on disk."""
-        self._manager.wait_until_finished()
+        self._settle()
 
     def raise_failed_save(self) -> None:
         """Raise the error of an asynchronous save that failed; never waits for one still being
         written. orbax itself reports it only at the next save, which may be many steps (all
         of them lost) later."""
         if not self._manager.is_saving_in_progress():
-            self._manager.wait_until_finished()  # a finished save: returns or raises at once
+            self._settle()  # a finished save: returns or raises at once
 
     def close(self) -> None:
         """Wait for pending saves, then release orbax's threads."""
-        self._manager.wait_until_finished()
+        self._settle()
         self._manager.close()
+
+    def _settle(self) -> None:
+        """Wait for the save under way; it is complete then, or its failure is raised (in a
+        bucket, as `CheckpointNotWritten`)."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:
+            if self._failed:  # reported once already; the run is stopping
+                return
+            if (not_written := self._not_written(err)) is None:
+                raise
+            raise not_written from err
+        if self._writing is not None:
+            self._last_complete, self._writing = self._writing, None
+
+    def _not_written(self, err: Exception) -> CheckpointNotWritten | None:
+        """What a failed save raises: on a disk, None: orbax's error as it came (a full disk
+        has its own report, `disk_full_error`); in a bucket, a paragraph naming the last complete
+        checkpoint, which a resume goes back to. orbax commits a step in a bucket only once
+        all of it is written, so the failed one never counts as complete."""
+        failed, self._writing = self._writing, None
+        if not is_url(self.directory):
+            return None
+        self._failed = True
+        _release_waiting_save_threads()
+        fault = bucket_faults.classify(err)
+        what = f"{fault.value}: " if fault is not None else ""
+        tries = storage_retry.current().attempts
+        kept = (f"Its last complete checkpoint is step {self._last_complete} (step {failed} was "
+                "never committed, so no run takes it for one); once the store answers again, "
+                f"run the same command: it resumes from step {self._last_complete}."
+                if self._last_complete is not None else
+                "It had no complete checkpoint yet; once the store answers again, run the same "
+                "command: it starts again from step 0.")
+        return CheckpointNotWritten(
+            f"{BUCKET_SETTING}: could not write the checkpoint of step {failed} to "
+            f"{self.directory} ({what}{type(err).__name__}: {first_line(err)}), after "
+            f"{tries} tries ({storage_retry.SETTING}), so the run stopped rather than train on "
+            f"with nothing saved. {kept} (exit code {PREEMPTED_EXIT_CODE}: resumable.)")
+
+
+def _release_waiting_save_threads() -> None:
+    """Cancel orbax's threads of a failed save that still wait for a signal from a part of it
+    that failed (the step's folder, never created): they would wait out orbax's timeout (300 s)
+    and hold the process from exiting that long, then log a traceback each. Cancelled and
+    signalled, each returns at once without running its part."""
+    for thread in threading.enumerate():
+        if isinstance(thread, orbax_futures._SignalingThread) and thread.is_alive():
+            thread.cancel()
+            orbax_futures.set_signals(thread._receive_signals,
+                                      operation_id=thread._operation_id)
 
 
 def restore_params(run_dir: str, step: int | None = None,
