@@ -60,7 +60,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
-from orbax.checkpoint._src.futures import future as orbax_futures
 from orbax.checkpoint._src.metadata import array_metadata_store
 
 from flaxlm import bucket_faults, storage_retry
@@ -296,12 +295,25 @@ def _release_waiting_save_threads() -> None:
     """Cancel orbax's threads of a failed save that still wait for a signal from a part of it
     that failed (the step's folder, never created): they would wait out orbax's timeout (300 s)
     and hold the process from exiting that long, then log a traceback each. Cancelled and
-    signalled, each returns at once without running its part."""
+    signalled, each returns at once without running its part. These are orbax 0.12's private
+    names: where another orbax lacks them, nothing is released, and the process waits out the
+    timeout as it did before (the run still stops with its paragraph)."""
+    try:
+        from orbax.checkpoint._src.futures import future as orbax_futures
+    except ImportError:
+        return
+    signaling = getattr(orbax_futures, "_SignalingThread", None)
+    set_signals = getattr(orbax_futures, "set_signals", None)
+    if signaling is None or set_signals is None:
+        return
     for thread in threading.enumerate():
-        if isinstance(thread, orbax_futures._SignalingThread) and thread.is_alive():
+        if isinstance(thread, signaling) and thread.is_alive():
+            signals = getattr(thread, "_receive_signals", None)
+            operation = getattr(thread, "_operation_id", None)
+            if signals is None or operation is None:
+                continue
             thread.cancel()
-            orbax_futures.set_signals(thread._receive_signals,
-                                      operation_id=thread._operation_id)
+            set_signals(signals, operation_id=operation)
 
 
 def restore_params(run_dir: str, step: int | None = None,
