@@ -167,6 +167,7 @@ def test_megablox_tiles_are_the_fastest_measured_at_moe_smalls_shapes():
         assert megablox_tiling(16384, 2048, 768, kernel) == (256, 2048, 768)
 
 
+@pytest.mark.slow  # each drawn shape compiles its own operations: 15 s on 2 cores
 @settings(max_examples=20, deadline=None)
 @given(tokens=st.integers(1, 24), top_k=st.integers(1, 4), num_experts=st.integers(1, 6),
        seed=st.integers(0, 2**16))
