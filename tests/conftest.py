@@ -326,6 +326,17 @@ def write(path: Path, content: str | bytes) -> Path:
     return path
 
 
+def assert_same_final_weights(run_dir, reference) -> None:
+    """Two runs' final model/model.safetensors hold the same tensors, bit for bit."""
+    import safetensors.numpy
+
+    weights = "model/model.safetensors"
+    ours = safetensors.numpy.load_file(str(Path(run_dir) / weights))
+    theirs = safetensors.numpy.load_file(str(Path(reference) / weights))
+    assert ours.keys() == theirs.keys()
+    assert all((ours[k] == theirs[k]).all() for k in ours)  # bitwise
+
+
 def assert_names(error: Exception | str, *fragments: str) -> None:
     """`error`'s message holds every fragment, in one paragraph."""
     message = str(error)

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import fsspec
 import pytest
-import safetensors.numpy
-from conftest import metrics_of, trained_run
+from conftest import assert_same_final_weights, metrics_of, trained_run
 from faulty_proxy import FaultyProxy, Outage
 
 from flaxlm.training.checkpoint.manager import COMMIT_FILE
@@ -95,8 +94,4 @@ def test_a_bucket_gone_mid_save_stops_the_run_resumably_and_it_resumes_exactly(
     assert f"from its checkpoint at step {last}" in resumed.stdout
     assert committed_steps(s3, "runs/a/checkpoints")[-1] == 12
     assert metrics_of(tmp_path / "run") == metrics_of(reference)
-    weights = "model/model.safetensors"
-    ours = safetensors.numpy.load_file(str(tmp_path / "run" / weights))
-    theirs = safetensors.numpy.load_file(str(reference / weights))
-    assert ours.keys() == theirs.keys()
-    assert all((ours[k] == theirs[k]).all() for k in ours)  # bitwise
+    assert_same_final_weights(tmp_path / "run", reference)

@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
-import safetensors.numpy
 from conftest import (
     SHORT,
     assert_names,
+    assert_same_final_weights,
     bumped,
     cache_with_builtin,
     leaves_equal,
@@ -207,11 +207,7 @@ def test_a_run_killed_mid_save_resumes_from_the_bucket_on_a_new_host_to_the_same
     (tmp_path / "bucket").mkdir()
     gcs.fs.get_file(f"{gcs.name}/runs/a/metrics.jsonl", str(tmp_path / "bucket" / "metrics.jsonl"))
     assert metrics_of(tmp_path / "bucket") == metrics_of(reference)
-    weights = "model/model.safetensors"
-    ours = safetensors.numpy.load_file(str(tmp_path / "second" / weights))
-    theirs = safetensors.numpy.load_file(str(reference / weights))
-    assert ours.keys() == theirs.keys()
-    assert all((ours[k] == theirs[k]).all() for k in ours)  # bitwise
+    assert_same_final_weights(tmp_path / "second", reference)
 
 
 @pytest.mark.slow
@@ -302,11 +298,7 @@ def test_a_slow_store_gets_the_small_files_in_the_background_each_checkpoint_aft
     # holding its lines (and maybe later ones, which a resume drops)
     assert [complete for _, complete in at_commits] == [[], [4]], at_commits
     assert [top >= step for (top, _), step in zip(at_commits, [4, 6])] == [True, True]
-    assert bucket_metrics(s3, "runs/slow/metrics.jsonl") == metrics_of(run_dir)
-    s3.fs.invalidate_cache()
-    assert (s3.fs.cat_file(f"{s3.name}/runs/slow/status.json")
-            == (run_dir / "status.json").read_bytes())
-    assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
+    assert_mirrored(s3, "runs/slow", run_dir, "finished")
 
 
 @pytest.mark.slow  # several seconds: make test runs it
@@ -337,11 +329,17 @@ def test_a_sigterm_flushes_the_copies_still_pending_to_a_slow_store(s3, tmp_path
                        cwd=tmp_path)
     assert result.returncode == PREEMPTED_EXIT_CODE, result.stderr[-3000:]
     assert "not yet copied" not in result.stderr
-    assert bucket_metrics(s3, "runs/t/metrics.jsonl") == metrics_of(run_dir)
-    s3.fs.invalidate_cache()
-    assert (s3.fs.cat_file(f"{s3.name}/runs/t/status.json")
+    assert_mirrored(s3, "runs/t", run_dir, "preempted")
+
+
+def assert_mirrored(bucket, prefix: str, run_dir: Path, status: str) -> None:
+    """The bucket's metrics.jsonl and status.json under `prefix` equal the run's local ones,
+    and the run ended with `status`."""
+    assert bucket_metrics(bucket, f"{prefix}/metrics.jsonl") == metrics_of(run_dir)
+    bucket.fs.invalidate_cache()
+    assert (bucket.fs.cat_file(f"{bucket.name}/{prefix}/status.json")
             == (run_dir / "status.json").read_bytes())
-    assert json.loads((run_dir / "status.json").read_text())["status"] == "preempted"
+    assert json.loads((run_dir / "status.json").read_text())["status"] == status
 
 
 @pytest.mark.slow  # several seconds: make test runs it
