@@ -27,6 +27,8 @@ import jax.numpy as jnp
 CASES = [("smollm-135m", 4, 2048, 9, 3, 64), ("qwen2.5-0.5b", 4, 2048, 14, 2, 64),
          ("llama-1b", 2, 2048, 32, 8, 64)]
 TINY_CASES = [("tiny", 1, 256, 2, 1, 64)]
+# Long rows (--long): smollm-135m's heads at the 16k and 32k tokens of long-context training.
+LONG_CASES = [("smollm-135m-16k", 1, 16384, 9, 3, 64), ("smollm-135m-32k", 1, 32768, 9, 3, 64)]
 
 
 def variants(L: int) -> dict[str, dict]:
@@ -52,6 +54,10 @@ def variants(L: int) -> dict[str, dict]:
         "2048/1024 fwd, 1024/1024 bwd fused": blocks(2048, 1024, 1024, 1024, fused=True),
         "512/512 k seq-minor": blocks(512, 512, k_layout="SEQ_MINOR"),
         "1024/1024 fused, k seq-minor": blocks(1024, 1024, fused=True, k_layout="SEQ_MINOR"),
+        "1024/2048 fused": blocks(1024, 2048, fused=True),
+        "2048/2048 fused": blocks(2048, 2048, fused=True),
+        "2048/1024 fused": blocks(2048, 1024, fused=True),
+        "4096/1024 fwd, 2048/1024 bwd fused": blocks(4096, 1024, 2048, 1024, fused=True),
     }
 
 
@@ -94,12 +100,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--tiny", action="store_true", help="a small case, in interpret mode")
+    parser.add_argument("--long", action="store_true", help="long rows (16k, 32k tokens)")
     parser.add_argument("--out", default=None, help="also write the rows as JSON")
     args = parser.parse_args()
     interpret = jax.devices()[0].platform != "tpu"
     rows = []
     print(f"{jax.devices()[0].device_kind}: forward + backward, bfloat16, causal")
-    for case in TINY_CASES if args.tiny else CASES:
+    for case in TINY_CASES if args.tiny else LONG_CASES if args.long else CASES:
         name, B, L, N, G, H = case
         flops = 3.5 * 4 * B * N * L * L * H / 2
         for label, sizes in variants(L).items():

@@ -84,6 +84,9 @@ def flax_worker(config, tokens_np, args) -> None:
     state = jax.device_put(state, replicated(mesh))
     compiled = lm_steps_compiler(config)(mesh, graphdef, tx)  # training's own step
     inputs = global_batch(tokens_np, mesh)
+    if args.documents:  # packed documents, each attending to itself (task.document_masking)
+        inputs = {name: global_batch(array, mesh) for name, array in
+                  documents_batch(tokens_np, args.documents).items()}
     key = jax.random.key(0)
     holder = {"state": state}
 
@@ -112,6 +115,16 @@ def flax_worker(config, tokens_np, args) -> None:
                                            - footprint.alias_size_in_bytes
                                            + footprint.temp_size_in_bytes),
                  temp_bytes=footprint and footprint.temp_size_in_bytes)
+
+
+def documents_batch(tokens_BxL: np.ndarray, mean_length: int) -> dict[str, np.ndarray]:
+    """`tokens_BxL` as packed documents of about `mean_length` tokens (lengths drawn from an
+    exponential law, as a web corpus's are roughly), with their segment ids and positions."""
+    from flaxlm.data.documents import with_documents
+
+    rng = np.random.default_rng(1)
+    starts_BxL = rng.random(tokens_BxL.shape) < 1 / mean_length
+    return with_documents(tokens_BxL, starts_BxL)
 
 
 def torch_worker(config, tokens_np, args, compiled: bool) -> None:
@@ -224,6 +237,9 @@ def main() -> None:
                         help="global batch (default 8; with hardware=tpu, one chip's rows by "
                              "hardware.tokens_per_device: what flaxlm-train would run)")
     parser.add_argument("--vocab", type=int, default=None, help="override model.vocab_size")
+    parser.add_argument("--documents", type=int, default=None, metavar="MEAN_LENGTH",
+                        help="flaxlm only: rows packed with documents of about this many "
+                             "tokens, attention kept within each (task.document_masking)")
     harness.add_arguments(parser)
     parser.add_argument("--quickstart", action="store_true")
     args = parser.parse_intermixed_args()  # overrides may follow the options

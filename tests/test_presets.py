@@ -155,7 +155,7 @@ def test_every_preset_composes_and_passes_the_jobs_setting_checks(experiment):
     config, seq_len, batch = as_run([f"experiment={experiment}", *USER_INPUT.get(experiment, [])],
                                     num_devices=8)
     assert 2 <= seq_len <= config.model.max_positions
-    assert batch == config.hardware.per_device_batch_size * 8
+    assert batch == config.hardware.per_device_batch_size * 8 * config.trainer.grad_accum_steps
 
 
 def test_a_preset_that_needs_your_files_says_so_before_reading_anything():

@@ -61,6 +61,8 @@ CUDNN_MAX_HEAD_WIDTH = 128
 # Splash attention's query and key block lengths: the largest of these dividing the sequence
 # (its key blocks must be whole multiples of a TPU vector register's 128 lanes).
 SPLASH_BLOCKS = (512, 256, 128)
+# Rows from which the splash kernel takes larger blocks (`splash_block_sizes`).
+LONG_ROWS = 16384
 
 # The oldest chips each kernel compiles for. Where the generation is unknown (a kind or compute
 # capability these rules cannot read) the kernel is not held back.
@@ -410,6 +412,24 @@ def splash_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal: bool,
     return jnp.swapaxes(out_BxNxLxH, 1, 2)
 
 
+def splash_block_sizes(q_len: int, kv_len: int, head_width: int) -> dict[str, int | bool]:
+    """The splash kernel's blocks (`BlockSizes`' arguments) for `q_len` queries over `kv_len`
+    keys in heads `head_width` wide: the longest of SPLASH_BLOCKS that divides each length,
+    for the forward pass and the backward pass alike; from LONG_ROWS keys on, with heads of at
+    most 64, queries in blocks of 1024 and keys of 2048 where they divide: on a TPU v5e, forward
+    + backward over 16,384 tokens with 9 heads of 64 took 16.5 ms against 20.2 ms in blocks of
+    512 (benchmarks/splash_blocks.py --long; docs/benchmarks.md). Larger blocks did not fit
+    the kernel's VMEM there, and wider heads need more of it. One backward kernel for dq, dk
+    and dv (the fused one) rather than two that each recompute the probabilities: 11% less
+    time at 2048 tokens with heads of 64 ("MFU on one TPU v5e chip")."""
+    q_block, kv_block = splash_block(q_len), splash_block(kv_len)
+    if kv_len >= LONG_ROWS and head_width <= 64 and q_len % 1024 == 0 and kv_len % 2048 == 0:
+        q_block, kv_block = 1024, 2048
+    return dict(block_q=q_block, block_kv=kv_block, block_kv_compute=kv_block,
+                block_q_dkv=q_block, block_kv_dkv=kv_block, block_kv_dkv_compute=kv_block,
+                use_fused_bwd_kernel=True)
+
+
 def _head_axis(mesh, num_heads: int, num_kv_heads: int) -> str | None:
     """The mesh axis the heads are split over, as the q/k/v projections split them."""
     tensor = mesh.shape.get(TENSOR_AXIS, 1)
@@ -425,23 +445,14 @@ def _splash_rows(q_BxNxLxH, k_BxGxKxH, v_BxGxKxH, segment_ids_BxL, *, is_causal:
 
     _, N, L, _ = q_BxNxLxH.shape
     K = k_BxGxKxH.shape[2]
-    block = splash_block(L)
-    if block is None or splash_block(K) is None:
+    if splash_block(L) is None or splash_block(K) is None:
         raise ValueError(f"splash attention needs lengths in multiples of {SPLASH_BLOCKS[-1]}: "
                          f"{L} queries, {K} keys")
-    kv_block = splash_block(K)
     head_mask = splash.CausalMask((L, K)) if is_causal else splash.FullMask((L, K))
-    # One backward kernel for dq, dk and dv (the fused one) rather than two that each
-    # recompute the probabilities: on a TPU v5e, 11% less time for forward + backward at
-    # 2048 tokens with heads of 64 (docs/benchmarks.md, "MFU on one TPU v5e chip").
     kernel = splash.make_splash_mha(
         splash.MultiHeadMask([head_mask] * N), head_shards=1, q_seq_shards=1,
         residual_checkpoint_name=KERNEL_RESIDUALS,
-        block_sizes=splash.BlockSizes(
-            block_q=block, block_kv=kv_block, block_kv_compute=kv_block,
-            block_q_dkv=block, block_kv_dkv=kv_block, block_kv_dkv_compute=kv_block,
-            use_fused_bwd_kernel=True),
-        interpret=interpret)
+        block_sizes=splash.BlockSizes(**splash_block_sizes(L, K, q_BxNxLxH.shape[-1])), interpret=interpret)
 
     if segment_ids_BxL is None:
         return jax.vmap(kernel)(q_BxNxLxH, k_BxGxKxH, v_BxGxKxH)
