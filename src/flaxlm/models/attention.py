@@ -452,7 +452,8 @@ def _splash_rows(q_BxNxLxH, k_BxGxKxH, v_BxGxKxH, segment_ids_BxL, *, is_causal:
     kernel = splash.make_splash_mha(
         splash.MultiHeadMask([head_mask] * N), head_shards=1, q_seq_shards=1,
         residual_checkpoint_name=KERNEL_RESIDUALS,
-        block_sizes=splash.BlockSizes(**splash_block_sizes(L, K, q_BxNxLxH.shape[-1])), interpret=interpret)
+        block_sizes=splash.BlockSizes(**splash_block_sizes(L, K, q_BxNxLxH.shape[-1])),
+        interpret=interpret)
 
     if segment_ids_BxL is None:
         return jax.vmap(kernel)(q_BxNxLxH, k_BxGxKxH, v_BxGxKxH)
