@@ -44,12 +44,12 @@ def variants(L: int) -> dict[str, dict]:
         return sizes
 
     return {
-        "512/512 (flaxlm today)": blocks(512, 512),
+        "512/512": blocks(512, 512),
         "512/1024": blocks(512, 1024),
         "1024/512": blocks(1024, 512),
         "1024/1024": blocks(1024, 1024),
         "2048/2048": blocks(2048, 2048),
-        "512/512 fused bwd": blocks(512, 512, fused=True),
+        "512/512 fused bwd (flaxlm below 16k)": blocks(512, 512, fused=True),
         "1024/1024 fused bwd": blocks(1024, 1024, fused=True),
         "2048/1024 fwd, 1024/1024 bwd fused": blocks(2048, 1024, 1024, 1024, fused=True),
         "512/512 k seq-minor": blocks(512, 512, k_layout="SEQ_MINOR"),

@@ -398,6 +398,13 @@ def test_a_kernel_the_compiler_refuses_is_one_paragraph_naming_xla():
     assert kernel_compile_error(jax.errors.JaxRuntimeError(
         "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm.\n  mosaic custom call"),
         splash) is None
+    # A kernel's blocks larger than a core's VMEM is flaxlm's choice, not the run's memory: no
+    # remat or smaller batch helps, whatever "RESOURCE_EXHAUSTED" suggests.
+    vmem = kernel_compile_error(jax.errors.JaxRuntimeError(
+        "RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom: Scoped allocation with size "
+        "20.00M and limit 16.00M exceeded scoped vmem limit"), splash)
+    assert "VMEM" in str(vmem) and "model.attention=xla" in str(vmem)
+    assert "Scoped allocation with size 20.00M" in str(vmem)
     cudnn = Choice(AttentionBackend.cudnn, "", dropout=False)
     refused = kernel_compile_error(jax.errors.JaxRuntimeError(
         "INTERNAL: cuDNN error: CUDNN_STATUS_NOT_SUPPORTED\nin fused attention"), cudnn)

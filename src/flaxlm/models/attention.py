@@ -152,6 +152,17 @@ def kernel_compile_error(err: BaseException, choice: Choice) -> FlaxlmError | No
         return None
     for cause in causes(err):
         text = str(cause)
+        if "VmemOom" in text:  # a kernel's blocks, not the run, too large for a core's VMEM
+            said = text.split("RESOURCE_EXHAUSTED:", 1)[-1].strip().splitlines()[0]
+            return FlaxlmError(
+                f"A step did not compile: a Pallas kernel's blocks do not fit a core's VMEM "
+                f"(its on-chip scratch memory, not the HBM a smaller batch or remat frees): "
+                f"{said[:300]}. The kernels' blocks are flaxlm's choice for these shapes "
+                f"(splash attention's by the row length, megablox's by the MoE widths): "
+                f"please report the command. Meanwhile model.attention=xla (this run: "
+                f"{choice.describe()}) or, for an MoE model, model.moe.dispatch=ragged "
+                f"avoids them."
+            )
         if "RESOURCE_EXHAUSTED" in text:  # out of memory, whatever buffers it names
             return None
         said = [line.strip() for line in text.splitlines() if compiler.lower() in line.lower()]
