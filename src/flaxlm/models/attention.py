@@ -140,10 +140,12 @@ def choose_backend(requested: AttentionBackend | str, accelerator: Accelerator, 
         problem = _why_not(backend, accelerator, compute_dtype, seq_len, head_width, causal_lm,
                            window)
         if problem:
+            picks = ("xla on a GPU, splash on a TPU v4 or newer" if window is not None else
+                     "cudnn on an Ampere-or-newer GPU, splash on a TPU v4 or newer")
             raise FlaxlmError(
                 f"model.attention={backend.value} cannot run here: {problem}. Set "
-                "model.attention=auto (picks cudnn on an Ampere-or-newer GPU, splash on a "
-                "TPU v4 or newer, xla otherwise), or xla, which runs everywhere."
+                f"model.attention=auto (picks {picks}, xla otherwise), or xla, which runs "
+                "everywhere."
             )
     return Choice(backend, reason, attention_dropout > 0)
 
@@ -205,8 +207,10 @@ def _why_not(backend, accelerator, compute_dtype, seq_len, head_width, causal_lm
     """Why `backend` cannot run this model on `accelerator` ("" when it can)."""
     platform = accelerator.platform
     if window is not None and backend not in WINDOW_BACKENDS:
-        return (f"flaxlm does not hand a sliding window (model.sliding_window={window}) to "
-                f"{backend.value}: only {', '.join(b.value for b in WINDOW_BACKENDS)} take one")
+        return (f"flaxlm gives {backend.value} no sliding window (model.sliding_window="
+                f"{window}): jax's cuDNN call would take it, but that path has never run on a "
+                "GPU here, so a windowed model attends with "
+                f"{', '.join(b.value for b in WINDOW_BACKENDS)} only")
     if backend is AttentionBackend.cudnn:
         if platform != "gpu":
             return f"cuDNN's fused attention runs on an NVIDIA GPU, and this run is on {platform}"
