@@ -309,3 +309,22 @@ def test_cudnn_is_refused_for_a_window_and_auto_takes_what_slides_one():
     assert choose_backend("auto", gpu, "bfloat16", 2048, 64, window=64).backend.value == "xla"
     assert choose_backend("auto", tpu, "bfloat16", 2048, 64, window=64).backend.value == \
         "splash"
+
+
+def test_the_flops_count_a_windowed_layers_pairs_as_palms_formula_counts_the_causal_ones():
+    """PaLM's 12·N·H·L per layer counts all L×L pairs, twice the causal ones; a windowed
+    layer's pairs, counted on the mask, twice as well: what `attended_length` gives."""
+    from flaxlm.models.layers import attended_length, training_flops_per_token
+
+    for seq_len, window in [(64, 8), (64, 63), (64, 64), (64, 100), (4096, 512)]:
+        pairs = int(window_mask(jnp.arange(seq_len), jnp.arange(seq_len), window).sum())
+        causal = seq_len * (seq_len + 1) // 2
+        # The formula's are the continuous ones: a mask's diagonal adds 1/L to each count.
+        assert attended_length(seq_len, window) / seq_len == pytest.approx(pairs / causal,
+                                                                           rel=1.0 / seq_len)
+    # Qwen2's first layer at the whole row, the second windowed: the attention term's half.
+    whole = dataclasses.replace(QWEN2, sliding_window=None, full_attention_layers=0)
+    attention_term = (training_flops_per_token(whole, 0, 64)
+                      - training_flops_per_token(dataclasses.replace(whole, num_layers=1), 0, 64))
+    assert training_flops_per_token(QWEN2, 0, 64) == pytest.approx(
+        attention_term * (1 + attended_length(64, WINDOW) / 64))

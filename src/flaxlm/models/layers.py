@@ -547,9 +547,24 @@ def training_flops_per_token(model: ModelConfig, matmul_params: int, seq_len: in
     """Training FLOPs per token: 6 per weight that multiplies (each family's `lookup_params`,
     tables that are only looked up, are not among them) plus attention's
     12·layers·width·length (PaLM, appendix B), its width the heads' (num_heads × head_dim,
-    wider than the model for Qwen3-30B-A3B's 32 heads of 128 on 2048)."""
+    wider than the model for Qwen3-30B-A3B's 32 heads of 128 on 2048); a layer with a sliding
+    window counts `attended_length`'s length instead."""
     head_width = model.head_dim or model.hidden_size // model.num_heads
-    return 6 * matmul_params + 12 * model.num_layers * model.num_heads * head_width * seq_len
+    windowed = 0 if model.sliding_window is None else (model.num_layers
+                                                       - model.full_attention_layers)
+    lengths = ((model.num_layers - windowed) * seq_len
+               + windowed * attended_length(seq_len, model.sliding_window))
+    return 6 * matmul_params + 12 * model.num_heads * head_width * lengths
+
+
+def attended_length(seq_len: int, window: int | None) -> float:
+    """The length PaLM's formula counts for a layer whose queries see a sliding `window` of
+    keys: the formula counts every query against all L keys, twice the causal triangle's
+    L²/2 pairs, so a window's pairs, L·W - W²/2 for W ≤ L (each query its last W keys, the
+    first W - 1 fewer), count twice as well: 2W - W²/L, which is L at W = L."""
+    if window is None or window >= seq_len:
+        return float(seq_len)
+    return 2 * window - window * window / seq_len
 
 
 @dataclasses.dataclass(frozen=True)
