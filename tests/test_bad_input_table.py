@@ -208,6 +208,15 @@ ROWS = {
     "moe-capacity-zero": Row(["model=moe-tiny", "model.moe.capacity_factor=0"],
                              ["model.moe.capacity_factor=0"]),
     "head-dim-odd": Row(["model=llama-tiny", "model.head_dim=7"], ["model.head_dim=7"]),
+    "sliding-window-not-positive": Row(
+        ["model=llama-tiny", "model.family=mistral", "model.sliding_window=0"],
+        ["model.sliding_window=0", "at least 1"]),
+    "sliding-window-on-a-family-without": Row(
+        ["model=gpt2-tiny", "model.sliding_window=16"],
+        ["model.sliding_window=16", "model.family=gpt2"]),
+    "sliding-window-with-cudnn": Row(
+        ["model=llama-tiny", "model.family=mistral", "model.sliding_window=16",
+         "model.attention=cudnn"], ["model.attention=cudnn", "model.sliding_window=16"]),
     "moe-classifier": Row([*classify("pairs.jsonl", "pairs.jsonl"), "model=moe-tiny"],
                           ["model=moe-tiny", "task=classify"]),
     "moe-on-a-dense-family": Row(["model=llama-tiny", "model.moe.num_experts=4"],

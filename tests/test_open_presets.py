@@ -432,13 +432,16 @@ def test_biases_a_familys_checkpoint_cannot_hold_are_a_clear_error(family, chang
         build_lm(TransformerSpec(config), nnx.Rngs(0))
 
 
-def test_a_sliding_window_qwen2_checkpoint_is_a_clear_error(tmp_path):
+def test_a_qwen2_checkpoint_windowed_in_early_layers_only_is_a_clear_error(tmp_path):
+    """flaxlm slides the window in the last layers (after model.full_attention_layers), as
+    max_window_layers does; layer_types may say otherwise, and is then refused."""
     import transformers
 
-    config = transformers.Qwen2Config(hidden_size=64, num_attention_heads=8,
-                                      use_sliding_window=True, sliding_window=16)
+    config = transformers.Qwen2Config(
+        hidden_size=64, num_attention_heads=8, num_hidden_layers=3, use_sliding_window=True,
+        sliding_window=16, layer_types=["sliding_attention", "full_attention", "full_attention"])
     config.save_pretrained(tmp_path)
-    with pytest.raises(FlaxlmError, match="sliding-window attention"):
+    with pytest.raises(FlaxlmError, match=r"sliding-window attention in layers \[0\] only"):
         pretrained.pretrained_model_config(str(tmp_path), BASE["qwen2"])
 
 

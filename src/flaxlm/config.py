@@ -102,6 +102,7 @@ class ModelFamily(str, enum.Enum):
     bert = "bert"  # encoder: BertForSequenceClassification (task=classify)
     llama = "llama"  # decoder: LlamaForCausalLM (task=clm), LlamaForSequenceClassification
     qwen2 = "qwen2"  # Llama's decoder with biases on q/k/v: Qwen2ForCausalLM, ...Classification
+    mistral = "mistral"  # Llama's decoder without biases: MistralForCausalLM, ...Classification
     # Mixture-of-Experts decoders (model.moe; flaxlm.models.moe): Llama's attention, each
     # MLP a set of SwiGLU experts behind a router, as HF's classes of these names hold them.
     qwen3_moe = "qwen3_moe"  # Qwen3MoeForCausalLM: q/k RMSNorm per head, renormalised top-k
@@ -110,6 +111,8 @@ class ModelFamily(str, enum.Enum):
     olmoe = "olmoe"  # OlmoeForCausalLM: q/k RMSNorm over the whole projection, 64 experts, top-8
 
 
+# The families whose transformers config holds a sliding window (model.sliding_window).
+WINDOW_FAMILIES = (ModelFamily.mistral, ModelFamily.qwen2)
 MOE_FAMILIES = (ModelFamily.qwen3_moe, ModelFamily.qwen2_moe, ModelFamily.mixtral,
                 ModelFamily.olmoe)
 
@@ -285,6 +288,12 @@ class ModelConfig:
     qkv_bias: bool = False  # biases on q/k/v only, none on o: Qwen2's (model.family=qwen2)
     mlp_bias: bool = False  # biases on the gate/up/down projections
     qk_norm: QKNorm = QKNorm.none  # RMSNorm on queries and keys (Qwen3: per head; OLMoE: width)
+    # Sliding-window attention (mistral and qwen2 only): each token attends to itself and the
+    # sliding_window - 1 tokens before it, as transformers' Mistral and Qwen2 count; null → the
+    # whole row. The first full_attention_layers layers keep attending to the whole row
+    # (Qwen2's max_window_layers).
+    sliding_window: Optional[int] = None
+    full_attention_layers: int = 0
     # Mixture-of-Experts MLPs (the moe families); off while model.moe.num_experts is null.
     moe: MoeConfig = dataclasses.field(default_factory=MoeConfig)
     # Low-rank adapters on a frozen base (task=clm); off while model.lora.rank is null.

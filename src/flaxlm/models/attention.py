@@ -2,8 +2,11 @@
 
 `model.attention` names the backend (`AttentionBackend`); every backend computes the same
 function, softmax(q·kᵀ/√H)·v over the keys each query may see, and takes the same masks:
-causal, segment ids (a packed block's documents, `task.document_masking`) and grouped-query
-attention (keys and values with G heads, G dividing N; query head n reads key head n // (N/G)).
+causal, segment ids (a packed block's documents, `task.document_masking`), grouped-query
+attention (keys and values with G heads, G dividing N; query head n reads key head n // (N/G))
+and a sliding window (`model.sliding_window` W: query i sees keys i - W + 1 … i, itself and the
+W - 1 before it, as transformers' Mistral and Qwen2 count; within a document the places in the
+row are its positions).
 
 - `reference`: spelled out with einsums, the softmax in float32; builds the L×K scores. The
   only path that can drop attention probabilities out, so a model that trains with
@@ -11,11 +14,12 @@ attention (keys and values with G heads, G dividing N; query head n reads key he
 - `xla`: `jax.nn.dot_product_attention(implementation="xla")`, what XLA fuses on any device.
 - `cudnn`: the same call with `implementation="cudnn"`: cuDNN's fused flash attention on an
   NVIDIA GPU, bfloat16/float16 only; the causal mask is never built, segment ids enter as a
-  mask (cuDNN takes it as a B×1×L×K bias).
+  mask (cuDNN takes it as a B×1×L×K bias). Not with a sliding window (`WINDOW_BACKENDS`).
 - `splash`: JAX's Pallas TPU splash attention kernel
   (`jax.experimental.pallas.ops.tpu.splash_attention`): blocks of the causal mask that are
   empty are skipped, segment ids are taken as such (no L×K mask anywhere), grouped-query
-  attention natively. Under a device mesh it runs per device (`jax.shard_map` over the batch's
+  attention natively, a window as its local mask (blocks wholly outside it skipped too).
+  Under a device mesh it runs per device (`jax.shard_map` over the batch's
   mesh axes, and the heads' when `tensor` splits them). On a machine without a TPU (tests) the
   kernel runs in Pallas interpret mode.
 - `auto`: `choose_backend` picks by the devices (platform and chip generation), dtype and
@@ -24,7 +28,7 @@ attention (keys and values with G heads, G dividing N; query head n reads key he
 With a `context` mesh axis (`hardware.mesh.context`, context parallelism) each device holds a
 contiguous slice of every row's queries, keys and values; `context_attention` gathers the
 row's keys and values onto each device of the axis (MaxText's all-gather variant) and masks
-by the slices' places in the row, with the reference or XLA path.
+by the slices' places in the row (the window's too), with the reference or XLA path.
 
 Shapes are in the names: B batch, L query length, K key length, N query heads, G key/value
 heads, H head width.
@@ -63,6 +67,11 @@ CUDNN_MAX_HEAD_WIDTH = 128
 SPLASH_BLOCKS = (512, 256, 128)
 # Rows from which the splash kernel takes larger blocks (`splash_block_sizes`).
 LONG_ROWS = 16384
+# The backends that take a sliding window. Not cuDNN: jax hands it to cuDNN as its
+# `sliding_window_length` beside a causal mask type, with segment ids as a bias, a combination
+# no test here can run (there is no GPU) and no benchmark has checked, so a windowed model
+# does not reach it; `auto` takes XLA on a GPU for it.
+WINDOW_BACKENDS = (AttentionBackend.reference, AttentionBackend.xla, AttentionBackend.splash)
 
 # The oldest chips each kernel compiles for. Where the generation is unknown (a kind or compute
 # capability these rules cannot read) the kernel is not held back.
@@ -100,7 +109,8 @@ class Choice:
 
 def choose_backend(requested: AttentionBackend | str, accelerator: Accelerator, compute_dtype,
                    seq_len: int, head_width: int, *, causal_lm: bool = True,
-                   attention_dropout: float = 0.0, context_parallel: bool = False) -> Choice:
+                   attention_dropout: float = 0.0, context_parallel: bool = False,
+                   window: int | None = None) -> Choice:
     """The backend `model.attention=requested` means for a run on `accelerator` (the platform,
     "cpu", "gpu" or "tpu", and the chip: `flaxlm.parallel.run_accelerator`) in
     `compute_dtype` over blocks of `seq_len` tokens: `auto` picks cuDNN on an Ampere-or-newer
@@ -109,7 +119,8 @@ def choose_backend(requested: AttentionBackend | str, accelerator: Accelerator, 
     cannot run there is a FlaxlmError, raised before anything compiles. `causal_lm` is False
     for the classifiers, whose padding masks only the reference and XLA paths (and cuDNN)
     take. With `context_parallel` (a `context` mesh axis) the attention is
-    `context_attention`'s, on the XLA path: no kernel is built for it yet."""
+    `context_attention`'s, on the XLA path: no kernel is built for it yet. A sliding `window`
+    (model.sliding_window) keeps `auto` to the backends that take one (`WINDOW_BACKENDS`)."""
     backend = _backend(requested)
     reason = ""
     if context_parallel and backend in (AttentionBackend.splash, AttentionBackend.cudnn):
@@ -122,18 +133,21 @@ def choose_backend(requested: AttentionBackend | str, accelerator: Accelerator, 
         return Choice(AttentionBackend.xla, "auto under a context axis",
                       attention_dropout > 0)
     if backend is AttentionBackend.auto:
-        backend = _auto(accelerator, compute_dtype, seq_len, head_width, causal_lm)
+        backend = _auto(accelerator, compute_dtype, seq_len, head_width, causal_lm, window)
         reason = f"auto on {accelerator.name}"
         passed_over = _too_old(_KERNELS.get(accelerator.platform), accelerator, compute_dtype)
         if backend is AttentionBackend.xla and passed_over:
             reason += f"; {passed_over}"
     else:
-        problem = _why_not(backend, accelerator, compute_dtype, seq_len, head_width, causal_lm)
+        problem = _why_not(backend, accelerator, compute_dtype, seq_len, head_width, causal_lm,
+                           window)
         if problem:
+            picks = ("xla on a GPU, splash on a TPU v4 or newer" if window is not None else
+                     "cudnn on an Ampere-or-newer GPU, splash on a TPU v4 or newer")
             raise FlaxlmError(
                 f"model.attention={backend.value} cannot run here: {problem}. Set "
-                "model.attention=auto (picks cudnn on an Ampere-or-newer GPU, splash on a "
-                "TPU v4 or newer, xla otherwise), or xla, which runs everywhere."
+                f"model.attention=auto (picks {picks}, xla otherwise), or xla, which runs "
+                "everywhere."
             )
     return Choice(backend, reason, attention_dropout > 0)
 
@@ -188,9 +202,11 @@ def _backend(requested) -> AttentionBackend:
         ) from None
 
 
-def _auto(accelerator, compute_dtype, seq_len, head_width, causal_lm) -> AttentionBackend:
+def _auto(accelerator, compute_dtype, seq_len, head_width, causal_lm,
+          window=None) -> AttentionBackend:
     for backend in (AttentionBackend.cudnn, AttentionBackend.splash):
-        if not _why_not(backend, accelerator, compute_dtype, seq_len, head_width, causal_lm):
+        if not _why_not(backend, accelerator, compute_dtype, seq_len, head_width, causal_lm,
+                        window):
             return backend
     return AttentionBackend.xla
 
@@ -199,9 +215,15 @@ def _auto(accelerator, compute_dtype, seq_len, head_width, causal_lm) -> Attenti
 _KERNELS = {"gpu": AttentionBackend.cudnn, "tpu": AttentionBackend.splash}
 
 
-def _why_not(backend, accelerator, compute_dtype, seq_len, head_width, causal_lm) -> str:
+def _why_not(backend, accelerator, compute_dtype, seq_len, head_width, causal_lm,
+             window=None) -> str:
     """Why `backend` cannot run this model on `accelerator` ("" when it can)."""
     platform = accelerator.platform
+    if window is not None and backend not in WINDOW_BACKENDS:
+        return (f"flaxlm gives {backend.value} no sliding window (model.sliding_window="
+                f"{window}): jax's cuDNN call would take it, but that path has never run on a "
+                "GPU here, so a windowed model attends with "
+                f"{', '.join(b.value for b in WINDOW_BACKENDS)} only")
     if backend is AttentionBackend.cudnn:
         if platform != "gpu":
             return f"cuDNN's fused attention runs on an NVIDIA GPU, and this run is on {platform}"
@@ -263,48 +285,59 @@ def splash_block(seq_len: int) -> int | None:
 def attention(q_BxLxNxH: jax.Array, k_BxKxGxH: jax.Array, v_BxKxGxH: jax.Array, *,
               dropout_rate: float, rngs: nnx.Rngs | None, mask=None,
               is_causal: bool = False, segment_ids_BxL: jax.Array | None = None,
-              backend: AttentionBackend | str = AttentionBackend.xla) -> jax.Array:
+              backend: AttentionBackend | str = AttentionBackend.xla,
+              window: int | None = None) -> jax.Array:
     """Multi-head attention, (B, L, N, H), by `backend` (`auto` here: by the devices the
     step is traced for). `mask` (broadcastable to B×N×L×K) says which keys each query sees;
     `is_causal` adds the causal mask; `segment_ids_BxL` (self-attention: the same ids for
-    queries and keys) keeps each query to the keys of its own segment. Training (`rngs`
-    given, rate > 0) drops attention probabilities out, on the reference path.
+    queries and keys) keeps each query to the keys of its own segment; `window` (W, with
+    is_causal) keeps query i to keys i - W + 1 … i. Training (`rngs` given, rate > 0) drops
+    attention probabilities out, on the reference path.
 
     Segment ids, not a ready mask, are what this takes: the fused kernels take them as such
     and never build the L×K mask."""
     backend = AttentionBackend(backend)
     if rngs is not None and dropout_rate > 0:
         return reference_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, mask, is_causal,
-                                   segment_ids_BxL, dropout_rate, rngs.dropout())
+                                   segment_ids_BxL, dropout_rate, rngs.dropout(), window=window)
     if backend is AttentionBackend.auto:
-        backend = _traced_auto(q_BxLxNxH, mask)
+        backend = _traced_auto(q_BxLxNxH, mask, window)
     if sequence_axis(q_BxLxNxH.shape[1]) and mask is None:
         if backend not in (AttentionBackend.reference, AttentionBackend.xla):
             raise ValueError(f"{backend.value} attention under a context axis: reference or "
                              "xla (choose_backend refuses the kernels there)")
         return context_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal, segment_ids_BxL,
-                                 backend)
+                                 backend, window)
     if backend is AttentionBackend.reference:
         return reference_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, mask, is_causal,
-                                   segment_ids_BxL)
+                                   segment_ids_BxL, window=window)
     if backend is AttentionBackend.splash:
         if mask is not None:
             raise ValueError("splash attention takes causal and segment masks, not a mask")
-        return splash_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal, segment_ids_BxL)
+        return splash_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal, segment_ids_BxL,
+                                window)
+    if window is not None and backend not in WINDOW_BACKENDS:
+        raise ValueError(f"{backend.value} attention with a sliding window: "
+                         f"{', '.join(b.value for b in WINDOW_BACKENDS)} (choose_backend "
+                         "refuses the others)")
     mask = _with_segments(mask, segment_ids_BxL)
-    return jax.nn.dot_product_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, mask=mask,
-                                        is_causal=is_causal, implementation=backend.value)
+    # jax's window is (keys before, keys after) each query, besides itself.
+    return jax.nn.dot_product_attention(
+        q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, mask=mask, is_causal=is_causal,
+        local_window_size=None if window is None else (window - 1, 0),
+        implementation=backend.value)
 
 
 def context_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal: bool,
                       segment_ids_BxL: jax.Array | None,
-                      backend: AttentionBackend) -> jax.Array:
+                      backend: AttentionBackend, window: int | None = None) -> jax.Array:
     """Self-attention with each row's positions split over the mesh's `context` axis: under
     `jax.shard_map`, each device of the axis holds a contiguous slice of the row's queries,
     keys and values (its rows, and its heads when `tensor` splits them); it gathers the whole
     row's keys and values (an all-gather, which XLA overlaps with what it can) and attends
     from its queries to them. The causal mask compares the queries' places in the row
-    (slice c holds places c·L/C …) with the keys'; segment ids (whole rows on every device)
+    (slice c holds places c·L/C …) with the keys', as does a `window`; segment ids (whole
+    rows on every device)
     keep each query to its own document, also across slices. The reference path or XLA's
     (`backend`; no kernel: splash is refused with a context axis before anything compiles)."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -318,9 +351,12 @@ def context_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal: bool,
         v_BxLxGxH = jax.lax.all_gather(v_BxSxGxH, CONTEXT_AXIS, axis=1, tiled=True)
         start = jax.lax.axis_index(CONTEXT_AXIS) * S
         mask = None
+        places_S, key_places_L = start + jnp.arange(S), jnp.arange(k_BxLxGxH.shape[1])
         if is_causal:
-            places_S = start + jnp.arange(S)
-            mask = (places_S[:, None] >= jnp.arange(k_BxLxGxH.shape[1])[None, :])[None, None]
+            mask = (places_S[:, None] >= key_places_L[None, :])[None, None]
+        if window is not None:
+            in_window_1x1xSxL = window_mask(places_S, key_places_L, window)[None, None]
+            mask = in_window_1x1xSxL if mask is None else mask & in_window_1x1xSxL
         if segment_ids_BxL is not None:
             queries_BxS = jax.lax.dynamic_slice_in_dim(segment_ids_BxL, start, S, axis=1)
             same_Bx1xSxL = queries_BxS[:, None, :, None] == segment_ids_BxL[:, None, None, :]
@@ -335,11 +371,12 @@ def context_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal: bool,
         q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, segment_ids_BxL)
 
 
-def _traced_auto(q_BxLxNxH: jax.Array, mask) -> AttentionBackend:
+def _traced_auto(q_BxLxNxH: jax.Array, mask, window: int | None = None) -> AttentionBackend:
     """`auto` for a model called outside training's set-up (which resolves it first, with
     `choose_backend`): the choice for the devices the step is traced for."""
     B, L, N, H = q_BxLxNxH.shape
-    return _auto(_traced_accelerator(), q_BxLxNxH.dtype, L, H, causal_lm=mask is None)
+    return _auto(_traced_accelerator(), q_BxLxNxH.dtype, L, H, causal_lm=mask is None,
+                 window=window)
 
 
 def _traced_accelerator() -> Accelerator:
@@ -354,6 +391,14 @@ def _traced_accelerator() -> Accelerator:
     return accelerator_of(device)
 
 
+def window_mask(query_places_L: jax.Array, key_places_K: jax.Array, window: int) -> jax.Array:
+    """(L, K): which keys each query sees through a sliding window of `window` places, itself
+    and the window - 1 before it (transformers' `sliding_window_overlay` with its causal
+    mask: key place > query place - window, and ≤ the query's)."""
+    behind_LxK = query_places_L[:, None] - key_places_K[None, :]
+    return (behind_LxK >= 0) & (behind_LxK < window)
+
+
 def _with_segments(mask, segment_ids_BxL):
     """`mask` and-ed with "the same segment" (B×1×L×L) when there are segment ids."""
     if segment_ids_BxL is None:
@@ -364,16 +409,19 @@ def _with_segments(mask, segment_ids_BxL):
 
 def reference_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, mask=None, is_causal: bool = False,
                         segment_ids_BxL=None, dropout_rate: float = 0.0,
-                        key: jax.Array | None = None) -> jax.Array:
+                        key: jax.Array | None = None, *, window: int | None = None) -> jax.Array:
     """Attention spelled out, as HF's models compute it: scores in the compute dtype, softmax
     in float32, then dropout on the probabilities (`dropout_rate` > 0, with `key`). A large
     finite negative (not -inf) keeps a row that sees no key at all (a filler row of the last
-    eval batch) finite, as the fused paths do."""
+    eval batch) finite, as the fused paths do. `window`: `window_mask` over the row's places."""
     L, K, H = q_BxLxNxH.shape[1], k_BxKxGxH.shape[1], q_BxLxNxH.shape[-1]
     mask = _with_segments(mask, segment_ids_BxL)
     if is_causal:
         causal_LxK = jnp.tril(jnp.ones((L, K), dtype=bool))
         mask = causal_LxK if mask is None else mask & causal_LxK
+    if window is not None:
+        in_window_LxK = window_mask(jnp.arange(L), jnp.arange(K), window)
+        mask = in_window_LxK if mask is None else mask & in_window_LxK
     # Grouped-query attention: each key/value head serves N / G query heads in a row.
     group = q_BxLxNxH.shape[2] // k_BxKxGxH.shape[2]
     k_BxKxNxH = jnp.repeat(k_BxKxGxH, group, axis=2)
@@ -397,7 +445,8 @@ KERNEL_RESIDUALS = "attention_kernel_residuals"
 
 
 def splash_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal: bool,
-                     segment_ids_BxL: jax.Array | None) -> jax.Array:
+                     segment_ids_BxL: jax.Array | None,
+                     window: int | None = None) -> jax.Array:
     """The splash kernel over a batch. Inside a step traced on a device mesh it runs per
     device under `jax.shard_map`: a Pallas kernel is one device's program, which the compiler
     cannot split; each device takes its rows (and its heads when `tensor` splits them)."""
@@ -406,7 +455,7 @@ def splash_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal: bool,
     k_BxGxKxH = jnp.swapaxes(k_BxKxGxH, 1, 2)
     v_BxGxKxH = jnp.swapaxes(v_BxKxGxH, 1, 2)
     segments = None if segment_ids_BxL is None else segment_ids_BxL.astype(jnp.int32)
-    run = functools.partial(_splash_rows, is_causal=is_causal,
+    run = functools.partial(_splash_rows, is_causal=is_causal, window=window,
                             interpret=_traced_accelerator().platform != "tpu")
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and all(axis in mesh.axis_names for axis in BATCH_AXES):
@@ -450,7 +499,7 @@ def _head_axis(mesh, num_heads: int, num_kv_heads: int) -> str | None:
 
 
 def _splash_rows(q_BxNxLxH, k_BxGxKxH, v_BxGxKxH, segment_ids_BxL, *, is_causal: bool,
-                 interpret: bool):
+                 interpret: bool, window: int | None = None):
     """One device's rows: the kernel (made for its head count and length) mapped over them."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
@@ -459,7 +508,7 @@ def _splash_rows(q_BxNxLxH, k_BxGxKxH, v_BxGxKxH, segment_ids_BxL, *, is_causal:
     if splash_block(L) is None or splash_block(K) is None:
         raise ValueError(f"splash attention needs lengths in multiples of {SPLASH_BLOCKS[-1]}: "
                          f"{L} queries, {K} keys")
-    head_mask = splash.CausalMask((L, K)) if is_causal else splash.FullMask((L, K))
+    head_mask = _splash_mask(splash, L, K, is_causal, window)
     kernel = splash.make_splash_mha(
         splash.MultiHeadMask([head_mask] * N), head_shards=1, q_seq_shards=1,
         residual_checkpoint_name=KERNEL_RESIDUALS,
@@ -473,3 +522,11 @@ def _splash_rows(q_BxNxLxH, k_BxGxKxH, v_BxGxKxH, segment_ids_BxL, *, is_causal:
         return kernel(q_NxLxH, k_GxKxH, v_GxKxH, splash.SegmentIds(segment_ids_L, segment_ids_L))
 
     return jax.vmap(one_row)(q_BxNxLxH, k_BxGxKxH, v_BxGxKxH, segment_ids_BxL)
+
+
+def _splash_mask(splash, L: int, K: int, is_causal: bool, window: int | None):
+    """One head's mask for the splash kernel: causal, full, or a sliding window, which its
+    LocalMask spells as (window - 1 keys before, none after): causal within the window."""
+    if window is not None:
+        return splash.LocalMask((L, K), window_size=(window - 1, 0), offset=0)
+    return splash.CausalMask((L, K)) if is_causal else splash.FullMask((L, K))

@@ -14,7 +14,8 @@ joining it with dots and renaming the leaf (`kernel`/`scale`/`embedding` → `we
         bert.encoder.layer.<i>.attention.self.query.kernel
                                             ↔ bert.encoder.layer.<i>.attention.self.query.weight
         classifier.kernel                   ↔ classifier.weight                 (transposed)
-    LlamaForCausalLM, LlamaForSequenceClassification, and Qwen2's (the same paths as HF's)
+    LlamaForCausalLM, LlamaForSequenceClassification, and Qwen2's and Mistral's (the same
+    paths as HF's)
         model.layers.<i>.self_attn.q_proj.kernel
                                             ↔ model.layers.<i>.self_attn.q_proj.weight (transposed)
         model.norm.scale                    ↔ model.norm.weight
@@ -91,6 +92,10 @@ ARCHITECTURES = {arch.name: arch for arch in (
     Architecture(llama.LlamaForSequenceClassification, ModelFamily.llama, llama.HF_NAMES),
     Architecture(llama.Qwen2ForCausalLM, ModelFamily.qwen2, llama.QWEN2_HF_NAMES, is_lm=True),
     Architecture(llama.Qwen2ForSequenceClassification, ModelFamily.qwen2, llama.QWEN2_HF_NAMES),
+    Architecture(llama.MistralForCausalLM, ModelFamily.mistral, llama.MISTRAL_HF_NAMES,
+                 is_lm=True),
+    Architecture(llama.MistralForSequenceClassification, ModelFamily.mistral,
+                 llama.MISTRAL_HF_NAMES),
     Architecture(llama_moe.Qwen3MoeForCausalLM, ModelFamily.qwen3_moe,
                  llama_moe.QWEN3_MOE_HF_NAMES, is_lm=True),
     Architecture(llama_moe.Qwen2MoeForCausalLM, ModelFamily.qwen2_moe,

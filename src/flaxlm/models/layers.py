@@ -23,7 +23,14 @@ import numpy as np
 from flax import nnx, struct
 from jax import lax
 
-from flaxlm.config import MOE_FAMILIES, AttentionBackend, ModelConfig, ModelFamily, Remat
+from flaxlm.config import (
+    MOE_FAMILIES,
+    WINDOW_FAMILIES,
+    AttentionBackend,
+    ModelConfig,
+    ModelFamily,
+    Remat,
+)
 from flaxlm.errors import FlaxlmError
 from flaxlm.models import lora
 from flaxlm.models.attention import KERNEL_RESIDUALS, attention
@@ -65,6 +72,7 @@ def check_shape(spec: TransformerSpec) -> None:
         )
     lora.check_lora(cfg)
     check_experts_family(cfg)
+    check_sliding_window(cfg)
 
 
 def check_head_width(cfg: ModelConfig) -> None:
@@ -73,6 +81,36 @@ def check_head_width(cfg: ModelConfig) -> None:
         raise FlaxlmError(
             f"model.head_dim={cfg.head_dim} must be a positive even number: rotary positions "
             "turn each head's values in pairs (null: model.hidden_size / model.num_heads).")
+
+
+def check_sliding_window(cfg: ModelConfig) -> None:
+    """model.sliding_window on a family whose checkpoints can say it, of at least one token,
+    and full_attention_layers a count of the model's layers (all of them one kind under a
+    scan)."""
+    window, full = cfg.sliding_window, cfg.full_attention_layers
+    family = ModelFamily(cfg.family)
+    families = " or ".join(f.value for f in WINDOW_FAMILIES)
+    if window is not None and family not in WINDOW_FAMILIES:
+        raise FlaxlmError(
+            f"model.sliding_window={window} on model.family={family.value}, which has no "
+            "sliding window: its checkpoints (and transformers' config) cannot say one, so an "
+            f"export would attend otherwise than the run trained. Use model.family={families} "
+            "(Llama's decoder, exported as Mistral's or Qwen2's), or model.sliding_window=null.")
+    if window is not None and window < 1:
+        raise FlaxlmError(
+            f"model.sliding_window={window} must be at least 1: the tokens each token attends "
+            "to, itself included (Mistral-7B-v0.1's: 4096), or null for the whole row.")
+    if not 0 <= full < max(cfg.num_layers, 1) or (full and window is None):
+        raise FlaxlmError(
+            f"model.full_attention_layers={full} must count the first layers that attend to "
+            f"the whole row beside a sliding window (Qwen2's max_window_layers): from 0 to "
+            f"model.num_layers - 1 = {cfg.num_layers - 1}, and 0 without "
+            "model.sliding_window.")
+    if full and cfg.scan_layers:
+        raise FlaxlmError(
+            f"model.full_attention_layers={full} with model.scan_layers=true: a scan runs one "
+            "kind of layer, and the first layers attend to the whole row while the others "
+            "slide a window; set model.scan_layers=false (or model.full_attention_layers=0).")
 
 
 def check_experts_family(cfg: ModelConfig) -> None:
@@ -464,11 +502,26 @@ def decode_step(cache: KVCache, input_mask_BxL: jax.Array | None, L: int,
     return positions_BxL, filled_BxS, mask_BxLxS
 
 
+def windowed(mask_BxLxS: jax.Array, window: int | None) -> jax.Array:
+    """A decoding mask (which cache slots each new query sees, `decode_step`) kept to
+    the last `window` slots each query sees: its own and the window - 1 before it in its
+    history. Counted over the visible slots, not slot numbers: left padding and the other
+    branches of a tree (`flaxlm.scoring`) lie between slots and are no places of the
+    query's, so a query sees what it would see with the row uncached and unpadded."""
+    if window is None:
+        return mask_BxLxS
+    # How many visible slots lie at or after each slot: 1 at the query's own.
+    from_end_BxLxS = jnp.cumsum(mask_BxLxS[..., ::-1].astype(jnp.int32), axis=-1)[..., ::-1]
+    return mask_BxLxS & (from_end_BxLxS <= window)
+
+
 def cached_attention(q_BxLxNxH, k_BxLxGxH, v_BxLxGxH, keys_BxSxGxH, values_BxSxGxH,
                      index: jax.Array, mask_BxLxS: jax.Array,
-                     backend: AttentionBackend | str = AttentionBackend.xla):
+                     backend: AttentionBackend | str = AttentionBackend.xla,
+                     window: int | None = None):
     """Attention of L new positions, their keys and values first written into the cache at
-    slot `index`, over every slot `mask_BxLxS` allows. Returns (B, L, N, H) and the cache.
+    slot `index`, over every slot `mask_BxLxS` allows (within a sliding `window`: `windowed`).
+    Returns (B, L, N, H) and the cache.
 
     A few new queries over a mask of filled slots is not what the flash kernels are for (and
     splash cannot take that mask): every backend but the reference decodes with XLA's."""
@@ -480,6 +533,7 @@ def cached_attention(q_BxLxNxH, k_BxLxGxH, v_BxLxGxH, keys_BxSxGxH, values_BxSxG
     )
     if AttentionBackend(backend) is not AttentionBackend.reference:
         backend = AttentionBackend.xla
+    mask_BxLxS = windowed(mask_BxLxS, window)
     out_BxLxNxH = attention(q_BxLxNxH, keys_BxSxGxH, values_BxSxGxH, mask=mask_BxLxS[:, None],
                             dropout_rate=0.0, rngs=None, backend=backend)
     return out_BxLxNxH, keys_BxSxGxH, values_BxSxGxH
@@ -493,9 +547,24 @@ def training_flops_per_token(model: ModelConfig, matmul_params: int, seq_len: in
     """Training FLOPs per token: 6 per weight that multiplies (each family's `lookup_params`,
     tables that are only looked up, are not among them) plus attention's
     12·layers·width·length (PaLM, appendix B), its width the heads' (num_heads × head_dim,
-    wider than the model for Qwen3-30B-A3B's 32 heads of 128 on 2048)."""
+    wider than the model for Qwen3-30B-A3B's 32 heads of 128 on 2048); a layer with a sliding
+    window counts `attended_length`'s length instead."""
     head_width = model.head_dim or model.hidden_size // model.num_heads
-    return 6 * matmul_params + 12 * model.num_layers * model.num_heads * head_width * seq_len
+    windowed = 0 if model.sliding_window is None else (model.num_layers
+                                                       - model.full_attention_layers)
+    lengths = ((model.num_layers - windowed) * seq_len
+               + windowed * attended_length(seq_len, model.sliding_window))
+    return 6 * matmul_params + 12 * model.num_heads * head_width * lengths
+
+
+def attended_length(seq_len: int, window: int | None) -> float:
+    """The length PaLM's formula counts for a layer whose queries see a sliding `window` of
+    keys: the formula counts every query against all L keys, twice the causal triangle's
+    L²/2 pairs, so a window's pairs, L·W - W²/2 for W ≤ L (each query its last W keys, the
+    first W - 1 fewer), count twice as well: 2W - W²/L, which is L at W = L."""
+    if window is None or window >= seq_len:
+        return float(seq_len)
+    return 2 * window - window * window / seq_len
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,9 @@
 pre-norm blocks with RMSNorm, rotary position embeddings, a SwiGLU MLP and grouped-query
 attention (G key/value heads, each serving N / G query heads). Mistral, SmolLM and OLMo share
 this design; Qwen2 adds biases to the q/k/v projections (`model.qkv_bias`), and its classes here
-are these under Qwen2's names.
+are these under Qwen2's names; Mistral's are these under Mistral's names, without biases. Both
+may slide a window over the row (`model.sliding_window`; Qwen2's only past its first
+`model.full_attention_layers` layers).
 
 The module tree mirrors HF's names (`model.embed_tokens`, `model.layers.<i>.self_attn.q_proj`,
 `model.layers.<i>.mlp.gate_proj`, `model.norm`, `lm_head`), so a checkpoint maps one to one
@@ -81,7 +83,14 @@ def check_biases(cfg: ModelConfig) -> None:
     biases = (f"model.qkv_bias={cfg.qkv_bias}, model.attention_bias={cfg.attention_bias}, "
               f"model.mlp_bias={cfg.mlp_bias}")
     family = ModelFamily(cfg.family)
-    if family in (ModelFamily.qwen2, ModelFamily.qwen2_moe):
+    if family is ModelFamily.mistral:
+        if cfg.qkv_bias or cfg.attention_bias or cfg.mlp_bias:
+            raise FlaxlmError(
+                f"model.family=mistral with {biases}: a Mistral checkpoint (MistralConfig) has "
+                "no biases. Set all three false, or model.family=llama (attention_bias, "
+                "mlp_bias) or qwen2 (qkv_bias) for biases."
+            )
+    elif family in (ModelFamily.qwen2, ModelFamily.qwen2_moe):
         if not cfg.qkv_bias or cfg.attention_bias or cfg.mlp_bias:
             raise FlaxlmError(
                 f"model.family={family.value} with {biases}: a Qwen2 checkpoint has biases "
@@ -251,7 +260,9 @@ def apply_rotary(x_BxLxNxH: jax.Array, cos_BxLx1xH: jax.Array, sin_BxLx1xH: jax.
 
 
 class LlamaAttention(nnx.Module):
-    def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs):
+    def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs, index: int = 0):
+        """Layer `index`'s attention: windowed (model.sliding_window) unless it is one of the
+        first model.full_attention_layers."""
         cfg = spec.model
         self.num_heads, self.num_kv_heads = cfg.num_heads, kv_heads(cfg)
         self.head_width = head_width(cfg)
@@ -262,6 +273,7 @@ class LlamaAttention(nnx.Module):
         self.rope_scale = rope_attention_scale(cfg.rope_scaling)
         self.attention_dropout = cfg.attention_dropout
         self.attention_backend = cfg.attention
+        self.window = cfg.sliding_window if index >= cfg.full_attention_layers else None
         q_width, kv_width = self.num_heads * self.head_width, self.num_kv_heads * self.head_width
 
         def projection(name, width_in, width_out, logical_axes, use_bias):
@@ -290,7 +302,7 @@ class LlamaAttention(nnx.Module):
         out_BxLxNxH = attention(*self._heads(x_BxLxD, positions_BxL, rngs), is_causal=True,
                                 segment_ids_BxL=segment_ids_BxL,
                                 dropout_rate=self.attention_dropout, rngs=rngs,
-                                backend=self.attention_backend)
+                                backend=self.attention_backend, window=self.window)
         return self.o_proj(out_BxLxNxH.reshape(B, L, -1), rngs)
 
     def decode(self, x_BxLxD, positions_BxL, keys_BxSxGxH, values_BxSxGxH, index, mask_BxLxS):
@@ -298,7 +310,7 @@ class LlamaAttention(nnx.Module):
         B, L, _ = x_BxLxD.shape
         out_BxLxNxH, keys_BxSxGxH, values_BxSxGxH = cached_attention(
             *self._heads(x_BxLxD, positions_BxL), keys_BxSxGxH, values_BxSxGxH, index,
-            mask_BxLxS, self.attention_backend)
+            mask_BxLxS, self.attention_backend, self.window)
         return self.o_proj(out_BxLxNxH.reshape(B, L, -1)), keys_BxSxGxH, values_BxSxGxH
 
     def _heads(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
@@ -351,7 +363,7 @@ class LlamaDecoderLayer(nnx.Module):
 
     def __init__(self, spec: TransformerSpec, rngs: nnx.Rngs, index: int = 0):
         self.input_layernorm = RMSNorm(spec)
-        self.self_attn = LlamaAttention(spec, rngs)
+        self.self_attn = LlamaAttention(spec, rngs, index)
         self.post_attention_layernorm = RMSNorm(spec)
         self.sparse = moe.is_sparse_layer(spec.model, index)
         self.mlp = moe.MoeMLP(spec, rngs, LlamaMLP) if self.sparse else LlamaMLP(spec, rngs)
@@ -548,6 +560,18 @@ class Qwen2ForSequenceClassification(LlamaForSequenceClassification):
     """Qwen2's classifier: `LlamaForSequenceClassification` with Qwen2's biases, as its LM."""
 
 
+# ---------------------------------------------------------------- Mistral
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral's language model: Llama's without biases, under HF's class name, so that
+    import and export read and write MistralConfig's config.json (its `sliding_window`)."""
+
+
+class MistralForSequenceClassification(LlamaForSequenceClassification):
+    """Mistral's classifier: `LlamaForSequenceClassification` under Mistral's name."""
+
+
 # ---------------------------------------------------------------- Hugging Face names
 
 # HF's llama3 rope parameters by our RopeScaling field, and its type (factor is every scaled
@@ -566,10 +590,58 @@ def llama_to_hf(model: ModelConfig) -> dict:
 
 
 def attention_from_hf(config) -> dict:
-    """Our rope settings and head width from an HF config of the llama family."""
+    """Our rope settings and head width from an HF config of the llama family, and no
+    sliding window (the families that can have one read theirs: `_window_from_hf`)."""
     head_dim = getattr(config, "head_dim", None)
     own_width = head_dim and head_dim != config.hidden_size // config.num_attention_heads
-    return {**_rope_from_hf(config), "head_dim": head_dim if own_width else None}
+    return {**_rope_from_hf(config), "head_dim": head_dim if own_width else None,
+            "sliding_window": None, "full_attention_layers": 0}
+
+
+def _window_from_hf(config) -> dict:
+    """model.sliding_window and full_attention_layers from a Mistral or Qwen2 config: Mistral
+    slides its window in every layer, Qwen2 in the layers `layer_types` calls
+    "sliding_attention" (transformers: those from max_window_layers on, when
+    use_sliding_window), which `windowed_layers_problem` has found to be the last ones."""
+    window = config.sliding_window
+    kinds = _layer_kinds(config)
+    if window is None or (kinds is not None and "sliding_attention" not in kinds):
+        return {"sliding_window": None, "full_attention_layers": 0}
+    full = kinds.index("sliding_attention") if kinds is not None else 0
+    return {"sliding_window": int(window), "full_attention_layers": full}
+
+
+def _layer_kinds(config) -> list[str] | None:
+    """Each layer's attention as Qwen2's `layer_types` names it; None where a window slides in
+    every layer (MistralModel reads no layer_types, whatever its config.json holds)."""
+    return getattr(config, "layer_types", None) if config.model_type == "qwen2" else None
+
+
+def windowed_layers_problem(config) -> str | None:
+    """Why our model cannot hold the sliding-window layers of `config` (None if it can): a
+    window slides in the layers after the first full_attention_layers, in all of them."""
+    kinds = _layer_kinds(config)
+    if config.sliding_window is None or not kinds or "sliding_attention" not in kinds:
+        return None
+    first = kinds.index("sliding_attention")
+    if any(kind != "sliding_attention" for kind in kinds[first:]):
+        windowed = [layer for layer, kind in enumerate(kinds) if kind == "sliding_attention"]
+        return (f"sliding-window attention in layers {windowed} only (layer_types): flaxlm "
+                "slides the window in every layer after a leading run of full-attention ones "
+                "(model.full_attention_layers)")
+    return None
+
+
+def window_to_hf(model: ModelConfig, family: ModelFamily) -> dict:
+    """The HF config's sliding window for ours: Mistral's `sliding_window` always (null for
+    none: MistralConfig's default is 4096); Qwen2's `use_sliding_window`, `sliding_window`
+    and `max_window_layers` when there is one (Qwen2Config's defaults have none)."""
+    if family is ModelFamily.mistral:
+        return {"sliding_window": model.sliding_window}
+    if model.sliding_window is None:
+        return {}
+    return {"use_sliding_window": True, "sliding_window": model.sliding_window,
+            "max_window_layers": model.full_attention_layers}
 
 
 # HF's yarn rope parameters by our RopeScaling field (an optional one only when set).
@@ -619,17 +691,27 @@ def _llama_from_hf(config) -> dict:
 def _qwen2_from_hf(config) -> dict:
     """Qwen2Config has no bias settings: Qwen2's are on q/k/v, and nowhere else."""
     return {**attention_from_hf(config), "qkv_bias": True, "attention_bias": False,
-            "mlp_bias": False, **DENSE}
+            "mlp_bias": False, **DENSE, **_window_from_hf(config)}
 
 
-def unsupported_in(config_class_name: str):
-    """What a checkpoint of this config class uses that our module does not implement."""
+def _mistral_from_hf(config) -> dict:
+    """MistralConfig has no bias settings: Mistral has none."""
+    return {**attention_from_hf(config), "qkv_bias": False, "attention_bias": False,
+            "mlp_bias": False, **DENSE, **_window_from_hf(config)}
+
+
+def unsupported_in(config_class_name: str, windows: bool = False):
+    """What a checkpoint of this config class uses that our module does not implement;
+    `windows`: the family holds a sliding window (`windowed_layers_problem` says which
+    layouts of it)."""
 
     def unsupported(raw: dict) -> str | None:
         config = getattr(transformers, config_class_name).from_dict(raw)
         kind = (config.rope_parameters or {}).get("rope_type", "default")
         if kind not in ROPE_TYPES:
             return f"rope_type={kind!r} (flaxlm implements {', '.join(ROPE_TYPES)} RoPE)"
+        if windows:
+            return windowed_layers_problem(config)
         if getattr(config, "use_sliding_window", False):
             return "sliding-window attention (use_sliding_window=true)"
         return None
@@ -671,12 +753,26 @@ HF_NAMES = HFNames(
 )
 
 # Qwen2's checkpoints have Llama's names and layout, plus the q/k/v biases; its config has the
-# same fields less the bias settings (and a sliding window, which we refuse when it is on).
+# same fields less the bias settings, and a sliding window.
 QWEN2_HF_NAMES = dataclasses.replace(
     HF_NAMES,
     model_type="qwen2",
     config_class_name="Qwen2Config",
     shape_fields=_SHAPE_FIELDS,
-    unsupported=unsupported_in("Qwen2Config"),
+    unsupported=unsupported_in("Qwen2Config", windows=True),
+    config_to_hf=lambda model: {**llama_to_hf(model), **window_to_hf(model, ModelFamily.qwen2)},
     config_from_hf=_qwen2_from_hf,
+)
+
+# Mistral's checkpoints have Llama's names and layout without biases; its config has the same
+# fields less the bias settings, and a sliding window in every layer.
+MISTRAL_HF_NAMES = dataclasses.replace(
+    HF_NAMES,
+    model_type="mistral",
+    config_class_name="MistralConfig",
+    shape_fields=_SHAPE_FIELDS,
+    unsupported=unsupported_in("MistralConfig", windows=True),
+    config_to_hf=lambda model: {**llama_to_hf(model),
+                                **window_to_hf(model, ModelFamily.mistral)},
+    config_from_hf=_mistral_from_hf,
 )

@@ -34,6 +34,8 @@ TARGETS = {
                         "down_proj"),
     ModelFamily.qwen2: ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                         "down_proj"),
+    ModelFamily.mistral: ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                          "down_proj"),
     ModelFamily.gpt2: ("c_attn", "c_proj", "c_fc"),
     # Mixture-of-Experts: the attention's projections only. The experts are stacked matrices
     # (`moe.Experts`), not projections, and stay frozen with the router; so do a shared

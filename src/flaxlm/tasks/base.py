@@ -331,7 +331,8 @@ def attention_choice(config: TrainConfig, model: ModelConfig, pads_rows: bool) -
                           model.hidden_size // model.num_heads,
                           causal_lm=not pads_rows,
                           attention_dropout=model.attention_dropout,
-                          context_parallel=config.hardware.mesh.context != 1)
+                          context_parallel=config.hardware.mesh.context != 1,
+                          window=model.sliding_window)
 
 
 def announce_new_length(config: TrainConfig, saved_config: dict, plan: Plan, schedule,

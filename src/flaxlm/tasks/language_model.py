@@ -26,7 +26,7 @@ from flaxlm.errors import FlaxlmError
 from flaxlm.export import export_adapter
 from flaxlm.generate import log_samples, settings_from_samples
 from flaxlm.models import build, hf, lora, moe, pretrained
-from flaxlm.models.layers import check_head_width
+from flaxlm.models.layers import check_head_width, check_sliding_window
 from flaxlm.parallel import replicated
 from flaxlm.tasks import base
 from flaxlm.tasks.base import JobContext
@@ -43,13 +43,15 @@ class LanguageModelTask(Task):
     chat = True  # samples are a user's turns answered (task=clm's: prompts continued)
 
     def check_settings(self, config: TrainConfig) -> int:
-        """What every LM task checks (a causal-LM family, LoRA's settings, the block length,
-        eval.harness's) around what the task checks of its data (`check_data_settings`)."""
+        """What every LM task checks (a causal-LM family, LoRA's settings, the head width and
+        sliding window, the block length, eval.harness's) around what the task checks of its
+        data (`check_data_settings`)."""
         build.check_lm_family(config.model,
                               f"task={config.task.name} trains a causal language model")
         lora.check_lora(config.model)
         moe.check_moe(config.model)
         check_head_width(config.model)
+        check_sliding_window(config.model)
         self.check_data_settings(config)
         seq_len = config.task.max_seq_length or config.model.max_positions
         check_block_length(config, seq_len)
