@@ -176,9 +176,12 @@ ROWS = {
     "context-not-dividing-the-rows": Row(
         ["hardware.mesh.data=1", "hardware.mesh.context=8", "task.max_seq_length=60"],
         ["hardware.mesh.context=8", "60 positions", "task.max_seq_length"]),
-    "context-with-a-kernel": Row(
-        ["hardware.mesh.data=1", "hardware.mesh.context=8", "model.attention=splash"],
-        ["model.attention=splash", "hardware.mesh.context"]),
+    "context-balanced-not-dividing-the-rows": Row(
+        ["hardware.mesh.data=1", "hardware.mesh.context=8", "task.max_seq_length=56"],
+        ["hardware.mesh.context=8", "16 equal chunks", "hardware.mesh.balance_context"]),
+    "context-with-cudnn": Row(
+        ["hardware.mesh.data=1", "hardware.mesh.context=8", "model.attention=cudnn"],
+        ["model.attention=cudnn", "hardware.mesh.context=8"]),
     "context-on-a-classifier": Row(
         [*classify("pairs.jsonl", "pairs.jsonl"), "model=bert-tiny",
          "hardware.mesh.data=1", "hardware.mesh.context=8"],

@@ -294,4 +294,5 @@ def test_a_config_saved_before_the_expert_and_context_axes_reads_as_none():
 
     saved = {"hardware": {"mesh": {"data": 1, "fsdp": -1, "tensor": 1}}}
     assert upgrade_saved_config(saved)["hardware"]["mesh"] == {
-        "data": 1, "fsdp": -1, "tensor": 1, "expert": 1, "context": 1}
+        "data": 1, "fsdp": -1, "tensor": 1, "expert": 1, "context": 1,
+        "balance_context": False}

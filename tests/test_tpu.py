@@ -76,6 +76,75 @@ def test_splash_compiled_for_the_chip_computes_the_reference_in_bfloat16():
                                                            2**-9)
 
 
+def test_splash_under_the_context_axis_and_in_the_balanced_order_computes_xla_attention():
+    """On one chip, the context axis' splash path compiled by Mosaic: `context_attention` with
+    the kernel on a mesh whose context axis has one device (the kernel's mask sharded by
+    `q_seq_shards`, the keys all-gathered), and the kernel over queries in the balanced order
+    of a context axis of 4 (the causal mask at the queries' places, with the blocks that
+    order empties skipped), each with packed documents and grouped-query heads, forward and
+    gradients, against attention in float32 on the same inputs: as close as the bfloat16
+    reference path is (bfloat16's rounding is about 2⁻⁸; a key seen from the wrong place is
+    off by order one)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    from flaxlm.config import AttentionBackend
+    from flaxlm.models.attention import context_attention, splash_block_sizes
+    from flaxlm.models.context_parallel import balanced_order, splash_causal_mask
+    from flaxlm.parallel import make_mesh
+
+    B, L, N, G, H = 2, 2048, 8, 2, 128
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v = (jax.random.normal(key, (B, L, heads, H), jnp.bfloat16)
+               for key, heads in zip(keys, (N, G, G)))
+    segments = jnp.asarray(np.sort(np.random.default_rng(0).integers(0, 5, (B, L)), 1), jnp.int32)
+    probe = jax.random.normal(keys[3], (B, L, N, H), jnp.float32)
+    order = balanced_order(L, 4)
+
+    def value_and_grads(attend, probe=probe):
+        def loss(q, k, v):
+            return jnp.sum(attend(q, k, v).astype(jnp.float32) * probe)
+        return jax.jit(lambda q, k, v: (attend(q, k, v), jax.grad(loss, (0, 1, 2))(q, k, v)))(
+            q, k, v)
+
+    def exact(q, k, v):
+        with jax.default_matmul_precision("highest"):
+            as_f32 = (x.astype(jnp.float32) for x in (q, k, v))
+            return reference_attention(*as_f32, None, True, segments)
+
+    mesh = make_mesh(1)
+
+    def context_path(q, k, v):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return context_attention(q, k, v, True, segments, AttentionBackend.splash)
+
+    kernel = splash.make_splash_mha(
+        splash.MultiHeadMask([splash_causal_mask(L, order)] * N), head_shards=1,
+        q_seq_shards=1, block_sizes=splash.BlockSizes(**splash_block_sizes(L // 8, L, H)))
+
+    def balanced(q, k, v):  # the queries in the balanced order, the keys in the row's
+        def one_row(q_LxNxH, k_LxGxH, v_LxGxH, segments_L):
+            q_NxLxH = jnp.swapaxes(q_LxNxH[order], 0, 1) / np.sqrt(H).astype(q.dtype)
+            return kernel(q_NxLxH, jnp.swapaxes(k_LxGxH, 0, 1), jnp.swapaxes(v_LxGxH, 0, 1),
+                          splash.SegmentIds(segments_L[order], segments_L))
+        return jnp.swapaxes(jax.vmap(one_row)(q, k, v, segments), 1, 2)
+
+    exact_out, exact_grads = value_and_grads(exact)
+    ref_out, ref_grads = value_and_grads(
+        lambda q, k, v: reference_attention(q, k, v, None, True, segments))
+    assert relative_error(ref_out, exact_out) < 2**-6  # the reference is right in bfloat16
+    bound = 2 * max(relative_error(ref_out, exact_out), 2**-9)
+
+    out, grads = value_and_grads(context_path)
+    assert relative_error(out, exact_out) <= bound
+    # The balanced kernel's outputs are in its queries' order: the probe taken in that order.
+    out, grads_balanced = value_and_grads(balanced, probe[:, order])
+    assert relative_error(out, exact_out[:, order]) <= bound
+    for pair in (grads, grads_balanced):
+        for grad, ref_grad, exact_grad in zip(pair, ref_grads, exact_grads):
+            assert relative_error(grad, exact_grad) <= 2 * max(
+                relative_error(ref_grad, exact_grad), 2**-9)
+
+
 def tiny_llama(tmp_path, *overrides):
     return compose([
         "model=llama-tiny", "model.num_layers=2", "model.hidden_size=128", "model.num_heads=4",

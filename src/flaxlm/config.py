@@ -378,9 +378,13 @@ class MeshConfig:
     # other parameter (and a dense model's) it is data parallelism.
     expert: int = MISSING
     # Each row's positions split over it (context parallelism): every device of the axis holds
-    # a contiguous 1/context of every row's activations, and attention gathers the row's keys
-    # and values; the batch's rows are replicated along it, as along tensor.
+    # 1/context of every row's activations, and attention gathers the row's keys and values;
+    # the batch's rows are replicated along it, as along tensor.
     context: int = MISSING
+    # Under a context axis of C devices, each row cut into 2C chunks and device c given chunks
+    # c and 2C-1-c (the balanced order): causal attention's work equal on every device, where
+    # contiguous slices (false) give the last device C times the first one's. The same result.
+    balance_context: bool = MISSING
 
 
 @dataclasses.dataclass
@@ -778,6 +782,7 @@ ADDED = {
     "hardware.dropout_rng": "threefry",  # JAX's default key
     "hardware.mesh.expert": 1,  # no expert axis
     "hardware.mesh.context": 1,  # no context axis
+    "hardware.mesh.balance_context": False,  # contiguous slices (the same result)
 }
 
 

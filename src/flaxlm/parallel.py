@@ -5,8 +5,9 @@ optimizer state split ZeRO-3 style: each device keeps 1/n and the step gathers t
 them), `expert` (the batch, and a Mixture-of-Experts layer's experts: each device holds
 E/expert of them, and the tokens travel to their experts' devices and back by all-to-all,
 `flaxlm.models.moe`; for every other parameter it is data parallelism), `context` (each row's
-positions: every device of the axis holds a contiguous slice of each row's activations, and
-attention gathers the keys and values of the whole row, `flaxlm.models.attention`) and
+positions: every device of the axis holds a slice of each row's activations, contiguous or
+in the balanced order of `flaxlm.models.context_parallel`, and attention gathers the keys and
+values of the whole row, `flaxlm.models.attention`) and
 `tensor` (attention heads and MLP width split Megatron style; the batch is replicated along
 it and along `context`). Everything is written with `jax.jit` over the mesh: the batch is one
 global `jax.Array` sharded on `data` × `fsdp` × `expert` (`BATCH_AXES`), and each parameter's
@@ -263,10 +264,11 @@ def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, ...]:
 
 def check_context_axis(mesh: MeshConfig, num_devices: int, seq_len: int | None,
                        pads_rows: bool) -> None:
-    """A `context` axis splits each row's positions into equal contiguous slices, so it must
-    divide the row's length; and it serves causal language models, whose attention masks
-    nothing but the causal order and documents (an encoder's or classifier's padding masks
-    do not travel with the slices)."""
+    """A `context` axis splits each row's positions into equal slices (in the balanced order,
+    `hardware.mesh.balance_context`, two chunks a device), so it must divide the row's length;
+    and it serves causal language models, whose attention masks nothing but the causal order
+    and documents (an encoder's or classifier's padding masks do not travel with the
+    slices)."""
     context = dict(zip(MESH_AXES, mesh_shape(mesh, num_devices)))[CONTEXT_AXIS]
     if context == 1:
         return
@@ -275,14 +277,19 @@ def check_context_axis(mesh: MeshConfig, num_devices: int, seq_len: int | None,
             f"hardware.mesh.context={context} splits each row's positions over {context} "
             "devices, for causal language models (task=clm, sft, dpo); this task's model "
             "masks padding, which the slices do not carry. Set hardware.mesh.context=1.")
-    if seq_len is not None and seq_len % context:
-        fitting = [size for size in range(1, context) if seq_len % size == 0
+    # The balanced order cuts each row into 2C chunks (flaxlm.models.context_parallel).
+    pieces = 2 * context if mesh.balance_context else context
+    if seq_len is not None and seq_len % pieces:
+        fitting = [size for size in range(1, context) if seq_len % (pieces // context * size) == 0
                    and num_devices % size == 0]
+        cut = (f"into {pieces} equal chunks (the balanced order: two per device, "
+               "hardware.mesh.balance_context=true)" if pieces != context
+               else "into equal slices")
         raise FlaxlmError(
             f"hardware.mesh.context={context} does not divide the rows' {seq_len} positions "
-            f"into equal slices. Set task.max_seq_length to a multiple of {context} (e.g. "
-            f"{-(-seq_len // context) * context}), or hardware.mesh.context to a divisor of "
-            f"{seq_len} that divides the {num_devices} device(s), e.g. "
+            f"{cut}. Set task.max_seq_length to a multiple of {pieces} (e.g. "
+            f"{-(-seq_len // pieces) * pieces}), or hardware.mesh.context to a number of "
+            f"devices that divides it and the {num_devices} device(s), e.g. "
             f"hardware.mesh.context={max(fitting)}.")
 
 

@@ -26,9 +26,11 @@ row are its positions).
   shape: only a kernel that compiles there.
 
 With a `context` mesh axis (`hardware.mesh.context`, context parallelism) each device holds a
-contiguous slice of every row's queries, keys and values; `context_attention` gathers the
-row's keys and values onto each device of the axis (MaxText's all-gather variant) and masks
-by the slices' places in the row (the window's too), with the reference or XLA path.
+slice of every row's queries, keys and values (contiguous, or in the balanced order of
+`flaxlm.models.context_parallel`); `context_attention` gathers the row's keys and values onto
+each device of the axis (MaxText's all-gather variant) and masks by the queries' and keys'
+places in the row (the window's too), with the reference path, XLA's or the splash kernel
+(its mask's queries at their places, the kernel sharded over the axis by its `q_seq_shards`).
 
 Shapes are in the names: B batch, L query length, K key length, N query heads, G key/value
 heads, H head width.
@@ -48,6 +50,7 @@ from jax.sharding import PartitionSpec
 
 from flaxlm.config import AttentionBackend
 from flaxlm.errors import FlaxlmError, causes
+from flaxlm.models import context_parallel
 from flaxlm.models.dropout import dropout
 from flaxlm.parallel import (
     BATCH_AXES,
@@ -109,7 +112,7 @@ class Choice:
 
 def choose_backend(requested: AttentionBackend | str, accelerator: Accelerator, compute_dtype,
                    seq_len: int, head_width: int, *, causal_lm: bool = True,
-                   attention_dropout: float = 0.0, context_parallel: bool = False,
+                   attention_dropout: float = 0.0, context: int = 1,
                    window: int | None = None) -> Choice:
     """The backend `model.attention=requested` means for a run on `accelerator` (the platform,
     "cpu", "gpu" or "tpu", and the chip: `flaxlm.parallel.run_accelerator`) in
@@ -118,29 +121,37 @@ def choose_backend(requested: AttentionBackend | str, accelerator: Accelerator, 
     in half precision, the TPU is a v4 or newer), else XLA. A backend named explicitly that
     cannot run there is a FlaxlmError, raised before anything compiles. `causal_lm` is False
     for the classifiers, whose padding masks only the reference and XLA paths (and cuDNN)
-    take. With `context_parallel` (a `context` mesh axis) the attention is
-    `context_attention`'s, on the XLA path: no kernel is built for it yet. A sliding `window`
-    (model.sliding_window) keeps `auto` to the backends that take one (`WINDOW_BACKENDS`)."""
+    take. `context`: hardware.mesh.context (-1: the devices the other axes leave); over a
+    context axis the attention is `context_attention`'s, with the splash kernel on each
+    device's slice of queries (its blocks must divide the slice) or XLA's; cuDNN's kernel is
+    not wired for slices. A sliding `window` (model.sliding_window) keeps `auto` to the
+    backends that take one (`WINDOW_BACKENDS`; under a context axis, not splash)."""
     backend = _backend(requested)
     reason = ""
-    if context_parallel and backend in (AttentionBackend.splash, AttentionBackend.cudnn):
+    if context != 1 and backend is AttentionBackend.cudnn:
         raise FlaxlmError(
-            f"model.attention={backend.value} with hardware.mesh.context > 1: under a context "
-            "axis each device gathers its rows' keys and values and attends with XLA's "
-            "attention; the fused kernels are not wired for slices of a row yet. Set "
-            "model.attention=auto (xla under a context axis) or xla.")
-    if context_parallel and backend is AttentionBackend.auto:
-        return Choice(AttentionBackend.xla, "auto under a context axis",
-                      attention_dropout > 0)
+            f"model.attention=cudnn with hardware.mesh.context={context}: under a context axis "
+            "each device attends from its slice of every row's queries to the whole row's "
+            "keys, which cuDNN's fused attention is not wired for (it takes no query offset "
+            "into the row). Set model.attention=auto (splash on a TPU, xla elsewhere) or xla, "
+            "or hardware.mesh.context=1.")
+    # The splash kernel's query blocks must divide each device's slice of a row.
+    slice_len = seq_len // context if context > 1 and seq_len % context == 0 else seq_len
     if backend is AttentionBackend.auto:
-        backend = _auto(accelerator, compute_dtype, seq_len, head_width, causal_lm, window)
+        backend = _auto(accelerator, compute_dtype, slice_len, head_width, causal_lm, window,
+                        context)
         reason = f"auto on {accelerator.name}"
         passed_over = _too_old(_KERNELS.get(accelerator.platform), accelerator, compute_dtype)
-        if backend is AttentionBackend.xla and passed_over:
+        if context != 1 and backend is AttentionBackend.cudnn:
+            backend, reason = AttentionBackend.xla, f"{reason} under a context axis"
+        elif backend is AttentionBackend.xla and passed_over:
             reason += f"; {passed_over}"
     else:
-        problem = _why_not(backend, accelerator, compute_dtype, seq_len, head_width, causal_lm,
-                           window)
+        problem = _why_not(backend, accelerator, compute_dtype, slice_len, head_width, causal_lm,
+                           window, context)
+        if problem and slice_len != seq_len:
+            problem += (f" (under hardware.mesh.context={context} each device's slice of a "
+                        f"row of {seq_len} is {slice_len} positions)")
         if problem:
             picks = ("xla on a GPU, splash on a TPU v4 or newer" if window is not None else
                      "cudnn on an Ampere-or-newer GPU, splash on a TPU v4 or newer")
@@ -203,10 +214,10 @@ def _backend(requested) -> AttentionBackend:
 
 
 def _auto(accelerator, compute_dtype, seq_len, head_width, causal_lm,
-          window=None) -> AttentionBackend:
+          window=None, context=1) -> AttentionBackend:
     for backend in (AttentionBackend.cudnn, AttentionBackend.splash):
         if not _why_not(backend, accelerator, compute_dtype, seq_len, head_width, causal_lm,
-                        window):
+                        window, context):
             return backend
     return AttentionBackend.xla
 
@@ -216,9 +227,13 @@ _KERNELS = {"gpu": AttentionBackend.cudnn, "tpu": AttentionBackend.splash}
 
 
 def _why_not(backend, accelerator, compute_dtype, seq_len, head_width, causal_lm,
-             window=None) -> str:
+             window=None, context=1) -> str:
     """Why `backend` cannot run this model on `accelerator` ("" when it can)."""
     platform = accelerator.platform
+    if window is not None and context != 1 and backend is AttentionBackend.splash:
+        return (f"flaxlm's splash kernel under a context axis (hardware.mesh.context="
+                f"{context}) takes no sliding window (model.sliding_window={window}) yet; "
+                "xla does")
     if window is not None and backend not in WINDOW_BACKENDS:
         return (f"flaxlm gives {backend.value} no sliding window (model.sliding_window="
                 f"{window}): jax's cuDNN call would take it, but that path has never run on a "
@@ -286,28 +301,37 @@ def attention(q_BxLxNxH: jax.Array, k_BxKxGxH: jax.Array, v_BxKxGxH: jax.Array, 
               dropout_rate: float, rngs: nnx.Rngs | None, mask=None,
               is_causal: bool = False, segment_ids_BxL: jax.Array | None = None,
               backend: AttentionBackend | str = AttentionBackend.xla,
-              window: int | None = None) -> jax.Array:
+              window: int | None = None,
+              row_order: np.ndarray | None = None) -> jax.Array:
     """Multi-head attention, (B, L, N, H), by `backend` (`auto` here: by the devices the
     step is traced for). `mask` (broadcastable to B×N×L×K) says which keys each query sees;
     `is_causal` adds the causal mask; `segment_ids_BxL` (self-attention: the same ids for
     queries and keys) keeps each query to the keys of its own segment; `window` (W, with
     is_causal) keeps query i to keys i - W + 1 … i. Training (`rngs` given, rate > 0) drops
-    attention probabilities out, on the reference path.
+    attention probabilities out, on the reference path. `row_order`: the rows' positions are
+    in the context axis' balanced order, these places in the row
+    (`flaxlm.models.context_parallel.row_order`), and the causal mask compares places.
 
     Segment ids, not a ready mask, are what this takes: the fused kernels take them as such
     and never build the L×K mask."""
     backend = AttentionBackend(backend)
     if rngs is not None and dropout_rate > 0:
+        if is_causal and row_order is not None:  # causal over the rows' places, not indices
+            causal_LxK = jnp.asarray(row_order[:, None] >= row_order[None, :])
+            if window is not None:  # the window too: by places
+                causal_LxK = window_mask(jnp.asarray(row_order), jnp.asarray(row_order), window)
+                window = None
+            mask, is_causal = (causal_LxK if mask is None else mask & causal_LxK), False
         return reference_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, mask, is_causal,
                                    segment_ids_BxL, dropout_rate, rngs.dropout(), window=window)
     if backend is AttentionBackend.auto:
         backend = _traced_auto(q_BxLxNxH, mask, window)
     if sequence_axis(q_BxLxNxH.shape[1]) and mask is None:
-        if backend not in (AttentionBackend.reference, AttentionBackend.xla):
-            raise ValueError(f"{backend.value} attention under a context axis: reference or "
-                             "xla (choose_backend refuses the kernels there)")
+        if backend is AttentionBackend.cudnn:
+            raise ValueError("cudnn attention under a context axis: reference, xla or splash "
+                             "(choose_backend refuses cudnn there)")
         return context_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal, segment_ids_BxL,
-                                 backend, window)
+                                 backend, window, row_order)
     if backend is AttentionBackend.reference:
         return reference_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, mask, is_causal,
                                    segment_ids_BxL, window=window)
@@ -329,21 +353,30 @@ def attention(q_BxLxNxH: jax.Array, k_BxKxGxH: jax.Array, v_BxKxGxH: jax.Array, 
 
 
 def context_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal: bool,
-                      segment_ids_BxL: jax.Array | None,
-                      backend: AttentionBackend, window: int | None = None) -> jax.Array:
+                      segment_ids_BxL: jax.Array | None, backend: AttentionBackend,
+                      window: int | None = None,
+                      row_order: np.ndarray | None = None) -> jax.Array:
     """Self-attention with each row's positions split over the mesh's `context` axis: under
-    `jax.shard_map`, each device of the axis holds a contiguous slice of the row's queries,
-    keys and values (its rows, and its heads when `tensor` splits them); it gathers the whole
-    row's keys and values (an all-gather, which XLA overlaps with what it can) and attends
-    from its queries to them. The causal mask compares the queries' places in the row
-    (slice c holds places c·L/C …) with the keys', as does a `window`; segment ids (whole
-    rows on every device)
-    keep each query to its own document, also across slices. The reference path or XLA's
-    (`backend`; no kernel: splash is refused with a context axis before anything compiles)."""
+    `jax.shard_map`, each device of the axis holds a slice of the row's queries, keys and
+    values (its rows, and its heads when `tensor` splits them); it gathers the whole row's
+    keys and values (an all-gather, which XLA overlaps with what it can) and attends from its
+    queries to them. The slices are contiguous (slice c holds places c·L/C …), or in the
+    balanced order whose places `row_order` lists; the causal mask compares the queries'
+    places with the keys', as does a `window`. Segment ids (whole rows on every device, in the
+    rows' order of positions) keep each query to its own document, also across slices. The
+    reference path, XLA's, or the splash kernel (`_context_splash`; no window there:
+    choose_backend keeps a windowed model off it under the axis)."""
+    if backend is AttentionBackend.splash:
+        if window is not None:
+            raise ValueError("splash attention under a context axis takes no window "
+                             "(choose_backend keeps a windowed model to xla there)")
+        return _context_splash(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal, segment_ids_BxL,
+                               row_order)
     mesh = jax.sharding.get_abstract_mesh()
     heads = _head_axis(mesh, q_BxLxNxH.shape[2], k_BxKxGxH.shape[2])
     slices = PartitionSpec(BATCH_AXES, CONTEXT_AXIS, heads)
     rows = None if segment_ids_BxL is None else PartitionSpec(BATCH_AXES)
+    places_L = context_parallel.places(q_BxLxNxH.shape[1], row_order)
 
     def per_device(q_BxSxNxH, k_BxSxGxH, v_BxSxGxH, segment_ids_BxL):
         S = q_BxSxNxH.shape[1]
@@ -351,11 +384,11 @@ def context_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal: bool,
         v_BxLxGxH = jax.lax.all_gather(v_BxSxGxH, CONTEXT_AXIS, axis=1, tiled=True)
         start = jax.lax.axis_index(CONTEXT_AXIS) * S
         mask = None
-        places_S, key_places_L = start + jnp.arange(S), jnp.arange(k_BxLxGxH.shape[1])
+        places_S = jax.lax.dynamic_slice_in_dim(jnp.asarray(places_L), start, S)
         if is_causal:
-            mask = (places_S[:, None] >= key_places_L[None, :])[None, None]
+            mask = (places_S[:, None] >= places_L[None, :])[None, None]
         if window is not None:
-            in_window_1x1xSxL = window_mask(places_S, key_places_L, window)[None, None]
+            in_window_1x1xSxL = window_mask(places_S, places_L, window)[None, None]
             mask = in_window_1x1xSxL if mask is None else mask & in_window_1x1xSxL
         if segment_ids_BxL is not None:
             queries_BxS = jax.lax.dynamic_slice_in_dim(segment_ids_BxL, start, S, axis=1)
@@ -375,8 +408,10 @@ def _traced_auto(q_BxLxNxH: jax.Array, mask, window: int | None = None) -> Atten
     """`auto` for a model called outside training's set-up (which resolves it first, with
     `choose_backend`): the choice for the devices the step is traced for."""
     B, L, N, H = q_BxLxNxH.shape
-    return _auto(_traced_accelerator(), q_BxLxNxH.dtype, L, H, causal_lm=mask is None,
-                 window=window)
+    context = dict(jax.sharding.get_abstract_mesh().shape)[CONTEXT_AXIS] if (
+        sequence_axis(L) and mask is None) else 1
+    return choose_backend(AttentionBackend.auto, _traced_accelerator(), q_BxLxNxH.dtype, L, H,
+                          causal_lm=mask is None, context=context, window=window).backend
 
 
 def _traced_accelerator() -> Accelerator:
@@ -469,6 +504,71 @@ def splash_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal: bool,
     # kernel's forward again for it.
     out_BxNxLxH = checkpoint_name(run(q_BxNxLxH, k_BxGxKxH, v_BxGxKxH, segments),
                                   KERNEL_RESIDUALS)
+    return jnp.swapaxes(out_BxNxLxH, 1, 2)
+
+
+def _context_splash(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal: bool,
+                    segment_ids_BxL: jax.Array | None, row_order: np.ndarray | None):
+    """`context_attention` with the splash kernel. One kernel is made for the whole row's
+    mask, causal at the queries' places (`context_parallel.splash_causal_mask`), with
+    `q_seq_shards` = C: its block map is cut into the axis' C slices of queries, and
+    `jax.shard_map` hands each device its own (the kernel's `manual_sharding_spec`), so the
+    device's blocks are those of its queries' places, with the blocks they cannot see
+    skipped. Each device gathers the row's keys and values and puts them back in the row's
+    order, which is where the kernel's key indices count from; its queries' segment ids are
+    its slice of the row's, its keys' the whole row's in the row's order."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    mesh = jax.sharding.get_abstract_mesh()
+    context = mesh.shape[CONTEXT_AXIS]
+    B, L, N, H = q_BxLxNxH.shape
+    heads = _head_axis(mesh, N, k_BxKxGxH.shape[2])
+    local_heads = N // (mesh.shape[heads] if heads else 1)
+    # Query blocks within one chunk of the balanced order: a block across two chunks would
+    # hold an early and a late part of the row, and be skipped less.
+    chunk = L // context // (1 if row_order is None else 2)
+    q_span = chunk if splash_block(chunk) is not None else L // context
+    head_mask = (context_parallel.splash_causal_mask(L, row_order) if is_causal
+                 else splash.FullMask((L, L)))
+    kernel = splash.make_splash_mha(
+        splash.MultiHeadMask([head_mask] * local_heads), head_shards=1, q_seq_shards=context,
+        residual_checkpoint_name=KERNEL_RESIDUALS,
+        block_sizes=splash.BlockSizes(**splash_block_sizes(q_span, L, H)),
+        interpret=_traced_accelerator().platform != "tpu")
+    kernel_spec = kernel.manual_sharding_spec(
+        jax.sharding.NamedSharding(mesh, PartitionSpec(None, CONTEXT_AXIS)))
+
+    def in_row_order(x, axis):
+        if row_order is None:
+            return x
+        return context_parallel.whole_row_contiguous(x, context, axis)
+
+    def per_device(kernel, q_BxNxSxH, k_BxGxSxH, v_BxGxSxH, segment_ids_BxL):
+        k_BxGxLxH = in_row_order(
+            jax.lax.all_gather(k_BxGxSxH, CONTEXT_AXIS, axis=2, tiled=True), axis=2)
+        v_BxGxLxH = in_row_order(
+            jax.lax.all_gather(v_BxGxSxH, CONTEXT_AXIS, axis=2, tiled=True), axis=2)
+        if segment_ids_BxL is None:
+            return jax.vmap(kernel)(q_BxNxSxH, k_BxGxLxH, v_BxGxLxH)
+        S = q_BxNxSxH.shape[2]
+        start = jax.lax.axis_index(CONTEXT_AXIS) * S
+        queries_BxS = jax.lax.dynamic_slice_in_dim(segment_ids_BxL, start, S, axis=1)
+        keys_BxL = in_row_order(segment_ids_BxL, axis=1)
+        return jax.vmap(lambda q, k, v, queries_S, keys_L: kernel(
+            q, k, v, splash.SegmentIds(queries_S, keys_L)))(
+            q_BxNxSxH, k_BxGxLxH, v_BxGxLxH, queries_BxS, keys_BxL)
+
+    slices = PartitionSpec(BATCH_AXES, heads, CONTEXT_AXIS)
+    rows = None if segment_ids_BxL is None else PartitionSpec(BATCH_AXES)
+    run = jax.shard_map(per_device, mesh=mesh,
+                        in_specs=(kernel_spec, slices, slices, slices, rows),
+                        out_specs=slices, check_vma=False)
+    q_BxNxLxH = jnp.swapaxes(q_BxLxNxH, 1, 2) / np.sqrt(H).astype(q_BxLxNxH.dtype)
+    segments = None if segment_ids_BxL is None else segment_ids_BxL.astype(jnp.int32)
+    # Named as `splash_attention` names its output, for the same reason.
+    out_BxNxLxH = checkpoint_name(
+        run(kernel, q_BxNxLxH, jnp.swapaxes(k_BxKxGxH, 1, 2), jnp.swapaxes(v_BxKxGxH, 1, 2),
+            segments), KERNEL_RESIDUALS)
     return jnp.swapaxes(out_BxNxLxH, 1, 2)
 
 

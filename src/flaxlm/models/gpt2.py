@@ -21,6 +21,7 @@ from flax import nnx
 
 from flaxlm.config import ModelConfig, Remat
 from flaxlm.models.attention import attention
+from flaxlm.models.context_parallel import balanced_rows, contiguous_rows, row_order
 from flaxlm.models.dropout import Dropout
 from flaxlm.models.layers import (
     ACTIVATIONS,
@@ -48,6 +49,7 @@ class Attention(nnx.Module):
         self.num_heads = cfg.num_heads
         self.attention_dropout = cfg.attention_dropout
         self.attention_backend = cfg.attention
+        self.balance_context = spec.balance_context
         # GPT-2 scales the init of every projection into the residual stream by 1/sqrt(2 layers).
         residual_std = cfg.initializer_range / (2 * cfg.num_layers) ** 0.5
         # c_attn's columns are q | k | v, each head by head: "heads" splits them in whole
@@ -65,7 +67,8 @@ class Attention(nnx.Module):
         out_BxLxNxH = attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, is_causal=True,
                                 segment_ids_BxL=segment_ids_BxL,
                                 dropout_rate=self.attention_dropout, rngs=rngs,
-                                backend=self.attention_backend)
+                                backend=self.attention_backend,
+                                row_order=row_order(L, self.balance_context))
         out_BxLxD = self.c_proj(out_BxLxNxH.reshape(B, L, D), rngs)
         return self.resid_dropout(out_BxLxD, deterministic=rngs is None, rngs=rngs)
 
@@ -143,6 +146,7 @@ class GPT2LMHeadModel(nnx.Module):
         self.remat = Remat(cfg.remat)
         self.scan_layers, self.num_layers, self.num_heads = (cfg.scan_layers, cfg.num_layers,
                                                              cfg.num_heads)
+        self.balance_context = spec.balance_context
 
     @staticmethod
     def lookup_params(cfg: ModelConfig) -> int:
@@ -169,16 +173,20 @@ class GPT2LMHeadModel(nnx.Module):
         (each token's position within its document) picks its position embedding; without,
         the row is one sequence at positions 0..L-1."""
         if positions_BxL is None:
-            x_BxLxD = self.wte(input_ids_BxL) + self.wpe(jnp.arange(input_ids_BxL.shape[1]))[None]
-        else:
-            x_BxLxD = self.wte(input_ids_BxL) + self.wpe(positions_BxL)
+            positions_BxL = jnp.arange(input_ids_BxL.shape[1])[None]
+        # Over a context axis, the rows in its balanced order until the last norm's output.
+        order = row_order(input_ids_BxL.shape[1], self.balance_context)
+        input_ids_BxL, segment_ids_BxL = (balanced_rows(input_ids_BxL, order),
+                                          balanced_rows(segment_ids_BxL, order))
+        positions_BxL = balanced_rows(positions_BxL, order)
+        x_BxLxD = self.wte(input_ids_BxL) + self.wpe(positions_BxL)
         x_BxLxD = self.drop(x_BxLxD, deterministic=rngs is None, rngs=rngs)
         x_BxLxD = run_layers(
             self.h, self.scan_layers,
             lambda block, x_BxLxD, rngs: run_block(block, self.remat, x_BxLxD, rngs,
                                                    segment_ids_BxL),
             x_BxLxD, rngs)
-        return self.ln_f(x_BxLxD)
+        return contiguous_rows(self.ln_f(x_BxLxD), order)
 
     @property
     def context_length(self) -> int:

@@ -51,6 +51,9 @@ class TransformerSpec:
     model: ModelConfig
     compute_dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    # hardware.mesh.balance_context: rows split over a context axis in the balanced order
+    # (`flaxlm.models.context_parallel`), else in contiguous slices.
+    balance_context: bool = True
 
     @property
     def mlp_width(self) -> int:

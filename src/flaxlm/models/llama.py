@@ -37,6 +37,7 @@ from flaxlm.errors import FlaxlmError
 from flaxlm.lazy_imports import lazy_module
 from flaxlm.models import moe
 from flaxlm.models.attention import attention
+from flaxlm.models.context_parallel import balanced_rows, contiguous_rows, row_order
 from flaxlm.models.layers import (
     ACTIVATIONS,
     HFNames,
@@ -274,6 +275,7 @@ class LlamaAttention(nnx.Module):
         self.attention_dropout = cfg.attention_dropout
         self.attention_backend = cfg.attention
         self.window = cfg.sliding_window if index >= cfg.full_attention_layers else None
+        self.balance_context = spec.balance_context
         q_width, kv_width = self.num_heads * self.head_width, self.num_kv_heads * self.head_width
 
         def projection(name, width_in, width_out, logical_axes, use_bias):
@@ -302,7 +304,8 @@ class LlamaAttention(nnx.Module):
         out_BxLxNxH = attention(*self._heads(x_BxLxD, positions_BxL, rngs), is_causal=True,
                                 segment_ids_BxL=segment_ids_BxL,
                                 dropout_rate=self.attention_dropout, rngs=rngs,
-                                backend=self.attention_backend, window=self.window)
+                                backend=self.attention_backend, window=self.window,
+                                row_order=row_order(L, self.balance_context))
         return self.o_proj(out_BxLxNxH.reshape(B, L, -1), rngs)
 
     def decode(self, x_BxLxD, positions_BxL, keys_BxSxGxH, values_BxSxGxH, index, mask_BxLxS):
@@ -406,6 +409,7 @@ class LlamaModel(nnx.Module):
         self.remat = Remat(cfg.remat)
         self.scan_layers, self.num_layers = cfg.scan_layers, cfg.num_layers
         self.moe = cfg.moe
+        self.balance_context = spec.balance_context
 
     def __call__(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None, *,
                  segment_ids_BxL: jax.Array | None = None,
@@ -424,13 +428,18 @@ class LlamaModel(nnx.Module):
         layer order (None for a dense model)."""
         if positions_BxL is None:
             positions_BxL = jnp.arange(input_ids_BxL.shape[1])[None]
+        # Over a context axis, the rows in its balanced order until the last norm's output.
+        order = row_order(input_ids_BxL.shape[1], self.balance_context)
+        input_ids_BxL, segment_ids_BxL = (balanced_rows(input_ids_BxL, order),
+                                          balanced_rows(segment_ids_BxL, order))
+        positions_BxL = balanced_rows(positions_BxL, order)
         x_BxLxD = self.embed_tokens(input_ids_BxL)
         x_BxLxD, stats = run_layers_collecting(
             self.layers, self.scan_layers,
             lambda layer, x_BxLxD, rngs: run_block(layer, self.remat, x_BxLxD, positions_BxL,
                                                    rngs, segment_ids_BxL),
             x_BxLxD, rngs)
-        return self.norm(x_BxLxD), stats
+        return contiguous_rows(self.norm(x_BxLxD), order), stats
 
 
 class LlamaForCausalLM(nnx.Module):

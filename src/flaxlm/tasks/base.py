@@ -317,7 +317,8 @@ def model_spec(config: TrainConfig, model: ModelConfig, pads_rows: bool) -> Tran
         model, attention=attention_choice(config, model, pads_rows).backend,
         moe=moe.resolved(model.moe, run_accelerator(config.hardware).platform))
     return TransformerSpec(model, compute_dtype=jnp.dtype(config.hardware.compute_dtype),
-                           param_dtype=jnp.dtype(config.hardware.param_dtype))
+                           param_dtype=jnp.dtype(config.hardware.param_dtype),
+                           balance_context=config.hardware.mesh.balance_context)
 
 
 def attention_choice(config: TrainConfig, model: ModelConfig, pads_rows: bool) -> Choice:
@@ -331,7 +332,7 @@ def attention_choice(config: TrainConfig, model: ModelConfig, pads_rows: bool) -
                           model.hidden_size // model.num_heads,
                           causal_lm=not pads_rows,
                           attention_dropout=model.attention_dropout,
-                          context_parallel=config.hardware.mesh.context != 1,
+                          context=config.hardware.mesh.context,
                           window=model.sliding_window)
 
 
