@@ -533,7 +533,8 @@ def _context_splash(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal: bool,
     kernel = splash.make_splash_mha(
         splash.MultiHeadMask([head_mask] * local_heads), head_shards=1, q_seq_shards=context,
         residual_checkpoint_name=KERNEL_RESIDUALS,
-        block_sizes=splash.BlockSizes(**splash_block_sizes(q_span, L, H)),
+        block_sizes=splash.BlockSizes(**splash_block_sizes(
+            q_span, L, H, segments=segment_ids_BxL is not None)),
         interpret=_traced_accelerator().platform != "tpu")
     kernel_spec = kernel.manual_sharding_spec(
         jax.sharding.NamedSharding(mesh, PartitionSpec(None, CONTEXT_AXIS)))
@@ -572,18 +573,22 @@ def _context_splash(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal: bool,
     return jnp.swapaxes(out_BxNxLxH, 1, 2)
 
 
-def splash_block_sizes(q_len: int, kv_len: int, head_width: int) -> dict[str, int | bool]:
+def splash_block_sizes(q_len: int, kv_len: int, head_width: int,
+                       segments: bool = False) -> dict[str, int | bool]:
     """The splash kernel's blocks (`BlockSizes`' arguments) for `q_len` queries over `kv_len`
-    keys in heads `head_width` wide: the longest of SPLASH_BLOCKS that divides each length,
-    for the forward pass and the backward pass alike; from LONG_ROWS keys on, with heads of at
-    most 64, queries in blocks of 1024 and keys of 2048 where they divide: on a TPU v5e, forward
-    + backward over 16,384 tokens with 9 heads of 64 took 16.5 ms against 20.2 ms in blocks of
-    512 (benchmarks/splash_blocks.py --long; docs/benchmarks.md). Larger blocks did not fit
-    the kernel's VMEM there, and wider heads need more of it. One backward kernel for dq, dk
-    and dv (the fused one) rather than two that each recompute the probabilities: 11% less
-    time at 2048 tokens with heads of 64 ("MFU on one TPU v5e chip")."""
+    keys in heads `head_width` wide, with or without `segments` (document masking): the
+    longest of SPLASH_BLOCKS that divides each length, for the forward pass and the backward
+    pass alike. From LONG_ROWS keys on, with heads of at most 64 and no segments, queries in
+    blocks of 1024 and keys of 2048 where they divide: on a TPU v5e, forward + backward over
+    16,384 tokens with 9 heads of 64 took 16.5 ms against 20.2 ms in blocks of 512
+    (benchmarks/splash_blocks.py --long; docs/benchmarks.md). Larger blocks did not fit the
+    kernel's VMEM there; with segment ids neither do these (the step's compile for the chip
+    refused them), and wider heads need more of it too. One backward kernel for dq, dk and dv
+    (the fused one) rather than two that each recompute the probabilities: 11% less time at
+    2048 tokens with heads of 64 ("MFU on one TPU v5e chip")."""
     q_block, kv_block = splash_block(q_len), splash_block(kv_len)
-    if kv_len >= LONG_ROWS and head_width <= 64 and q_len % 1024 == 0 and kv_len % 2048 == 0:
+    if (kv_len >= LONG_ROWS and head_width <= 64 and not segments and q_len % 1024 == 0
+            and kv_len % 2048 == 0):
         q_block, kv_block = 1024, 2048
     return dict(block_q=q_block, block_kv=kv_block, block_kv_compute=kv_block,
                 block_q_dkv=q_block, block_kv_dkv=kv_block, block_kv_dkv_compute=kv_block,
@@ -612,7 +617,8 @@ def _splash_rows(q_BxNxLxH, k_BxGxKxH, v_BxGxKxH, segment_ids_BxL, *, is_causal:
     kernel = splash.make_splash_mha(
         splash.MultiHeadMask([head_mask] * N), head_shards=1, q_seq_shards=1,
         residual_checkpoint_name=KERNEL_RESIDUALS,
-        block_sizes=splash.BlockSizes(**splash_block_sizes(L, K, q_BxNxLxH.shape[-1])),
+        block_sizes=splash.BlockSizes(**splash_block_sizes(
+            L, K, q_BxNxLxH.shape[-1], segments=segment_ids_BxL is not None)),
         interpret=interpret)
 
     if segment_ids_BxL is None:
