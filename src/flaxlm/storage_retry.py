@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from flaxlm import store_answers
 from flaxlm.errors import FlaxlmError
 
 T = TypeVar("T")
@@ -91,14 +92,6 @@ def current() -> RetryPolicy:
     return _policy
 
 
-# Error codes of S3 (and S3-compatible stores) that say "try again": throttling, a timeout, a
-# server-side fault. Any 429 or 5xx status counts too, whatever its code.
-_TRANSIENT_CODES = frozenset({
-    "SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",
-    "ThrottlingException", "ThrottledException", "RequestThrottled", "RequestLimitExceeded",
-    "TooManyRequests", "TooManyRequestsException", "BandwidthLimitExceeded",
-    "RequestThrottledException", "ProvisionedThroughputExceededException",
-})
 # Exception classes (by name, anywhere in the class's MRO: botocore, aiohttp and urllib3 need
 # not be installed) raised for a connection refused, reset or cut, or a response that never
 # came or came cut short.
@@ -122,7 +115,8 @@ _PERMANENT_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError",
 def is_transient(err: BaseException) -> bool:
     """Whether `err`, raised by an fsspec call to a bucket, is a fault worth retrying. s3fs
     turns botocore's ClientError into an OSError (EBUSY for SlowDown, TimeoutError for
-    RequestTimeout) with the ClientError as its cause: the chain of causes is read."""
+    RequestTimeout) with the ClientError as its cause: the chain of causes is read. What each
+    code or status means is `flaxlm.store_answers`' table, the one the messages read."""
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
@@ -131,27 +125,13 @@ def is_transient(err: BaseException) -> bool:
             return False
         if names & _TRANSIENT_CLASSES:
             return True
-        status, code = _status_and_code(err)
-        if code in _TRANSIENT_CODES or status == 429 or (status or 0) >= 500:
+        code, status = store_answers.code_and_status(err)
+        if store_answers.is_transient(code, status):
             return True
         if status is not None:  # a 4xx answer: the request itself was refused
             return False
         err = err.__cause__
     return False
-
-
-def _status_and_code(err: BaseException) -> tuple[int | None, str | None]:
-    """The HTTP status and error code a store answered with: botocore's ClientError keeps them
-    in `response`, gcsfs's HttpError its status in `code`."""
-    response = getattr(err, "response", None)
-    if isinstance(response, dict):
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        code = response.get("Error", {}).get("Code")
-        return (int(status) if status else None), (str(code) if code else None)
-    code = getattr(err, "code", None)
-    if type(err).__name__ == "HttpError" and isinstance(code, int):
-        return code, None
-    return None, None
 
 
 def call(operation: Callable[[], T], what: str, policy: RetryPolicy | None = None, *,
