@@ -17,12 +17,14 @@ conf/train.yaml's value (tests/test_storage_retry.py holds the two equal).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import random
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from flaxlm import store_answers
@@ -134,12 +136,38 @@ def is_transient(err: BaseException) -> bool:
     return False
 
 
+# The time (time.monotonic) past which this thread's calls make no more tries: `deadline`.
+_deadline = threading.local()
+
+
+@contextlib.contextmanager
+def deadline(ends: Callable[[], float | None]) -> Iterator[None]:
+    """Within it, on this thread, a call whose next try would begin after `ends()` (a
+    time.monotonic value, read before each wait; None: no bound) raises its fault instead of
+    waiting for it: what a wait with a bound of its own (a background copy flushed at the
+    run's end, a preemption's grace period) uses, so that the tries it waits for end within
+    that bound rather than run on behind it for the policy's minutes."""
+    previous = getattr(_deadline, "ends", None)
+    _deadline.ends = ends
+    try:
+        yield
+    finally:
+        _deadline.ends = previous
+
+
+def _past_deadline(wait: float) -> bool:
+    ends = getattr(_deadline, "ends", None)
+    limit = ends() if ends is not None else None
+    return limit is not None and time.monotonic() + wait > limit
+
+
 def call(operation: Callable[[], T], what: str, policy: RetryPolicy | None = None, *,
          sleep: Callable[[float], None] = time.sleep,
          fraction: Callable[[], float] = random.random) -> T:
     """`operation()`, tried again after each transient fault as `policy` (the process's, by
-    default) allows; `what` names it in the line each retry prints. The last fault, or the
-    first one that is not transient, is raised as it came."""
+    default) allows, and within this thread's `deadline`; `what` names it in the line each
+    retry prints. The last fault, or the first one that is not transient, is raised as it
+    came."""
     policy = policy or _policy
     for retry in range(policy.attempts):
         try:
@@ -148,6 +176,11 @@ def call(operation: Callable[[], T], what: str, policy: RetryPolicy | None = Non
             if retry + 1 >= policy.attempts or not is_transient(err):
                 raise
             wait = policy.wait_s(retry, fraction())
+            if _past_deadline(wait):
+                print(f"flaxlm: {what} failed ({type(err).__name__}: {err}); not tried again: "
+                      f"the wait for it ends before try {retry + 2} could begin",
+                      file=sys.stderr, flush=True)
+                raise
             print(f"flaxlm: {what} failed ({type(err).__name__}: {err}); trying again in "
                   f"{wait:.1f} s (try {retry + 2} of {policy.attempts}, {SETTING})",
                   file=sys.stderr, flush=True)
