@@ -199,3 +199,53 @@ def test_a_run_through_bursts_of_faults_ends_as_a_run_without(s3, through_proxy,
     weights = [s3.fs.cat_file(f"{s3.name}/runs/{run}/model/model.safetensors")
                for run in ("calm", "stormy")]
     assert weights[0] == weights[1]
+
+
+class FailingPuts:
+    """A fault pattern for the proxy: 503 for the first `times` PUTs of each object whose key
+    holds one of `names`; every other request forwarded."""
+
+    def __init__(self, names: tuple[str, ...], times: int):
+        self.names, self.times = names, times
+        self.failed: dict[str, int] = {}
+        self._fail_next = False
+
+    def watch(self, method: str, path: str) -> None:
+        key = path.partition("?")[0]
+        self._fail_next = (method == "PUT" and any(name in key for name in self.names)
+                           and self.failed.get(key, 0) < self.times)
+        if self._fail_next:
+            self.failed[key] = self.failed.get(key, 0) + 1
+
+    def __call__(self, n: int) -> str | None:
+        return "503" if self._fail_next else None
+
+
+def test_orbax_s_own_files_are_retried_as_storage_retries_says(s3, through_proxy, quick_retries,
+                                                               capsys):
+    """orbax writes a step's _CHECKPOINT_METADATA and the commit_success.txt that makes it
+    complete through etils.epath, whose own S3 client tried five times (botocore's default)
+    and failed the save on a sixth 503 in a row: now storage_retries' ten tries, as for
+    every other bucket call."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from flaxlm.training.checkpoint.manager import COMMIT_FILE, Checkpointer, finalised_steps
+
+    faults = FailingPuts(("_CHECKPOINT_METADATA", COMMIT_FILE), times=6)
+    through_proxy(faults)
+    directory = f"{s3.url}/checkpoints"
+    state = {"params": {"w": jnp.arange(8.0)}}
+    checkpointer = Checkpointer(directory, async_save=False)
+    checkpointer.save(1, state, {"epoch": 0}, {"config": {}})
+    checkpointer.close()
+
+    # Both kinds of file met their six faults (the commit files of the step and of each item).
+    assert any(key.endswith(f"/1/{COMMIT_FILE}") for key in faults.failed), faults.failed
+    assert any(key.endswith("/1/_CHECKPOINT_METADATA") for key in faults.failed), faults.failed
+    assert set(faults.failed.values()) == {6}
+    assert "trying again" in capsys.readouterr().err
+    assert finalised_steps(directory) == [1]
+    restored = Checkpointer(directory, read_only=True).restore(1, state)
+    assert np.array_equal(restored.state["params"]["w"], np.arange(8.0))
+
