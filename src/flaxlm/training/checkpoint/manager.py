@@ -301,20 +301,26 @@ def _release_peers_when_a_save_fails(manager: ocp.CheckpointManager) -> None:
     before either says anything. Released (`_release_waiting_save_threads`: the signals are
     keys of jax.distributed's store, the same for every process), the others' parts run,
     fail on the same store, and every process reaches the barrier with its error: all stop
-    with the paragraph. Wrapped around orbax 0.12's private `_wait_for_checkpointers`, read
-    defensively: another orbax without it waits out its timeout, as before."""
-    wait = getattr(manager, "_wait_for_checkpointers", None)
-    if wait is None:
-        return
+    with the paragraph. Wrapped around the two waits of orbax 0.12's finalize thread that
+    raise a failed save before its barrier (the step's metadata file, `_non_blocking_metadata_
+    store`, and the items, `_wait_for_checkpointers`; which one fails first is a race), private
+    names read defensively: another orbax without them waits out its timeout, as before."""
+    store = getattr(manager, "_non_blocking_metadata_store", None)
+    for owner, name in ((manager, "_wait_for_checkpointers"), (store, "wait_until_finished")):
+        wait = getattr(owner, name, None)
+        if wait is not None:
+            setattr(owner, name, _releasing_on_failure(wait))
 
-    def wait_for_checkpointers():
+
+def _releasing_on_failure(wait: Callable[[], None]) -> Callable[[], None]:
+    def releasing_wait():
         try:
             wait()
         except Exception:
             _release_waiting_save_threads()
             raise
 
-    manager._wait_for_checkpointers = wait_for_checkpointers
+    return releasing_wait
 
 
 def _release_waiting_save_threads() -> None:
