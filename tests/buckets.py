@@ -54,14 +54,19 @@ def s3_endpoint() -> str:
     server.stop()
 
 
-@pytest.fixture
-def s3_env(s3_endpoint, monkeypatch) -> dict[str, str]:
+def s3_variables(endpoint: str) -> dict[str, str]:
     """AWS's own variables pointed at the emulator, with credentials it accepts; no config
     files or instance metadata looked up (the latter waits on a network timeout)."""
-    env = {"AWS_ENDPOINT_URL_S3": s3_endpoint, "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": os.devnull,
-           "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+    return {"AWS_ENDPOINT_URL_S3": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": os.devnull,
+            "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+
+
+@pytest.fixture
+def s3_env(s3_endpoint, monkeypatch) -> dict[str, str]:
+    """`s3_variables` set in this process."""
+    env = s3_variables(s3_endpoint)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
@@ -168,7 +173,7 @@ def gcs(gcs_env) -> Bucket:
 
 def _forget_filesystems() -> None:
     """fsspec keeps one filesystem per set of arguments, made with the environment of its
-    time, and reads FSSPEC_* variables once, at import: after the environment changes, both
+    time, and reads FSSPEC_* variables once, at import: after the environment changes, they
     are made again."""
     import fsspec
     import fsspec.config
@@ -180,3 +185,7 @@ def _forget_filesystems() -> None:
             fsspec.get_filesystem_class(protocol).clear_instance_cache()
         except ImportError:
             pass
+    # etils.epath (orbax's files) keeps one filesystem per scheme of its own, too.
+    from etils.epath import backend
+
+    backend.fsspec_backend._get_filesystem.cache_clear()

@@ -3,12 +3,16 @@ request to an S3 server (moto's, tests/buckets.py) and answers some of them itse
 throttled or failing store does: `fault(n)` of the n-th request (from 0) says "503" (S3's
 ServiceUnavailable), "slowdown" (503 SlowDown), "500" (InternalError), "drop" (the connection
 closed without an answer) or None (forwarded). Deterministic: the same requests meet the same
-faults. `Outage` is such a `fault`: the store gone from a chosen request on, until it is back."""
+faults. `Outage` is such a `fault`: the store gone from a chosen request on, until it is back.
+`delay_s` holds every request that long before it is forwarded: a store far away (each
+request on a thread of its own, so requests in flight together wait together, as over a
+network)."""
 
 from __future__ import annotations
 
 import http.client
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -39,10 +43,11 @@ class Outage:
 
 
 class FaultyProxy:
-    def __init__(self, upstream: str, fault: Callable[[int], str | None]):
+    def __init__(self, upstream: str, fault: Callable[[int], str | None] = lambda n: None,
+                 delay_s: float = 0.0):
         host, _, port = upstream.removeprefix("http://").rstrip("/").partition(":")
         self.upstream = (host, int(port))
-        self.fault = fault
+        self.fault, self.delay_s = fault, delay_s
         self.requests = 0
         self.faults: list[tuple[int, str, str, str]] = []  # (n, fault, method, path)
         self._lock = threading.Lock()
@@ -102,6 +107,8 @@ def _handler(proxy: FaultyProxy):
         def _relay(self):
             body = self._body()
             fault = proxy._next(self.command, self.path)
+            if proxy.delay_s:
+                time.sleep(proxy.delay_s)
             if fault == "drop":
                 self.close_connection = True  # the server closes it: no answer at all
                 return

@@ -197,3 +197,40 @@ def test_the_end_of_a_run_waits_a_bounded_time_and_names_what_was_not_copied(run
     assert ("flaxlm: warning: metrics.jsonl, status.json not yet copied to s3://bkt/run after "
             "0s" in err)
     assert store.written == []
+
+
+def test_a_copy_retrying_against_a_dead_store_gives_up_when_the_end_of_the_run_does(
+        tmp_path, monkeypatch, capsys):
+    """storage_retries' tries of one copy last minutes against a store that is gone; the run's
+    end waits a bounded time for the copies. The tries end with that wait: the copy fails,
+    is reported, and nothing is left retrying behind the run's end (before, the end's wait
+    timed out while the copy went on trying for its minutes)."""
+    import flaxlm.run_mirror as run_mirror
+    from flaxlm import storage_retry
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    tries = []
+
+    def upload(local, url, setting):  # the store refuses every connection
+        def attempt():
+            tries.append(url)
+            raise ConnectionRefusedError(111, "Connection refused")
+        storage_retry.call(attempt, f"put {url}")
+
+    monkeypatch.setattr(run_mirror, "upload", upload)
+    monkeypatch.setattr(run_mirror, "_upload_start_model", lambda run_dir, output_url: None)
+    # Waits of 0.4 s doubling to 30 s: some 2 minutes of tries in all.
+    previous = storage_retry.use(storage_retry.RetryPolicy(attempts=10, first_wait_s=0.4,
+                                                           max_wait_s=30))
+    try:
+        mirror = run_mirror.RunMirror(str(tmp_path), "s3://bkt/run", flush_timeout_s=1.0)
+        mirror.finish()
+        # Nothing under way or waiting once finish returned: the copy gave up in time.
+        assert mirror._uploader.flush(0) == []
+    finally:
+        storage_retry.use(previous)
+    err = capsys.readouterr().err
+    assert "not tried again: the wait for it ends before try" in err
+    assert "flaxlm: warning: could not copy metrics.jsonl to the bucket" in err
+    assert "not yet copied" not in err
+    assert 2 <= len(tries) < 10

@@ -206,3 +206,25 @@ def test_gcsfs_http_errors_are_classified_by_their_status(status, fault):
     from gcsfs.retry import HttpError
 
     assert classify(HttpError({"code": status, "message": "from GCS"})) is fault
+
+
+def test_a_stopped_gcs_endpoint_is_named_unreachable(gcs_env, monkeypatch):
+    """gs:// with its endpoint down (STORAGE_EMULATOR_HOST at a port nothing listens on): the
+    probe at the start names the store unreachable and the variable that points at it, after
+    one try (gcsfs's own six, 30 s of waits, are off)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+    _forget_filesystems()
+    previous = storage_retry.use(RetryPolicy(attempts=1, first_wait_s=0, max_wait_s=0))
+    try:
+        with pytest.raises(FlaxlmError) as error:
+            probe_write("gs://bkt/runs/a", "output_url")
+    finally:
+        storage_retry.use(previous)
+        _forget_filesystems()
+    assert_names(error.value, "output_url: could not reach the store that holds "
+                 "'gs://bkt/runs/a'", f"STORAGE_EMULATOR_HOST=http://127.0.0.1:{port}",
+                 "check that the store is running")
+    assert "names the bucket" not in str(error.value)

@@ -199,3 +199,110 @@ def test_a_run_through_bursts_of_faults_ends_as_a_run_without(s3, through_proxy,
     weights = [s3.fs.cat_file(f"{s3.name}/runs/{run}/model/model.safetensors")
                for run in ("calm", "stormy")]
     assert weights[0] == weights[1]
+
+
+class FailingPuts:
+    """A fault pattern for the proxy: 503 for the first `times` PUTs of each object whose key
+    holds one of `names`; every other request forwarded."""
+
+    def __init__(self, names: tuple[str, ...], times: int):
+        self.names, self.times = names, times
+        self.failed: dict[str, int] = {}
+        self._fail_next = False
+
+    def watch(self, method: str, path: str) -> None:
+        key = path.partition("?")[0]
+        self._fail_next = (method == "PUT" and any(name in key for name in self.names)
+                           and self.failed.get(key, 0) < self.times)
+        if self._fail_next:
+            self.failed[key] = self.failed.get(key, 0) + 1
+
+    def __call__(self, n: int) -> str | None:
+        return "503" if self._fail_next else None
+
+
+def test_orbax_s_own_files_are_retried_as_storage_retries_says(s3, through_proxy, quick_retries,
+                                                               capsys):
+    """orbax writes a step's _CHECKPOINT_METADATA and the commit_success.txt that makes it
+    complete through etils.epath, whose own S3 client tried five times (botocore's default)
+    and failed the save on a sixth 503 in a row: now storage_retries' ten tries, as for
+    every other bucket call."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from flaxlm.training.checkpoint.manager import COMMIT_FILE, Checkpointer, finalised_steps
+
+    faults = FailingPuts(("_CHECKPOINT_METADATA", COMMIT_FILE), times=6)
+    through_proxy(faults)
+    directory = f"{s3.url}/checkpoints"
+    state = {"params": {"w": jnp.arange(8.0)}}
+    checkpointer = Checkpointer(directory, async_save=False)
+    checkpointer.save(1, state, {"epoch": 0}, {"config": {}})
+    checkpointer.close()
+
+    # Both kinds of file met their six faults (the commit files of the step and of each item).
+    assert any(key.endswith(f"/1/{COMMIT_FILE}") for key in faults.failed), faults.failed
+    assert any(key.endswith("/1/_CHECKPOINT_METADATA") for key in faults.failed), faults.failed
+    assert set(faults.failed.values()) == {6}
+    assert "trying again" in capsys.readouterr().err
+    assert finalised_steps(directory) == [1]
+    restored = Checkpointer(directory, read_only=True).restore(1, state)
+    assert np.array_equal(restored.state["params"]["w"], np.arange(8.0))
+
+
+# --- gs://, against the GCS emulator -------------------------------------------------------------
+
+
+@pytest.fixture
+def gcs_through_proxy(gcs, gcs_endpoint, monkeypatch):
+    """`through_proxy` for gs://: the proxy in front of the GCS emulator, flaxlm's gcsfs
+    pointed at it (STORAGE_EMULATOR_HOST); the test's own `gcs.fs` talks to the emulator."""
+    from buckets import _forget_filesystems
+
+    started = []
+
+    def start(fault) -> FaultyProxy:
+        proxy = FaultyProxy(gcs_endpoint, fault).__enter__()
+        started.append(proxy)
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        _forget_filesystems()
+        return proxy
+
+    yield start
+    for proxy in started:
+        proxy.__exit__(None, None, None)
+    _forget_filesystems()
+
+
+# gcsfs's uploads take several requests each (an upload begun, then its data): bursts of four,
+# which gcsfs's own tries alone outlasted before, every one of which must now meet flaxlm's.
+SHORT_BURST = ("503", "500", "drop", "503")
+
+
+def short_bursts(n: int) -> str | None:
+    return SHORT_BURST[n % PERIOD - 3] if 3 <= n % PERIOD < 3 + len(SHORT_BURST) else None
+
+
+def test_gs_bucket_calls_through_bursts_of_faults_end_as_without_faults(
+        gcs, gcs_endpoint, gcs_through_proxy, quick_retries, tmp_path, capsys, monkeypatch):
+    """The same calls as for s3:// above, against the GCS emulator, through bursts: every fault
+    meets storage_retries (gcsfs's own six tries, with waits of 1 to 17 s, no longer come
+    inside each of them), and the bucket ends with the same bytes as without faults."""
+    run = local_files(tmp_path / "local")
+    gcs.fs.mkdir(f"{gcs.name}-calm")
+    gcs_through_proxy(lambda n: None)
+    calm = what_flaxlm_does(f"{gcs.url}-calm", run, Path(tmp_path / "calm"))
+    assert "trying again" not in capsys.readouterr().err
+
+    proxy = gcs_through_proxy(short_bursts)
+    stormy = what_flaxlm_does(gcs.url, run, Path(tmp_path / "stormy"))
+
+    assert len(proxy.faults) >= 3 * len(SHORT_BURST), proxy.faults
+    retried = capsys.readouterr().err
+    # Each fault but the dropped connections (aiohttp sends an idempotent request again once)
+    # met one of flaxlm's tries: none was spent in gcsfs's own.
+    assert retried.count("trying again") >= sum(f != "drop" for _, f, _, _ in proxy.faults)
+    assert "warning" not in retried
+    assert stormy == calm
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_endpoint)  # gcsfs reads it at each call
+    assert bucket_contents(gcs.fs, gcs.name) == bucket_contents(gcs.fs, f"{gcs.name}-calm")

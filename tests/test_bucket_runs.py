@@ -359,21 +359,29 @@ def test_a_start_without_checkpoint_in_the_bucket_is_kept_not_copied_over(gcs, t
 # --- two hosts that share nothing but the bucket -------------------------------------------------
 
 
-def two_hosts_sharing_only(url: str, tmp_path, tag: str, port: int) -> list[subprocess.Popen]:
+def two_hosts_sharing_only(url: str, tmp_path, tag: str, port: int,
+                           env: dict[str, str] | None = None) -> list[subprocess.Popen]:
     """The same command on two "hosts" joined by jax.distributed: each with its own cache and
     its own timestamped local run_dir, the bucket folder `url` their only shared storage. Each
     cache holds the builtin corpus already (the tokenizer and the blocks are still each host's
-    own to make): parsing it again costs each process 2 s of CPU time."""
+    own to make): parsing it again costs each process 2 s of CPU time. `env`: variables set
+    for both, over this process's."""
     processes = []
     for index, command in enumerate(multihost.two_hosts(port)):
         host = tmp_path / f"host{index}"
         if not (host / "cache").exists():  # a host started again keeps its cache
             cache_with_builtin(host / "cache")
-        env = {**os.environ, "FLAXLM_CACHE": str(host / "cache")}
         processes.append(subprocess.Popen(
-            [*command, f"output_url={url}", f"hydra.run.dir={host}/{tag}-" + "${now:%H-%M-%S_%f}"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            [*command, *QUICK, f"output_url={url}",
+             f"hydra.run.dir={host}/{tag}-" + "${now:%H-%M-%S_%f}"],
+            env={**os.environ, **(env or {}), "FLAXLM_CACHE": str(host / "cache")},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return processes
+
+
+# Three quick tries of every bucket call: a store gone is found out in milliseconds.
+QUICK = ["storage_retries.attempts=3", "storage_retries.first_wait_s=0.001",
+         "storage_retries.max_wait_s=0.01"]
 
 
 def bucket_metrics(bucket, key: str) -> list[dict]:
@@ -383,18 +391,46 @@ def bucket_metrics(bucket, key: str) -> list[dict]:
             for line in lines]
 
 
+def host0_run(tmp_path, tag: str) -> Path:
+    [metrics] = (tmp_path / "host0").glob(f"{tag}-*/metrics.jsonl")
+    return metrics.parent
+
+
+@pytest.fixture(scope="module")
+def two_hosts_never_stopped(s3_endpoint, tmp_path_factory):
+    """The two hosts' run never stopped, in a bucket of moto's: (its metrics in the bucket,
+    host 0's local run folder with the final model/). The tests below compare theirs with
+    it: where a run keeps its checkpoints changes no number it computes."""
+    import s3fs
+    from buckets import Bucket, _forget_filesystems, s3_variables
+
+    env = s3_variables(s3_endpoint)
+    fs = s3fs.S3FileSystem(key=env["AWS_ACCESS_KEY_ID"], secret=env["AWS_SECRET_ACCESS_KEY"],
+                           client_kwargs={"endpoint_url": s3_endpoint}, skip_instance_cache=True)
+    bucket = Bucket("s3://never-stopped", fs)
+    fs.mkdir(bucket.name)
+    tmp_path = tmp_path_factory.mktemp("never-stopped")
+    with pytest.MonkeyPatch.context() as patch:  # the session's cache, as each test's
+        patch.setenv("FLAXLM_CACHE", str(tmp_path_factory.getbasetemp() / "flaxlm-cache"))
+        whole = two_hosts_sharing_only(f"{bucket.url}/run", tmp_path, "whole",
+                                       multihost.free_port(), env)
+    for process, output in zip(whole, multihost.finish(whole)):
+        assert process.returncode == 0, output[-3000:]
+    _forget_filesystems()
+    expected = bucket_metrics(bucket, "run/metrics.jsonl")
+    assert [m["step"] for m in expected if "eval/loss" in m] == [0, 6, 12]
+    return expected, host0_run(tmp_path, "whole")
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_hosts_sharing_only_the_bucket_killed_and_resumed_train_as_if_never_stopped(
-        gcs, tmp_path):
+        gcs, tmp_path, two_hosts_never_stopped):
     """Issue 45's case: two processes, nothing shared but the bucket, killed (SIGKILL) mid-run
     and started again with the same command (new local folders) end with the metrics of the
     same two processes never stopped, exactly."""
+    expected, _ = two_hosts_never_stopped
     port = multihost.free_port()
-    whole = two_hosts_sharing_only(f"{gcs.url}/runs/whole", tmp_path / "whole", "a", port)
-    for process, output in zip(whole, multihost.finish(whole)):
-        assert process.returncode == 0, output[-3000:]
-
     url = f"{gcs.url}/runs/stopped"
     first = two_hosts_sharing_only(url, tmp_path, "first", port)
     run_dir = multihost.the_run_dir(tmp_path / "host0", first)
@@ -408,11 +444,44 @@ def test_two_hosts_sharing_only_the_bucket_killed_and_resumed_train_as_if_never_
     for process, output in zip(again, multihost.finish(again)):
         assert process.returncode == 0, output[-3000:]
         assert "from its checkpoint at step" in output
-    expected = bucket_metrics(gcs, "runs/whole/metrics.jsonl")
-    assert [m["step"] for m in expected if "eval/loss" in m] == [0, 6, 12]
     assert bucket_metrics(gcs, "runs/stopped/metrics.jsonl") == expected
-    [resumed] = [path for path in (tmp_path / "host0").glob("again-*/metrics.jsonl")]
-    assert multihost.metric_lines(resumed.parent) == expected
+    assert multihost.metric_lines(host0_run(tmp_path, "again")) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_hosts_whose_store_goes_away_mid_save_both_stop_resumably_and_resume_exactly(
+        s3, s3_endpoint, tmp_path, two_hosts_never_stopped):
+    """Issue 55, point 3 with two processes: the S3 server goes away (every request dropped)
+    from the first write of step 8's checkpoint on, while both hosts write their parts. Both
+    stop with the resumable exit code within their retries (no process waits forever on the
+    other or on the store), step 8 never looks complete, and with the store back the same
+    command ends bitwise where the two hosts that never stopped end."""
+    from faulty_proxy import FaultyProxy, Outage
+
+    expected, never_stopped = two_hosts_never_stopped
+    port = multihost.free_port()
+    url = f"{s3.url}/runs/a"
+    outage = Outage(starts_at="/runs/a/checkpoints/8/")
+    with FaultyProxy(s3_endpoint, outage) as proxy:
+        first = two_hosts_sharing_only(url, tmp_path, "first", port,
+                                       {"AWS_ENDPOINT_URL_S3": proxy.url})
+        outputs = multihost.finish(first, timeout=300)
+    assert outage.down, "the outage never began"
+    for process, output in zip(first, outputs):
+        assert process.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
+        assert "Traceback" not in output, output[-3000:]
+    assert "could not write the checkpoint of step 8" in outputs[0]
+    assert "last complete checkpoint is step 6" in outputs[0]
+    assert finalised_steps(f"{url}/checkpoints")[-1] == 6
+
+    again = two_hosts_sharing_only(url, tmp_path, "again", port)
+    for process, output in zip(again, multihost.finish(again)):
+        assert process.returncode == 0, output[-3000:]
+        assert "from its checkpoint at step 6" in output
+    assert finalised_steps(f"{url}/checkpoints")[-1] == 12
+    assert bucket_metrics(s3, "runs/a/metrics.jsonl") == expected
+    assert_same_final_weights(host0_run(tmp_path, "again"), never_stopped)
 
 
 # --- a bucket the run cannot write to: one paragraph before training, exit 2 ---------------------

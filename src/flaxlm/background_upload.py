@@ -12,6 +12,7 @@ is handed to `on_failure` and the later ones still run.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 
@@ -29,6 +30,7 @@ class BackgroundUploader:
         self._running: str | None = None
         self._thread: threading.Thread | None = None
         self._closing = False
+        self._flush_ends: float | None = None  # time.monotonic() at which a flush gives up
 
     def request(self, name: str, copy: Callable[[], None]) -> None:
         """Queue `copy` (which writes the object `name` whole) and return at once; a copy of
@@ -46,9 +48,20 @@ class BackgroundUploader:
         """Wait until every copy requested so far is done (or failed), at most `timeout_s`
         seconds; the names of those still waiting or under way then, oldest first ([]: all
         done)."""
+        ends = time.monotonic() + timeout_s
         with self._changed:
-            self._changed.wait_for(self._idle, timeout=timeout_s)
-            return self._unfinished()
+            self._flush_ends = ends
+            try:
+                self._changed.wait_for(self._idle, timeout=timeout_s)
+                return self._unfinished()
+            finally:
+                if self._flush_ends == ends:  # not a later flush's
+                    self._flush_ends = None
+
+    def flush_ends(self) -> float | None:
+        """When the flush under way gives up (time.monotonic), or None when none is: a copy
+        that retries reads it, so that its tries end with the flush that waits for them."""
+        return self._flush_ends
 
     def close(self, timeout_s: float) -> list[str]:
         """`flush`, then let the thread end once idle: what is left after `timeout_s` is still

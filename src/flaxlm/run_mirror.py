@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from flaxlm import storage_retry
 from flaxlm.background_upload import BackgroundUploader
 from flaxlm.errors import FlaxlmError
 from flaxlm.layout import (
@@ -50,6 +51,7 @@ SETTING = "output_url"
 TOKENIZER_FILE = "tokenizer.json"
 # How long a checkpoint's commit, and the run's end, wait for the copies asked for before them:
 # long enough for a slow store's few requests, short enough for a preemption's grace period.
+# The copies' own tries (storage_retries: one to two minutes of waits by default) end with it.
 FLUSH_TIMEOUT_S = 60.0
 
 
@@ -66,7 +68,14 @@ class RunMirror:
         """Queue a copy of model/ as the run starts it (`upload_run_files`) and of each small
         file the run has, read when it goes up: the newest."""
         for name, copy in _copies(self.run_dir, self.output_url):
-            self._uploader.request(name, copy)
+            self._uploader.request(name, functools.partial(self._within_flush, copy))
+
+    def _within_flush(self, copy: Callable[[], None]) -> None:
+        """`copy`, its tries (storage_retries: minutes, against a dead store) ending when a
+        flush that waits for it gives up: a flush's bound is then the whole wait, and no copy
+        retries on behind the run's end."""
+        with storage_retry.deadline(self._uploader.flush_ends):
+            copy()
 
     def request_and_wait(self) -> None:
         """Copy every small file now and wait for the copies (bounded): what an asynchronous

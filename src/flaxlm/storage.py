@@ -10,6 +10,7 @@ emulator), so a machine set up for `aws s3` or `gcloud storage` reads its bucket
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -26,8 +27,8 @@ _PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
 
 # Clients whose own retries are switched off, so that storage_retries is the one policy of
 # flaxlm's bucket calls: botocore's (5 tries with waits up to 8 s in its default "legacy" mode,
-# or AWS_MAX_ATTEMPTS) and s3fs's around it would otherwise multiply flaxlm's tries. gcsfs's
-# (6 tries, not configurable) still come inside each of flaxlm's.
+# or AWS_MAX_ATTEMPTS) and s3fs's around it would otherwise multiply flaxlm's tries; gcsfs's
+# (`_gcsfs_one_try`) too.
 _S3_ONE_TRY = {"config_kwargs": {"retries": {"total_max_attempts": 1, "mode": "standard"}}}
 _CLIENT_RETRIES_OFF = {"s3": _S3_ONE_TRY, "s3a": _S3_ONE_TRY}
 
@@ -55,6 +56,8 @@ def filesystem(url: str, setting: str):
             fs = fsspec.filesystem(scheme, **_CLIENT_RETRIES_OFF[scheme])
             fs.retries = 1  # s3fs's own loop (SlowDown, timeouts) around botocore's
         else:
+            if scheme in ("gs", "gcs"):
+                _gcsfs_one_try()
             fs = fsspec.filesystem(scheme)
         return retrying(fs)
     except ImportError as err:
@@ -70,6 +73,25 @@ def filesystem(url: str, setting: str):
             f"{setting}: {url!r} has the scheme {scheme}://, which no fsspec filesystem serves "
             f"({err}). Use s3://, gs:// or a local path."
         ) from None
+
+
+@functools.cache
+def _gcsfs_one_try() -> None:
+    """gcsfs tries each request six times itself, waiting 1-2, 2-3, 4-5, 8-9 and 16-17 s
+    between (over 30 s), whatever storage_retries says, and takes no setting for it: its
+    request methods are made again from the same functions with one try each (gcsfs makes
+    them with `retry_request(retries=6)`, which keeps the function as `__wrapped__`). A
+    gcsfs without those names is left as it is: its tries then come inside each of flaxlm's,
+    as before."""
+    try:
+        from gcsfs import core, retry
+    except ImportError:
+        return
+    for name in ("_request", "_get_file_request", "_get_file_concurrent"):
+        method = getattr(core.GCSFileSystem, name, None)
+        inner = getattr(method, "__wrapped__", None)
+        if inner is not None and hasattr(retry, "retry_request"):
+            setattr(core.GCSFileSystem, name, retry.retry_request(retries=1)(inner))
 
 
 def glob_objects(pattern: str, setting: str) -> list[str]:

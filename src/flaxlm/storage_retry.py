@@ -17,14 +17,17 @@ conf/train.yaml's value (tests/test_storage_retry.py holds the two equal).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import random
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
+from flaxlm import store_answers
 from flaxlm.errors import FlaxlmError
 
 T = TypeVar("T")
@@ -91,14 +94,6 @@ def current() -> RetryPolicy:
     return _policy
 
 
-# Error codes of S3 (and S3-compatible stores) that say "try again": throttling, a timeout, a
-# server-side fault. Any 429 or 5xx status counts too, whatever its code.
-_TRANSIENT_CODES = frozenset({
-    "SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",
-    "ThrottlingException", "ThrottledException", "RequestThrottled", "RequestLimitExceeded",
-    "TooManyRequests", "TooManyRequestsException", "BandwidthLimitExceeded",
-    "RequestThrottledException", "ProvisionedThroughputExceededException",
-})
 # Exception classes (by name, anywhere in the class's MRO: botocore, aiohttp and urllib3 need
 # not be installed) raised for a connection refused, reset or cut, or a response that never
 # came or came cut short.
@@ -122,7 +117,8 @@ _PERMANENT_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError",
 def is_transient(err: BaseException) -> bool:
     """Whether `err`, raised by an fsspec call to a bucket, is a fault worth retrying. s3fs
     turns botocore's ClientError into an OSError (EBUSY for SlowDown, TimeoutError for
-    RequestTimeout) with the ClientError as its cause: the chain of causes is read."""
+    RequestTimeout) with the ClientError as its cause: the chain of causes is read. What each
+    code or status means is `flaxlm.store_answers`' table, the one the messages read."""
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
@@ -131,8 +127,8 @@ def is_transient(err: BaseException) -> bool:
             return False
         if names & _TRANSIENT_CLASSES:
             return True
-        status, code = _status_and_code(err)
-        if code in _TRANSIENT_CODES or status == 429 or (status or 0) >= 500:
+        code, status = store_answers.code_and_status(err)
+        if store_answers.is_transient(code, status):
             return True
         if status is not None:  # a 4xx answer: the request itself was refused
             return False
@@ -140,26 +136,38 @@ def is_transient(err: BaseException) -> bool:
     return False
 
 
-def _status_and_code(err: BaseException) -> tuple[int | None, str | None]:
-    """The HTTP status and error code a store answered with: botocore's ClientError keeps them
-    in `response`, gcsfs's HttpError its status in `code`."""
-    response = getattr(err, "response", None)
-    if isinstance(response, dict):
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        code = response.get("Error", {}).get("Code")
-        return (int(status) if status else None), (str(code) if code else None)
-    code = getattr(err, "code", None)
-    if type(err).__name__ == "HttpError" and isinstance(code, int):
-        return code, None
-    return None, None
+# The time (time.monotonic) past which this thread's calls make no more tries: `deadline`.
+_deadline = threading.local()
+
+
+@contextlib.contextmanager
+def deadline(ends: Callable[[], float | None]) -> Iterator[None]:
+    """Within it, on this thread, a call whose next try would begin after `ends()` (a
+    time.monotonic value, read before each wait; None: no bound) raises its fault instead of
+    waiting for it: what a wait with a bound of its own (a background copy flushed at the
+    run's end, a preemption's grace period) uses, so that the tries it waits for end within
+    that bound rather than run on behind it for the policy's minutes."""
+    previous = getattr(_deadline, "ends", None)
+    _deadline.ends = ends
+    try:
+        yield
+    finally:
+        _deadline.ends = previous
+
+
+def _past_deadline(wait: float) -> bool:
+    ends = getattr(_deadline, "ends", None)
+    limit = ends() if ends is not None else None
+    return limit is not None and time.monotonic() + wait > limit
 
 
 def call(operation: Callable[[], T], what: str, policy: RetryPolicy | None = None, *,
          sleep: Callable[[float], None] = time.sleep,
          fraction: Callable[[], float] = random.random) -> T:
     """`operation()`, tried again after each transient fault as `policy` (the process's, by
-    default) allows; `what` names it in the line each retry prints. The last fault, or the
-    first one that is not transient, is raised as it came."""
+    default) allows, and within this thread's `deadline`; `what` names it in the line each
+    retry prints. The last fault, or the first one that is not transient, is raised as it
+    came."""
     policy = policy or _policy
     for retry in range(policy.attempts):
         try:
@@ -168,6 +176,11 @@ def call(operation: Callable[[], T], what: str, policy: RetryPolicy | None = Non
             if retry + 1 >= policy.attempts or not is_transient(err):
                 raise
             wait = policy.wait_s(retry, fraction())
+            if _past_deadline(wait):
+                print(f"flaxlm: {what} failed ({type(err).__name__}: {err}); not tried again: "
+                      f"the wait for it ends before try {retry + 2} could begin",
+                      file=sys.stderr, flush=True)
+                raise
             print(f"flaxlm: {what} failed ({type(err).__name__}: {err}); trying again in "
                   f"{wait:.1f} s (try {retry + 2} of {policy.attempts}, {SETTING})",
                   file=sys.stderr, flush=True)

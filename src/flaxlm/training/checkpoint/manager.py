@@ -147,6 +147,8 @@ class Checkpointer:
         self._last_complete: int | None = max(self.steps(), default=None)
         self._writing: int | None = None
         self._failed = False  # a failed save was reported: the run is stopping
+        if is_url(self.directory):
+            _release_peers_when_a_save_fails(self._manager)
         _quiet_disk_full_logs()
         _quiet_closed_loop_callbacks()
         _split_only_large_replicated_arrays()
@@ -289,6 +291,36 @@ class Checkpointer:
             f"{self.directory} ({what}{type(err).__name__}: {first_line(err)}), after "
             f"{tries} tries ({storage_retry.SETTING}), so the run stopped rather than train on "
             f"with nothing saved. {kept} (exit code {PREEMPTED_EXIT_CODE}: resumable.)")
+
+
+def _release_peers_when_a_save_fails(manager: ocp.CheckpointManager) -> None:
+    """A save that failed in the bucket releases, as it fails, the other processes' threads
+    that wait for a part of it that will never come (the step's folder, which process 0 could
+    not make). Without it, with several processes, process 0's save ends at orbax's barrier
+    with the others while they wait for that part, each side for orbax's async timeout (20 min),
+    before either says anything. Released (`_release_waiting_save_threads`: the signals are
+    keys of jax.distributed's store, the same for every process), the others' parts run,
+    fail on the same store, and every process reaches the barrier with its error: all stop
+    with the paragraph. Wrapped around the two waits of orbax 0.12's finalize thread that
+    raise a failed save before its barrier (the step's metadata file, `_non_blocking_metadata_
+    store`, and the items, `_wait_for_checkpointers`; which one fails first is a race), private
+    names read defensively: another orbax without them waits out its timeout, as before."""
+    store = getattr(manager, "_non_blocking_metadata_store", None)
+    for owner, name in ((manager, "_wait_for_checkpointers"), (store, "wait_until_finished")):
+        wait = getattr(owner, name, None)
+        if wait is not None:
+            setattr(owner, name, _releasing_on_failure(wait))
+
+
+def _releasing_on_failure(wait: Callable[[], None]) -> Callable[[], None]:
+    def releasing_wait():
+        try:
+            wait()
+        except Exception:
+            _release_waiting_save_threads()
+            raise
+
+    return releasing_wait
 
 
 def _release_waiting_save_threads() -> None:
@@ -513,11 +545,27 @@ def _split_only_large_replicated_arrays() -> None:
     )
 
 
+class _StoreFaultsInOneLine(logging.Filter):
+    """orbax's threads log a bucket write that failed (the store gone, refusing) as an error
+    with its traceback, in each thread that meets it (the step's metadata, each item, the
+    commit, the finalize thread: a dozen tracebacks a process), before the run stops with
+    flaxlm's paragraph. Their lines stay; the tracebacks of such a store fault go."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None and (
+                bucket_faults.classify(record.exc_info[1]) is not None
+                or storage_retry.is_transient(record.exc_info[1])):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 def _quiet_disk_full_logs() -> None:
     for name in ("absl", "asyncio"):  # orbax's logger; asyncio's "exception never retrieved"
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropDiskFullTracebacks) for f in logger.filters):
             logger.addFilter(_DropDiskFullTracebacks())
+        if not any(isinstance(f, _StoreFaultsInOneLine) for f in logger.filters):
+            logger.addFilter(_StoreFaultsInOneLine())
 
 
 class _DropClosedLoopCallbacks:

@@ -25,7 +25,8 @@ they are set, as s3fs and the aws CLI take them; credentials are AWS's default c
 
 Retries: tensorstore retries a failed request itself (32 tries by default); every s3 and gcs
 kvstore in orbax's specs is given the process's storage_retries instead
-(`flaxlm.storage_retry`), the one policy of flaxlm's bucket calls.
+(`flaxlm.storage_retry`), the one policy of flaxlm's bucket calls; orbax's metadata and commit
+files, which it writes through etils.epath, are retried by the same policy (`epath_files`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint._src.serialization import tensorstore_utils
 
 from flaxlm import storage_retry
+from flaxlm.training.checkpoint import epath_files
 
 # A step in a bucket is complete once its commit_success.txt is written (orbax's gs:// rule).
 ATOMICITY = ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
@@ -105,7 +107,9 @@ def install() -> None:
     """Have orbax's kvstore specs for s3:// directories use tensorstore's s3 driver, and those
     of gs:// and s3:// ones retry as storage_retries says. orbax calls the builder through its
     module, so replacing it there reaches every caller (array writes and reads, OCDBT's
-    merge)."""
+    merge). orbax's own small files go through flaxlm's retried filesystem
+    (`epath_files`)."""
+    epath_files.install()
     build = tensorstore_utils.build_kvstore_tspec
 
     @functools.wraps(build)
