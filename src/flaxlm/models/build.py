@@ -50,19 +50,20 @@ def build_lm(spec: TransformerSpec, rngs: nnx.Rngs) -> nnx.Module:
     return hf.lm_architecture(spec.model.family).model_class(spec, rngs)
 
 
+def model_rngs(**streams) -> nnx.Rngs:
+    """`nnx.Rngs(**streams)` to build a model with, its counters kept in refs: the same draws,
+    bit for bit. Flax checks each new value of a plain counter against the old one's sharding,
+    and under a trace (`nnx.eval_shape`, the jitted init) that probe walks the whole trace so far
+    to word an error no one reads: building was quadratic in the model's depth (gpt2-xl's
+    eval_shape 4.6 s of CPU, 0.7 s with refs, and as much again for each trace of its init)."""
+    with nnx.var_defaults(ref=True):
+        return nnx.Rngs(**streams)
+
+
 def abstract_network(build: Callable[[nnx.Rngs], nnx.Module]) -> nnx.Module:
     """The module `build(rngs)` makes, as shapes, dtypes and logical axes (`nnx.eval_shape`):
-    nothing allocated. Its random streams keep their counters in refs: flax checks a plain
-    counter's every new value against the old one's sharding, and under a trace that probe
-    walks the whole trace so far to word an error no one reads, which made the build
-    quadratic in the model's depth (gpt2-xl 4.6 s of CPU, 0.7 s with refs; the same shapes)."""
-
-    def built() -> nnx.Module:
-        with nnx.var_defaults(ref=True):
-            rngs = nnx.Rngs(params=0)
-        return build(rngs)
-
-    return nnx.eval_shape(built)
+    nothing allocated."""
+    return nnx.eval_shape(lambda: build(model_rngs(params=0)))
 
 
 def build_classifier(spec: TransformerSpec, num_labels: int, rngs: nnx.Rngs) -> nnx.Module:
