@@ -36,7 +36,7 @@ from flaxlm.config import (
 from flaxlm.errors import FlaxlmError
 from flaxlm.generate import GenerationSettings, generate_ids
 from flaxlm.models import hf, pretrained
-from flaxlm.models.build import build_classifier, build_lm
+from flaxlm.models.build import abstract_network, build_classifier, build_lm
 from flaxlm.models.layers import TransformerSpec, count_params
 from flaxlm.models.llama import LlamaForCausalLM
 
@@ -164,7 +164,7 @@ def test_the_presets_build_the_published_networks(option, num_params):
     """The parameter counts of HuggingFaceTB/SmolLM-135M, meta-llama/Llama-3.2-1B,
     meta-llama/Llama-3.1-8B and Qwen/Qwen2.5-0.5B."""
     model_config = OmegaConf.to_object(compose([f"model={option}"])).model
-    model = nnx.eval_shape(lambda: build_lm(TransformerSpec(model_config), nnx.Rngs(0)))
+    model = abstract_network(lambda rngs: build_lm(TransformerSpec(model_config), rngs))
     assert count_params(model) == num_params
 
 
@@ -172,7 +172,7 @@ def test_llama_tiny_is_about_gpt2_tiny_in_size():
     sizes = {}
     for option in ("gpt2-tiny", "llama-tiny"):
         model_config = OmegaConf.to_object(compose([f"model={option}"])).model
-        model = nnx.eval_shape(lambda c=model_config: build_lm(TransformerSpec(c), nnx.Rngs(0)))
+        model = abstract_network(lambda rngs, c=model_config: build_lm(TransformerSpec(c), rngs))
         sizes[option] = count_params(model)
     assert abs(sizes["llama-tiny"] / sizes["gpt2-tiny"] - 1) < 0.03
 
@@ -186,7 +186,7 @@ def test_training_flops_count_the_matrices_that_multiply_whether_tied_or_not():
     for option, tied in (("llama-tiny", True), ("llama-tiny", False), ("gpt2-tiny", True)):
         model_config = OmegaConf.to_object(compose([f"model={option}"])).model
         model_config = dataclasses.replace(model_config, tie_word_embeddings=tied)
-        model = nnx.eval_shape(lambda c=model_config: build_lm(TransformerSpec(c), nnx.Rngs(0)))
+        model = abstract_network(lambda rngs, c=model_config: build_lm(TransformerSpec(c), rngs))
         flops[option, tied] = lm_flops_per_token(model_config, count_params(model), 256)
         if option == "gpt2-tiny":  # the tied head counts once; positions only look up
             matmul = count_params(model) - 256 * model_config.hidden_size
@@ -236,7 +236,7 @@ def test_hf_checkpoints_import_with_equal_logits(shard, tmp_path):
     model_config = pretrained.pretrained_model_config(str(tmp_path), LLAMA_BASE)
     assert (model_config.family, model_config.num_kv_heads, model_config.rope_theta) == (
         ModelFamily.llama, 2, 20000.0)
-    model = nnx.eval_shape(lambda: build_lm(TransformerSpec(model_config), nnx.Rngs(0)))
+    model = abstract_network(lambda rngs: build_lm(TransformerSpec(model_config), rngs))
     report = pretrained.load_pretrained_weights(model, str(tmp_path))
     assert not report.missing and not report.unexpected
     ids = token_ids()

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from flaxlm.config import ModelFamily, RopeScaling
 from flaxlm.errors import FlaxlmError
 from flaxlm.models import hf, pretrained
-from flaxlm.models.build import build_classifier, build_lm
+from flaxlm.models.build import abstract_network, build_classifier, build_lm
 from flaxlm.models.layers import TransformerSpec
 from flaxlm.models.llama import inverse_frequencies
 
@@ -73,7 +73,7 @@ def perturbed_torch(model, seed=0):
 def import_checkpoint(directory, family):
     """What `model.init_from=<directory>` builds: the config from config.json, then weights."""
     config = pretrained.pretrained_model_config(str(directory), BASE[family])
-    model = nnx.eval_shape(lambda: build_lm(TransformerSpec(config), nnx.Rngs(0)))
+    model = abstract_network(lambda rngs: build_lm(TransformerSpec(config), rngs))
     report = pretrained.load_pretrained_weights(model, str(directory))
     assert not report.missing and not report.unexpected
     return config, model

@@ -168,14 +168,14 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     and MLP projections' kernels; embeddings, the LM head, norms and biases go to AdamW."""
     from conftest import model_config
 
-    from flaxlm.models.build import build_lm
+    from flaxlm.models.build import abstract_network, build_lm
 
     shape = dict(vocab_size=64, max_positions=16, hidden_size=16, num_layers=1, num_heads=2)
     muon_modules = {}
     for family, extra in [("gpt2", {}), ("llama", dict(num_kv_heads=1, mlp_size=24,
                                                          tie_word_embeddings=False))]:
         spec = TransformerSpec(model_config(family, **shape, **extra))
-        model = nnx.eval_shape(lambda spec=spec: build_lm(spec, nnx.Rngs(0)))
+        model = abstract_network(lambda rngs, spec=spec: build_lm(spec, rngs))
         params = nnx.state(model, nnx.Param)
         muon_paths = [jax.tree_util.keystr(path).removesuffix(".value").split("'")
                       for path, label in jax.tree_util.tree_leaves_with_path(muon_labels(params))

@@ -386,7 +386,7 @@ def _compile_or_refuse(run: AbstractRun, layout: _Layout, phase: str, step, args
 def abstract_model(config: TrainConfig) -> nnx.Module:
     """The run's language model as shapes, dtypes and logical axes: nothing allocated."""
     spec = base.model_spec(config, config.model, CausalLM.pads_rows)
-    return nnx.eval_shape(lambda: build.build_lm(spec, nnx.Rngs(params=0)))
+    return build.abstract_network(lambda rngs: build.build_lm(spec, rngs))
 
 
 def abstract_key(mesh: Mesh, impl: str) -> jax.ShapeDtypeStruct:

@@ -26,7 +26,7 @@ from flaxlm.export import read_marker
 from flaxlm.layout import CHECKPOINT_SUBDIR, MODEL_SUBDIR, run_path
 from flaxlm.lazy_imports import lazy_module
 from flaxlm.models import hf, lora, pretrained
-from flaxlm.models.build import build_classifier, build_lm, lm_from_params
+from flaxlm.models.build import abstract_network, build_classifier, build_lm, lm_from_params
 from flaxlm.models.layers import TransformerSpec
 from flaxlm.parallel import make_mesh, place_state, state_shardings
 from flaxlm.platforms import skip_absent_tpu
@@ -166,7 +166,7 @@ def _merged_onto_base(trained: dict, model_config: ModelConfig, run_config: dict
     out on `mesh` if one is given. `hf_config`: a classifier's (None: an LM)."""
     spec = TransformerSpec(model_config)
     if model_config.init_from:
-        model = nnx.eval_shape(lambda: _network(spec, hf_config, nnx.Rngs(0)))
+        model = abstract_network(lambda rngs: _network(spec, hf_config, rngs))
         pretrained.load_pretrained_weights(
             model, pretrained.resolve_checkpoint(model_config.init_from,
                                                  run_config.get("cache_dir")),
@@ -268,8 +268,7 @@ def _hf_config(run_config: dict, model_dir: str):
 def _abstract_model(model_config: ModelConfig, hf_config) -> nnx.Module:
     """The run's network, shapes only (`nnx.eval_shape`): a classifier of `hf_config`'s
     labels, or (None) a language model."""
-    return nnx.eval_shape(lambda: _network(TransformerSpec(model_config), hf_config,
-                                           nnx.Rngs(0)))
+    return abstract_network(lambda rngs: _network(TransformerSpec(model_config), hf_config, rngs))
 
 
 def _network(spec: TransformerSpec, hf_config, rngs: nnx.Rngs) -> nnx.Module:

@@ -26,6 +26,7 @@ from flaxlm.errors import FlaxlmError
 from flaxlm.export import export_hf
 from flaxlm.models import hf, moe, pretrained
 from flaxlm.models.attention import Choice, choose_backend
+from flaxlm.models.build import model_rngs
 from flaxlm.models.layers import TransformerSpec, count_params
 from flaxlm.parallel import init_on_mesh, run_accelerator
 from flaxlm.runs import RunDir, save_config
@@ -191,7 +192,7 @@ def prepare_training(
     spec = model_spec(config, start.model, pads_rows)
     attention = attention_choice(config, start.model, pads_rows)
     init_key, dropout_key = run_keys(config.seed, run_dropout_impl(config.hardware))
-    build = lambda: build_model(spec, nnx.Rngs(params=init_key))  # noqa: E731
+    build = lambda: build_model(spec, model_rngs(params=init_key))  # noqa: E731
     steps = _steps(job, dataclasses.replace(config, model=start.model), build, tx,
                    compile_steps, loader if compile_ahead else None, plan, dropout_key,
                    data_fingerprint, trainable)
