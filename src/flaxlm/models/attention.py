@@ -24,7 +24,9 @@ attention (keys and values with G heads, G dividing N; query head n reads key he
 With a `context` mesh axis (`hardware.mesh.context`, context parallelism) each device holds a
 contiguous slice of every row's queries, keys and values; `context_attention` gathers the
 row's keys and values onto each device of the axis (MaxText's all-gather variant) and masks
-by the slices' places in the row, with the reference or XLA path.
+by the slices' places in the row, with the reference or XLA path; or, with
+`model.context_attention=ring`, the keys and values travel round the axis a slice at a time
+(`flaxlm.models.ring_attention`).
 
 Shapes are in the names: B batch, L query length, K key length, N query heads, G key/value
 heads, H head width.
@@ -42,9 +44,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from flaxlm.config import AttentionBackend
+from flaxlm.config import AttentionBackend, ContextAttention
 from flaxlm.errors import FlaxlmError, causes
 from flaxlm.models.dropout import dropout
+from flaxlm.models.ring_attention import ring_attention
 from flaxlm.parallel import (
     BATCH_AXES,
     CONTEXT_AXIS,
@@ -250,7 +253,8 @@ def splash_block(seq_len: int) -> int | None:
 def attention(q_BxLxNxH: jax.Array, k_BxKxGxH: jax.Array, v_BxKxGxH: jax.Array, *,
               dropout_rate: float, rngs: nnx.Rngs | None, mask=None,
               is_causal: bool = False, segment_ids_BxL: jax.Array | None = None,
-              backend: AttentionBackend | str = AttentionBackend.xla) -> jax.Array:
+              backend: AttentionBackend | str = AttentionBackend.xla,
+              context: ContextAttention | str = ContextAttention.all_gather) -> jax.Array:
     """Multi-head attention, (B, L, N, H), by `backend` (`auto` here: by the devices the
     step is traced for). `mask` (broadcastable to B×N×L×K) says which keys each query sees;
     `is_causal` adds the causal mask; `segment_ids_BxL` (self-attention: the same ids for
@@ -258,7 +262,8 @@ def attention(q_BxLxNxH: jax.Array, k_BxKxGxH: jax.Array, v_BxKxGxH: jax.Array, 
     given, rate > 0) drops attention probabilities out, on the reference path.
 
     Segment ids, not a ready mask, are what this takes: the fused kernels take them as such
-    and never build the L×K mask."""
+    and never build the L×K mask. `context` is the variant under a `context` mesh axis
+    (`model.context_attention`: gathered keys and values, or the ring's)."""
     backend = AttentionBackend(backend)
     if rngs is not None and dropout_rate > 0:
         return reference_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, mask, is_causal,
@@ -269,6 +274,10 @@ def attention(q_BxLxNxH: jax.Array, k_BxKxGxH: jax.Array, v_BxKxGxH: jax.Array, 
         if backend not in (AttentionBackend.reference, AttentionBackend.xla):
             raise ValueError(f"{backend.value} attention under a context axis: reference or "
                              "xla (choose_backend refuses the kernels there)")
+        if ContextAttention(context) is ContextAttention.ring:  # its own einsums, any backend
+            return ring_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal, segment_ids_BxL,
+                                  _head_axis(jax.sharding.get_abstract_mesh(),
+                                             q_BxLxNxH.shape[2], k_BxKxGxH.shape[2]))
         return context_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal, segment_ids_BxL,
                                  backend)
     if backend is AttentionBackend.reference:

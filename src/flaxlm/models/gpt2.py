@@ -48,6 +48,7 @@ class Attention(nnx.Module):
         self.num_heads = cfg.num_heads
         self.attention_dropout = cfg.attention_dropout
         self.attention_backend = cfg.attention
+        self.context_attention = cfg.context_attention
         # GPT-2 scales the init of every projection into the residual stream by 1/sqrt(2 layers).
         residual_std = cfg.initializer_range / (2 * cfg.num_layers) ** 0.5
         # c_attn's columns are q | k | v, each head by head: "heads" splits them in whole
@@ -65,7 +66,8 @@ class Attention(nnx.Module):
         out_BxLxNxH = attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, is_causal=True,
                                 segment_ids_BxL=segment_ids_BxL,
                                 dropout_rate=self.attention_dropout, rngs=rngs,
-                                backend=self.attention_backend)
+                                backend=self.attention_backend,
+                                context=self.context_attention)
         out_BxLxD = self.c_proj(out_BxLxNxH.reshape(B, L, D), rngs)
         return self.resid_dropout(out_BxLxD, deterministic=rngs is None, rngs=rngs)
 

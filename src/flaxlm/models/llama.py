@@ -262,6 +262,7 @@ class LlamaAttention(nnx.Module):
         self.rope_scale = rope_attention_scale(cfg.rope_scaling)
         self.attention_dropout = cfg.attention_dropout
         self.attention_backend = cfg.attention
+        self.context_attention = cfg.context_attention
         q_width, kv_width = self.num_heads * self.head_width, self.num_kv_heads * self.head_width
 
         def projection(name, width_in, width_out, logical_axes, use_bias):
@@ -290,7 +291,8 @@ class LlamaAttention(nnx.Module):
         out_BxLxNxH = attention(*self._heads(x_BxLxD, positions_BxL, rngs), is_causal=True,
                                 segment_ids_BxL=segment_ids_BxL,
                                 dropout_rate=self.attention_dropout, rngs=rngs,
-                                backend=self.attention_backend)
+                                backend=self.attention_backend,
+                                context=self.context_attention)
         return self.o_proj(out_BxLxNxH.reshape(B, L, -1), rngs)
 
     def decode(self, x_BxLxD, positions_BxL, keys_BxSxGxH, values_BxSxGxH, index, mask_BxLxS):
