@@ -4,6 +4,7 @@ gathering the row's keys and values, `flaxlm.models.attention.context_attention`
 step on one device, with and without document masking, at every token; bad settings are
 refused before anything compiles (tests/test_bad_input_table.py)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -13,6 +14,7 @@ from conftest import SHORT, config_node, mesh_config
 from flax import nnx
 from numerics import assert_close, magnitude, transformer_depth
 
+from flaxlm.config import ContextAttention
 from flaxlm.data.documents import INPUT_IDS, POSITIONS, SEGMENT_IDS
 from flaxlm.models.build import build_lm
 from flaxlm.models.layers import TransformerSpec
@@ -51,11 +53,11 @@ def on_mesh(rows, mesh):
     return jax.tree.map(lambda a: global_batch(a, mesh), rows)
 
 
-def one_step(mesh, rows):
+def one_step(mesh, rows, model=MODEL):
     """A fresh state's train step on `mesh` over `rows`: its metrics, parameters after it,
     and the per-token losses before it (B, L-1), on the host."""
     tx = make_optimizer(OPTIMIZER, make_schedule(OPTIMIZER, total_steps=10))
-    graphdef, state = create_state(build_lm(TransformerSpec(MODEL), nnx.Rngs(0)), tx, mesh)
+    graphdef, state = create_state(build_lm(TransformerSpec(model), nnx.Rngs(0)), tx, mesh)
     rows = on_mesh(rows, mesh)
     losses = jax.jit(traced_on(mesh, lambda params, rows: lm_token_losses(
         nnx.merge(graphdef, params), rows)[0]))(state.params, rows)
@@ -88,8 +90,32 @@ def test_a_step_with_rows_split_over_the_context_axis_equals_one_device(name, do
     query shown a key of the next slice or another document, changes that token's loss by
     far more than the tolerance: the per-token comparison is what sees one such token among
     thousands."""
+    assert_step_equals_one_device(MODEL, name, documents, length, rows)
+
+
+# The ring (model.context_attention=ring): rows of 256 positions, slices of 32 or 64, so that
+# documents (one in 150 tokens starts one) cross slice boundaries and the ring's every step
+# (a slice skipped, seen whole, masked by documents) runs.
+RING = dataclasses.replace(MODEL, context_attention=ContextAttention.ring)
+RING_CASES = [(name, documents, 256, 2) for name in ("context=8", "context=4 data=2")
+              for documents in (True, False)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,documents,length,rows", RING_CASES,
+                         ids=[f"{n}-{'documents' if d else 'rows'}"
+                              for n, d, _, _ in RING_CASES])
+def test_a_step_under_ring_attention_equals_one_device(name, documents, length, rows):
+    """As above, with the keys and values passed round the context axis (their gradients
+    JAX's, through the ring's loop)."""
+    assert_step_equals_one_device(RING, name, documents, length, rows)
+
+
+def assert_step_equals_one_device(model, name, documents, length, rows):
+    """`model`'s step on the mesh `name` equals the step on one device (the tolerances: the
+    step's longest sum, its targets, through the depth of the forward or backward pass)."""
     metrics, params, losses = one_step(make_mesh(8, MESHES[name]),
-                                       batch(documents, length, rows))
+                                       batch(documents, length, rows), model)
     metrics_1, params_1, losses_1 = reference(documents, length, rows)
     tokens = rows * (length - 1)  # the longest sum: the step's targets
     forward = dict(terms=tokens, depth=transformer_depth(MODEL.num_layers))
