@@ -10,15 +10,17 @@ import functools
 import jax
 import numpy as np
 import pytest
-from conftest import SHORT, config_node, mesh_config
+from conftest import SHORT, TINY, compose, config_node, mesh_config
 from flax import nnx
 from numerics import assert_close, magnitude, transformer_depth
 
 from flaxlm.config import ContextAttention
 from flaxlm.data.documents import INPUT_IDS, POSITIONS, SEGMENT_IDS
+from flaxlm.errors import FlaxlmError
 from flaxlm.models.build import build_lm
 from flaxlm.models.layers import TransformerSpec
-from flaxlm.parallel import global_batch, make_mesh, traced_on
+from flaxlm.parallel import context_size, global_batch, make_mesh, traced_on
+from flaxlm.tasks.base import attention_choice, eval_batch_size
 from flaxlm.training.optimizer import make_optimizer, make_schedule
 from flaxlm.training.step import compile_steps, create_state, lm_token_losses
 
@@ -170,3 +172,39 @@ def test_a_run_trains_and_evaluates_with_a_context_axis(train_cli, tmp_path, fam
     assert done.returncode == 0, done.stderr[-3000:]
     evals = [r for r in metrics_of(run_dir) if "eval/loss" in r]
     assert evals and np.isfinite(evals[-1]["eval/loss"])
+
+
+def test_the_global_batch_counts_row_shards_not_devices():
+    """The devices of a context (or tensor) axis share their rows: with context=4 on 8
+    devices the rows split 2 ways, so 2 rows per device make 4 rows a step (each device holds
+    2 rows of a quarter of their positions), and a global batch of 2 splits evenly."""
+    from omegaconf import OmegaConf
+
+    from flaxlm.training.plan import global_batch_size
+
+    split = ["hardware.mesh.data=2", "hardware.mesh.context=4"]
+    config = OmegaConf.to_object(compose([*TINY, *split]))
+    assert global_batch_size(config, 8) == 2 * 2
+    fixed = OmegaConf.to_object(compose([*TINY, *split, "trainer.global_batch_size=2"]))
+    assert global_batch_size(fixed, 8) == 2
+    uneven = OmegaConf.to_object(compose([*TINY, *split, "trainer.global_batch_size=3"]))
+    with pytest.raises(FlaxlmError, match="2 row shard.*8 devices.*multiple of 2"):
+        global_batch_size(uneven, 8)
+    tensor = OmegaConf.to_object(compose([*TINY, "hardware.mesh.data=2",
+                                          "hardware.mesh.context=2", "hardware.mesh.tensor=2"]))
+    assert global_batch_size(tensor, 8) == 2 * 2
+    assert eval_batch_size(tensor.hardware, 8) == 2 * 2
+
+
+@pytest.mark.parametrize("data,context_axis", [(1, True), (8, False)])
+def test_a_context_of_minus_1_is_the_devices_left(data, context_axis):
+    """hardware.mesh.context=-1 takes the devices the other axes leave: with data=1 all 8 (an
+    axis, which `auto` attention meets with xla), with data=8 one (no axis at all)."""
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.to_object(compose([*TINY, "model=llama-tiny", "model.max_positions=64",
+                                          f"hardware.mesh.data={data}",
+                                          "hardware.mesh.context=-1"]))
+    assert context_size(config.hardware) == (8 if context_axis else 1)
+    choice = attention_choice(config, config.model, pads_rows=False)
+    assert ("under a context axis" in choice.describe()) is context_axis, choice.describe()

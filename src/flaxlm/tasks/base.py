@@ -27,7 +27,7 @@ from flaxlm.export import export_hf
 from flaxlm.models import hf, moe, pretrained
 from flaxlm.models.attention import Choice, choose_backend
 from flaxlm.models.layers import TransformerSpec, count_params
-from flaxlm.parallel import init_on_mesh, run_accelerator
+from flaxlm.parallel import context_size, init_on_mesh, row_shards, run_accelerator
 from flaxlm.runs import RunDir, save_config
 from flaxlm.tracking import Tracker
 from flaxlm.training.ahead import CompiledAhead, abstract
@@ -331,7 +331,7 @@ def attention_choice(config: TrainConfig, model: ModelConfig, pads_rows: bool) -
                           model.hidden_size // model.num_heads,
                           causal_lm=not pads_rows,
                           attention_dropout=model.attention_dropout,
-                          context_parallel=config.hardware.mesh.context != 1)
+                          context_parallel=context_size(config.hardware) > 1)
 
 
 def announce_new_length(config: TrainConfig, saved_config: dict, plan: Plan, schedule,
@@ -386,9 +386,10 @@ def throughput(job: JobContext, tokens_per_step: int, flops_per_token: float) ->
 
 
 def eval_batch_size(hardware: HardwareConfig, num_devices: int) -> int:
-    """Rows per evaluation batch over the whole mesh."""
+    """Rows per evaluation batch over the whole mesh: per device, times the row shards (the
+    devices of a context or tensor axis share their rows; `row_shards`)."""
     per_device = hardware.per_device_eval_batch_size or hardware.per_device_batch_size
-    return per_device * num_devices
+    return per_device * row_shards(hardware.mesh, num_devices)
 
 
 def run_loop(job: JobContext, training: Training, loader, evaluate: Evaluate,
