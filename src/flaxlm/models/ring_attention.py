@@ -101,7 +101,8 @@ def _ring(q_BxSxNxH, k_BxSxGxH, v_BxSxGxH, segment_ids_BxS, is_causal: bool, con
 
     block = (k_BxSxGxH, v_BxSxGxH, segment_ids_BxS)
     # C - 1 steps that pass the slice on, then the last slice, which goes nowhere.
-    (stats, block), _ = jax.lax.scan(step, (stats, block), jnp.arange(context - 1))
+    (stats, block), _ = jax.lax.scan(step, (stats, block), jnp.arange(context - 1),
+                                    unroll=True)
     _, total_BxGxRxS, out_BxSxGxRxH = attend(stats, block, context - 1)
     out_BxSxGxRxH = out_BxSxGxRxH / jnp.moveaxis(total_BxGxRxS, 3, 1)[..., None]
     return out_BxSxGxRxH.reshape(B, S, N, H).astype(q_BxSxNxH.dtype)
