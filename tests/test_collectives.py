@@ -27,7 +27,7 @@ HloModule loop
   %x = f32[64]{0:T(256)} get-tuple-element(%p), index=1
   %ags = (f32[64]{0:T(256)}, f32[256]{0:T(256)}) all-gather-start(%x), dimensions={0}
   %agd = f32[256]{0:T(256)} all-gather-done(%ags)
-  %cps = (bf16[4,8]{1,0}, bf16[4,8]{1,0}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%y), source_target_pairs={{0,1},{1,0}}
+  %cps = (bf16[4,8]{1,0}, bf16[4,8]{1,0}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%y)
   %cpd = bf16[4,8]{1,0} collective-permute-done(%cps)
   ROOT %t = (s32[], f32[256]{0}) tuple(%i, %agd)
 }
