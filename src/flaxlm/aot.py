@@ -53,7 +53,9 @@ from flaxlm.models import build, lora, moe
 from flaxlm.models.attention import kernel_compile_error
 from flaxlm.models.layers import count_params
 from flaxlm.parallel import (
+    BATCH_AXES,
     CONTEXT_AXIS,
+    DATA_AXIS,
     EXPERT_AXIS,
     FSDP_AXIS,
     MESH_AXES,
@@ -526,6 +528,55 @@ def expert_axis_overrides(config: TrainConfig, num_devices: int
         overrides += ("hardware.mesh.data=-1", "hardware.mesh.fsdp=1")
         wider = dataclasses.replace(wider, data=-1, fsdp=1)
     return overrides, wider
+
+
+def context_axis_candidates(config: TrainConfig, num_devices: int, seq_len: int
+                            ) -> list[tuple[str, ...]]:
+    """For a run without a context axis: the overrides that split each row's positions over
+    2, 4, 8, … devices (each size dividing the devices and the row's `seq_len`), smallest
+    first. The devices come out of the data axis first, then fsdp (which holds the parameters
+    and optimizer state: fewer fsdp devices, more of them per chip); the rows then split
+    fewer ways, so the global batch is kept by micro-batches of one row per device
+    (trainer.grad_accum_steps), the fewest activations. [] when the run has a context axis
+    already.
+
+    It costs no quality: each device keeps 1/context of every row's activations, and
+    attention moves the keys and values between the devices (model.context_attention)."""
+    sizes = dict(zip(MESH_AXES, mesh_shape(config.hardware.mesh, num_devices)))
+    if sizes[CONTEXT_AXIS] != 1:
+        return []
+    rows = global_batch_size(config, num_devices)
+    candidates, context = [], 2
+    while context <= num_devices:
+        left, split = context, dict(sizes)
+        for axis in (DATA_AXIS, FSDP_AXIS):
+            taken = math.gcd(split[axis], left)
+            split[axis], left = split[axis] // taken, left // taken
+        shards = math.prod(split[axis] for axis in BATCH_AXES)
+        if left == 1 and seq_len % context == 0 and rows % shards == 0:
+            split[CONTEXT_AXIS] = context
+            batch = () if config.trainer.global_batch_size is not None else (
+                "hardware.per_device_batch_size=1",)
+            candidates.append((*(f"hardware.mesh.{axis}={split[axis]}" for axis in MESH_AXES),
+                               *batch, f"trainer.grad_accum_steps={rows // shards}"))
+        context *= 2
+    return candidates
+
+
+def rows_do_not_fit(run: AbstractRun, ladder: Sequence[RecipeStep],
+                    temporaries: int | None) -> bool | None:
+    """Whether the rows' temporaries (None: the compiler refused the step, which needed more
+    than the chip) leave no room even beside the smallest state a memory recipe makes: then
+    only splitting each row over devices (a context axis) can fit the step. None when the
+    chip's memory is unknown or that smallest state alone exceeds it (nothing on the rows'
+    side helps)."""
+    hbm = hbm_bytes(run)
+    smallest = min([per_device_bytes(run.state.params)
+                    + per_device_bytes((run.state.step, run.state.opt_state))]
+                   + [step.state_bytes for step in ladder])
+    if hbm is None or smallest >= hbm:
+        return None
+    return temporaries is None or smallest + temporaries > hbm
 
 
 # ------------------------------------------------------------------------ memory recipes
