@@ -179,6 +179,9 @@ ROWS = {
     "context-with-a-kernel": Row(
         ["hardware.mesh.data=1", "hardware.mesh.context=8", "model.attention=splash"],
         ["model.attention=splash", "hardware.mesh.context"]),
+    "context-attention-unknown": Row(
+        ["hardware.mesh.data=1", "hardware.mesh.context=8", "model.context_attention=zigzag"],
+        ["model.context_attention", "ring"]),
     "context-on-a-classifier": Row(
         [*classify("pairs.jsonl", "pairs.jsonl"), "model=bert-tiny",
          "hardware.mesh.data=1", "hardware.mesh.context=8"],
