@@ -92,15 +92,17 @@ def _ring(q_BxSxNxH, k_BxSxGxH, v_BxSxGxH, segment_ids_BxS, is_causal: bool, con
         # A slice from a later device lies wholly in the queries' future.
         return jax.lax.cond(source <= here, seen, lambda stats: stats, stats)
 
-    def step(carry, step):
+    def step(carry, index):
         stats, block = carry
         # Sent before this slice is used: nothing here waits for it, so it travels while the
         # scores are computed.
         incoming = jax.lax.ppermute(block, CONTEXT_AXIS, forward)
-        return (attend(stats, block, step), incoming), None
+        return (attend(stats, block, index), incoming), None
 
     block = (k_BxSxGxH, v_BxSxGxH, segment_ids_BxS)
-    # C - 1 steps that pass the slice on, then the last slice, which goes nowhere.
+    # C - 1 steps that pass the slice on, then the last slice, which goes nowhere. Unrolled:
+    # each transfer its own instruction, which XLA's scheduler can start under the previous
+    # block's attention, and which a plan's count of collectives sees each time.
     (stats, block), _ = jax.lax.scan(step, (stats, block), jnp.arange(context - 1),
                                     unroll=True)
     _, total_BxGxRxS, out_BxSxGxRxH = attend(stats, block, context - 1)
