@@ -182,6 +182,13 @@ ROWS = {
     "context-with-cudnn": Row(
         ["hardware.mesh.data=1", "hardware.mesh.context=8", "model.attention=cudnn"],
         ["model.attention=cudnn", "hardware.mesh.context=8"]),
+    "context-attention-unknown": Row(
+        ["hardware.mesh.data=1", "hardware.mesh.context=8", "model.context_attention=zigzag"],
+        ["model.context_attention", "ring"]),
+    "context-ring-with-a-window": Row(
+        ["model=llama-tiny", "model.sliding_window=16", "hardware.mesh.data=1",
+         "hardware.mesh.context=8", "model.context_attention=ring"],
+        ["model.sliding_window=16", "model.context_attention=all_gather"]),
     "context-on-a-classifier": Row(
         [*classify("pairs.jsonl", "pairs.jsonl"), "model=bert-tiny",
          "hardware.mesh.data=1", "hardware.mesh.context=8"],

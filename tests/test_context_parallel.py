@@ -4,19 +4,23 @@ gathering the row's keys and values, `flaxlm.models.attention.context_attention`
 step on one device, with and without document masking, at every token; bad settings are
 refused before anything compiles (tests/test_bad_input_table.py)."""
 
+import dataclasses
 import functools
 
 import jax
 import numpy as np
 import pytest
-from conftest import SHORT, config_node, mesh_config
+from conftest import SHORT, TINY, compose, config_node, mesh_config
 from flax import nnx
 from numerics import assert_close, magnitude, transformer_depth
 
+from flaxlm.config import ContextAttention
 from flaxlm.data.documents import INPUT_IDS, POSITIONS, SEGMENT_IDS
+from flaxlm.errors import FlaxlmError
 from flaxlm.models.build import build_lm
 from flaxlm.models.layers import TransformerSpec
-from flaxlm.parallel import global_batch, make_mesh, traced_on
+from flaxlm.parallel import context_size, global_batch, make_mesh, traced_on
+from flaxlm.tasks.base import attention_choice, eval_batch_size
 from flaxlm.training.optimizer import make_optimizer, make_schedule
 from flaxlm.training.step import compile_steps, create_state, lm_token_losses
 
@@ -51,11 +55,11 @@ def on_mesh(rows, mesh):
     return jax.tree.map(lambda a: global_batch(a, mesh), rows)
 
 
-def one_step(mesh, rows):
+def one_step(mesh, rows, model=MODEL):
     """A fresh state's train step on `mesh` over `rows`: its metrics, parameters after it,
     and the per-token losses before it (B, L-1), on the host."""
     tx = make_optimizer(OPTIMIZER, make_schedule(OPTIMIZER, total_steps=10))
-    graphdef, state = create_state(build_lm(TransformerSpec(MODEL), nnx.Rngs(0)), tx, mesh)
+    graphdef, state = create_state(build_lm(TransformerSpec(model), nnx.Rngs(0)), tx, mesh)
     rows = on_mesh(rows, mesh)
     losses = jax.jit(traced_on(mesh, lambda params, rows: lm_token_losses(
         nnx.merge(graphdef, params), rows)[0]))(state.params, rows)
@@ -88,8 +92,32 @@ def test_a_step_with_rows_split_over_the_context_axis_equals_one_device(name, do
     query shown a key of the next slice or another document, changes that token's loss by
     far more than the tolerance: the per-token comparison is what sees one such token among
     thousands."""
+    assert_step_equals_one_device(MODEL, name, documents, length, rows)
+
+
+# The ring (model.context_attention=ring): rows of 256 positions, slices of 32 or 64, so that
+# documents (one in 150 tokens starts one) cross slice boundaries and the ring's every step
+# (a slice skipped, seen whole, masked by documents) runs.
+RING = dataclasses.replace(MODEL, context_attention=ContextAttention.ring)
+RING_CASES = [(name, documents, 256, 2) for name in ("context=8", "context=4 data=2")
+              for documents in (True, False)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,documents,length,rows", RING_CASES,
+                         ids=[f"{n}-{'documents' if d else 'rows'}"
+                              for n, d, _, _ in RING_CASES])
+def test_a_step_under_ring_attention_equals_one_device(name, documents, length, rows):
+    """As above, with the keys and values passed round the context axis (their gradients
+    JAX's, through the ring's loop)."""
+    assert_step_equals_one_device(RING, name, documents, length, rows)
+
+
+def assert_step_equals_one_device(model, name, documents, length, rows):
+    """`model`'s step on the mesh `name` equals the step on one device (the tolerances: the
+    step's longest sum, its targets, through the depth of the forward or backward pass)."""
     metrics, params, losses = one_step(make_mesh(8, MESHES[name]),
-                                       batch(documents, length, rows))
+                                       batch(documents, length, rows), model)
     metrics_1, params_1, losses_1 = reference(documents, length, rows)
     tokens = rows * (length - 1)  # the longest sum: the step's targets
     forward = dict(terms=tokens, depth=transformer_depth(MODEL.num_layers))
@@ -144,3 +172,39 @@ def test_a_run_trains_and_evaluates_with_a_context_axis(train_cli, tmp_path, fam
     assert done.returncode == 0, done.stderr[-3000:]
     evals = [r for r in metrics_of(run_dir) if "eval/loss" in r]
     assert evals and np.isfinite(evals[-1]["eval/loss"])
+
+
+def test_the_global_batch_counts_row_shards_not_devices():
+    """The devices of a context (or tensor) axis share their rows: with context=4 on 8
+    devices the rows split 2 ways, so 2 rows per device make 4 rows a step (each device holds
+    2 rows of a quarter of their positions), and a global batch of 2 splits evenly."""
+    from omegaconf import OmegaConf
+
+    from flaxlm.training.plan import global_batch_size
+
+    split = ["hardware.mesh.data=2", "hardware.mesh.context=4"]
+    config = OmegaConf.to_object(compose([*TINY, *split]))
+    assert global_batch_size(config, 8) == 2 * 2
+    fixed = OmegaConf.to_object(compose([*TINY, *split, "trainer.global_batch_size=2"]))
+    assert global_batch_size(fixed, 8) == 2
+    uneven = OmegaConf.to_object(compose([*TINY, *split, "trainer.global_batch_size=3"]))
+    with pytest.raises(FlaxlmError, match="2 row shard.*8 devices.*multiple of 2"):
+        global_batch_size(uneven, 8)
+    tensor = OmegaConf.to_object(compose([*TINY, "hardware.mesh.data=2",
+                                          "hardware.mesh.context=2", "hardware.mesh.tensor=2"]))
+    assert global_batch_size(tensor, 8) == 2 * 2
+    assert eval_batch_size(tensor.hardware, 8) == 2 * 2
+
+
+@pytest.mark.parametrize("data,context_axis", [(1, True), (8, False)])
+def test_a_context_of_minus_1_is_the_devices_left(data, context_axis):
+    """hardware.mesh.context=-1 takes the devices the other axes leave: with data=1 all 8 (an
+    axis, which `auto` attention meets with xla), with data=8 one (no axis at all)."""
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.to_object(compose([*TINY, "model=llama-tiny", "model.max_positions=64",
+                                          f"hardware.mesh.data={data}",
+                                          "hardware.mesh.context=-1"]))
+    assert context_size(config.hardware) == (8 if context_axis else 1)
+    choice = attention_choice(config, config.model, pads_rows=False)
+    assert ("under a context axis" in choice.describe()) is context_axis, choice.describe()

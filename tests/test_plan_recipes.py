@@ -129,3 +129,38 @@ def test_fit_says_so_when_no_recipe_fits(capsys):
     [message] = captured.err.strip().splitlines()
     assert "No memory recipe fits either: optimizer.moment_dtype=bfloat16 (state alone" in message
     assert "flaxlm: planning with" not in captured.out
+
+
+@pytest.mark.slow
+def test_fit_splits_rows_that_do_not_fit_over_a_context_axis(tmp_path, capsys):
+    """Rows of 512 tokens, one per device, on a chip that holds the step's state many times
+    over but not one row's temporaries (attention's 512 × 512 scores): no memory recipe can
+    make room, so the plan names the context sizes and --fit plans the smallest that fits,
+    context=2, first, keeping the global batch of 8 rows in micro-batches."""
+    base = [*TINY, "model=llama-tiny", "model.num_layers=2", "model.max_positions=512",
+            "task.max_seq_length=512", "hardware.per_device_batch_size=1"]
+    context_2 = ["hardware.mesh.data=4", "hardware.mesh.fsdp=1", "hardware.mesh.expert=1",
+                 "hardware.mesh.context=2", "hardware.mesh.tensor=1",
+                 "hardware.per_device_batch_size=1", "trainer.grad_accum_steps=2"]
+    whole, split = aot.plan(compose(base)), aot.plan(compose([*base, *context_2]))
+    assert split.global_batch == whole.global_batch == 8
+    assert split.peak_bytes < whole.peak_bytes
+    assert whole.state_bytes + split.train.temp_bytes < split.peak_bytes  # the rows dominate
+    chip = [gib((split.peak_bytes + whole.peak_bytes) / 2)]
+
+    with pytest.raises(SystemExit) as exit_info:
+        plan_cli.main([*base, *chip])
+    assert exit_info.value.code == 2
+    [message] = capsys.readouterr().err.strip().splitlines()
+    assert ("split each row's positions over devices (hardware.mesh.context=2, 4, 8): "
+            "flaxlm-plan --fit tries them first") in message, message
+
+    path = tmp_path / "plan.json"
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert plan_cli.run([*base, *chip, "--fit", "--json", str(path)]) == 0
+    assert "flaxlm: planning with hardware.mesh.context=2 " in out.getvalue()
+    assert f"flaxlm: fits with {' '.join(context_2)}: " in out.getvalue(), out.getvalue()
+    assert "planning with model.remat" not in out.getvalue()  # no recipe compiled before it
+    chosen = json.loads(path.read_text())
+    assert chosen["recipe"] == context_2 and chosen["mesh"]["context"] == 2
+    assert chosen["peak_bytes"] == split.peak_bytes

@@ -19,6 +19,10 @@ What the compiler reports, and how far to trust it:
   grouped matmul a Mixture-of-Experts model's expert matmuls; the roofline's compute then
   takes the model's analytic FLOPs where they are more than the compiled count, and is low
   by the kernels' share beyond them;
+- collectives (`flaxlm.training.collectives`): the bytes of the results of the compiled
+  step's all-gathers, all-reduces, reduce-scatters, all-to-alls and collective-permutes, read
+  from its HLO, loops counted as many times as they run: what the chips send each other, to
+  compare layouts (model.context_attention, fsdp); no time is made of it;
 - the time is a roofline, not a measurement: the larger of FLOPs over the chip's peak and
   bytes over its HBM bandwidth; communication between chips and imperfect overlap are not in
   it, and cost analysis's bytes can exceed the chip's real traffic (a real chip can run the
@@ -49,7 +53,9 @@ from flaxlm.models import build, lora, moe
 from flaxlm.models.attention import kernel_compile_error
 from flaxlm.models.layers import count_params
 from flaxlm.parallel import (
+    BATCH_AXES,
     CONTEXT_AXIS,
+    DATA_AXIS,
     EXPERT_AXIS,
     FSDP_AXIS,
     MESH_AXES,
@@ -60,13 +66,14 @@ from flaxlm.parallel import (
     make_mesh,
     mesh_shape,
     replicated,
+    row_shards,
     run_accelerator,
     target_devices,
 )
 from flaxlm.tasks import base
 from flaxlm.tasks.clm import CausalLM
 from flaxlm.tasks.language_model import lm_start, lm_steps_compiler
-from flaxlm.training import executables
+from flaxlm.training import collectives, executables
 from flaxlm.training.ahead import abstract
 from flaxlm.training.memory import MEMORY_RECIPES, MemoryRecipe
 from flaxlm.training.optimizer import make_optimizer, make_schedule
@@ -92,6 +99,13 @@ class CompiledStep:
     code_bytes: int
     flops: float  # the program's, a loop's body once
     bytes_accessed: float
+    # Bytes of each kind of collective in one run of the program, loops counted in full
+    # (`flaxlm.training.collectives`): what the cost analysis leaves out.
+    collective_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def communication_bytes(self) -> int:
+        return sum(self.collective_bytes.values())
 
     @property
     def total_bytes(self) -> int:
@@ -300,7 +314,8 @@ def plan(cfg: DictConfig | TrainConfig, save_to: str | None = None) -> RunPlan:
     expert_overrides, expert_mesh = expert_axis_overrides(config, mesh.size)
     layout = _Layout(
         num_devices=mesh.size, remat=Remat(config.model.remat).value,
-        per_device_batch=rows // accum // mesh.size, grad_accum_steps=accum,
+        per_device_batch=rows // accum // row_shards(config.hardware.mesh, mesh.size),
+        grad_accum_steps=accum,
         param_bytes=per_device_bytes(state.params),
         opt_state_bytes=per_device_bytes((state.step, state.opt_state)),
         fsdp_state_bytes=_fsdp_state_bytes(mesh, run.model, run.tx, trainable),
@@ -420,6 +435,7 @@ def compile_step(step, *args, keep: Callable | None = None) -> CompiledStep:
         output_bytes=memory.output_size_in_bytes, alias_bytes=memory.alias_size_in_bytes,
         temp_bytes=memory.temp_size_in_bytes, code_bytes=memory.generated_code_size_in_bytes,
         flops=float(cost.get("flops", 0.0)), bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        collective_bytes=collectives.collective_bytes(compiled.as_text()),
     )
 
 
@@ -514,6 +530,55 @@ def expert_axis_overrides(config: TrainConfig, num_devices: int
     return overrides, wider
 
 
+def context_axis_candidates(config: TrainConfig, num_devices: int, seq_len: int
+                            ) -> list[tuple[str, ...]]:
+    """For a run without a context axis: the overrides that split each row's positions over
+    2, 4, 8, … devices (each size dividing the devices and the row's `seq_len`), smallest
+    first. The devices come out of the data axis first, then fsdp (which holds the parameters
+    and optimizer state: fewer fsdp devices, more of them per chip); the rows then split
+    fewer ways, so the global batch is kept by micro-batches of one row per device
+    (trainer.grad_accum_steps), the fewest activations. [] when the run has a context axis
+    already.
+
+    It costs no quality: each device keeps 1/context of every row's activations, and
+    attention moves the keys and values between the devices (model.context_attention)."""
+    sizes = dict(zip(MESH_AXES, mesh_shape(config.hardware.mesh, num_devices)))
+    if sizes[CONTEXT_AXIS] != 1:
+        return []
+    rows = global_batch_size(config, num_devices)
+    candidates, context = [], 2
+    while context <= num_devices:
+        left, split = context, dict(sizes)
+        for axis in (DATA_AXIS, FSDP_AXIS):
+            taken = math.gcd(split[axis], left)
+            split[axis], left = split[axis] // taken, left // taken
+        shards = math.prod(split[axis] for axis in BATCH_AXES)
+        if left == 1 and seq_len % context == 0 and rows % shards == 0:
+            split[CONTEXT_AXIS] = context
+            batch = () if config.trainer.global_batch_size is not None else (
+                "hardware.per_device_batch_size=1",)
+            candidates.append((*(f"hardware.mesh.{axis}={split[axis]}" for axis in MESH_AXES),
+                               *batch, f"trainer.grad_accum_steps={rows // shards}"))
+        context *= 2
+    return candidates
+
+
+def rows_do_not_fit(run: AbstractRun, ladder: Sequence[RecipeStep],
+                    temporaries: int | None) -> bool | None:
+    """Whether the rows' temporaries (None: the compiler refused the step, which needed more
+    than the chip) leave no room even beside the smallest state a memory recipe makes: then
+    only splitting each row over devices (a context axis) can fit the step. None when the
+    chip's memory is unknown or that smallest state alone exceeds it (nothing on the rows'
+    side helps)."""
+    hbm = hbm_bytes(run)
+    smallest = min([per_device_bytes(run.state.params)
+                    + per_device_bytes((run.state.step, run.state.opt_state))]
+                   + [step.state_bytes for step in ladder])
+    if hbm is None or smallest >= hbm:
+        return None
+    return temporaries is None or smallest + temporaries > hbm
+
+
 # ------------------------------------------------------------------------ memory recipes
 
 
@@ -540,7 +605,8 @@ def recipe_ladder(config: TrainConfig, num_devices: int,
         recipes.insert(0, MemoryRecipe(experts, "the experts split over more chips, the "
                                        "tokens sent to them by all-to-all: the same loss",
                                        lambda c: False))
-    rows = global_batch_size(config, num_devices) // num_devices
+    rows = global_batch_size(config, num_devices) // row_shards(config.hardware.mesh,
+                                                                num_devices)
     accum = config.trainer.grad_accum_steps
     while rows // accum > 1 and (rows // accum) % 2 == 0:
         accum *= 2
@@ -603,7 +669,7 @@ def report(run: RunPlan) -> str:
         f"{mesh}, remat {run.remat}" + "".join(f", {part}" for part in (run.attention,
                                                                        run.dispatch) if part),
         f"  batch: {run.global_batch} rows × {run.seq_len} tokens = {run.tokens_per_step:,} "
-        f"tokens per step ({run.per_device_batch} rows per device × {run.num_devices} devices "
+        f"tokens per step ({run.per_device_batch} rows per device × {_row_shards(run)} "
         f"× {run.grad_accum_steps} micro-batch(es))",
         "  per chip:",
         f"    parameters            {gib(run.param_bytes)}",
@@ -625,11 +691,29 @@ def report(run: RunPlan) -> str:
         f"{_si(run.flops_per_token, 'FLOP')} per token (6 per weight that multiplies + attention's "
         "12·layers·width·length), the model FLOPs of MFU",
         f"    HBM traffic           {_si(run.step_bytes_accessed, 'B')} (cost analysis)",
+        _collectives_line(run.train),
     ]
     lines += _roofline_lines(run)
     lines.append(f"  compile: train step {run.train.compile_s:.1f} s, eval step "
                  f"{run.eval.compile_s:.1f} s")
     return "\n".join(lines)
+
+
+def _row_shards(run: RunPlan) -> str:
+    """The devices that split the rows; those of a context or tensor axis share them."""
+    shared = run.mesh.get(CONTEXT_AXIS, 1) * run.mesh.get(TENSOR_AXIS, 1)
+    if shared == 1:
+        return f"{run.num_devices} devices"
+    return (f"{run.num_devices // shared} row shards ({run.num_devices} devices, {shared} to "
+            "a row: context × tensor)")
+
+
+def _collectives_line(step: CompiledStep) -> str:
+    kinds = ", ".join(f"{kind} {_si(size, 'B')}" for kind, size in step.collective_bytes.items()
+                      if size)
+    return (f"    collectives           {_si(step.communication_bytes, 'B')}"
+            + (f" ({kinds})" if kinds else "") + ": the results of the compiled train step's "
+            "collectives, loops counted in full (between chips; not in the roofline)")
 
 
 def _roofline_lines(run: RunPlan) -> list[str]:

@@ -159,6 +159,18 @@ class AttentionBackend(str, enum.Enum):
     reference = "reference"  # spelled out with einsums, the softmax in float32
 
 
+class ContextAttention(str, enum.Enum):
+    """How attention sees the whole row when a `context` mesh axis splits its positions
+    (hardware.mesh.context > 1; flaxlm.models.attention and flaxlm.models.ring_attention)."""
+
+    # Every device gathers the row's keys and values and attends to them at once: one
+    # collective, but the row's keys and values and S × L scores on every device.
+    all_gather = "all_gather"
+    # The keys and values travel round the axis a slice at a time (ppermute), the softmax
+    # accumulated online: one slice and S × S scores at a time, C - 1 transfers.
+    ring = "ring"
+
+
 @dataclasses.dataclass
 class RopeScaling:
     """How rotary positions are stretched beyond the trained context (HF's `rope_scaling`,
@@ -275,6 +287,8 @@ class ModelConfig:
     scan_layers: bool = False
     # Which attention backend; with attention dropout, training takes the reference path.
     attention: AttentionBackend = MISSING
+    # Under a context axis (hardware.mesh.context > 1): all_gather | ring; ignored without one.
+    context_attention: ContextAttention = MISSING
     tie_word_embeddings: bool = MISSING  # the LM head reuses the token embeddings (GPT-2 always)
     # llama and qwen2 only (GPT-2 and BERT ignore them):
     num_kv_heads: Optional[int] = None  # key/value heads (grouped-query); null → num_heads
@@ -783,6 +797,7 @@ ADDED = {
     "hardware.mesh.expert": 1,  # no expert axis
     "hardware.mesh.context": 1,  # no context axis
     "hardware.mesh.balance_context": False,  # contiguous slices (the same result)
+    "model.context_attention": "all_gather",  # the only variant there was
 }
 
 

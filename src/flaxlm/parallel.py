@@ -262,6 +262,25 @@ def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, ...]:
     return tuple(sizes[axis] for axis in MESH_AXES)
 
 
+def row_shards(mesh: MeshConfig, num_devices: int) -> int:
+    """How many ways the batch's rows are split: the data, fsdp and expert axes' product, the
+    devices / (context × tensor). The devices of a context or tensor axis hold the same rows
+    (each its slice of their positions, or of the model's width)."""
+    sizes = dict(zip(MESH_AXES, mesh_shape(mesh, num_devices)))
+    return math.prod(sizes[axis] for axis in BATCH_AXES)
+
+
+def context_size(hardware: HardwareConfig, num_devices: int | None = None) -> int:
+    """hardware.mesh.context resolved: -1 is the devices the other axes leave of
+    `num_devices` (default: the devices the run computes on, `target_devices`)."""
+    context = hardware.mesh.context
+    if context != -1:
+        return context
+    if num_devices is None:
+        num_devices = hardware.num_devices or len(target_devices(hardware))
+    return dict(zip(MESH_AXES, mesh_shape(hardware.mesh, num_devices)))[CONTEXT_AXIS]
+
+
 def check_context_axis(mesh: MeshConfig, num_devices: int, seq_len: int | None,
                        pads_rows: bool) -> None:
     """A `context` axis splits each row's positions into equal slices (in the balanced order,

@@ -94,6 +94,8 @@ RESUMABLE_CHANGES = (
     "hardware.peak_tflops_per_device", "hardware.hbm_gib_per_device",
     "hardware.hbm_gbps_per_device", "hardware.topology.", "hardware.distributed.",
     "hardware.mesh.", "model.remat", "model.attention",
+    # The same attention under a context axis, computed another way (ring or all-gather).
+    "model.context_attention",
     # The generator it comes to on the devices is checked against the checkpoint's instead
     # (auto is unsafe_rbg on a TPU, threefry elsewhere): flaxlm.training.checkpoint.resume.
     "hardware.dropout_rng",

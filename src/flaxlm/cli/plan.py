@@ -85,19 +85,74 @@ def run(argv: Sequence[str]) -> int:
     run = aot.abstract_run(cfg)
     ladder = aot.recipe_ladder(run.config, run.mesh.size,
                                lambda extra: compose(aot.override(args.overrides, extra)))
+    contexts = aot.context_axis_candidates(run.config, run.mesh.size, run.seq_len)
+    temporaries = planned.train.temp_bytes if planned else None
+    rows_too_long = aot.rows_do_not_fit(run, ladder, temporaries)
     if args.fit:
-        return _fit(args, ladder, problem)
-    advice = aot.ladder_advice(ladder, aot.hbm_bytes(run),
-                               planned.train.temp_bytes if planned else None)
+        return _fit(args, ladder, problem, contexts, rows_too_long)
+    advice = aot.ladder_advice(ladder, aot.hbm_bytes(run), temporaries)
+    if contexts and rows_too_long is not None:
+        sizes = ", ".join(_context_of(mesh).split("=")[1] for mesh in contexts)
+        advice += (f" Or split each row's positions over devices (hardware.mesh.context={sizes}"
+                   f"): flaxlm-plan --fit tries them {'first' if rows_too_long else 'after'}.")
     raise FlaxlmError(f"{problem} {advice}".strip())
 
 
-def _fit(args, ladder, problem: str) -> int:
+def _fit(args, ladder, problem: str, contexts=(), rows_too_long: bool | None = None) -> int:
     """Compile the ladder's rungs in order (a rung whose state alone exceeds the chip is not
-    compiled) and plan the first that fits."""
+    compiled) and the context axis's sizes (`contexts`, smallest first: each row's positions
+    over more devices, no cost in quality), and plan the first that fits. The sizes come
+    first where the rows are what does not fit (`rows_too_long`: no recipe for the state
+    can make room for their temporaries), after the ladder where the state might be; not at
+    all where the state alone exceeds the chip (None)."""
+    tried = []
+    if rows_too_long:
+        fitted = _fit_context(args, contexts, tried)
+        if fitted is not None:
+            return fitted
+    fitted = _fit_ladder(args, ladder, tried)
+    if fitted is None and rows_too_long is False:
+        fitted = _fit_context(args, contexts, tried)
+    if fitted is not None:
+        return fitted
+    raise FlaxlmError(f"{problem} No memory recipe fits either: "
+                      + "; ".join(tried or ["none applies"]) + ".")
+
+
+def _context_of(mesh: Sequence[str]) -> str:
+    return next(o for o in mesh if o.startswith("hardware.mesh.context="))
+
+
+def _fit_context(args, contexts, tried: list) -> int | None:
+    """Plan the run with each context size in turn; 0 at the first that fits, else None
+    (each tried, with what it needed, added to `tried`)."""
     from flaxlm import aot
 
-    tried = []
+    for mesh in contexts:
+        context = _context_of(mesh)
+        print(f"flaxlm: planning with {context} ({' '.join(mesh)})", flush=True)
+        try:
+            planned = aot.plan(compose(aot.override(args.overrides, mesh)))
+        except FlaxlmError as refused:  # the compiler's refusal, or a setting the axis refuses
+            tried.append(f"{context} ({str(refused).split('. ')[0]})")
+            continue
+        if planned.fits is False:
+            tried.append(f"{context} ({aot.gib(planned.peak_bytes)})")
+            continue
+        _print(planned, args.json, recipe=mesh)
+        print(f"flaxlm: fits with {' '.join(mesh)}: {aot.gib(planned.peak_bytes)} of "
+              f"{aot.gib(planned.hbm_bytes)} per chip (each row's positions split over "
+              f"{context.split('=')[1]} devices, the global batch kept in micro-batches: the "
+              "same loss; attention's keys and values "
+              "sent between them)")
+        return 0
+    return None
+
+
+def _fit_ladder(args, ladder, tried: list) -> int | None:
+    """Plan the ladder's rungs in turn; 0 at the first that fits, else None."""
+    from flaxlm import aot
+
     for step in ladder:
         recipe = " ".join(step.overrides)
         cfg = compose(aot.override(args.overrides, step.overrides))
@@ -121,8 +176,7 @@ def _fit(args, ladder, problem: str) -> int:
               f"{aot.gib(planned.hbm_bytes)} per chip ({step.cost})"
               + (f"; not needed with it: {' '.join(dropped)}" if dropped else ""))
         return 0
-    raise FlaxlmError(f"{problem} No memory recipe fits either: "
-                      + "; ".join(tried or ["none applies"]) + ".")
+    return None
 
 
 def _without_unneeded(args, step, planned):

@@ -30,7 +30,9 @@ slice of every row's queries, keys and values (contiguous, or in the balanced or
 `flaxlm.models.context_parallel`); `context_attention` gathers the row's keys and values onto
 each device of the axis (MaxText's all-gather variant) and masks by the queries' and keys'
 places in the row (the window's too), with the reference path, XLA's or the splash kernel
-(its mask's queries at their places, the kernel sharded over the axis by its `q_seq_shards`).
+(its mask's queries at their places, the kernel sharded over the axis by its `q_seq_shards`);
+or, with `model.context_attention=ring`, the keys and values travel round the axis a slice at
+a time (`flaxlm.models.ring_attention`, contiguous slices).
 
 Shapes are in the names: B batch, L query length, K key length, N query heads, G key/value
 heads, H head width.
@@ -48,10 +50,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from flaxlm.config import AttentionBackend
+from flaxlm.config import AttentionBackend, ContextAttention
 from flaxlm.errors import FlaxlmError, causes
 from flaxlm.models import context_parallel
 from flaxlm.models.dropout import dropout
+from flaxlm.models.ring_attention import ring_attention
 from flaxlm.parallel import (
     BATCH_AXES,
     CONTEXT_AXIS,
@@ -302,7 +305,8 @@ def attention(q_BxLxNxH: jax.Array, k_BxKxGxH: jax.Array, v_BxKxGxH: jax.Array, 
               is_causal: bool = False, segment_ids_BxL: jax.Array | None = None,
               backend: AttentionBackend | str = AttentionBackend.xla,
               window: int | None = None,
-              row_order: np.ndarray | None = None) -> jax.Array:
+              row_order: np.ndarray | None = None,
+              context: ContextAttention | str = ContextAttention.all_gather) -> jax.Array:
     """Multi-head attention, (B, L, N, H), by `backend` (`auto` here: by the devices the
     step is traced for). `mask` (broadcastable to B×N×L×K) says which keys each query sees;
     `is_causal` adds the causal mask; `segment_ids_BxL` (self-attention: the same ids for
@@ -313,7 +317,8 @@ def attention(q_BxLxNxH: jax.Array, k_BxKxGxH: jax.Array, v_BxKxGxH: jax.Array, 
     (`flaxlm.models.context_parallel.row_order`), and the causal mask compares places.
 
     Segment ids, not a ready mask, are what this takes: the fused kernels take them as such
-    and never build the L×K mask."""
+    and never build the L×K mask. `context` is the variant under a `context` mesh axis
+    (`model.context_attention`: gathered keys and values, or the ring's)."""
     backend = AttentionBackend(backend)
     if rngs is not None and dropout_rate > 0:
         if is_causal and row_order is not None:  # causal over the rows' places, not indices
@@ -327,6 +332,13 @@ def attention(q_BxLxNxH: jax.Array, k_BxKxGxH: jax.Array, v_BxKxGxH: jax.Array, 
     if backend is AttentionBackend.auto:
         backend = _traced_auto(q_BxLxNxH, mask, window)
     if sequence_axis(q_BxLxNxH.shape[1]) and mask is None:
+        if ContextAttention(context) is ContextAttention.ring:  # its own einsums, any backend
+            if window is not None or row_order is not None:
+                raise ValueError("ring attention takes contiguous slices and no window "
+                                 "(model_spec and attention_choice keep them off it)")
+            return ring_attention(q_BxLxNxH, k_BxKxGxH, v_BxKxGxH, is_causal, segment_ids_BxL,
+                                  _head_axis(jax.sharding.get_abstract_mesh(),
+                                             q_BxLxNxH.shape[2], k_BxKxGxH.shape[2]))
         if backend is AttentionBackend.cudnn:
             raise ValueError("cudnn attention under a context axis: reference, xla or splash "
                              "(choose_backend refuses cudnn there)")

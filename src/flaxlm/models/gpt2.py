@@ -50,6 +50,7 @@ class Attention(nnx.Module):
         self.attention_dropout = cfg.attention_dropout
         self.attention_backend = cfg.attention
         self.balance_context = spec.balance_context
+        self.context_attention = cfg.context_attention
         # GPT-2 scales the init of every projection into the residual stream by 1/sqrt(2 layers).
         residual_std = cfg.initializer_range / (2 * cfg.num_layers) ** 0.5
         # c_attn's columns are q | k | v, each head by head: "heads" splits them in whole
@@ -68,6 +69,7 @@ class Attention(nnx.Module):
                                 segment_ids_BxL=segment_ids_BxL,
                                 dropout_rate=self.attention_dropout, rngs=rngs,
                                 backend=self.attention_backend,
+                                context=self.context_attention,
                                 row_order=row_order(L, self.balance_context))
         out_BxLxD = self.c_proj(out_BxLxNxH.reshape(B, L, D), rngs)
         return self.resid_dropout(out_BxLxD, deterministic=rngs is None, rngs=rngs)

@@ -276,6 +276,7 @@ class LlamaAttention(nnx.Module):
         self.attention_backend = cfg.attention
         self.window = cfg.sliding_window if index >= cfg.full_attention_layers else None
         self.balance_context = spec.balance_context
+        self.context_attention = cfg.context_attention
         q_width, kv_width = self.num_heads * self.head_width, self.num_kv_heads * self.head_width
 
         def projection(name, width_in, width_out, logical_axes, use_bias):
@@ -305,6 +306,7 @@ class LlamaAttention(nnx.Module):
                                 segment_ids_BxL=segment_ids_BxL,
                                 dropout_rate=self.attention_dropout, rngs=rngs,
                                 backend=self.attention_backend, window=self.window,
+                                context=self.context_attention,
                                 row_order=row_order(L, self.balance_context))
         return self.o_proj(out_BxLxNxH.reshape(B, L, -1), rngs)
 

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from omegaconf import OmegaConf
 
 from flaxlm import hardware_peak, layout
-from flaxlm.config import HardwareConfig, ModelConfig, TrainConfig
+from flaxlm.config import ContextAttention, HardwareConfig, ModelConfig, TrainConfig
 from flaxlm.data.loader import RowLoader
 from flaxlm.errors import FlaxlmError
 from flaxlm.export import export_hf
@@ -28,7 +28,7 @@ from flaxlm.models import hf, moe, pretrained
 from flaxlm.models.attention import Choice, choose_backend
 from flaxlm.models.build import model_rngs
 from flaxlm.models.layers import TransformerSpec, count_params
-from flaxlm.parallel import init_on_mesh, run_accelerator
+from flaxlm.parallel import context_size, init_on_mesh, row_shards, run_accelerator
 from flaxlm.runs import RunDir, save_config
 from flaxlm.tracking import Tracker
 from flaxlm.training.ahead import CompiledAhead, abstract
@@ -317,9 +317,13 @@ def model_spec(config: TrainConfig, model: ModelConfig, pads_rows: bool) -> Tran
     model = dataclasses.replace(
         model, attention=attention_choice(config, model, pads_rows).backend,
         moe=moe.resolved(model.moe, run_accelerator(config.hardware).platform))
+    # The balanced order is the all-gather's: the ring skips the slices wholly in a device's
+    # future, which the balanced order has none of, so it keeps contiguous slices.
+    balanced = (config.hardware.mesh.balance_context
+                and ContextAttention(model.context_attention) is ContextAttention.all_gather)
     return TransformerSpec(model, compute_dtype=jnp.dtype(config.hardware.compute_dtype),
                            param_dtype=jnp.dtype(config.hardware.param_dtype),
-                           balance_context=config.hardware.mesh.balance_context)
+                           balance_context=balanced)
 
 
 def attention_choice(config: TrainConfig, model: ModelConfig, pads_rows: bool) -> Choice:
@@ -327,13 +331,20 @@ def attention_choice(config: TrainConfig, model: ModelConfig, pads_rows: bool) -
     (`flaxlm.parallel.run_accelerator`: their platform and chip generation;
     `flaxlm.models.attention.choose_backend`); a FlaxlmError when `model.attention` names one
     they cannot run. `pads_rows`: the task's (`Task.pads_rows`)."""
+    context = context_size(config.hardware)
+    if (context != 1 and model.sliding_window is not None
+            and ContextAttention(model.context_attention) is ContextAttention.ring):
+        raise FlaxlmError(
+            f"model.sliding_window={model.sliding_window} with model.context_attention=ring "
+            f"(hardware.mesh.context={context}): the ring does not mask a window. Set "
+            "model.context_attention=all_gather, which does.")
     return choose_backend(model.attention, run_accelerator(config.hardware),
                           config.hardware.compute_dtype,
                           config.task.max_seq_length or model.max_positions,
                           model.hidden_size // model.num_heads,
                           causal_lm=not pads_rows,
                           attention_dropout=model.attention_dropout,
-                          context=config.hardware.mesh.context,
+                          context=context,
                           window=model.sliding_window)
 
 
@@ -389,9 +400,10 @@ def throughput(job: JobContext, tokens_per_step: int, flops_per_token: float) ->
 
 
 def eval_batch_size(hardware: HardwareConfig, num_devices: int) -> int:
-    """Rows per evaluation batch over the whole mesh."""
+    """Rows per evaluation batch over the whole mesh: per device, times the row shards (the
+    devices of a context or tensor axis share their rows; `row_shards`)."""
     per_device = hardware.per_device_eval_batch_size or hardware.per_device_batch_size
-    return per_device * num_devices
+    return per_device * row_shards(hardware.mesh, num_devices)
 
 
 def run_loop(job: JobContext, training: Training, loader, evaluate: Evaluate,

@@ -8,6 +8,7 @@ import math
 
 from flaxlm.config import TrainConfig
 from flaxlm.errors import FlaxlmError
+from flaxlm.parallel import row_shards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,25 +32,33 @@ class Plan:
 def global_batch_size(config: TrainConfig, num_devices: int) -> int:
     """Rows per optimizer step, all trainer.grad_accum_steps micro-batches together:
     trainer.global_batch_size if set (it must split evenly into the micro-batches and each over
-    the devices), else hardware.per_device_batch_size × devices × grad_accum_steps."""
+    the mesh's row shards), else hardware.per_device_batch_size × row shards ×
+    grad_accum_steps. The row shards (`row_shards`) are the devices / (context × tensor): the
+    devices of a context or tensor axis share their rows, so a device holds
+    per_device_batch_size rows (of 1/context of their positions) either way."""
     wanted = config.trainer.global_batch_size
     accum = config.trainer.grad_accum_steps
+    shards = row_shards(config.hardware.mesh, num_devices)
     if wanted is None:
-        return config.hardware.per_device_batch_size * num_devices * accum
+        return config.hardware.per_device_batch_size * shards * accum
     if wanted < 1:
         raise FlaxlmError(
             f"trainer.global_batch_size={wanted} must be at least 1 (rows per optimizer step), "
-            "or null to use hardware.per_device_batch_size × devices × "
+            "or null to use hardware.per_device_batch_size × row shards × "
             "trainer.grad_accum_steps."
         )
-    split = num_devices * accum
+    split = shards * accum
     if wanted % split:
+        shared = num_devices // shards
+        among = (f"the {shards} row shard(s) of the mesh (its {num_devices} devices, "
+                 f"{shared} to a row: context × tensor)" if shared > 1
+                 else f"the {num_devices} devices of the mesh")
         raise FlaxlmError(
             f"trainer.global_batch_size={wanted} does not divide evenly into "
-            f"trainer.grad_accum_steps={accum} micro-batch(es) over the {num_devices} "
-            f"devices of the mesh (hardware={config.hardware.name}). Use a multiple of "
-            f"{split}, e.g. {max(1, round(wanted / split)) * split}, or set it to null to use "
-            "hardware.per_device_batch_size × devices × trainer.grad_accum_steps."
+            f"trainer.grad_accum_steps={accum} micro-batch(es) over {among} "
+            f"(hardware={config.hardware.name}). Use a multiple of {split}, e.g. "
+            f"{max(1, round(wanted / split)) * split}, or set it to null to use "
+            "hardware.per_device_batch_size × row shards × trainer.grad_accum_steps."
         )
     return wanted
 
