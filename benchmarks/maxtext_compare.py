@@ -3,6 +3,8 @@ FLOPs per train step of the same model shape, batch and sequence (not part of `m
 
     python benchmarks/maxtext_compare.py --shape llama-1b --topology v5e-8
     python benchmarks/maxtext_compare.py --shape llama2-7b --contenders flaxlm maxtext
+    python benchmarks/maxtext_compare.py --shape mixtral-8x7b --topology v5p-32 --seq 4096 \
+        --contenders maxtext flaxlm-scanned [--expert 8]
 
 Each contender compiles in its own process, with MaxText's venv (`--maxtext-python`, default
 /work/mt-venv: `pip install "maxtext[tpu]==0.2.5" "jax[tpu]==0.11.1"` on Python 3.12) so both
@@ -10,7 +12,10 @@ use one jax and one libtpu; flaxlm runs from this checkout's src/ there, with it
 dependencies in `--extra-path` (hydra-core 1.3.2, omegaconf 2.3.0, antlr4 4.9.3, scikit-learn,
 narwhals, threadpoolctl: `pip install --no-deps --target DIR ...`). The settings are MaxText's
 defaults, which flaxlm is given too: float32 weights and AdamW state, bfloat16 compute, full
-remat, AdamW, fsdp over all chips, `--batch` rows per chip of `--seq` tokens, no dropout.
+remat, AdamW, fsdp over all chips, `--batch` rows per chip of `--seq` tokens, no dropout. The
+MoE shapes (MaxText's presets) are dropless through megablox on both (MaxText's defaults
+`sparse_matmul=true megablox=true capacity_factor=-1`; flaxlm's `model.moe.dispatch=auto` on a
+TPU), their experts split over `--expert` chips on both (default 1: fsdp only).
 
 Contenders:
 - `flaxlm`: the train step `flaxlm-plan` compiles (`flaxlm.aot.abstract_run`), its blocks
