@@ -3,6 +3,8 @@ FLOPs per train step of the same model shape, batch and sequence (not part of `m
 
     python benchmarks/maxtext_compare.py --shape llama-1b --topology v5e-8
     python benchmarks/maxtext_compare.py --shape llama2-7b --contenders flaxlm maxtext
+    python benchmarks/maxtext_compare.py --shape mixtral-8x7b --topology v5p-32 --seq 4096 \
+        --contenders maxtext flaxlm-scanned [--expert 8]
 
 Each contender compiles in its own process, with MaxText's venv (`--maxtext-python`, default
 /work/mt-venv: `pip install "maxtext[tpu]==0.2.5" "jax[tpu]==0.11.1"` on Python 3.12) so both
@@ -10,7 +12,10 @@ use one jax and one libtpu; flaxlm runs from this checkout's src/ there, with it
 dependencies in `--extra-path` (hydra-core 1.3.2, omegaconf 2.3.0, antlr4 4.9.3, scikit-learn,
 narwhals, threadpoolctl: `pip install --no-deps --target DIR ...`). The settings are MaxText's
 defaults, which flaxlm is given too: float32 weights and AdamW state, bfloat16 compute, full
-remat, AdamW, fsdp over all chips, `--batch` rows per chip of `--seq` tokens, no dropout.
+remat, AdamW, fsdp over all chips, `--batch` rows per chip of `--seq` tokens, no dropout. The
+MoE shapes (MaxText's presets) are dropless through megablox on both (MaxText's defaults
+`sparse_matmul=true megablox=true capacity_factor=-1`; flaxlm's `model.moe.dispatch=auto` on a
+TPU), their experts split over `--expert` chips on both (default 1: fsdp only).
 
 Contenders:
 - `flaxlm`: the train step `flaxlm-plan` compiles (`flaxlm.aot.abstract_run`), its blocks
@@ -50,9 +55,13 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# MaxText's compile_topology names and flaxlm's presets of the same slices.
+# MaxText's compile_topology names and flaxlm's presets of the same slices (a preset and the
+# topology it is given, for the slices of several hosts no preset names).
 TOPOLOGIES = {"v5e-8": ("tpu-v5e-8", "v5litepod-8"), "v5p-8": ("tpu-v5p-8", "v5p-8"),
-              "v4-8": ("tpu-v4-8", "v4-8"), "v6e-8": ("tpu-v6e-8", "v6e-8")}
+              "v4-8": ("tpu-v4-8", "v4-8"), "v6e-8": ("tpu-v6e-8", "v6e-8"),
+              "v5p-32": ("tpu-v5p-128", "v5p-32", "hardware.topology.name=v5:2x2x4"),
+              "v5p-64": ("tpu-v5p-128", "v5p-64", "hardware.topology.name=v5:2x4x4"),
+              "v5p-128": ("tpu-v5p-128", "v5p-128")}
 # flaxlm's model preset and the MaxText settings of the same shape.
 SHAPES = {
     "llama-tiny": ("llama-tiny", [  # a smoke test of this script: seconds, not minutes
@@ -67,6 +76,12 @@ SHAPES = {
         "decoder_block=llama2", "normalization_layer_epsilon=1.0e-5",
         "rope_max_timescale=500000"]),
     "llama2-7b": ("llama2-7b", ["model_name=llama2-7b"]),
+    # Mixtures of experts: MaxText's presets of the same shapes (checked against flaxlm's in
+    # docs/planning.md); both dropless, MaxText's experts through megablox
+    # (sparse_matmul=true megablox=true, its defaults), flaxlm's too (model.moe.dispatch=auto
+    # on a TPU).
+    "mixtral-8x7b": ("mixtral-8x7b", ["model_name=mixtral-8x7b"]),
+    "qwen3-30b-a3b": ("qwen3-30b-a3b", ["model_name=qwen3-30b-a3b"]),
 }
 NO_WINDOWED_EINSUM = ("--xla_tpu_enable_windowed_einsum_for_all_gather=false "
                       "--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false")
@@ -82,8 +97,10 @@ GIB = 2**30
 
 def env_for(name: str, topology: str, dump_dir: str, extra_path: str) -> dict:
     """The same compiler settings for both; flaxlm's checkout and its extra dependencies on
-    flaxlm's path only (they would shadow MaxText's omegaconf)."""
+    flaxlm's path only (they would shadow MaxText's omegaconf). Several compiles may run at
+    once: libtpu's lock file would refuse all but the first (flaxlm sets this itself)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_WORKER_HOSTNAMES": "localhost",
+           "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
            "TPU_ACCELERATOR_TYPE": TOPOLOGIES[topology][1],
            "LIBTPU_INIT_ARGS": NO_WINDOWED_EINSUM,
            "XLA_FLAGS": f"--xla_dump_to={dump_dir}"}
@@ -94,14 +111,16 @@ def env_for(name: str, topology: str, dump_dir: str, extra_path: str) -> dict:
 
 
 def contender_command(name: str, python: str, shape: str, topology: str, batch: int,
-                      seq: int, out: str) -> list[str]:
+                      seq: int, out: str, expert: int = 1) -> list[str]:
     if name in FLAXLM:
         return [python, os.path.abspath(__file__), "--worker", "flaxlm", "--shape", shape,
                 "--topology", topology, "--batch", str(batch), "--seq", str(seq),
-                "--worker-out", out, "--flaxlm-contender", name]
+                "--expert", str(expert), "--worker-out", out, "--flaxlm-contender", name]
     args = [f"compile_topology={topology}", "compile_topology_num_slices=1",
             f"per_device_batch_size={batch}", f"max_target_length={seq}", 'jax_cache_dir=""',
             "log_config=false", "enable_dropout=false", *SHAPES[shape][1]]
+    if expert > 1:  # the experts over `expert` chips, fsdp (-1, its default) over the rest
+        args.append(f"ici_expert_parallelism={expert}")
     if name == "maxtext-counted":
         args += COUNTED
     return [python, os.path.abspath(__file__), "--worker", "maxtext", "--worker-out", out,
@@ -109,11 +128,13 @@ def contender_command(name: str, python: str, shape: str, topology: str, batch: 
 
 
 def flaxlm_overrides(shape: str, topology: str, batch: int, seq: int,
-                     contender: str = "flaxlm") -> list[str]:
+                     contender: str = "flaxlm", expert: int = 1) -> list[str]:
     loss_chunk_size, attention, scan_layers = FLAXLM[contender]
     chunks = [f"trainer.loss_chunk_size={loss_chunk_size}"] if loss_chunk_size else []
+    experts = [f"hardware.mesh.expert={expert}"] if expert > 1 else []
     return [f"model={SHAPES[shape][0]}", f"hardware={TOPOLOGIES[topology][0]}",
-            f"task.max_seq_length={seq}", f"hardware.per_device_batch_size={batch}",
+            *TOPOLOGIES[topology][2:], *experts, f"task.max_seq_length={seq}",
+            f"hardware.per_device_batch_size={batch}",
             "hardware.mesh.data=1", "hardware.mesh.fsdp=-1", "model.remat=full",
             "optimizer=adamw", "model.attention_dropout=0.0", *chunks,
             f"model.attention={attention}", f"model.scan_layers={str(scan_layers).lower()}"]
@@ -166,7 +187,7 @@ def flaxlm_worker(args) -> dict:
     from flaxlm.cli.plan import compose
 
     cfg = compose(flaxlm_overrides(args.shape, args.topology, args.batch, args.seq,
-                                   args.flaxlm_contender))
+                                   args.flaxlm_contender, args.expert))
     run = aot.abstract_run(cfg)
     started = time.perf_counter()
     compiled = run.steps.train.lower(*run.train_args).compile()
@@ -207,20 +228,28 @@ def peak_buffers(dump_dir: str, limit: int = 15) -> list[str]:
     return [" ".join(f.strip() for f in row.split(";")[1::3])[:240] for row in rows[:limit]]
 
 
+def dump_name(contender: str, shape: str, topology: str, expert: int) -> str:
+    """The folder of one contender's XLA dump under --dump-dir."""
+    return f"{contender}-{shape}-{topology}" + (f"-expert{expert}" if expert > 1 else "")
+
+
 def run_contender(name: str, args) -> dict:
     python = args.flaxlm_python if name in FLAXLM else args.maxtext_python
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "figures.json")
-        dump = os.path.join(args.dump_dir, f"{name}-{args.shape}-{args.topology}")
+        dump = os.path.join(args.dump_dir, dump_name(name, args.shape, args.topology,
+                                                     args.expert))
         command = contender_command(name, python, args.shape, args.topology, args.batch,
-                                    args.seq, out)
+                                    args.seq, out, args.expert)
         started = time.perf_counter()
         proc = subprocess.run(command, env=env_for(name, args.topology, dump, args.extra_path),
                               cwd=REPO, capture_output=True, text=True, timeout=args.timeout_s)
         result = {"contender": name, "shape": args.shape, "topology": args.topology,
-                  "batch": args.batch, "seq": args.seq, "wall_s": time.perf_counter() - started,
+                  "batch": args.batch, "seq": args.seq, "expert": args.expert,
+                  "wall_s": time.perf_counter() - started,
                   "command": command[command.index("--") + 1:] if "--" in command
-                  else flaxlm_overrides(args.shape, args.topology, args.batch, args.seq, name)}
+                  else flaxlm_overrides(args.shape, args.topology, args.batch, args.seq, name,
+                                        args.expert)}
         if proc.returncode != 0 or not os.path.exists(out):
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
             result["error"] = "\n".join(tail)
@@ -235,8 +264,13 @@ def run_contender(name: str, args) -> dict:
 def roofline(result: dict, topology: str) -> dict:
     from omegaconf import OmegaConf
 
-    preset = OmegaConf.load(os.path.join(REPO, "conf", "hardware",
-                                         f"{TOPOLOGIES[topology][0]}.yaml"))
+    def load(name: str):  # a preset and the one it extends (tpu-v5p-128's tpu-v5p-8)
+        preset = OmegaConf.load(os.path.join(REPO, "conf", "hardware", f"{name}.yaml"))
+        if "peak_tflops_per_device" in preset:
+            return preset
+        return OmegaConf.merge(load(preset.defaults[0]), preset)
+
+    preset = load(TOPOLOGIES[topology][0])
     compute = result["flops"] / (preset.peak_tflops_per_device * 1e12)
     memory = result["bytes_accessed"] / (preset.hbm_gbps_per_device * 1e9)
     return {"compute_s": compute, "memory_s": memory, "roofline_s": max(compute, memory),
@@ -254,16 +288,20 @@ def table(results: list[dict]) -> str:
 
     def place(r: dict) -> tuple:
         known = r["contender"] in order
-        return (list(SHAPES).index(r["shape"]), r["topology"], not known,
+        return (list(SHAPES).index(r["shape"]), r["topology"], r.get("expert", 1), not known,
                 order.index(r["contender"]) if known else 0)
+
+    def row(r: dict) -> str:  # the shape and slice, with what differs from the defaults
+        seq = f", {r['seq']} tokens" if r["seq"] != 2048 else ""
+        expert = f", expert={r['expert']}" if r.get("expert", 1) > 1 else ""
+        return f"| {r['shape']}{seq} | {r['topology']}{expert} | {r['contender']} | "
 
     for r in sorted(results, key=place):
         if "error" in r:
-            lines.append(f"| {r['shape']} | {r['topology']} | {r['contender']} | error | | | | "
-                         "| | |")
+            lines.append(f"{row(r)}error | | | | | | |")
             continue
         lines.append(
-            f"| {r['shape']} | {r['topology']} | {r['contender']} | "
+            f"{row(r)}"
             f"{r['total_bytes'] / GIB:.2f} | {r['temp_bytes'] / GIB:.2f} | "
             f"{r['flops'] / 1e12:.2f} | {r['while_loops']} | "
             f"{r.get('all_gathers', '?')} / {r.get('reduce_scatters', '?')} / "
@@ -278,6 +316,10 @@ def main(argv: list[str] | None = None) -> None:
     parse.add_argument("--topology", choices=TOPOLOGIES, default="v5e-8")
     parse.add_argument("--batch", type=int, default=1, help="rows per chip (default 1)")
     parse.add_argument("--seq", type=int, default=2048, help="tokens per row (default 2048)")
+    parse.add_argument("--expert", type=int, default=1,
+                       help="chips the experts are split over (an MoE shape): flaxlm's "
+                            "hardware.mesh.expert, MaxText's ici_expert_parallelism; fsdp over "
+                            "the rest (default 1: fsdp only)")
     parse.add_argument("--contenders", nargs="+", default=["flaxlm", "flaxlm-chunked-loss",
                                                            "maxtext", "maxtext-counted"],
                        choices=[*FLAXLM, "maxtext", "maxtext-counted"])
@@ -313,8 +355,8 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.out, encoding="utf-8") as f:
             results = json.load(f)
     for result in results:  # figures read from the dumps, should the parsing improve
-        result.update(dumped_collectives(os.path.join(
-            args.dump_dir, f"{result['contender']}-{result['shape']}-{result['topology']}")))
+        result.update(dumped_collectives(os.path.join(args.dump_dir, dump_name(
+            result["contender"], result["shape"], result["topology"], result.get("expert", 1)))))
     if not args.table:
         args.flaxlm_python = args.flaxlm_python or args.maxtext_python
         for name in args.contenders:
@@ -327,8 +369,8 @@ def main(argv: list[str] | None = None) -> None:
             for line in result.get("peak_buffers", []):
                 print("   ", line, flush=True)
             results = [r for r in results if (r["contender"], r["shape"], r["topology"],
-                                              r["batch"], r["seq"]) != (
-                name, args.shape, args.topology, args.batch, args.seq)] + [result]
+                                              r["batch"], r["seq"], r.get("expert", 1)) != (
+                name, args.shape, args.topology, args.batch, args.seq, args.expert)] + [result]
             with open(args.out, "w", encoding="utf-8") as f:
                 json.dump(results, f, indent=1)
     print(table(results))
