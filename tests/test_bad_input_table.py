@@ -186,7 +186,8 @@ ROWS = {
         ["hardware.mesh.data=1", "hardware.mesh.context=8", "model.context_attention=zigzag"],
         ["model.context_attention", "ring"]),
     "context-ring-with-a-window": Row(
-        ["model=llama-tiny", "model.sliding_window=16", "hardware.mesh.data=1",
+        ["model=llama-tiny", "model.family=mistral", "model.sliding_window=16",
+         "hardware.mesh.data=1",
          "hardware.mesh.context=8", "model.context_attention=ring"],
         ["model.sliding_window=16", "model.context_attention=all_gather"]),
     "context-on-a-classifier": Row(

@@ -143,10 +143,11 @@ def choose_backend(requested: AttentionBackend | str, accelerator: Accelerator, 
     if backend is AttentionBackend.auto:
         backend = _auto(accelerator, compute_dtype, slice_len, head_width, causal_lm, window,
                         context)
-        reason = f"auto on {accelerator.name}"
+        reason = f"auto on {accelerator.name}" + (" under a context axis" if context != 1
+                                                   else "")
         passed_over = _too_old(_KERNELS.get(accelerator.platform), accelerator, compute_dtype)
         if context != 1 and backend is AttentionBackend.cudnn:
-            backend, reason = AttentionBackend.xla, f"{reason} under a context axis"
+            backend = AttentionBackend.xla
         elif backend is AttentionBackend.xla and passed_over:
             reason += f"; {passed_over}"
     else:
