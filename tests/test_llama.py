@@ -277,6 +277,27 @@ def test_a_checkpoints_rope_settings_are_read_in_both_config_forms(tmp_path):
             1234.0, RopeScaling("linear", 2.0))
 
 
+def test_a_context_extension_keeps_the_runs_positions_in_place_of_the_checkpoints(tmp_path):
+    """model.extend_context: the checkpoint (64 positions, plain RoPE at theta 10000) gives
+    the shape, the run its longer context and YaRN; without it the checkpoint's positions
+    win; an extension that would shorten the context is refused, naming both lengths."""
+    directory = with_rope(tmp_path, rope_parameters={"rope_type": "default",
+                                                     "rope_theta": 10000.0})
+    yarn = RopeScaling("yarn", 4.0, original_max_positions=64)
+    run = dataclasses.replace(LLAMA_BASE, max_positions=256, rope_theta=20000.0,
+                              rope_scaling=yarn)
+    extended = pretrained.pretrained_model_config(
+        directory, dataclasses.replace(run, extend_context=True))
+    assert (extended.max_positions, extended.rope_theta, extended.rope_scaling) == (
+        256, 20000.0, yarn)
+    assert (extended.hidden_size, extended.num_kv_heads) == (64, 2)  # the checkpoint's shape
+    as_trained = pretrained.pretrained_model_config(directory, run)
+    assert (as_trained.max_positions, as_trained.rope_scaling.type) == (64, "default")
+    with pytest.raises(FlaxlmError, match="max_positions=32, but the checkpoint .* 64 pos"):
+        pretrained.pretrained_model_config(directory, dataclasses.replace(
+            run, max_positions=32, extend_context=True))
+
+
 def test_an_unsupported_rope_type_in_a_checkpoint_is_a_clear_error(tmp_path):
     directory = with_rope(tmp_path, rope_parameters={"rope_type": "dynamic",
                                                      "rope_theta": 10000.0, "factor": 2.0})

@@ -316,3 +316,35 @@ def _a_pid_that_is_gone() -> int:
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
     return int(done.stdout)
+
+
+def test_a_run_with_losses_by_position_gets_their_plot_and_a_run_without_keeps_its_own(
+        tmp_path, capsys):
+    """positions.png plots a run's held-out loss by position bucket, read from its last
+    evaluation that logged them; a run that logged none is reported beside it unharmed."""
+    from flaxlm.report import POSITIONS_FILE, last_position_losses, read_run
+
+    _write_run(tmp_path / "long", 1e-4, [4.0, 3.5, 3.2])
+    _write_run(tmp_path / "short", 1e-3, [4.0, 3.0, 2.5])
+    metrics = tmp_path / "long" / METRICS_FILE
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for record in records:
+        if "eval/loss" in record:  # later positions predicted better, more so as it trains
+            for start, stop, drop in ((0, 256, 0.0), (256, 512, 0.1), (512, 1024, 0.2)):
+                key = f"eval/position/{start}-{stop}/loss"
+                record[key] = record["eval/loss"] - drop * record["step"] / 10
+                record[key.replace("/loss", "/perplexity")] = 2.0 ** record[key]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    out = tmp_path / "report"
+    main([str(tmp_path / "long"), str(tmp_path / "short"), "--out", str(out)])
+    assert last_position_losses(read_run(str(tmp_path / "long"), "long")) == [
+        (0, 256, 3.2), (256, 512, pytest.approx(3.0)), (512, 1024, pytest.approx(2.8))]
+    assert last_position_losses(read_run(str(tmp_path / "short"), "short")) == []
+    assert (out / POSITIONS_FILE).stat().st_size > 0
+    markdown = (out / "report.md").read_text()
+    assert f"]({POSITIONS_FILE})" in markdown
+    assert "- long: 0-256: 3.2, 256-512: 3, 512-1024: 2.8\n" in markdown
+    assert "- short:" not in markdown
+    # The positions' metrics are the loss again, by position: no table column of their own.
+    assert "position" not in capsys.readouterr().out

@@ -280,6 +280,11 @@ class ModelConfig:
     # (a checkpoint shipped inside an installed Python package). Its config.json then fixes
     # family and shape (the fields above are overwritten from it), and its tokenizer is used.
     init_from: Optional[str] = None
+    # With init_from, a context extension: the run's max_positions, rope_theta and
+    # rope_scaling stay (the checkpoint's config.json gives the rest), so that continued
+    # pre-training runs at a longer context than the checkpoint's (YaRN, a larger theta);
+    # the run's max_positions may not be below the checkpoint's.
+    extend_context: bool = False
     remat: Remat = MISSING  # trade compute for activation memory (gradients are the same)
     # Stack the blocks' parameters on a leading layer axis and run them with one compiled
     # block (lax.scan): compile time independent of depth. HF's per-layer names at every

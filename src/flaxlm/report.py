@@ -4,7 +4,8 @@ or W&B, so a report can be made on any machine that holds a copy of the director
 
 A report is a table (one row per run: the settings that differ between the runs, the final and
 best evaluation metrics, steps, tokens, wall time, status) sorted by an objective, and PNG plots:
-the loss curves of every run, and the objective against each numeric setting that differs.
+the loss curves of every run, the objective against each numeric setting that differs, and,
+for runs that logged it (eval.position_buckets), the held-out loss by position in the document.
 
 A run's status is what its directory recorded (running, finished, preempted, failed; killed
 when it recorded running and its process is gone from this machine), else its sweep's job
@@ -53,6 +54,9 @@ PER_RUN_KEYS = ("run_dir", "resume_from")
 STATUS_WORDS = {JOB_OK: "finished", JOB_FAILED: "failed", JOB_PREEMPTED: "preempted"}
 DAMAGED = "damaged"
 CURVES_FILE = "curves.png"
+# The held-out loss by position in the document (eval.position_buckets), where a run logged it.
+POSITIONS_FILE = "positions.png"
+POSITION_LOSS = re.compile(r"^eval/position/(\d+)-(\d+)/loss$")
 REPORT_FILE = "report.md"
 PLOT_DPI = 80  # readable on a screen, small enough to keep beside the runs
 
@@ -272,7 +276,9 @@ def metric_keys(runs: Sequence[Run], objective: str) -> list[str]:
     """The objective first, then the other eval metrics any run logged."""
     logged = {key for run in runs for record in run.records for key, value in record.items()
               if key.startswith("eval/") and _is_number(value)}
-    others = sorted(logged - {objective} - set(DERIVED_FROM_LOSS),
+    # The loss by position has its own plot and section (positions.png), not 2 columns a bucket.
+    by_position = {key for key in logged if key.startswith("eval/position/")}
+    others = sorted(logged - {objective} - set(DERIVED_FROM_LOSS) - by_position,
                     key=lambda key: (key != "eval/loss", key))
     return [objective, *others]
 
@@ -376,8 +382,9 @@ def numeric_settings(runs: Sequence[Run]) -> list[str]:
 
 def write_plots(runs: Sequence[Run], out_dir: str, objective: str,
                 maximize: bool) -> list[str]:
-    """The loss curves of every run, and the objective against each numeric setting that
-    differs; returns the PNG file names (in `out_dir`)."""
+    """The loss curves of every run, the objective against each numeric setting that differs,
+    and the loss by position where a run logged it; returns the PNG file names (in
+    `out_dir`)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display is needed or wanted
@@ -419,18 +426,82 @@ def write_plots(runs: Sequence[Run], out_dir: str, objective: str,
         figure.savefig(os.path.join(out_dir, name), dpi=PLOT_DPI)
         plt.close(figure)
         files.append(name)
+    if any(position_buckets(run) for run in runs):
+        _plot_positions(runs, os.path.join(out_dir, POSITIONS_FILE), settings, plt)
+        files.append(POSITIONS_FILE)
     return files
 
 
+def position_buckets(run: Run) -> list[tuple[int, int, str]]:
+    """(from, to, metric) of each position bucket whose loss `run` logged, by position."""
+    found = {key: match for record in run.records for key in record
+             if (match := POSITION_LOSS.match(key))}
+    return sorted((int(match[1]), int(match[2]), key) for key, match in found.items())
+
+
+def last_position_losses(run: Run) -> list[tuple[int, int, float]]:
+    """(from, to, loss) of each bucket at the run's last evaluation that logged them."""
+    buckets = position_buckets(run)
+    for record in reversed(run.records):
+        losses = [(start, stop, float(record[key])) for start, stop, key in buckets
+                  if _is_number(record.get(key))]
+        if losses:
+            return losses
+    return []
+
+
+def position_markdown(runs: Sequence[Run]) -> list[str]:
+    """A section of report.md: each run's last held-out loss by position bucket (none when no
+    run logged one)."""
+    rows = [(run.name, last_position_losses(run)) for run in runs]
+    rows = [(name, losses) for name, losses in rows if losses]
+    if not rows:
+        return []
+    lines = ["## Loss by position in the document", "",
+             "The last evaluation's loss over the predictions made at each range of positions "
+             "(eval.position_buckets):", ""]
+    for name, losses in rows:
+        cells = ", ".join(f"{start}-{stop}: {_number(loss)}" for start, stop, loss in losses)
+        lines.append(f"- {name}: {cells}")
+    return [*lines, ""]
+
+
+def _plot_positions(runs: Sequence[Run], path: str, settings: Sequence[str], plt) -> None:
+    """Left, each run's last held-out loss by position in the document, one step a bucket
+    over the positions it covers: a model that uses its longer context predicts the later
+    positions better, so its steps go down. Right, each bucket's loss against step: a context
+    extension shows as the later buckets falling faster than the first."""
+    figure, (by_position, by_step) = plt.subplots(1, 2, figsize=(11, 4))
+    for run in runs:
+        losses = last_position_losses(run)
+        if not losses:
+            continue
+        label = _legend(run, settings)
+        edges = [losses[0][0], *(stop for _, stop, _ in losses)]
+        by_position.stairs([loss for *_, loss in losses], edges, baseline=None, label=label)
+        for start, stop, key in position_buckets(run):
+            by_step.plot(*zip(*run.series(key)), marker=".", label=f"{label}: {start}-{stop}")
+    by_position.set(title="last eval/loss by position in the document",
+                    xlabel="position (tokens)", ylabel="loss")
+    by_step.set(title="eval/loss by position against step", xlabel="step", ylabel="loss")
+    for ax in (by_position, by_step):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=PLOT_DPI)
+    plt.close(figure)
+
+
 def write_markdown(table: Table, plots: Iterable[str], out_dir: str, objective: str,
-                   maximize: bool, notes: Sequence[str] = ()) -> str:
-    """`report.md` in `out_dir`: the table, the `notes` on runs that did not finish, and the
-    plots; returns its path."""
+                   maximize: bool, notes: Sequence[str] = (), runs: Sequence[Run] = ()) -> str:
+    """`report.md` in `out_dir`: the table, the `notes` on runs that did not finish, the last
+    loss by position of the `runs` that logged one, and the plots; returns its path."""
     direction = "highest" if maximize else "lowest"
     lines = [f"# flaxlm report\n\nRuns sorted by `{objective}` ({direction} first).\n",
              table.markdown(), ""]
     if notes:
         lines += ["## Runs that did not finish", "", *(f"- {note}" for note in notes), ""]
+    lines += position_markdown(runs)
     lines += ["## Plots", ""]
     lines += [f"![{name}]({name})" for name in plots]
     path = os.path.join(out_dir, REPORT_FILE)

@@ -73,7 +73,7 @@ def run(argv: Sequence[str]) -> str:
     for note in notes:
         print(f"  {note}")
     plots = write_plots(runs, out, objective, maximize)
-    path = write_markdown(table, plots, out, objective, maximize, notes)
+    path = write_markdown(table, plots, out, objective, maximize, notes, runs)
     print(f"flaxlm: wrote {path} and {len(plots)} plot(s) in {out}")
     return path
 

@@ -161,7 +161,27 @@ def pretrained_model_config(local_dir: str, base: ModelConfig) -> ModelConfig:
             f"model.init_from: the checkpoint in {local_dir} uses activation "
             f"{shape['activation']!r}; supported: {', '.join(sorted(ACTIVATIONS))}."
         )
+    if base.extend_context:
+        shape.update(_extended_context(base, shape.get("max_positions", base.max_positions),
+                                         local_dir))
     return _replaced(base, name=base.init_from or base.name, family=family, **shape)
+
+
+# What model.extend_context keeps of the run's settings in place of the checkpoint's.
+POSITION_SETTINGS = ("max_positions", "rope_theta", "rope_scaling")
+
+
+def _extended_context(base: ModelConfig, checkpoint_positions: int, local_dir: str) -> dict:
+    """The run's position settings, which a context extension trains the checkpoint at."""
+    if base.max_positions < checkpoint_positions:
+        raise FlaxlmError(
+            f"model.extend_context=true keeps the run's model.max_positions="
+            f"{base.max_positions}, but the checkpoint in {local_dir} was trained at "
+            f"{checkpoint_positions} positions: an extension cannot shorten the context. Set "
+            f"model.max_positions to at least {checkpoint_positions}, or drop "
+            "model.extend_context to take the checkpoint's positions as they are."
+        )
+    return {name: getattr(base, name) for name in POSITION_SETTINGS}
 
 
 def _replaced(config, **fields):

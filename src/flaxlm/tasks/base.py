@@ -126,6 +126,14 @@ def model_start(config: TrainConfig) -> Start:
     print(f"flaxlm: model.init_from={config.model.init_from}: family and shape from its "
           "config.json" + (f", in place of model={config.model.name}'s: " + ", ".join(replaced)
                            if replaced else f" (the same as model={config.model.name}'s)"))
+    if config.model.extend_context:
+        # What the extension changes, as the checkpoint's settings before → the run's after.
+        as_trained = pretrained.pretrained_model_config(
+            checkpoint_dir, dataclasses.replace(config.model, extend_context=False))
+        extended = pretrained.replaced_settings(
+            dataclasses.replace(as_trained, extend_context=True), model)
+        print("flaxlm: model.extend_context: the run's positions in place of the checkpoint's: "
+              + (", ".join(extended) if extended else "the same"))
     return Start(checkpoint_dir, model)
 
 
