@@ -49,7 +49,7 @@ class Attention(nnx.Module):
         self.num_heads = cfg.num_heads
         self.attention_dropout = cfg.attention_dropout
         self.attention_backend = cfg.attention
-        self.balance_context = spec.balance_context
+        self.balance_context = spec.balanced_rows
         self.context_attention = cfg.context_attention
         # GPT-2 scales the init of every projection into the residual stream by 1/sqrt(2 layers).
         residual_std = cfg.initializer_range / (2 * cfg.num_layers) ** 0.5
@@ -148,7 +148,7 @@ class GPT2LMHeadModel(nnx.Module):
         self.remat = Remat(cfg.remat)
         self.scan_layers, self.num_layers, self.num_heads = (cfg.scan_layers, cfg.num_layers,
                                                              cfg.num_heads)
-        self.balance_context = spec.balance_context
+        self.balance_context = spec.balanced_rows
 
     @staticmethod
     def lookup_params(cfg: ModelConfig) -> int:

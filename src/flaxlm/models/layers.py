@@ -27,6 +27,7 @@ from flaxlm.config import (
     MOE_FAMILIES,
     WINDOW_FAMILIES,
     AttentionBackend,
+    ContextAttention,
     ModelConfig,
     ModelFamily,
     Remat,
@@ -58,6 +59,14 @@ class TransformerSpec:
     @property
     def mlp_width(self) -> int:
         return self.model.mlp_size or 4 * self.model.hidden_size
+
+    @property
+    def balanced_rows(self) -> bool:
+        """Whether rows split over a context axis go in the balanced order: asked for, and the
+        all-gather's. The ring skips the slices wholly in a device's future, which the
+        balanced order has none of, so it keeps contiguous slices."""
+        return (self.balance_context and ContextAttention(self.model.context_attention)
+                is ContextAttention.all_gather)
 
 
 def check_shape(spec: TransformerSpec) -> None:

@@ -275,7 +275,7 @@ class LlamaAttention(nnx.Module):
         self.attention_dropout = cfg.attention_dropout
         self.attention_backend = cfg.attention
         self.window = cfg.sliding_window if index >= cfg.full_attention_layers else None
-        self.balance_context = spec.balance_context
+        self.balance_context = spec.balanced_rows
         self.context_attention = cfg.context_attention
         q_width, kv_width = self.num_heads * self.head_width, self.num_kv_heads * self.head_width
 
@@ -411,7 +411,7 @@ class LlamaModel(nnx.Module):
         self.remat = Remat(cfg.remat)
         self.scan_layers, self.num_layers = cfg.scan_layers, cfg.num_layers
         self.moe = cfg.moe
-        self.balance_context = spec.balance_context
+        self.balance_context = spec.balanced_rows
 
     def __call__(self, input_ids_BxL: jax.Array, rngs: nnx.Rngs | None, *,
                  segment_ids_BxL: jax.Array | None = None,

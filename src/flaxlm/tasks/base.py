@@ -325,13 +325,9 @@ def model_spec(config: TrainConfig, model: ModelConfig, pads_rows: bool) -> Tran
     model = dataclasses.replace(
         model, attention=attention_choice(config, model, pads_rows).backend,
         moe=moe.resolved(model.moe, run_accelerator(config.hardware).platform))
-    # The balanced order is the all-gather's: the ring skips the slices wholly in a device's
-    # future, which the balanced order has none of, so it keeps contiguous slices.
-    balanced = (config.hardware.mesh.balance_context
-                and ContextAttention(model.context_attention) is ContextAttention.all_gather)
     return TransformerSpec(model, compute_dtype=jnp.dtype(config.hardware.compute_dtype),
                            param_dtype=jnp.dtype(config.hardware.param_dtype),
-                           balance_context=balanced)
+                           balance_context=config.hardware.mesh.balance_context)
 
 
 def attention_choice(config: TrainConfig, model: ModelConfig, pads_rows: bool) -> Choice:
