@@ -57,7 +57,7 @@ def test_the_models_page_tables_every_model_setting_as_each_family_names_it():
     header, rows = _table(REPO / "docs" / "models.md", "| setting |")
     cells = {name: row for row in rows for name in re.findall(r"`(\w+)`", row[0])}
     own = {"name", "family", "init_from", "extend_context", "remat", "attention",
-           "scan_layers"}  # no HF name
+           "context_attention", "scan_layers"}  # no HF name
     assert set(cells) | own == {field.name for field in dataclasses.fields(ModelConfig)}
     for names in hf.FAMILY_NAMES.values():
         # A column may hold several families' names (the MoE families share one).

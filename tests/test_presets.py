@@ -32,6 +32,7 @@ from flaxlm.config import CorpusSource
 from flaxlm.data.corpus import load_corpus
 from flaxlm.errors import FlaxlmError
 from flaxlm.job import check_settings, train
+from flaxlm.parallel import row_shards
 from flaxlm.training.optimizer import make_schedule
 from flaxlm.training.plan import global_batch_size
 
@@ -155,7 +156,10 @@ def test_every_preset_composes_and_passes_the_jobs_setting_checks(experiment):
     config, seq_len, batch = as_run([f"experiment={experiment}", *USER_INPUT.get(experiment, [])],
                                     num_devices=8)
     assert 2 <= seq_len <= config.model.max_positions
-    assert batch == config.hardware.per_device_batch_size * 8 * config.trainer.grad_accum_steps
+    # Rows split over the row shards (data × fsdp × expert); a context or tensor axis's devices
+    # share theirs.
+    assert batch == (config.hardware.per_device_batch_size * row_shards(config.hardware.mesh, 8)
+                     * config.trainer.grad_accum_steps)
 
 
 def test_a_preset_that_needs_your_files_says_so_before_reading_anything():
