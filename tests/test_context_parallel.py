@@ -118,8 +118,15 @@ def assert_step_equals_one_device(model, name, documents, length, rows):
     step's longest sum, its targets, through the depth of the forward or backward pass)."""
     metrics, params, losses = one_step(make_mesh(8, MESHES[name]),
                                        batch(documents, length, rows), model)
-    metrics_1, params_1, losses_1 = reference(documents, length, rows)
-    tokens = rows * (length - 1)  # the longest sum: the step's targets
+    assert_same_step((metrics, params, losses), reference(documents, length, rows),
+                     tokens=rows * (length - 1))
+
+
+def assert_same_step(got, expected, tokens: int):
+    """Two steps' (metrics, parameters after it, per-token losses) equal within the tolerances
+    tests/numerics.py derives: `tokens` the longest sum (the step's targets), through the depth
+    of the forward or backward pass; parameters at the scale of their change from the start."""
+    (metrics, params, losses), (metrics_1, params_1, losses_1) = got, expected
     forward = dict(terms=tokens, depth=transformer_depth(MODEL.num_layers))
     backward = dict(terms=tokens, depth=transformer_depth(MODEL.num_layers, backward=True))
     assert_close(losses, losses_1, **forward)

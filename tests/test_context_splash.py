@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding, PartitionSpec
 from numerics import assert_close, magnitude, tolerance, transformer_depth
-from test_context_parallel import MODEL, OPTIMIZER, batch, on_mesh
+from test_context_parallel import MODEL, OPTIMIZER, assert_same_step, batch, on_mesh
 
 from flaxlm.config import AttentionBackend
 from flaxlm.data.documents import INPUT_IDS, POSITIONS, SEGMENT_IDS
@@ -135,22 +135,6 @@ def one_device(documents: bool):
     return one_step(MODEL, make_mesh(1), batch(documents, LENGTH, ROWS))
 
 
-def assert_same_step(got, expected):
-    """Loss, gradient norm, parameters after the step and every token's loss, within the
-    tolerances tests/numerics.py derives for the step's sums and depth."""
-    (metrics, params, losses), (metrics_1, params_1, losses_1) = got, expected
-    tokens = ROWS * (LENGTH - 1)
-    forward = dict(terms=tokens, depth=transformer_depth(MODEL.num_layers))
-    backward = dict(terms=tokens, depth=transformer_depth(MODEL.num_layers, backward=True))
-    assert_close(losses, losses_1, **forward)
-    assert_close(metrics["loss"], metrics_1["loss"], **forward)
-    assert_close(metrics["grad_norm"], metrics_1["grad_norm"], **backward)
-    start = jax.device_get(nnx.to_pure_dict(nnx.state(
-        build_lm(TransformerSpec(MODEL), nnx.Rngs(0)), nnx.Param)))
-    jax.tree.map(lambda a, b, s: assert_close(a, b, scale=magnitude(b - s), **backward),
-                 params, params_1, start)
-
-
 SPLASH_CASES = [("context=4", True, True), ("context=4", False, True),
                 ("data=2 context=2 tensor=2", True, True), ("data=2 context=4", True, False)]
 SPLASH_MESHES = {"context=4": (4, mesh_config(data=1, context=4)),
@@ -171,7 +155,7 @@ def test_a_step_with_the_splash_kernel_under_the_context_axis_equals_one_device(
     devices, mesh = SPLASH_MESHES[name]
     model = dataclasses.replace(MODEL, attention=AttentionBackend.splash)
     got = one_step(model, make_mesh(devices, mesh), batch(documents, LENGTH, ROWS), balance)
-    assert_same_step(got, one_device(documents))
+    assert_same_step(got, one_device(documents), tokens=ROWS * (LENGTH - 1))
 
 
 # ------------------------------------------------------------- the chunks' boundaries
