@@ -591,18 +591,21 @@ def splash_block_sizes(q_len: int, kv_len: int, head_width: int,
     """The splash kernel's blocks (`BlockSizes`' arguments) for `q_len` queries over `kv_len`
     keys in heads `head_width` wide, with or without `segments` (document masking): the
     longest of SPLASH_BLOCKS that divides each length, for the forward pass and the backward
-    pass alike. From LONG_ROWS keys on, with heads of at most 64 and no segments, queries in
-    blocks of 1024 and keys of 2048 where they divide: on a TPU v5e, forward + backward over
-    16,384 tokens with 9 heads of 64 took 16.5 ms against 20.2 ms in blocks of 512
-    (benchmarks/splash_blocks.py --long; docs/benchmarks.md). Larger blocks did not fit the
-    kernel's VMEM there; with segment ids neither do these (the step's compile for the chip
-    refused them), and wider heads need more of it too. One backward kernel for dq, dk and dv
-    (the fused one) rather than two that each recompute the probabilities: 11% less time at
-    2048 tokens with heads of 64 ("MFU on one TPU v5e chip")."""
+    pass alike. From LONG_ROWS keys on, with heads of at most 64, larger blocks where they
+    divide, as measured on a TPU v5e (docs/benchmarks.md, "Long rows on one TPU v5e chip"):
+    queries of 1024 over keys of 2048 without segments (forward + backward over 16,384 tokens
+    with 9 heads of 64: 16.5 ms against 20.2 ms in blocks of 512), and 1024 over 1024 with
+    them, whose segment ids take more of the kernel's VMEM (the chip's compiler refused
+    1024 / 2048 there; smollm-135m's step at 16,384 tokens with documents went from 47.9% to
+    56.7% MFU). Wider heads need more VMEM still and keep the short rows' blocks. One backward
+    kernel for dq, dk and dv (the fused one) rather than two that each recompute the
+    probabilities: 11% less time at 2048 tokens with heads of 64 ("MFU on one TPU v5e
+    chip")."""
     q_block, kv_block = splash_block(q_len), splash_block(kv_len)
-    if (kv_len >= LONG_ROWS and head_width <= 64 and not segments and q_len % 1024 == 0
-            and kv_len % 2048 == 0):
-        q_block, kv_block = 1024, 2048
+    long_kv_block = 1024 if segments else 2048
+    if (kv_len >= LONG_ROWS and head_width <= 64 and q_len % 1024 == 0
+            and kv_len % long_kv_block == 0):
+        q_block, kv_block = 1024, long_kv_block
     return dict(block_q=q_block, block_kv=kv_block, block_kv_compute=kv_block,
                 block_q_dkv=q_block, block_kv_dkv=kv_block, block_kv_dkv_compute=kv_block,
                 use_fused_bwd_kernel=True)
